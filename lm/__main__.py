@@ -1,0 +1,28 @@
+"""The `lm` console script: `lm prepare | train | eval | sample | bench [ARGS]`, same as `python -m lm.<tool>`."""
+
+import importlib
+import sys
+
+from lm.cli import run
+
+TOOLS = {
+    "prepare": ("lm.data.prepare", "tokenize a corpus into memory-mapped token shards"),
+    "train": ("lm.train.__main__", "pretrain a model (use torchrun for several processes)"),
+    "eval": ("lm.eval", "loss, perplexity and bits per byte of a checkpoint"),
+    "sample": ("lm.sample", "generate text from a checkpoint"),
+    "bench": ("lm.bench", "training and loader throughput on this device"),
+}
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in TOOLS:
+        print("usage: lm {" + ",".join(TOOLS) + "} [--help] [ARGS]\n")
+        for name, (_, doc) in TOOLS.items():
+            print(f"  {name:8s} {doc}")
+        return 0 if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help") else 2
+    module = importlib.import_module(TOOLS[sys.argv[1]][0])
+    return run(module.main, sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP).
+
+Layout of a run directory:
+
+    <out_dir>/config.yaml                  resolved config of the run
+    <out_dir>/checkpoints/step_00000300/   one complete checkpoint
+        .metadata, __<rank>_0.distcp       DCP: model and optimizer, each rank writes its own shard
+        rng_rank<r>.pt                     each rank's RNG states
+        state.json                         step, loader position, tokens seen, world size
+        config.yaml                        the config that wrote it
+
+A checkpoint is written under `step_XXXXXXXX.tmp` and renamed into place by rank 0 only after every
+rank has finished, so a directory without the suffix and with a state.json is always complete.
+"""
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import yaml
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from lm.config import ConfigError, JobConfig, save_config
+from lm.distributed.env import DistEnv
+
+log = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or incompatible; the message names the path."""
+
+
+def checkpoint_root(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / "state.json").is_file()]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """Accept a run directory, its checkpoints/ directory or one step directory; return the step dir."""
+    path = Path(path)
+    if (path / "state.json").is_file():
+        return path
+    for root in (path, checkpoint_root(path)):
+        found = complete_checkpoints(root)
+        if found:
+            return found[-1]
+    raise CheckpointError(
+        f"{path}: no complete checkpoint (expected a step_XXXXXXXX directory with state.json, "
+        f"or a run directory containing checkpoints/)"
+    )
+
+
+def read_state(path: Path) -> dict:
+    return json.loads((path / "state.json").read_text())
+
+
+def read_config(path: Path) -> JobConfig:
+    """The config a checkpoint was written with, validated like any other config."""
+    from lm.config import load_config
+
+    return load_config(path / "config.yaml")
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict,
+    cfg: JobConfig,
+    env: DistEnv,
+    keep: int,
+) -> Path:
+    """Collectively write one checkpoint; every rank must call this. Returns the final directory."""
+    final = root / f"step_{step:08d}"
+    tmp = root / f"step_{step:08d}.tmp"
+    if env.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by a save that crashed; never a complete checkpoint
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    env.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    rng = {"cpu": torch.get_rng_state()}
+    if env.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(env.device)
+    torch.save(rng, tmp / f"rng_rank{env.rank}.pt")
+    env.barrier()
+    if env.is_main:
+        save_config(cfg, tmp / "config.yaml")
+        (tmp / "state.json").write_text(json.dumps({**state, "world_size": env.world_size}, indent=2))
+        if final.exists():  # the same step saved again after a resume: the new one replaces it
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in complete_checkpoints(root)[:-keep]:
+            shutil.rmtree(old)
+        log.info("saved checkpoint %s", final)
+    env.barrier()
+    return final
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> dict:
+    """Load model and optimizer (resharded to this world size) and this rank's RNG; return state.json."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    state = read_state(path)
+    rng_file = path / f"rng_rank{env.rank}.pt"
+    if state["world_size"] == env.world_size and rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and env.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], env.device)
+    else:
+        log.warning("world size changed (%d -> %d): RNG states start fresh", state["world_size"], env.world_size)
+    return state
+
+
+def load_model_weights(path: Path, model: nn.Module) -> None:
+    """Load only the model weights of a checkpoint saved at any world size, on one process."""
+    model_sd = get_model_state_dict(model, options=StateDictOptions())
+    dcp.load({"model": model_sd}, checkpoint_id=path)
+    model.load_state_dict(model_sd)
+
+
+def check_compatible(path: Path, cfg: JobConfig) -> None:
+    """Refuse to resume a checkpoint whose model shape differs from the current config."""
+    saved = yaml.safe_load((path / "config.yaml").read_text())["model"]
+    current = cfg.to_dict()["model"]
+    diff = sorted(k for k in current if saved.get(k) != current[k] and k != "dropout")
+    if diff:
+        details = ", ".join(f"model.{k}: {saved.get(k)!r} -> {current[k]!r}" for k in diff)
+        raise ConfigError(f"{path}: checkpoint has a different model shape ({details}); "
+                          "use another train.out_dir to start a new run")
+
+
+def load_for_inference(path: str | Path, device: torch.device) -> tuple[nn.Module, JobConfig, Path]:
+    """Build the model a checkpoint describes and load its weights; returns (model, config, step dir)."""
+    from lm.models.gpt import GPT
+
+    step_dir = resolve_checkpoint(path)
+    cfg = read_config(step_dir)
+    model = GPT(cfg.model)
+    load_model_weights(step_dir, model)
+    return model.to(device).eval(), cfg, step_dir

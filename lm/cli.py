@@ -1,0 +1,37 @@
+"""What every command-line tool shares: logging setup and turning known errors into one clear line."""
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+from lm.models.config import ConfigError
+
+
+def setup_logging() -> None:
+    """INFO on rank 0, warnings only on other ranks, so a multi-process run prints one log."""
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="%(asctime)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stdout,
+    )
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """Exceptions caused by the user's input: reported as `error: ...` without a traceback."""
+    from lm.checkpoint import CheckpointError
+    from lm.data.shards import DataError
+
+    return (ConfigError, CheckpointError, DataError, FileNotFoundError)
+
+
+def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:
+    """Run a tool's `main(argv)`; a user error exits 2 with one line on stderr."""
+    setup_logging()
+    try:
+        return main(sys.argv[1:] if argv is None else argv) or 0
+    except user_errors() as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,80 @@
+"""Rank, world size, device and process group: the one place that reads torchrun's environment."""
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def barrier(self) -> None:
+        if self.is_distributed:
+            dist.barrier()
+
+    def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Average a tensor over ranks (in place); a no-op on one process."""
+        if self.is_distributed:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+            value /= self.world_size
+        return value
+
+    def broadcast_object(self, obj: object) -> object:
+        """Rank 0's value of `obj` on every rank, so all ranks take the same decision."""
+        if not self.is_distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self) -> None:
+        if self.is_distributed:
+            dist.destroy_process_group()
+
+
+def _pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device=cuda, but torch sees no CUDA device; use train.device=cpu")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistEnv:
+    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU), or run alone.
+
+    Started without torchrun (no WORLD_SIZE in the environment), this is a one-process run and no
+    process group is created, so `python -m lm.train` works on a laptop without any launcher.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = _pick_device(device, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=dev if dev.type == "cuda" else None,
+        )
+        log.info("joined process group: rank %d/%d, backend %s", rank, world_size, backend)
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev)

@@ -1,0 +1,137 @@
+"""`python -m lm.eval`: loss, perplexity and bits per byte of a checkpoint on val shards or a text file.
+
+Long inputs are scored with strided windows: every token is scored exactly once, and every window
+after the first keeps at least `seq_len - stride` tokens of context before the tokens it scores.
+"""
+
+import argparse
+import logging
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from lm.checkpoint import load_for_inference
+from lm.cli import run
+from lm.data.shards import DataError, open_shard, read_manifest
+from lm.tokenizer import load_tokenizer
+
+log = logging.getLogger("lm.eval")
+
+
+def eval_windows(n_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
+    """Windows over a stream of `n_tokens` tokens, as (start, end, first_scored) triples.
+
+    The window's inputs are tokens[start:end] and its targets tokens[start+1:end+1]; only targets at
+    stream index >= first_scored are scored. Targets 1..n_tokens-1 are each scored exactly once.
+    """
+    if not 0 < stride <= seq_len:
+        raise ValueError(f"--stride: must be in [1, seq_len={seq_len}], got {stride}")
+    windows = []
+    scored = 0  # stream index of the last target scored so far
+    while scored < n_tokens - 1:
+        end = min(scored + (stride if scored else seq_len), n_tokens - 1)
+        windows.append((max(0, end - seq_len), end, scored + 1))
+        scored = end
+    return windows
+
+
+@torch.no_grad()
+def score_stream(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, stride: int,
+                 batch_size: int, device: torch.device, progress: tqdm | None = None) -> tuple[float, int]:
+    """Summed negative log-likelihood (nats) and number of targets scored over one token stream."""
+    windows = eval_windows(len(tokens), seq_len, stride)
+    nll, count = 0.0, 0
+    # Windows of equal length share a batch; only the first and last can be shorter than seq_len.
+    by_len: dict[int, list[tuple[int, int, int]]] = {}
+    for w in windows:
+        by_len.setdefault(w[1] - w[0], []).append(w)
+    for length, group in by_len.items():
+        for i in range(0, len(group), batch_size):
+            chunk = group[i:i + batch_size]
+            rows = np.stack([tokens[s:e + 1] for s, e, _ in chunk]).astype(np.int64)
+            x = torch.from_numpy(rows[:, :-1]).to(device)  # (B, T)
+            y = torch.from_numpy(rows[:, 1:]).to(device)  # (B, T)
+            logits, _ = model(x)
+            losses = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view(len(chunk), length)
+            # target j of a window sits at stream index start + 1 + j
+            first = torch.tensor([f - s - 1 for s, _, f in chunk], device=device)
+            mask = torch.arange(length, device=device)[None, :] >= first[:, None]
+            nll += losses[mask].double().sum().item()
+            count += int(mask.sum())
+            if progress is not None:
+                progress.update(int(mask.sum()))
+    return nll, count
+
+
+def _text_tokens(path: Path, tokenizer) -> tuple[np.ndarray, int]:
+    """Tokens of a UTF-8 text file with an end-of-text token in front, so its first token is scored too."""
+    data = path.read_bytes()
+    if not data:
+        raise DataError(f"{path}: the file is empty; expected UTF-8 text")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 (invalid byte at offset {err.start})") from None
+    ids = [tokenizer.eot_token] + tokenizer.encode_ordinary(text)
+    return np.asarray(ids, dtype=np.int64), len(data)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="Evaluate a checkpoint: loss, perplexity (and bits per byte on text).")
+    parser.add_argument("--checkpoint", required=True, help="run directory, its checkpoints/ or one step_XXXXXXXX directory")
+    parser.add_argument("--text", type=Path, help="score this UTF-8 text file instead of the val shards")
+    parser.add_argument("--data-dir", help="shard directory (default: the checkpoint's data.dir)")
+    parser.add_argument("--seq-len", type=int, help="window length (default: the checkpoint's data.seq_len)")
+    parser.add_argument("--stride", type=int, help="new tokens scored per window (default: seq_len // 2)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, help="score at most this many tokens of each stream")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
+    model, cfg, step_dir = load_for_inference(args.checkpoint, device)
+    seq_len = args.seq_len or cfg.data.seq_len
+    if seq_len > cfg.model.block_size:
+        raise DataError(f"--seq-len: {seq_len} exceeds the model's block_size {cfg.model.block_size}")
+    stride = args.stride or max(1, seq_len // 2)
+
+    n_bytes = None
+    if args.text is not None:
+        tokens, n_bytes = _text_tokens(args.text, load_tokenizer(cfg.data.tokenizer))
+        streams, source = [tokens], str(args.text)
+    else:
+        data_dir = args.data_dir or cfg.data.dir
+        manifest = read_manifest(data_dir)
+        streams = [open_shard(Path(data_dir) / s["file"]) for s in manifest["splits"]["val"]["shards"]]
+        if not streams:
+            raise DataError(f"{data_dir}: the val split has no shards; prepare with data.val_fraction > 0")
+        source = f"{data_dir} (val)"
+    if args.max_tokens:
+        streams = [s[:args.max_tokens] for s in streams]
+
+    total_nll, total_count = 0.0, 0
+    with tqdm(total=sum(len(s) - 1 for s in streams), unit="tok", desc="eval", disable=None) as bar:
+        for stream in streams:
+            nll, count = score_stream(model, np.asarray(stream), seq_len, stride, args.batch_size, device, bar)
+            total_nll += nll
+            total_count += count
+    if total_count == 0:
+        raise DataError(f"{source}: nothing to score (fewer than 2 tokens)")
+    loss = total_nll / total_count
+    print(f"checkpoint: {step_dir}")
+    print(f"data: {source} | window {seq_len}, stride {stride}")
+    print(f"tokens scored: {total_count:,}")
+    print(f"loss: {loss:.4f} nats/token")
+    print(f"perplexity: {math.exp(loss):.3f}")
+    if n_bytes is not None:
+        print(f"bits per byte: {total_nll / math.log(2) / n_bytes:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))

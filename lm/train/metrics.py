@@ -1,0 +1,83 @@
+"""Training metrics: FLOPs and MFU arithmetic, and one logger with stdout and TensorBoard behind it."""
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from lm.models.config import ModelConfig
+
+log = logging.getLogger("lm.train")
+
+# Dense bf16 tensor-core peaks (FLOP/s) from the vendors' datasheets, matched against
+# torch.cuda.get_device_name(); order matters where one name contains another.
+PEAK_FLOPS = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
+    ("V100", 125e12),
+]
+
+
+def flops_per_token(cfg: ModelConfig, num_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per parameter (forward + backward) plus attention scores.
+
+    `num_params` excludes position embeddings (no matmul) but counts the tied output head. The
+    attention term 12 * n_layer * d_model * seq_len covers QK^T and AV in forward and backward
+    (the PaLM appendix B estimate), counted for full rather than causal attention.
+    """
+    return 6 * num_params + 12 * cfg.n_layer * cfg.d_model * seq_len
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak bf16 FLOP/s of a known GPU, or None (CPUs and unlisted GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_FLOPS:
+        if key in name:
+            return value
+    return None
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), saturating instead of overflowing for a diverged run."""
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+class MetricLogger:
+    """Writes scalars to stdout, <out_dir>/metrics.jsonl and optionally TensorBoard; only rank 0 writes."""
+
+    def __init__(self, out_dir: str | Path, enabled: bool, tensorboard: bool) -> None:
+        self.enabled = enabled
+        self.writer = None
+        self.jsonl = open(Path(out_dir) / "metrics.jsonl", "a") if enabled else None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(Path(out_dir) / "tb"))
+
+    def log(self, step: int, metrics: dict[str, float], fmt: str) -> None:
+        """`metrics` keys are namespaced (`train/loss`); `fmt` is the stdout line's format string."""
+        if not self.enabled:
+            return
+        log.info(fmt.format(step=step, **{k.replace("/", "_"): v for k, v in metrics.items()}))
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if value is not None:
+                    self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.writer is not None:
+            self.writer.close()

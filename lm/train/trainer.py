@@ -1,0 +1,204 @@
+"""The training loop: one optimizer step per global batch, logging, validation and checkpoints."""
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from lm import checkpoint as ckpt
+from lm.config import ConfigError, JobConfig, save_config
+from lm.data.loader import TokenLoader, val_batches
+from lm.data.shards import check_manifest, read_manifest
+from lm.distributed import DistEnv, grad_sync, unwrap, wrap_ddp
+from lm.models.gpt import GPT
+from lm.train.metrics import MetricLogger, flops_per_token, peak_flops, perplexity
+from lm.train.schedule import lr_at
+
+log = logging.getLogger("lm.train")
+
+
+def build_optimizer(model: nn.Module, cfg: JobConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on weight matrices only: biases, norms and embeddings are not decayed."""
+    decay, no_decay = [], []
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen or not param.requires_grad:
+                continue  # the tied output head shares the embedding's Parameter
+            seen.add(id(param))
+            skip = isinstance(module, (nn.Embedding, nn.LayerNorm)) or name == "bias"
+            (no_decay if skip else decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": cfg.optim.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups,
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+        eps=cfg.optim.eps,
+        fused=device.type == "cuda",
+    )
+
+
+def autocast_for(cfg: JobConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA by default; plain fp32 on CPU, where bf16 autocast is slower."""
+    dtype = cfg.train.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+class Trainer:
+    """Owns the model, optimizer, loader and run directory of one training job."""
+
+    def __init__(self, cfg: JobConfig, env: DistEnv) -> None:
+        self.cfg, self.env = cfg, env
+        if cfg.train.batch_size % (cfg.train.micro_batch_size * env.world_size):
+            raise ConfigError(
+                f"train.batch_size: {cfg.train.batch_size} is not a multiple of train.micro_batch_size "
+                f"({cfg.train.micro_batch_size}) x world size ({env.world_size})"
+            )
+        manifest = read_manifest(cfg.data.dir)
+        check_manifest(manifest, cfg.data.tokenizer, cfg.model.vocab_size, cfg.data.dir)
+        self.out_dir = Path(cfg.train.out_dir)
+        self.ckpt_root = ckpt.checkpoint_root(self.out_dir)
+        resume_from = self._find_resume()
+
+        if env.device.type == "cpu":
+            # Denormal weights and gradients make CPU matmuls 10-20x slower after a few steps.
+            torch.set_flush_denormal(True)
+        torch.manual_seed(cfg.train.seed)
+        self.model = GPT(cfg.model).to(env.device)
+        self.optimizer = build_optimizer(self.model, cfg, env.device)
+        self.loader = TokenLoader(
+            cfg.data.dir, "train", cfg.data.seq_len, cfg.train.seed, env.rank, env.world_size,
+            cfg.train.batch_size, cfg.train.micro_batch_size,
+        )
+        self.step = 0
+        self.tokens_seen = 0
+        if resume_from is not None:
+            ckpt.check_compatible(resume_from, cfg)
+            state = ckpt.load_checkpoint(resume_from, self.model, self.optimizer, env)
+            self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+            self.loader.load_state_dict({"position": state["position"]})
+            log.info("resumed from %s at step %d", resume_from, self.step)
+
+        self.train_model = self.model
+        if cfg.train.compile:
+            self.train_model = torch.compile(self.train_model)
+        self.train_model = wrap_ddp(self.train_model, env)
+        self.autocast = autocast_for(cfg, env.device)
+        n_params = self.model.num_params()
+        self.flops_per_token = flops_per_token(cfg.model, n_params, cfg.data.seq_len)
+        self.peak_flops = peak_flops(env.device)
+        if env.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.out_dir / "config.yaml")
+            log.info("model: %.2fM parameters (non-embedding), %d ranks on %s",
+                     n_params / 1e6, env.world_size, env.device)
+        self.metrics = MetricLogger(self.out_dir, env.is_main, cfg.log.tensorboard)
+
+    def _find_resume(self) -> Path | None:
+        mode = self.cfg.checkpoint.resume
+        found = ckpt.complete_checkpoints(self.ckpt_root)
+        if mode == "required" and not found:
+            raise ckpt.CheckpointError(
+                f"checkpoint.resume=required, but {self.ckpt_root} holds no complete checkpoint"
+            )
+        if mode == "never" and found:
+            raise ckpt.CheckpointError(
+                f"checkpoint.resume=never, but {self.ckpt_root} already holds checkpoints that a new "
+                "run would overwrite; pick another train.out_dir or use checkpoint.resume=auto"
+            )
+        return found[-1] if found and mode != "never" else None
+
+    def fit(self) -> list[dict]:
+        """Train to `train.steps`; returns the logged metrics, one dict per log step."""
+        cfg, env = self.cfg, self.env
+        history: list[dict] = []
+        tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+        window_start, window_steps = time.perf_counter(), 0
+        while self.step < cfg.train.steps:
+            lr = lr_at(self.step, cfg.optim.lr, cfg.schedule, cfg.train.steps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            loss, grad_norm = self._train_step()
+            self.step += 1
+            self.tokens_seen += tokens_per_step
+            window_steps += 1
+            last = self.step == cfg.train.steps
+            if self.step % cfg.log.every == 0 or last:
+                # One host sync per log line: the loss stays on device between logs.
+                loss_value = env.all_reduce_mean(loss).item()
+                elapsed = time.perf_counter() - window_start
+                tok_s = window_steps * tokens_per_step / elapsed
+                flops_s = self.flops_per_token * tok_s / env.world_size
+                row = {
+                    "train/loss": loss_value, "train/ppl": perplexity(loss_value), "train/lr": lr,
+                    "train/grad_norm": grad_norm.item(), "perf/tokens_per_s": tok_s,
+                    "perf/tflops_per_device": flops_s / 1e12,
+                    "perf/mfu": flops_s / self.peak_flops if self.peak_flops else None,
+                }
+                perf = f"mfu {row['perf/mfu']:.1%}" if self.peak_flops else f"{flops_s / 1e12:.3f} TFLOP/s"
+                self.metrics.log(self.step, row, (
+                    f"step {{step}}/{cfg.train.steps} | loss {{train_loss:.4f}} | ppl {{train_ppl:.1f}} | "
+                    f"lr {{train_lr:.2e}} | grad norm {{train_grad_norm:.3f}} | {{perf_tokens_per_s:,.0f}} tok/s | {perf}"
+                ))
+                history.append({"step": self.step, **row})
+                window_start, window_steps = time.perf_counter(), 0
+            if self.step % cfg.train.eval_every == 0 or last:
+                val_loss = self.evaluate()
+                val = {"val/loss": val_loss, "val/ppl": perplexity(val_loss)}
+                self.metrics.log(self.step, val, "step {step} | val loss {val_loss:.4f} | val ppl {val_ppl:.2f}")
+                history.append({"step": self.step, **val})
+            if self.step % cfg.checkpoint.every == 0 or last:
+                self.save()
+        self.metrics.close()
+        return history
+
+    def _train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward over this rank's micro-batches, clip, step. Returns (mean loss, grad norm) on device."""
+        micro_batches = self.loader.next_batch()
+        loss_sum = torch.zeros((), device=self.env.device)
+        for i, (x, y) in enumerate(micro_batches):
+            x, y = x.to(self.env.device, non_blocking=True), y.to(self.env.device, non_blocking=True)
+            with grad_sync(self.train_model, sync=i == len(micro_batches) - 1), self.autocast:
+                _, loss = self.train_model(x, y)
+                (loss / len(micro_batches)).backward()
+            loss_sum += loss.detach()
+        clip = self.cfg.optim.grad_clip or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum / len(micro_batches), grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over `train.eval_batches` micro-batches per rank, averaged over ranks."""
+        cfg, env = self.cfg, self.env
+        model = unwrap(self.train_model)
+        model.eval()
+        total = torch.zeros((), device=env.device)
+        count = 0
+        for x, y in val_batches(cfg.data.dir, cfg.data.seq_len, cfg.train.micro_batch_size,
+                                env.rank, env.world_size, cfg.train.eval_batches):
+            with self.autocast:
+                _, loss = model(x.to(env.device), y.to(env.device))
+            total += loss.float()
+            count += 1
+        model.train()
+        mean = total / max(count, 1)
+        return env.all_reduce_mean(mean).item()
+
+    def save(self) -> Path:
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, **self.loader.state_dict()}
+        return ckpt.save_checkpoint(
+            self.ckpt_root, self.step, self.model, self.optimizer, state, self.cfg, self.env,
+            self.cfg.checkpoint.keep,
+        )
