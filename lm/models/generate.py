@@ -1,0 +1,108 @@
+"""Autoregressive sampling from a GPT: prefill the prompt into a KV cache once, then decode token by token."""
+
+import torch
+import torch.nn.functional as F
+
+from lm.models.gpt import GPT
+
+
+def filter_logits(
+    logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k, then outside the top-p nucleus.
+
+    logits: (..., V); returns a new tensor of the same shape, the input is left unchanged.
+    top_k: keep the k largest logits (values tied with the k-th are kept too); None keeps all.
+    top_p: in (0, 1]; keep the smallest set of most probable tokens whose cumulative probability reaches
+    top_p, which always holds at least the most probable token; None keeps all.
+    """
+    if top_k is not None:
+        if top_k < 1:
+            raise ValueError(f"top_k must be at least 1, got {top_k}")
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]  # (..., 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (..., V)
+        cum_probs = sorted_logits.float().softmax(dim=-1).cumsum(dim=-1)
+        # A token is outside the nucleus when the more probable tokens before it already reach top_p.
+        # Shifting the cumulative sum (rather than subtracting each probability) keeps it exact at ties.
+        mass_before = F.pad(cum_probs[..., :-1], (1, 0))
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # back to vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def _next_token(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Pick one token id from logits (V,); returns a 0-dim long tensor."""
+    if temperature == 0.0:
+        return torch.argmax(logits)
+    logits = filter_logits(logits.float() / temperature, top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)[0]
+
+
+@torch.no_grad()
+def generate(
+    model: GPT,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eot_id: int | None = None,
+    seed: int | None = None,
+    vocab_size: int | None = None,
+) -> list[int]:
+    """Continue `prompt` by up to `max_new_tokens` sampled tokens and return the new tokens only.
+
+    temperature 0 picks the argmax; otherwise logits are divided by temperature, filtered by
+    `filter_logits(top_k, top_p)` and sampled. Only the first `vocab_size` logits (default
+    model.cfg.vocab_size) can be sampled; the rest are embedding padding. Generation stops before
+    `eot_id` (which is not returned) or after max_new_tokens. The same seed gives the same tokens;
+    seed None draws from the global torch RNG. The caller truncates a prompt that would not fit:
+    prompt plus max_new_tokens may exceed model.block_size by one, since the last token is never fed back.
+    """
+    block_size = model.cfg.block_size
+    if not prompt:
+        raise ValueError("generate: prompt must hold at least one token")
+    if max_new_tokens < 0:
+        raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0.0:
+        raise ValueError(f"generate: temperature must be >= 0, got {temperature}")
+    if len(prompt) + max(max_new_tokens - 1, 0) > block_size:
+        raise ValueError(
+            f"generate: prompt of {len(prompt)} tokens plus max_new_tokens={max_new_tokens} does not fit "
+            f"model.block_size={block_size}; truncate the prompt"
+        )
+    vocab_size = model.cfg.vocab_size if vocab_size is None else vocab_size
+    weight = model.wte.weight
+    generator = None if seed is None else torch.Generator(weight.device).manual_seed(seed)
+
+    was_training = model.training
+    model.eval()
+    try:
+        max_len = min(block_size, len(prompt) + max_new_tokens)
+        cache = model.new_cache(1, max_len, weight.device, weight.dtype)
+        idx = torch.tensor([prompt], dtype=torch.long, device=weight.device)  # (1, T): prefill first
+        new_tokens: list[int] = []
+        for _ in range(max_new_tokens):
+            logits, _ = model(idx, cache=cache)  # (1, T, padded_vocab_size)
+            # Slicing off the padding rows is the same as masking them to -inf, and cheaper.
+            token = _next_token(logits[0, -1, :vocab_size], temperature, top_k, top_p, generator)
+            token_id = int(token.item())  # one host sync per token, needed to test for eot anyway
+            if token_id == eot_id:
+                break
+            new_tokens.append(token_id)
+            idx = token.view(1, 1)  # decode: feed only the new token; the cache holds the rest
+        return new_tokens
+    finally:
+        model.train(was_training)

@@ -1,0 +1,178 @@
+import math
+
+import pytest
+import torch
+
+from lm.models.config import ModelConfig
+from lm.models.generate import filter_logits, generate
+from lm.models.gpt import GPT
+
+INF = float("inf")
+
+
+def tiny_model(seed: int = 0, **overrides: object) -> GPT:
+    fields = dict(vocab_size=100, block_size=32, n_layer=2, n_head=2, d_model=32)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    return GPT(ModelConfig(**fields)).eval()
+
+
+def greedy_without_cache(model: GPT, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Reference decoder: recompute the whole sequence every step."""
+    seq = list(prompt)
+    for _ in range(max_new_tokens):
+        logits, _ = model(torch.tensor([seq]))
+        seq.append(int(logits[0, -1, : model.cfg.vocab_size].argmax()))
+    return seq[len(prompt) :]
+
+
+# filter_logits
+
+
+def test_top_k_keeps_the_k_largest() -> None:
+    logits = torch.tensor([1.0, 4.0, 2.0, 3.0, 0.0])
+    expected = torch.tensor([-INF, 4.0, -INF, 3.0, -INF])
+    assert torch.equal(filter_logits(logits, top_k=2), expected)
+    assert torch.equal(filter_logits(logits, top_k=1), torch.tensor([-INF, 4.0, -INF, -INF, -INF]))
+    assert torch.equal(filter_logits(logits, top_k=5), logits)
+    assert torch.equal(filter_logits(logits, top_k=50), logits)
+
+
+def test_top_k_keeps_ties_with_the_kth_value() -> None:
+    logits = torch.tensor([2.0, 1.0, 2.0, 0.0])
+    assert torch.equal(filter_logits(logits, top_k=1), torch.tensor([2.0, -INF, 2.0, -INF]))
+
+
+def test_top_p_keeps_smallest_set_reaching_p() -> None:
+    # probabilities 0.1, 0.5, 0.15, 0.25 -> sorted 0.5, 0.25, 0.15, 0.1; cumulative 0.5, 0.75, 0.9, 1.0
+    logits = torch.tensor([0.1, 0.5, 0.15, 0.25]).log()
+    assert torch.equal(filter_logits(logits, top_p=0.4), torch.tensor([-INF, logits[1], -INF, -INF]))
+    assert torch.equal(filter_logits(logits, top_p=0.6), torch.tensor([-INF, logits[1], -INF, logits[3]]))
+    assert torch.equal(filter_logits(logits, top_p=0.8), torch.cat([torch.tensor([-INF]), logits[1:]]))
+    assert torch.equal(filter_logits(logits, top_p=0.95), logits)
+    assert torch.equal(filter_logits(logits, top_p=1.0), logits)
+
+
+def test_top_p_always_keeps_the_most_probable_token() -> None:
+    logits = torch.tensor([0.0, 10.0, 0.0])
+    assert torch.equal(filter_logits(logits, top_p=1e-9), torch.tensor([-INF, 10.0, -INF]))
+
+
+def test_top_k_then_top_p() -> None:
+    # probabilities 0.1, 0.5, 0.15, 0.25. top_k=3 drops 0.1 and renormalises the rest to
+    # 0.556, 0.278, 0.167 (cumulative 0.556, 0.833), so top_p=0.8 then keeps two tokens;
+    # top_p alone (cumulative 0.5, 0.75, 0.9) would keep three.
+    logits = torch.tensor([0.1, 0.5, 0.15, 0.25]).log()
+    two = torch.tensor([-INF, logits[1], -INF, logits[3]])
+    three = torch.tensor([-INF, logits[1], logits[2], logits[3]])
+    assert torch.equal(filter_logits(logits, top_k=3, top_p=0.8), two)
+    assert torch.equal(filter_logits(logits, top_p=0.8), three)
+
+
+def test_filter_works_row_by_row_and_leaves_input_alone() -> None:
+    logits = torch.tensor([[3.0, 2.0, 1.0], [1.0, 2.0, 3.0]])
+    before = logits.clone()
+    out = filter_logits(logits, top_k=2)
+    assert torch.equal(out, torch.tensor([[3.0, 2.0, -INF], [-INF, 2.0, 3.0]]))
+    out = filter_logits(logits, top_p=0.5)
+    assert torch.equal(out, torch.tensor([[3.0, -INF, -INF], [-INF, -INF, 3.0]]))
+    assert torch.equal(logits, before)
+    assert torch.equal(filter_logits(logits), logits)
+
+
+@pytest.mark.parametrize("kwargs", [dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5)])
+def test_filter_rejects_bad_arguments(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        filter_logits(torch.zeros(4), **kwargs)
+
+
+# generate
+
+
+def test_greedy_generation_with_cache_equals_full_recomputation() -> None:
+    model = tiny_model()
+    prompt = [5, 17, 42, 8, 99]
+    # 5 + 28 = block_size + 1: the last token is sampled but never fed back, so this fits
+    assert generate(model, prompt, 28, temperature=0.0) == greedy_without_cache(model, prompt, 28)
+
+
+def test_same_seed_same_tokens_different_seed_different_tokens() -> None:
+    model = tiny_model()
+    first = generate(model, [1, 2, 3], 20, temperature=2.0, seed=7)
+    assert len(first) == 20
+    assert generate(model, [1, 2, 3], 20, temperature=2.0, seed=7) == first
+    assert generate(model, [1, 2, 3], 20, temperature=2.0, seed=8) != first
+
+
+def test_sampling_with_top_k_1_is_greedy() -> None:
+    model = tiny_model()
+    greedy = generate(model, [4, 5], 10, temperature=0.0)
+    assert generate(model, [4, 5], 10, temperature=1.0, top_k=1, seed=3) == greedy
+
+
+def test_eot_stops_generation_and_is_not_returned() -> None:
+    model = tiny_model()
+    greedy = generate(model, [1, 2, 3], 15, temperature=0.0)
+    eot = greedy[4]
+    out = generate(model, [1, 2, 3], 15, temperature=0.0, eot_id=eot)
+    assert out == greedy[: greedy.index(eot)]
+    assert eot not in out
+
+
+def test_padding_rows_are_never_sampled(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model()
+    real_forward = model.forward
+
+    def forward_favouring_padding(idx, targets=None, cache=None):
+        logits, loss = real_forward(idx, targets, cache)
+        logits[..., model.cfg.vocab_size :] = 100.0
+        return logits, loss
+
+    monkeypatch.setattr(model, "forward", forward_favouring_padding)
+    assert all(t < 100 for t in generate(model, [1], 20, temperature=0.0))
+    assert all(t < 100 for t in generate(model, [1], 20, temperature=1.0, seed=0))
+    assert all(t < 10 for t in generate(model, [1], 20, temperature=5.0, seed=0, vocab_size=10))
+
+
+def test_prompt_that_does_not_fit_raises() -> None:
+    model = tiny_model()
+    with pytest.raises(ValueError, match="model.block_size=32"):
+        generate(model, list(range(30)), 4)
+    with pytest.raises(ValueError, match="model.block_size=32"):
+        generate(model, list(range(33)), 0)
+    assert generate(model, list(range(30)), 3, temperature=0.0) == greedy_without_cache(
+        model, list(range(30)), 3
+    )
+    assert generate(model, [1, 2], 0) == []
+
+
+def test_generate_uses_eval_mode_and_restores_training_mode() -> None:
+    model = tiny_model(dropout=0.5)
+    expected = greedy_without_cache(model, [1, 2, 3], 8)
+    model.train()
+    assert generate(model, [1, 2, 3], 8, temperature=0.0) == expected
+    assert model.training and all(m.training for m in model.modules())
+    model.eval()
+    generate(model, [1, 2, 3], 2)
+    assert not model.training
+
+
+def test_sampled_frequencies_follow_the_distribution() -> None:
+    # the model's logits are replaced by fixed ones, p = 0.5, 0.25, 0.25, so the sampler itself is tested
+    model = tiny_model(vocab_size=3)
+    fixed = torch.full((64,), -INF)
+    fixed[:3] = torch.tensor([0.5, 0.25, 0.25]).log()
+    model.forward = lambda idx, targets=None, cache=None: (fixed.expand(1, idx.size(1), 64), None)
+    tokens = [t for seed in range(40) for t in generate(model, [0], 32, seed=seed)]
+    assert len(tokens) == 40 * 32
+    for token, p in enumerate([0.5, 0.25, 0.25]):
+        assert math.isclose(tokens.count(token) / len(tokens), p, abs_tol=0.05)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(prompt=[], max_new_tokens=3), dict(max_new_tokens=-1), dict(temperature=-0.5)]
+)
+def test_generate_rejects_bad_arguments(kwargs: dict) -> None:
+    args = dict(prompt=[1, 2], max_new_tokens=3) | kwargs
+    with pytest.raises(ValueError):
+        generate(tiny_model(), **args)

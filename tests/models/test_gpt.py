@@ -1,0 +1,186 @@
+import ast
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lm.models
+from lm.models.config import ModelConfig
+from lm.models.gpt import GPT
+
+
+def tiny_config(**overrides: object) -> ModelConfig:
+    fields = dict(vocab_size=100, block_size=32, n_layer=2, n_head=2, d_model=32)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def tiny_model(seed: int = 0, **overrides: object) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(tiny_config(**overrides)).eval()
+
+
+def test_logits_cover_the_padded_vocabulary() -> None:
+    model = tiny_model()
+    assert model.cfg.padded_vocab_size == 128 and model.cfg.padded_vocab_size % 64 == 0
+    assert ModelConfig(vocab_size=50257).padded_vocab_size == 50304
+    assert ModelConfig(vocab_size=128).padded_vocab_size == 128
+    logits, loss = model(torch.randint(0, 100, (3, 7)))
+    assert logits.shape == (3, 7, 128) and loss is None
+
+
+def test_changing_a_future_token_never_changes_earlier_logits() -> None:
+    model = tiny_model()
+    idx = torch.randint(0, 100, (2, 16))
+    later = idx.clone()
+    later[:, 10:] = (later[:, 10:] + 1) % 100
+    logits, _ = model(idx)
+    logits_later, _ = model(later)
+    torch.testing.assert_close(logits_later[:, :10], logits[:, :10], rtol=0, atol=1e-6)
+    assert not torch.allclose(logits_later[:, 10:], logits[:, 10:])
+
+
+def test_loss_is_mean_cross_entropy_in_float32() -> None:
+    model = tiny_model()
+    idx, targets = torch.randint(0, 100, (2, 9)), torch.randint(0, 100, (2, 9))
+    logits, loss = model(idx, targets)
+    log_probs = logits.double().log_softmax(dim=-1)
+    by_hand = -log_probs.gather(-1, targets[..., None]).mean()
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), by_hand, rtol=0, atol=1e-5)
+    torch.testing.assert_close(loss, F.cross_entropy(logits.view(18, -1), targets.view(18)))
+
+
+def test_output_head_is_tied_to_token_embedding() -> None:
+    model = tiny_model()
+    assert model.lm_head.weight is model.wte.weight
+    assert model.lm_head.weight.data_ptr() == model.wte.weight.data_ptr()
+
+
+def test_num_params_counted_by_hand() -> None:
+    # V_pad=128, d=32, block=32, L=2, biases on
+    wte, wpe = 128 * 32, 32 * 32
+    block = (
+        2 * 32  # ln_1
+        + 32 * 96 + 96  # qkv
+        + 32 * 32 + 32  # attn proj
+        + 2 * 32  # ln_2
+        + 32 * 128 + 128  # mlp fc
+        + 128 * 32 + 32  # mlp proj
+    )
+    ln_f = 2 * 32
+    model = tiny_model()
+    assert model.num_params() == wte + 2 * block + ln_f == 29568
+    assert model.num_params(non_embedding=False) == wte + wpe + 2 * block + ln_f == 30592
+
+
+def test_no_biases_when_bias_is_false() -> None:
+    model = tiny_model(bias=False)
+    assert not [name for name, _ in model.named_parameters() if name.endswith("bias")]
+    # without the 2*32 LayerNorm biases and the linear biases of the count above
+    assert model.num_params() == 128 * 32 + 2 * (32 + 32 * 96 + 32 * 32 + 32 + 32 * 128 + 128 * 32) + 32
+
+
+def test_init_statistics() -> None:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=1000, block_size=64, n_layer=8, n_head=4, d_model=256)
+    model = GPT(cfg)
+    residual_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+    for block in model.blocks:
+        assert block.attn.proj.weight.std().item() == pytest.approx(residual_std, rel=0.03)
+        assert block.mlp.proj.weight.std().item() == pytest.approx(residual_std, rel=0.03)
+        assert block.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.03)
+        assert block.mlp.fc.weight.std().item() == pytest.approx(0.02, rel=0.03)
+        assert torch.equal(block.attn.qkv.bias, torch.zeros_like(block.attn.qkv.bias))
+        assert torch.equal(block.ln_1.weight, torch.ones_like(block.ln_1.weight))
+        assert torch.equal(block.ln_2.bias, torch.zeros_like(block.ln_2.bias))
+    assert model.wte.weight.std().item() == pytest.approx(0.02, rel=0.03)
+    assert model.wpe.weight.std().item() == pytest.approx(0.02, rel=0.03)
+    assert model.wte.weight.mean().abs().item() < 1e-3
+
+
+def test_meta_build_then_init_weights_matches_normal_build() -> None:
+    cfg = tiny_config()
+    torch.manual_seed(123)
+    reference = GPT(cfg)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    assert model.wte.weight.is_meta
+    model.to_empty(device="cpu")
+    torch.manual_seed(123)
+    model.init_weights()
+    assert model.lm_head.weight is model.wte.weight
+    expected = reference.state_dict()
+    actual = model.state_dict()
+    assert actual.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name
+    assert model.num_params() == reference.num_params()
+
+
+def test_prefill_then_decode_logits_match_full_forward() -> None:
+    model = tiny_model()
+    idx = torch.randint(0, 100, (2, 12))
+    full, _ = model(idx)
+    cache = model.new_cache(batch_size=2, max_len=12)
+    prefill, _ = model(idx[:, :6], cache=cache)
+    steps = [model(idx[:, t : t + 1], cache=cache)[0] for t in range(6, 12)]
+    assert cache.length == 12
+    torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, rtol=0, atol=1e-5)
+
+
+def test_multi_token_append_to_nonempty_cache_matches_full_forward() -> None:
+    model = tiny_model()
+    idx = torch.randint(0, 100, (2, 15))
+    full, _ = model(idx)
+    cache = model.new_cache(batch_size=2, max_len=20)
+    parts = [model(idx[:, a:b], cache=cache)[0] for a, b in [(0, 5), (5, 9), (9, 10), (10, 15)]]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=0, atol=1e-5)
+
+
+def test_sequence_longer_than_block_size_raises() -> None:
+    model = tiny_model()
+    with pytest.raises(ValueError, match="model.block_size=32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+    cache = model.new_cache(batch_size=1, max_len=40)
+    model(torch.zeros(1, 30, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="model.block_size=32"):
+        model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
+
+
+def test_overfits_one_batch() -> None:
+    model = tiny_model()
+    model.train()
+    idx = torch.randint(0, 100, (4, 32), generator=torch.Generator().manual_seed(1))
+    inputs, targets = idx[:, :-1], idx[:, 1:]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    _, first_loss = model(inputs, targets)
+    for _ in range(40):
+        _, loss = model(inputs, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    _, last_loss = model(inputs, targets)
+    assert first_loss.item() > 4.0
+    assert last_loss.item() < first_loss.item() / 10
+
+
+def test_model_code_imports_only_torch_and_model_code() -> None:
+    allowed = {"torch", "torch.nn", "torch.nn.functional", "math", "dataclasses", "lm.models"}
+    package_dir = Path(lm.models.__file__).parent
+    sources = sorted(package_dir.glob("*.py"))
+    assert {p.name for p in sources} >= {"gpt.py", "attention.py", "kv_cache.py", "generate.py"}
+    for path in sources:
+        text = path.read_text()
+        assert "torch.distributed" not in text, path
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert name in allowed or name.startswith("lm.models."), f"{path.name} imports {name}"
