@@ -6,7 +6,7 @@ import sys
 from lm.cli import run
 
 TOOLS = {
-    "prepare": ("lm.data.prepare", "tokenize a corpus into memory-mapped token shards"),
+    "prepare": ("lm.prepare", "tokenize a corpus into memory-mapped token shards"),
     "train": ("lm.train.__main__", "pretrain a model (use torchrun for several processes)"),
     "eval": ("lm.eval", "loss, perplexity and bits per byte of a checkpoint"),
     "sample": ("lm.sample", "generate text from a checkpoint"),

@@ -17,6 +17,7 @@ import json
 import logging
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -36,6 +37,10 @@ from lm.distributed.env import DistEnv
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+# DCP warns on every single-process save and load (eval, sample, a run without torchrun); that is intended.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 class CheckpointError(RuntimeError):

@@ -23,8 +23,9 @@ def user_errors() -> tuple[type[Exception], ...]:
     """Exceptions caused by the user's input: reported as `error: ...` without a traceback."""
     from lm.checkpoint import CheckpointError
     from lm.data.shards import DataError
+    from lm.tokenizer import TokenizerError
 
-    return (ConfigError, CheckpointError, DataError, FileNotFoundError)
+    return (ConfigError, CheckpointError, DataError, TokenizerError, FileNotFoundError)
 
 
 def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:

@@ -299,7 +299,7 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def parse_cli(argv: list[str], description: str, extra: "types.FunctionType | None" = None):
+def parse_cli(argv: list[str], description: str, extra: "types.FunctionType | None" = None, prog: str | None = None):
     """Parse `--config FILE` plus dotted overrides; `extra(parser)` may add tool-specific flags.
 
     Returns (JobConfig, argparse.Namespace of the extra flags).
@@ -307,6 +307,7 @@ def parse_cli(argv: list[str], description: str, extra: "types.FunctionType | No
     import argparse
 
     parser = argparse.ArgumentParser(
+        prog=prog,
         description=description,
         epilog="config keys (override any with --section.key=value):\n" + config_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,

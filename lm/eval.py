@@ -68,6 +68,14 @@ def score_stream(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, strid
     return nll, count
 
 
+def unigram_entropy(streams: list[np.ndarray]) -> float:
+    """Entropy (nats/token) of the streams' own token frequencies: the loss of the best model that
+    ignores context, a baseline a trained model must beat by a wide margin."""
+    counts = np.bincount(np.concatenate([np.asarray(s[1:]) for s in streams]).astype(np.int64))
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
 def _text_tokens(path: Path, tokenizer) -> tuple[np.ndarray, int]:
     """Tokens of a UTF-8 text file with an end-of-text token in front, so its first token is scored too."""
     data = path.read_bytes()
@@ -130,6 +138,9 @@ def main(argv: list[str]) -> int:
     print(f"perplexity: {math.exp(loss):.3f}")
     if n_bytes is not None:
         print(f"bits per byte: {total_nll / math.log(2) / n_bytes:.4f}")
+    else:
+        baseline = unigram_entropy(streams)
+        print(f"unigram baseline: {baseline:.4f} nats/token (perplexity {math.exp(baseline):.1f})")
     return 0
 
 

@@ -1,8 +1,5 @@
-"""Model code: imports only torch and this package."""
+"""Model code: imports only torch and this package.
 
-from lm.models.config import ConfigError, ModelConfig
-from lm.models.generate import generate
-from lm.models.gpt import GPT
-from lm.models.kv_cache import KVCache
-
-__all__ = ["GPT", "ConfigError", "KVCache", "ModelConfig", "generate"]
+Import from the submodules (`lm.models.gpt`, `lm.models.config`, ...): this file stays empty so that
+reading a config does not import torch.
+"""

@@ -10,7 +10,8 @@ from lm.train.trainer import Trainer
 
 def main(argv: list[str]) -> int:
     cfg, _ = parse_cli(argv, "Pretrain a language model on prepared token shards. "
-                             "Run under torchrun for several processes.")
+                             "Run under torchrun for several processes.",
+                       prog="python -m lm.train")
     env = init_distributed(cfg.train.device)
     try:
         Trainer(cfg, env).fit()

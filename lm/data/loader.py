@@ -1,0 +1,160 @@
+"""Training and validation batches read from memory-mapped shards.
+
+A split is cut into samples: shard k of L_k tokens holds n_k = max(0, (L_k - 1) // T) windows of T + 1
+tokens, window j starting at token j * T, and global sample ids number shard 0's windows, then shard
+1's, and so on. Training order is a pure function of (seed, epoch, position), so the loader's whole
+state is one integer, the number of samples consumed since the start of training: resuming, also with
+a different number of ranks, is arithmetic on that integer.
+"""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lm.data.shards import DataError, open_shard, read_manifest
+
+__all__ = ["SplitWindows", "TokenLoader", "locate", "rank_slice", "sample_id_at", "sample_order", "val_batches"]
+
+
+def sample_order(seed: int, epoch: int, num_samples: int) -> np.ndarray:
+    """The order in which epoch `epoch` visits the samples: a permutation of 0..num_samples-1, (N,) int64."""
+    return np.random.default_rng([seed, epoch]).permutation(num_samples)
+
+
+def sample_id_at(position: int, seed: int, num_samples: int) -> int:
+    """The sample read at global `position`: epoch = position // N, then that epoch's order."""
+    epoch, index = divmod(position, num_samples)
+    return int(sample_order(seed, epoch, num_samples)[index])
+
+
+def rank_slice(step_start: int, global_batch: int, rank: int, world: int) -> range:
+    """Global positions `rank` reads in the optimizer step that starts at `step_start`: the step's
+    `global_batch` positions cut into `world` contiguous, equal chunks."""
+    if global_batch % world:
+        raise ValueError(f"train.batch_size: {global_batch} is not divisible by the world size {world}")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside a world of size {world}")
+    per_rank = global_batch // world
+    start = step_start + rank * per_rank
+    return range(start, start + per_rank)
+
+
+def locate(sample_ids: np.ndarray, cum_counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Map global sample ids (n,) to (shard index (n,), window index within that shard (n,)).
+
+    `cum_counts` (num_shards + 1,) holds 0 and the running totals of windows per shard.
+    """
+    shard = np.searchsorted(cum_counts, sample_ids, side="right") - 1
+    return shard, sample_ids - cum_counts[shard]
+
+
+class SplitWindows:
+    """The samples of one split: every shard mapped once, windows read by global sample id."""
+
+    def __init__(self, data_dir: str | Path, split: str, seq_len: int) -> None:
+        manifest = read_manifest(data_dir)
+        entries = manifest["splits"][split]["shards"]
+        if not entries:
+            raise DataError(
+                f"{data_dir}: the {split} split is empty"
+                + ("; prepare with data.val_fraction > 0" if split == "val" else "")
+            )
+        self.seq_len = seq_len
+        self.shards = [open_shard(Path(data_dir) / e["file"]) for e in entries]
+        counts = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
+        self.cum_counts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # (num_shards + 1,)
+        self.num_samples = int(self.cum_counts[-1])
+        if self.num_samples == 0:
+            longest = max(len(s) for s in self.shards)
+            raise DataError(
+                f"{data_dir}: the {split} split has no window of data.seq_len + 1 = {seq_len + 1} tokens "
+                f"(its longest shard holds {longest}); lower data.seq_len or prepare with larger data.shard_tokens"
+            )
+
+    def read(self, sample_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets for the samples `sample_ids` (B,): x, y each (B, T) int64."""
+        shard, window = locate(np.asarray(sample_ids, dtype=np.int64), self.cum_counts)
+        t = self.seq_len
+        rows = np.empty((len(shard), t + 1), dtype=np.int64)  # (B, T + 1)
+        for i, (k, j) in enumerate(zip(shard.tolist(), window.tolist())):
+            rows[i] = self.shards[k][j * t:j * t + t + 1]
+        batch = torch.from_numpy(rows)
+        # copies, so that targets can be flattened with .view(-1) by the loss
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+
+class TokenLoader:
+    """Shuffled training batches for one rank; `state_dict()` is the global position only.
+
+    Each `next_batch()` is one optimizer step: the step's `global_batch` samples are split into
+    contiguous equal chunks per rank, and each rank's chunk into micro-batches. The union over ranks
+    is the same set of samples for any world size, so a run can resume on a different number of ranks.
+    """
+
+    def __init__(
+        self, data_dir: str | Path, split: str, seq_len: int, seed: int, rank: int, world_size: int,
+        global_batch: int, micro_batch: int,
+    ) -> None:
+        if global_batch % (world_size * micro_batch):
+            raise ValueError(
+                f"train.batch_size: {global_batch} is not a multiple of train.micro_batch_size "
+                f"({micro_batch}) x world size ({world_size})"
+            )
+        self.windows = SplitWindows(data_dir, split, seq_len)
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.global_batch, self.micro_batch = global_batch, micro_batch
+        self.grad_accum = global_batch // (world_size * micro_batch)
+        self.position = 0
+        self._order_epoch = -1
+        self._order = np.empty(0, dtype=np.int64)  # sample_order of epoch _order_epoch, cached
+
+    @property
+    def num_samples(self) -> int:
+        """Samples (windows) in one epoch of the split."""
+        return self.windows.num_samples
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+    def sample_ids(self, positions: range) -> np.ndarray:
+        """Sample ids at consecutive global positions (n,), possibly across an epoch boundary."""
+        ids = np.empty(len(positions), dtype=np.int64)
+        for i, position in enumerate(positions):
+            epoch, index = divmod(position, self.num_samples)
+            if epoch != self._order_epoch:  # positions only grow, so one cached epoch suffices
+                self._order = sample_order(self.seed, epoch, self.num_samples)
+                self._order_epoch = epoch
+            ids[i] = self._order[index]
+        return ids
+
+    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's `grad_accum` micro-batches (x, y), each (micro_batch, T) int64, for one optimizer step."""
+        ids = self.sample_ids(rank_slice(self.position, self.global_batch, self.rank, self.world_size))
+        self.position += self.global_batch
+        return [self.windows.read(ids[i:i + self.micro_batch]) for i in range(0, len(ids), self.micro_batch)]
+
+
+def val_batches(
+    data_dir: str | Path, seq_len: int, micro_batch: int, rank: int, world: int, max_batches: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Validation batches (x, y), each (micro_batch, T) int64, of the val split's windows in order.
+
+    Batch b holds windows [b * micro_batch, (b + 1) * micro_batch); rank r takes batches r, r + world, ...
+    Every rank yields the same number of full batches, min(max_batches, full batches // world), so
+    ranks that average their losses with a collective stay in step.
+    """
+    windows = SplitWindows(data_dir, "val", seq_len)
+    per_rank = min(max_batches, windows.num_samples // micro_batch // world)
+    if per_rank == 0:
+        raise DataError(
+            f"{data_dir}: the val split has {windows.num_samples} windows of data.seq_len={seq_len}, fewer than "
+            f"train.micro_batch_size ({micro_batch}) x world size ({world}); prepare with a larger data.val_fraction"
+        )
+    starts = [(rank + i * world) * micro_batch for i in range(per_rank)]
+    # a generator expression, so the checks above run when val_batches is called, not at first next()
+    return (windows.read(np.arange(start, start + micro_batch)) for start in starts)

@@ -1,0 +1,211 @@
+"""Tokenize a corpus into train/val shards plus manifest.json, reusing the output when nothing changed.
+
+Documents stream through: corpus -> batches of documents -> tokenizer processes -> ShardWriter, so
+memory stays bounded however large the corpus. The output is built in a sibling directory and swapped
+in only when complete, so a crash or a bad input never harms shards that were already good.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import json
+import logging
+import math
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+from tqdm import tqdm
+
+from lm.data.corpora import Corpus, find_corpus
+from lm.data.shards import (
+    FORMAT_VERSION, MANIFEST_NAME, DataError, ShardWriter, dtype_for_vocab, read_manifest, write_manifest,
+)
+from lm.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:  # lm.config pulls in torch, which tokenizer worker processes should not pay for
+    from lm.config import DataConfig
+
+__all__ = ["is_val_document", "output_hash", "prepare"]
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val")
+_BATCH_DOCS = 256  # documents per task: enough to amortize pickling, few enough to balance workers
+_BATCH_CHARS = 1 << 19
+
+
+def is_val_document(index: int, val_fraction: float) -> bool:
+    """Whether document `index` goes to val: evenly spaced, exactly floor(N * f) of the first N documents."""
+    return math.floor((index + 1) * val_fraction) > math.floor(index * val_fraction)
+
+
+def output_hash(input_hash: str, cfg: DataConfig) -> str:
+    """Fingerprint of everything that changes the prepared bytes (not num_workers: order is preserved)."""
+    key = {
+        "input": input_hash, "tokenizer": cfg.tokenizer, "val_fraction": cfg.val_fraction,
+        "shard_tokens": cfg.shard_tokens, "format_version": FORMAT_VERSION,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def prepare(cfg: DataConfig, force: bool = False) -> dict:
+    """Prepare `cfg.source` into `cfg.dir` (unless an intact, identical preparation is there) and
+    return its manifest. Raises DataError for bad input before `cfg.dir` changes."""
+    start_time = time.perf_counter()
+    corpus = find_corpus(cfg.source)
+    enc = load_tokenizer(cfg.tokenizer)
+    content_hash = output_hash(corpus.content_hash(cfg.text_column), cfg)
+    out = Path(cfg.dir)
+    if not force:
+        manifest = _reusable(out, content_hash)
+        if manifest is not None:
+            log.info("%s is up to date (content hash %s); use --force to rebuild", out, content_hash[:12])
+            return manifest
+    _check_replaceable(out)
+    if corpus.num_documents is not None:  # fail before tokenizing when the split is known to be empty
+        _check_splits(math.floor(corpus.num_documents * cfg.val_fraction), corpus.num_documents, cfg.val_fraction)
+
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed run that had our pid
+    tmp.mkdir(parents=True)
+    try:
+        splits = _tokenize(corpus, cfg, tmp, dtype_for_vocab(enc.n_vocab))
+        manifest = {
+            "format_version": FORMAT_VERSION, "tokenizer": cfg.tokenizer, "vocab_size": enc.n_vocab,
+            "dtype": dtype_for_vocab(enc.n_vocab).name, "eot_id": enc.eot_token, "source": cfg.source,
+            "content_hash": content_hash, "splits": splits,
+        }
+        write_manifest(tmp, manifest)
+        _swap_in(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    seconds = time.perf_counter() - start_time
+    tokens = sum(s["tokens"] for s in splits.values())
+    log.info("prepared %d tokens into %s in %.1f s (%.0f tokens/s)", tokens, out, seconds, tokens / seconds)
+    return manifest
+
+
+def _reusable(out: Path, content_hash: str) -> dict | None:
+    """The existing manifest if it describes this exact preparation and all its shards are intact."""
+    if not (out / MANIFEST_NAME).is_file():
+        return None
+    try:
+        manifest = read_manifest(out)
+    except DataError as err:
+        log.info("rebuilding: %s", err)
+        return None
+    return manifest if manifest.get("content_hash") == content_hash else None
+
+
+def _check_replaceable(out: Path) -> None:
+    """Refuse to replace a directory that lm.prepare did not make: its files would be deleted."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"data.dir: {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
+        raise DataError(
+            f"data.dir: {str(out)!r} holds files but no {MANIFEST_NAME}, so lm.prepare did not make it; "
+            "choose an empty or new directory"
+        )
+
+
+def _check_splits(val_docs: int, documents: int, val_fraction: float) -> None:
+    if val_fraction > 0 and val_docs == 0:
+        raise DataError(
+            f"data.val_fraction={val_fraction} puts none of the {documents} documents in the val split; "
+            f"raise it to at least {1 / documents:.3g}, add documents, or set it to 0 for no validation"
+        )
+    if val_docs == documents:
+        raise DataError(f"data.val_fraction={val_fraction} leaves no training documents out of {documents}")
+
+
+def _swap_in(new: Path, out: Path) -> None:
+    """Replace `out` by the complete directory `new` with renames, deleting the old one only after."""
+    old = out.with_name(f"{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.rename(out, old)
+    os.rename(new, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _tokenize(corpus: Corpus, cfg: DataConfig, out: Path, dtype: np.dtype) -> dict:
+    """Stream the corpus through the tokenizer into train/val shards in `out`; returns the manifest's splits."""
+    writers = {split: ShardWriter(out, split, cfg.shard_tokens, dtype) for split in SPLITS}
+    docs = dict.fromkeys(SPLITS, 0)
+    encode = functools.partial(_encode_batch, tokenizer=cfg.tokenizer, val_fraction=cfg.val_fraction, dtype=dtype)
+    batches = _batches(corpus.documents(cfg.text_column))
+    with tqdm(total=corpus.num_documents, unit="doc", desc="tokenizing", disable=None) as bar:
+        for (train, val), (num_train, num_val) in _ordered_map(encode, batches, cfg.num_workers, cfg.tokenizer):
+            writers["train"].add(train)
+            writers["val"].add(val)
+            docs["train"] += num_train
+            docs["val"] += num_val
+            bar.update(num_train + num_val)
+    _check_splits(docs["val"], docs["train"] + docs["val"], cfg.val_fraction)
+    splits = {}
+    for split, writer in writers.items():
+        shards = writer.close()
+        splits[split] = {"documents": docs[split], "tokens": sum(s["tokens"] for s in shards), "shards": shards}
+    return splits
+
+
+def _batches(documents: Iterable[str]) -> Iterator[tuple[int, list[str]]]:
+    """Group documents into (index of the first, texts) tasks of bounded size."""
+    batch: list[str] = []
+    chars = 0
+    start = 0
+    for text in documents:
+        batch.append(text)
+        chars += len(text)
+        if len(batch) == _BATCH_DOCS or chars >= _BATCH_CHARS:
+            yield start, batch
+            start += len(batch)
+            batch, chars = [], 0
+    if batch:
+        yield start, batch
+
+
+def _encode_batch(
+    task: tuple[int, list[str]], tokenizer: str, val_fraction: float, dtype: np.dtype
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[int, int]]:
+    """Tokenize one batch; returns ((train tokens, val tokens), (train docs, val docs)), each document
+    followed by the end-of-text token."""
+    start, texts = task
+    enc = load_tokenizer(tokenizer)  # cached per process; the pool initializer loaded it already
+    ids: dict[bool, list[int]] = {False: [], True: []}
+    counts = {False: 0, True: 0}
+    for i, text in enumerate(texts):
+        is_val = is_val_document(start + i, val_fraction)
+        # encode_ordinary: a corpus may contain the characters "<|endoftext|>"; they are text, not EOT
+        ids[is_val].extend(enc.encode_ordinary(text))
+        ids[is_val].append(enc.eot_token)
+        counts[is_val] += 1
+    return (np.array(ids[False], dtype=dtype), np.array(ids[True], dtype=dtype)), (counts[False], counts[True])
+
+
+def _ordered_map(fn: Callable, tasks: Iterator, num_workers: int, tokenizer: str) -> Iterator:
+    """fn over tasks in order, on `num_workers` processes, with at most 2 tasks per worker in flight.
+
+    Pool.imap would read the whole task iterator ahead (the corpus) into memory; submitting a bounded
+    window keeps memory flat. One worker runs in-process: a pool would only add start-up and pickling.
+    """
+    if num_workers == 1:
+        yield from map(fn, tasks)
+        return
+    # The platform's default start method: fork on Linux, where workers inherit the loaded tokenizer
+    # and need no `if __name__ == "__main__"` guard in the caller's script; spawn where fork is unsafe.
+    with multiprocessing.get_context().Pool(num_workers, initializer=load_tokenizer, initargs=(tokenizer,)) as pool:
+        pending: collections.deque = collections.deque()
+        for task in tasks:
+            pending.append(pool.apply_async(fn, (task,)))
+            if len(pending) >= 2 * num_workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()

@@ -1,0 +1,197 @@
+"""The on-disk format of prepared data: token shard files plus one manifest.json per data directory.
+
+A shard `<split>_<index:05d>.bin` is a 32-byte little-endian header followed by a flat token array:
+
+    offset  size  field
+    0       8     magic b"LMTOKENS"
+    8       4     format version (uint32, = 1)
+    12      4     bytes per token (uint32: 2 -> uint16, 4 -> uint32)
+    16      8     token count (uint64)
+    24      8     reserved, zero
+
+Files are written under `<name>.tmp` and renamed, so a reader never sees half a shard.
+"""
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "FORMAT_VERSION", "HEADER_BYTES", "MANIFEST_NAME", "DataError", "ShardWriter", "check_manifest",
+    "dtype_for_vocab", "open_shard", "read_header", "read_manifest", "shard_name", "write_manifest",
+    "write_shard",
+]
+
+MAGIC = b"LMTOKENS"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<8sIIQ8x")
+HEADER_BYTES = _HEADER.size  # 32
+MANIFEST_NAME = "manifest.json"
+_DTYPES = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
+_PREPARE_HINT = "run `python -m lm.prepare` first"
+
+
+class DataError(ValueError):
+    """Input or prepared data is missing, malformed or inconsistent; the message names the file or key."""
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """The narrowest token dtype that holds every id: uint16 up to 65,536 ids, else uint32."""
+    return _DTYPES[2] if vocab_size <= 2**16 else _DTYPES[4]
+
+
+def shard_name(split: str, index: int) -> str:
+    """File name of shard `index` of `split`, e.g. train_00003.bin."""
+    return f"{split}_{index:05d}.bin"
+
+
+def _header(count: int, dtype: np.dtype) -> bytes:
+    if dtype not in _DTYPES.values():
+        raise ValueError(f"shard tokens must be uint16 or uint32, got {dtype}")
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, dtype.itemsize, count)
+
+
+def write_shard(path: str | Path, tokens: np.ndarray) -> None:
+    """Write `tokens` (n,) uint16|uint32, n >= 1, as one shard file, atomically."""
+    path = Path(path)
+    if tokens.ndim != 1 or tokens.size == 0:
+        raise ValueError(f"{path}: a shard holds a non-empty 1-D token array, got shape {tokens.shape}")
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(_header(tokens.size, tokens.dtype))
+        f.write(np.ascontiguousarray(tokens).astype(tokens.dtype.newbyteorder("<"), copy=False).tobytes())
+    os.replace(tmp, path)
+
+
+class ShardWriter:
+    """Streams token arrays of any length into shards of exactly `shard_tokens` tokens (the last one
+    shorter), so memory stays bounded by the caller's chunks whatever the shard size."""
+
+    def __init__(self, data_dir: str | Path, split: str, shard_tokens: int, dtype: np.dtype) -> None:
+        if shard_tokens <= 0:
+            raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
+        self.data_dir = Path(data_dir)
+        self.split = split
+        self.shard_tokens = shard_tokens
+        self.dtype = np.dtype(dtype)
+        self.shards: list[dict] = []  # [{"file": name, "tokens": n}] of finished shards
+        self._file = None
+        self._count = 0  # tokens in the open shard
+
+    def add(self, tokens: np.ndarray) -> None:
+        """Append `tokens` (n,) of the writer's dtype, cutting shards where they fill up."""
+        if tokens.dtype != self.dtype:
+            # a silent cast could wrap ids around, so the caller must produce the right dtype
+            raise ValueError(f"expected {self.dtype} tokens, got {tokens.dtype}")
+        start = 0
+        while start < tokens.size:
+            if self._file is None:
+                name = shard_name(self.split, len(self.shards))
+                self._file = open(self.data_dir / (name + ".tmp"), "wb")
+                self._file.write(bytes(HEADER_BYTES))  # placeholder until the count is known
+            take = min(tokens.size - start, self.shard_tokens - self._count)
+            self._file.write(tokens[start:start + take].astype(self.dtype.newbyteorder("<"), copy=False).tobytes())
+            self._count += take
+            start += take
+            if self._count == self.shard_tokens:
+                self._finish()
+
+    def _finish(self) -> None:
+        name = shard_name(self.split, len(self.shards))
+        self._file.seek(0)
+        self._file.write(_header(self._count, self.dtype))
+        self._file.close()
+        os.replace(self.data_dir / (name + ".tmp"), self.data_dir / name)
+        self.shards.append({"file": name, "tokens": self._count})
+        self._file, self._count = None, 0
+
+    def close(self) -> list[dict]:
+        """Finish the last, partial shard; returns [{"file": name, "tokens": n}] for every shard written."""
+        if self._file is not None:
+            self._finish()
+        return self.shards
+
+
+def read_header(path: str | Path) -> tuple[np.dtype, int]:
+    """Validate a shard's header against its file length; returns (dtype, token count)."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise DataError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte shard header")
+    with open(path, "rb") as f:
+        magic, version, itemsize, count = _HEADER.unpack(f.read(HEADER_BYTES))
+    if magic != MAGIC:
+        raise DataError(f"{path}: not a token shard: magic {magic!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise DataError(f"{path}: shard format version {version}, expected {FORMAT_VERSION}")
+    if itemsize not in _DTYPES:
+        raise DataError(f"{path}: {itemsize} bytes per token, expected 2 (uint16) or 4 (uint32)")
+    if count == 0:
+        raise DataError(f"{path}: header says 0 tokens; shards are never empty")
+    expected = HEADER_BYTES + count * itemsize
+    if size != expected:
+        raise DataError(
+            f"{path}: file is {size} bytes, but its header ({count} tokens x {itemsize} bytes) "
+            f"implies {expected}; the file is truncated or was overwritten"
+        )
+    return _DTYPES[itemsize], count
+
+
+def open_shard(path: str | Path) -> np.memmap:
+    """Map a validated shard read-only; returns its tokens (count,) as uint16|uint32."""
+    dtype, count = read_header(path)
+    return np.memmap(path, dtype=dtype.newbyteorder("<"), mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def write_manifest(data_dir: str | Path, manifest: dict) -> None:
+    """Write manifest.json atomically."""
+    path = Path(data_dir) / MANIFEST_NAME
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def read_manifest(data_dir: str | Path) -> dict:
+    """Load manifest.json and check that every shard it lists exists with the token count it lists."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise DataError(f"data.dir: no directory {str(data_dir)!r}; {_PREPARE_HINT}")
+    path = data_dir / MANIFEST_NAME
+    if not path.is_file():
+        raise DataError(f"{path}: no manifest, so {data_dir} holds no prepared data; {_PREPARE_HINT}")
+    try:
+        manifest = json.loads(path.read_text())
+        version = manifest["format_version"]
+        listed = [(e["file"], e["tokens"]) for split in ("train", "val") for e in manifest["splits"][split]["shards"]]
+        dtype = np.dtype(manifest["dtype"])
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+        raise DataError(f"{path}: unreadable manifest ({type(err).__name__}: {err}); {_PREPARE_HINT}") from None
+    if version != FORMAT_VERSION:
+        raise DataError(f"{path}: format_version {version}, expected {FORMAT_VERSION}; {_PREPARE_HINT}")
+    for name, tokens in listed:
+        shard = data_dir / name
+        if not shard.is_file():
+            raise DataError(f"{shard}: listed in {path} but missing; {_PREPARE_HINT} with --force")
+        shard_dtype, count = read_header(shard)
+        if count != tokens or shard_dtype != dtype:
+            raise DataError(
+                f"{shard}: holds {count} {shard_dtype} tokens, but {path} lists {tokens} {dtype}; "
+                f"{_PREPARE_HINT} with --force"
+            )
+    return manifest
+
+
+def check_manifest(manifest: dict, tokenizer: str, vocab_size: int, data_dir: str | Path) -> None:
+    """Fail if prepared data was tokenized differently from what the job config expects."""
+    if manifest["tokenizer"] != tokenizer:
+        raise DataError(
+            f"{data_dir}: prepared with tokenizer {manifest['tokenizer']!r}, but data.tokenizer={tokenizer!r}; "
+            f"prepare again with `python -m lm.prepare` or set data.tokenizer={manifest['tokenizer']!r}"
+        )
+    if manifest["vocab_size"] != vocab_size:
+        raise DataError(
+            f"{data_dir}: prepared with vocab_size {manifest['vocab_size']}, but model.vocab_size={vocab_size}"
+        )

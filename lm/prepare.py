@@ -1,0 +1,31 @@
+"""Command line: tokenize the configured corpus into shards, e.g.
+
+    python -m lm.prepare --config configs/demo.yaml --data.val_fraction=0.1 [--force]
+"""
+
+import argparse
+import sys
+import time
+
+from lm.cli import run
+from lm.config import parse_cli
+from lm.data.prepare import prepare
+
+
+def _add_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--force", action="store_true", help="rebuild even if the prepared data is up to date")
+
+
+def main(argv: list[str]) -> int:
+    """Prepare `data.dir` from `data.source` and print a summary of what it holds."""
+    start = time.perf_counter()
+    cfg, args = parse_cli(argv, "Tokenize a corpus into train/val shards.", extra=_add_flags, prog="python -m lm.prepare")
+    manifest = prepare(cfg.data, force=args.force)
+    for split, info in manifest["splits"].items():
+        print(f"{split}: {info['documents']:,} documents, {info['tokens']:,} tokens, {len(info['shards'])} shards")
+    print(f"{manifest['tokenizer']} ({manifest['dtype']}) in {cfg.data.dir}, {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))

@@ -1,0 +1,42 @@
+"""Shared pytest fixtures. The data fixtures live here; others may add fixtures for their own areas."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from lm.config import DataConfig
+from lm.data.corpora import clean_markdown, find_corpus
+from lm.data.prepare import prepare
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus_dir(tmp_path_factory) -> Path:
+    """Macbeth (cleaned), one .txt document per scene (the first also holds the title): 28 files,
+    ~100 KB, ~31 K gpt2 tokens."""
+    play = next(p for p in find_corpus("shakespeare").files if p.name == "macbeth.md")
+    scenes = re.split(r"(?m)^(?=### )", play.read_text())
+    corpus = tmp_path_factory.mktemp("tiny_corpus")
+    for i, scene in enumerate(scenes):
+        (corpus / f"scene_{i:02d}.txt").write_text(clean_markdown(scene))
+    return corpus
+
+
+@pytest.fixture(scope="session")
+def tiny_data_config(tiny_corpus_dir, tmp_path_factory) -> DataConfig:
+    """The DataConfig that `tiny_data_dir` was prepared with (gpt2, val_fraction 0.1, 4096-token shards)."""
+    return DataConfig(
+        source=str(tiny_corpus_dir / "*.txt"), tokenizer="gpt2", dir=str(tmp_path_factory.mktemp("tiny") / "data"),
+        val_fraction=0.1, shard_tokens=4096, num_workers=2, seq_len=16,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_data_dir(tiny_data_config) -> Path:
+    """A data dir prepared through the real `prepare` path (with 2 tokenizer processes) from Macbeth's
+    28 scenes: tokenizer gpt2 (uint16 shards, eot 50256), val_fraction 0.1 -> 26 train scenes,
+    25,450 tokens in 7 shards (6 x 4096 + 874), and 2 val scenes, 5,703 tokens in 2 shards (4096 + 1607).
+    At seq_len 16 that is 1,584 train and 355 val windows; any seq_len below 4096 leaves some.
+    Treat it as read-only: the whole session shares it."""
+    prepare(tiny_data_config)
+    return Path(tiny_data_config.dir)

@@ -1,0 +1,154 @@
+import json
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from lm.data.corpora import clean_markdown, find_corpus, iter_documents
+from lm.data.shards import DataError
+
+PLAY = """# Hamlet
+
+## ACT I
+
+### SCENE I. Elsinore. A platform before the castle.
+
+_FRANCISCO at his post. Enter to him BERNARDO_
+
+**BERNARDO**  
+Who's there?
+
+
+**FRANCISCO**  
+Nay, answer me: stand,  
+and unfold yourself.
+
+*Exeunt,
+severally.*
+
+**LORENZO**  
+__\\[Reads]_  
+'Ladies,'\\--or 'Fair-ladies
+"""
+
+CLEAN = """Hamlet
+
+ACT I
+
+SCENE I. Elsinore. A platform before the castle.
+
+FRANCISCO at his post. Enter to him BERNARDO
+
+BERNARDO:
+Who's there?
+
+FRANCISCO:
+Nay, answer me: stand,
+and unfold yourself.
+
+Exeunt,
+severally.
+
+LORENZO:
+[Reads]
+'Ladies,'--or 'Fair-ladies
+"""
+
+
+def test_clean_markdown():
+    assert clean_markdown(PLAY) == CLEAN
+
+
+def test_shakespeare_is_38_cleaned_plays_in_path_order():
+    corpus = find_corpus("shakespeare")
+    names = [p.relative_to(corpus.root).as_posix() for p in corpus.files]
+    assert len(names) == 38 and corpus.num_documents == 38
+    assert names == sorted(names)
+    assert names[0] == "comedies/a-midsummer-night-s-dream.md"
+    first = next(iter_documents("shakespeare", "text"))
+    assert first.startswith("A Midsummer Night's Dream\n\nACT I\n\nSCENE I. Athens. The palace of THESEUS.\n\n"
+                            "Enter THESEUS, HIPPOLYTA, PHILOSTRATE, and Attendants\n\nTHESEUS:\nNow, fair Hippolyta")
+
+
+def test_text_files_are_documents_in_pattern_then_name_order(tmp_path):
+    (tmp_path / "b.txt").write_text("bee")
+    (tmp_path / "a.txt").write_text("ay **bold**")  # user Markdown is read verbatim
+    (tmp_path / "z.md").write_text("zed")
+    corpus = find_corpus(f"{tmp_path}/z.md, {tmp_path}/*.txt,{tmp_path}/a.txt")  # a.txt twice is one input
+    assert [p.name for p in corpus.files] == ["z.md", "a.txt", "b.txt"]
+    assert corpus.num_documents == 3
+    assert list(corpus.documents("text")) == ["zed", "ay **bold**", "bee"]
+
+
+def test_row_files(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"body": "one", "id": 1}) + "\n" + json.dumps({"body": "two"}) + "\n")
+    (tmp_path / "b.json").write_text(json.dumps([{"body": "three"}]))
+    pq.write_table(pa.table({"body": ["four", "<|endoftext|>"], "n": [4, 5]}), tmp_path / "c.parquet")
+    corpus = find_corpus(str(tmp_path / "*"))
+    assert corpus.num_documents is None
+    assert list(corpus.documents("body")) == ["one", "two", "three", "four", "<|endoftext|>"]
+
+
+def test_missing_text_column_names_file_and_columns(tmp_path):
+    pq.write_table(pa.table({"content": ["x"], "id": [1]}), tmp_path / "c.parquet")
+    message = r"c.parquet: no column 'text' \(data.text_column\); the columns are \['content', 'id'\]"
+    with pytest.raises(DataError, match=message):
+        list(iter_documents(str(tmp_path / "c.parquet"), "text"))
+
+
+def test_non_string_text(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "ok"}\n{"text": 5}\n')
+    with pytest.raises(DataError, match=r"a.jsonl: row 1: column 'text' holds 5, expected a string"):
+        list(iter_documents(str(tmp_path / "a.jsonl"), "text"))
+
+
+def test_malformed_json(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "ok"}\n{"text": oops\n')
+    with pytest.raises(DataError, match=r"a.jsonl: cannot read as json"):
+        list(iter_documents(str(tmp_path / "a.jsonl"), "text"))
+
+
+def test_json_without_rows(tmp_path):
+    (tmp_path / "a.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match=r"a.jsonl: no rows"):
+        list(iter_documents(str(tmp_path / "a.jsonl"), "text"))
+
+
+def test_non_utf8_names_file_and_offset(tmp_path):
+    (tmp_path / "a.txt").write_bytes("caf\u00e9 ok ".encode() + b"\xff rest")
+    with pytest.raises(DataError, match=r"a.txt: not UTF-8: byte 0xff at offset 9"):
+        list(iter_documents(str(tmp_path / "a.txt"), "text"))
+
+
+@pytest.mark.parametrize("make, source, message", [
+    (None, "tinystories", r"unknown corpus 'tinystories'; expected one of \['shakespeare'\]"),
+    (None, "{tmp}/*.txt", r"matches no files"),
+    ("a.csv", "{tmp}/a.csv", r"a.csv: unsupported extension '.csv'; expected one of .txt, .md, .json"),
+    ("a.txt", "{tmp}/a.txt", r"a.txt: empty file"),
+    (None, "{tmp}", r"is a directory; name files or a glob"),
+])
+def test_bad_sources(tmp_path, make, source, message):
+    if make:
+        (tmp_path / make).write_text("x,y\n" if make.endswith(".csv") else "")
+    with pytest.raises(DataError, match=message):
+        find_corpus(source.format(tmp=tmp_path))
+
+
+def test_content_hash(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("alpha")
+    (tmp_path / "in" / "b.jsonl").write_text('{"text": "beta"}\n')
+    source = str(tmp_path / "in" / "*")
+    base = find_corpus(source).content_hash("text")
+    assert find_corpus(source).content_hash("text") == base
+    assert find_corpus(source).content_hash("body") != base  # the column changes the documents
+    text_only = find_corpus(str(tmp_path / "in" / "*.txt"))
+    assert text_only.content_hash("body") == text_only.content_hash("text")  # ... only for row files
+    shutil.copytree(tmp_path / "in", tmp_path / "moved")
+    assert find_corpus(str(tmp_path / "moved" / "*")).content_hash("text") == base  # names are relative
+    (tmp_path / "in" / "a.txt").write_text("alphA")
+    assert find_corpus(source).content_hash("text") != base
+    (tmp_path / "in" / "a.txt").write_text("alpha")
+    (tmp_path / "in" / "b.jsonl").rename(tmp_path / "in" / "c.jsonl")
+    assert find_corpus(source).content_hash("text") != base

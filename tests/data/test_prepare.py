@@ -1,0 +1,194 @@
+import dataclasses
+import hashlib
+import json
+import logging
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from lm.cli import run
+from lm.config import DataConfig
+from lm.data.prepare import is_val_document, prepare
+from lm.data.shards import DataError, open_shard
+from lm.prepare import main
+from lm.tokenizer import load_tokenizer
+
+DOCS = [f"Document {i}: " + "word " * (i % 7) + ("<|endoftext|> as text" if i == 5 else "") for i in range(20)]
+
+
+def tree_digest(path) -> dict[str, str]:
+    """sha256 of every file under `path`, by relative name."""
+    return {p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def write_txt(dir_, docs):
+    dir_.mkdir(parents=True, exist_ok=True)
+    for i, doc in enumerate(docs):
+        (dir_ / f"doc_{i:03d}.txt").write_text(doc)
+    return str(dir_ / "*.txt")
+
+
+def config(tmp_path, source, **kw) -> DataConfig:
+    defaults = dict(source=source, dir=str(tmp_path / "data"), val_fraction=0.25, shard_tokens=16, num_workers=1)
+    return DataConfig(**{**defaults, **kw})
+
+
+def split_tokens(data_dir, manifest, split) -> list[int]:
+    shards = manifest["splits"][split]["shards"]
+    return np.concatenate([open_shard(data_dir / s["file"]) for s in shards]).tolist() if shards else []
+
+
+def expected_tokens(docs, val: bool, val_fraction=0.25) -> list[int]:
+    enc = load_tokenizer("gpt2")
+    return [t for i, d in enumerate(docs) if is_val_document(i, val_fraction) == val
+            for t in enc.encode_ordinary(d) + [enc.eot_token]]
+
+
+def test_val_documents_are_evenly_spaced():
+    assert [i for i in range(8) if is_val_document(i, 0.25)] == [3, 7]
+    assert [i for i in range(38) if is_val_document(i, 0.1)] == [9, 19, 29]
+    assert sum(is_val_document(i, 0.05) for i in range(1000)) == 50
+    assert not any(is_val_document(i, 0.0) for i in range(100))
+
+
+def test_prepare_text_files(tmp_path):
+    cfg = config(tmp_path, write_txt(tmp_path / "in", DOCS))
+    manifest = prepare(cfg)
+    data = tmp_path / "data"
+    assert {k: v for k, v in manifest.items() if k != "splits"} == {
+        "format_version": 1, "tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16", "eot_id": 50256,
+        "source": cfg.source, "content_hash": manifest["content_hash"],
+    }
+    assert json.loads((data / "manifest.json").read_text()) == manifest
+    train, val = split_tokens(data, manifest, "train"), split_tokens(data, manifest, "val")
+    # documents 3, 7, 11, 15, 19 are val; each document ends with one EOT; "<|endoftext|>" in text is not EOT
+    assert train == expected_tokens(DOCS, val=False)
+    assert val == expected_tokens(DOCS, val=True)
+    assert train.count(50256) == 15 and val.count(50256) == 5
+    assert load_tokenizer("gpt2").decode(val).split("<|endoftext|>")[:2] == [DOCS[3], DOCS[7]]
+    for split, docs in (("train", 15), ("val", 5)):
+        info = manifest["splits"][split]
+        assert info["documents"] == docs
+        assert info["tokens"] == len(train if split == "train" else val)
+        assert [s["tokens"] for s in info["shards"]][:-1] == [16] * (len(info["shards"]) - 1)
+
+
+def test_row_formats_give_the_same_tokens(tmp_path):
+    (tmp_path / "rows").mkdir()
+    with open(tmp_path / "rows" / "a.jsonl", "w") as f:
+        for doc in DOCS[:12]:
+            f.write(json.dumps({"body": doc, "meta": 1}) + "\n")
+    pq.write_table(pa.table({"body": DOCS[12:]}), tmp_path / "rows" / "b.parquet")
+    rows = prepare(config(tmp_path, str(tmp_path / "rows" / "*"), text_column="body"))
+    text = prepare(config(tmp_path, write_txt(tmp_path / "in", DOCS), dir=str(tmp_path / "text")))
+    for split in ("train", "val"):
+        assert split_tokens(tmp_path / "data", rows, split) == split_tokens(tmp_path / "text", text, split)
+        assert rows["splits"][split]["documents"] == text["splits"][split]["documents"]
+
+
+def test_prepare_twice_reuses_and_rebuilds_identically(tmp_path, caplog):
+    cfg = config(tmp_path, write_txt(tmp_path / "in", DOCS))
+    first = prepare(cfg)
+    before = tree_digest(tmp_path / "data")
+    inode = (tmp_path / "data" / "train_00000.bin").stat().st_ino
+    with caplog.at_level(logging.INFO, logger="lm.data.prepare"):
+        assert prepare(cfg) == first
+    assert "is up to date" in caplog.text
+    assert (tmp_path / "data" / "train_00000.bin").stat().st_ino == inode  # reused, not rewritten
+    rebuilt = prepare(dataclasses.replace(cfg, num_workers=2), force=True)
+    assert rebuilt == first
+    assert (tmp_path / "data" / "train_00000.bin").stat().st_ino != inode
+    assert tree_digest(tmp_path / "data") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "in"]  # no temporary dirs left
+
+
+def test_changed_input_or_settings_rebuild(tmp_path):
+    cfg = config(tmp_path, write_txt(tmp_path / "in", DOCS))
+    first = prepare(cfg)
+    assert prepare(dataclasses.replace(cfg, shard_tokens=32))["content_hash"] != first["content_hash"]
+    (tmp_path / "in" / "doc_000.txt").write_text("changed")
+    changed = prepare(cfg)
+    assert changed["content_hash"] != first["content_hash"]
+    assert split_tokens(tmp_path / "data", changed, "train")[:2] == load_tokenizer("gpt2").encode("changed") + [50256]
+
+
+def test_damaged_shard_is_rebuilt(tmp_path):
+    cfg = config(tmp_path, write_txt(tmp_path / "in", DOCS))
+    prepare(cfg)
+    before = tree_digest(tmp_path / "data")
+    with open(tmp_path / "data" / "train_00001.bin", "ab") as f:
+        f.write(b"\0\0")
+    prepare(cfg)
+    assert tree_digest(tmp_path / "data") == before
+
+
+def _bad_utf8(d):
+    (d / "doc_004.txt").write_bytes(b"ok \xc3\x28")
+    return str(d / "*.txt")
+
+
+def _empty(d):
+    (d / "doc_004.txt").write_bytes(b"")
+    return str(d / "*.txt")
+
+
+def _no_column(d):
+    (d / "rows.jsonl").write_text('{"body": "x"}\n')
+    return f"{d}/*.txt,{d}/rows.jsonl"
+
+
+def _too_few_for_val(d):
+    return str(d / "doc_000.txt")
+
+
+@pytest.mark.parametrize("make_bad_source, message", [
+    (_bad_utf8, r"doc_004.txt: not UTF-8: byte 0xc3 at offset 3"),
+    (_empty, r"doc_004.txt: empty file"),
+    (_no_column, r"rows.jsonl: no column 'text' \(data.text_column\); the columns are \['body'\]"),
+    (_too_few_for_val, r"data.val_fraction=0.25 puts none of the 1 documents in the val split"),
+])
+def test_bad_input_leaves_prepared_dir_untouched(tmp_path, make_bad_source, message):
+    cfg = config(tmp_path, write_txt(tmp_path / "in", DOCS))
+    prepare(cfg)
+    before = tree_digest(tmp_path / "data")
+    bad_source = make_bad_source(tmp_path / "in")
+    with pytest.raises(DataError, match=message):
+        prepare(dataclasses.replace(cfg, source=bad_source))
+    assert tree_digest(tmp_path / "data") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "in"]
+
+
+def test_val_split_empty_for_row_files_is_detected_after_reading(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    with pytest.raises(DataError, match=r"data.val_fraction=0.25 puts none of the 2 documents in the val split"):
+        prepare(config(tmp_path, str(tmp_path / "a.jsonl")))
+    assert not (tmp_path / "data").exists()
+
+
+def test_refuses_to_replace_a_foreign_directory(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match=r"holds files but no manifest.json"):
+        prepare(config(tmp_path, write_txt(tmp_path / "in", DOCS)))
+    assert (tmp_path / "data" / "notes.txt").read_text() == "mine"
+
+
+def test_cli(tmp_path, capsys):
+    source = write_txt(tmp_path / "in", DOCS)
+    argv = [f"--data.source={source}", f"--data.dir={tmp_path / 'data'}", "--data.val_fraction=0.25",
+            "--data.num_workers=1"]
+    assert run(main, argv) == 0
+    out = capsys.readouterr().out
+    assert "train: 15 documents," in out and "val: 5 documents," in out and "gpt2 (uint16) in" in out
+    assert run(main, argv + ["--force"]) == 0
+    assert run(main, [f"--data.source={tmp_path}/none/*.txt", f"--data.dir={tmp_path / 'other'}"]) == 2
+    assert "error: data.source: " in capsys.readouterr().err
+    assert run(main, ["--data.val_fraction=2"]) == 2
+    assert "error: data.val_fraction: must be in [0, 1)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    assert "--force" in capsys.readouterr().out

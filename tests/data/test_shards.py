@@ -1,0 +1,157 @@
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from lm.data.shards import (
+    HEADER_BYTES, DataError, ShardWriter, check_manifest, dtype_for_vocab, open_shard, read_header,
+    read_manifest, shard_name, write_manifest, write_shard,
+)
+
+
+def test_dtype_for_vocab():
+    assert dtype_for_vocab(50257) == np.uint16
+    assert dtype_for_vocab(65536) == np.uint16
+    assert dtype_for_vocab(65537) == np.uint32
+    assert dtype_for_vocab(100277) == np.uint32
+
+
+def test_shard_name():
+    assert shard_name("train", 3) == "train_00003.bin"
+
+
+@pytest.mark.parametrize("dtype, top", [(np.uint16, 65535), (np.uint32, 100276)])
+def test_round_trip(tmp_path, dtype, top):
+    tokens = np.array([0, 1, 50256, top, 7], dtype=dtype)
+    path = tmp_path / "train_00000.bin"
+    write_shard(path, tokens)
+    raw = path.read_bytes()
+    assert raw[:HEADER_BYTES] == b"LMTOKENS" + struct.pack("<IIQ", 1, np.dtype(dtype).itemsize, 5) + bytes(8)
+    assert len(raw) == 32 + 5 * np.dtype(dtype).itemsize
+    loaded = open_shard(path)
+    assert loaded.dtype == dtype
+    assert loaded.tolist() == [0, 1, 50256, top, 7]
+    assert not loaded.flags.writeable
+    assert [p.name for p in tmp_path.iterdir()] == ["train_00000.bin"]
+
+
+def test_writer_cuts_exact_shards(tmp_path):
+    writer = ShardWriter(tmp_path, "val", 4, np.uint16)
+    chunks = [np.arange(0, 3), np.arange(3, 4), np.arange(4, 13), np.arange(13, 13)]
+    for chunk in chunks:
+        writer.add(chunk.astype(np.uint16))
+    shards = writer.close()
+    assert shards == [
+        {"file": "val_00000.bin", "tokens": 4}, {"file": "val_00001.bin", "tokens": 4},
+        {"file": "val_00002.bin", "tokens": 4}, {"file": "val_00003.bin", "tokens": 1},
+    ]
+    assert np.concatenate([open_shard(tmp_path / s["file"]) for s in shards]).tolist() == list(range(13))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [s["file"] for s in shards]  # no .tmp left
+
+
+def test_writer_without_tokens_writes_nothing(tmp_path):
+    assert ShardWriter(tmp_path, "val", 4, np.uint16).close() == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_writer_rejects_other_dtype(tmp_path):
+    with pytest.raises(ValueError, match="expected uint16 tokens, got int64"):
+        ShardWriter(tmp_path, "train", 4, np.uint16).add(np.arange(3))
+
+
+def _corrupt(path, kind):
+    raw = bytearray(path.read_bytes())
+    if kind == "magic":
+        raw[:8] = b"NOTTOKEN"
+    elif kind == "version":
+        raw[8:12] = struct.pack("<I", 2)
+    elif kind == "itemsize":
+        raw[12:16] = struct.pack("<I", 3)
+    elif kind == "truncated":
+        raw = raw[:-1]
+    elif kind == "longer":
+        raw += b"\0\0"
+    elif kind == "headless":
+        raw = raw[:20]
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("magic", r"magic b'NOTTOKEN', expected b'LMTOKENS'"),
+    ("version", r"format version 2, expected 1"),
+    ("itemsize", r"3 bytes per token, expected 2 \(uint16\) or 4 \(uint32\)"),
+    ("truncated", r"file is 41 bytes, but its header \(5 tokens x 2 bytes\) implies 42"),
+    ("longer", r"file is 44 bytes, but its header \(5 tokens x 2 bytes\) implies 42"),
+    ("headless", r"20 bytes, shorter than the 32-byte shard header"),
+])
+def test_corrupt_shard_errors_name_the_file(tmp_path, kind, message):
+    path = tmp_path / "train_00000.bin"
+    write_shard(path, np.arange(5, dtype=np.uint16))
+    _corrupt(path, kind)
+    with pytest.raises(DataError, match=message) as err:
+        open_shard(path)
+    assert str(path) in str(err.value)
+
+
+def _prepared_dir(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    writer = ShardWriter(data, "train", 4, np.uint16)
+    writer.add(np.arange(10, dtype=np.uint16))
+    shards = writer.close()
+    manifest = {
+        "format_version": 1, "tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16", "eot_id": 50256,
+        "source": "x", "content_hash": "h",
+        "splits": {"train": {"documents": 1, "tokens": 10, "shards": shards},
+                   "val": {"documents": 0, "tokens": 0, "shards": []}},
+    }
+    write_manifest(data, manifest)
+    return data, manifest
+
+
+def test_manifest_round_trip(tmp_path):
+    data, manifest = _prepared_dir(tmp_path)
+    assert read_manifest(data) == manifest
+    assert read_header(data / "train_00002.bin") == (np.uint16, 2)
+
+
+def test_manifest_missing_dir(tmp_path):
+    with pytest.raises(DataError, match=r"data.dir: no directory .*nowhere'; run `python -m lm.prepare` first"):
+        read_manifest(tmp_path / "nowhere")
+
+
+def test_manifest_missing(tmp_path):
+    with pytest.raises(DataError, match=r"manifest.json: no manifest.*run `python -m lm.prepare` first"):
+        read_manifest(tmp_path)
+
+
+def test_manifest_unreadable(tmp_path):
+    data, _ = _prepared_dir(tmp_path)
+    (data / "manifest.json").write_text('{"format_version": 1, ')
+    with pytest.raises(DataError, match=r"manifest.json: unreadable manifest \(JSONDecodeError"):
+        read_manifest(data)
+
+
+def test_manifest_shard_missing(tmp_path):
+    data, _ = _prepared_dir(tmp_path)
+    (data / "train_00001.bin").unlink()
+    with pytest.raises(DataError, match=r"train_00001.bin: listed in .*manifest.json but missing"):
+        read_manifest(data)
+
+
+def test_manifest_shard_count_differs(tmp_path):
+    data, manifest = _prepared_dir(tmp_path)
+    manifest["splits"]["train"]["shards"][2]["tokens"] = 3
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"train_00002.bin: holds 2 uint16 tokens, but .* lists 3 uint16"):
+        read_manifest(data)
+
+
+def test_check_manifest(tmp_path):
+    data, manifest = _prepared_dir(tmp_path)
+    check_manifest(manifest, "gpt2", 50257, data)
+    with pytest.raises(DataError, match=r"prepared with tokenizer 'gpt2', but data.tokenizer='cl100k_base'"):
+        check_manifest(manifest, "cl100k_base", 100277, data)
+    with pytest.raises(DataError, match=r"prepared with vocab_size 50257, but model.vocab_size=50304"):
+        check_manifest(manifest, "gpt2", 50304, data)

@@ -1,0 +1,40 @@
+import logging
+
+import pytest
+
+from lm.cli import run
+from lm.sample import fit_prompt, main
+
+
+def sample(trained_run, capsys, *args):
+    assert run(main, ["--checkpoint", str(trained_run), "--max-new-tokens", "12", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_same_seed_same_text(trained_run, capsys):
+    a = sample(trained_run, capsys, "--prompt", "ROMEO:", "--seed", "3")
+    b = sample(trained_run, capsys, "--prompt", "ROMEO:", "--seed", "3")
+    c = sample(trained_run, capsys, "--prompt", "ROMEO:", "--seed", "4", "--temperature", "1.5")
+    assert a == b and a.startswith("ROMEO:") and len(a) > len("ROMEO:\n")
+    assert a != c
+
+
+def test_prompt_file_and_greedy(trained_run, capsys, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("KING:")
+    greedy = sample(trained_run, capsys, "--prompt-file", str(prompt), "--temperature", "0", "--seed", "1")
+    assert greedy == sample(trained_run, capsys, "--prompt", "KING:", "--temperature", "0", "--seed", "2")
+
+
+def test_long_prompt_keeps_its_tail(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert fit_prompt(list(range(40)), max_new_tokens=8, block_size=32) == list(range(16, 40))
+    assert "keeping its last 24" in caplog.text
+    assert fit_prompt([1, 2], 8, 32) == [1, 2]
+    with pytest.raises(ValueError, match="--max-new-tokens: 32 leaves no room"):
+        fit_prompt([1], 32, 32)
+
+
+def test_long_prompt_cli(trained_run, capsys):
+    out = sample(trained_run, capsys, "--prompt", "word " * 100)
+    assert out.startswith("word word")

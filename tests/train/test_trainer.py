@@ -1,0 +1,114 @@
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from lm.checkpoint import CheckpointError, complete_checkpoints, load_model_weights
+from lm.config import load_config
+from lm.distributed import init_distributed
+from lm.models.gpt import GPT
+from lm.train.trainer import Trainer, build_optimizer
+
+TINY = [
+    "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
+    "--data.seq_len=16", "--train.batch_size=4", "--train.micro_batch_size=2", "--train.device=cpu",
+    "--train.eval_every=3", "--train.eval_batches=2", "--log.every=1", "--log.tensorboard=false",
+    "--checkpoint.every=3", "--checkpoint.keep=5", "--optim.lr=3e-3", "--schedule.warmup_steps=2",
+]
+
+
+def tiny_config(data_dir, out_dir, *extra):
+    return load_config(None, TINY + [f"--data.dir={data_dir}", f"--train.out_dir={out_dir}", *extra])
+
+
+def train_losses(history):
+    return {row["step"]: row["train/loss"] for row in history if "train/loss" in row}
+
+
+def test_resume_continues_bit_for_bit(tiny_data_dir, tmp_path):
+    env = init_distributed("cpu")
+    full = Trainer(tiny_config(tiny_data_dir, tmp_path / "full", "--train.steps=6"), env).fit()
+    # A second run that starts from the full run's step-3 checkpoint must retrace steps 4..6 exactly.
+    resumed_dir = tmp_path / "resumed" / "checkpoints"
+    resumed_dir.mkdir(parents=True)
+    shutil.copytree(tmp_path / "full/checkpoints/step_00000003", resumed_dir / "step_00000003")
+    trainer = Trainer(tiny_config(tiny_data_dir, tmp_path / "resumed", "--train.steps=6"), env)
+    assert trainer.step == 3 and trainer.loader.state_dict()["position"] == 12
+    resumed = trainer.fit()
+    assert sorted(train_losses(resumed)) == [4, 5, 6]
+    for step, loss in train_losses(resumed).items():
+        assert loss == train_losses(full)[step]
+    cfg = tiny_config(tiny_data_dir, tmp_path / "x")
+    a, b = GPT(cfg.model), GPT(cfg.model)
+    load_model_weights(tmp_path / "full/checkpoints/step_00000006", a)
+    load_model_weights(tmp_path / "resumed/checkpoints/step_00000006", b)
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(pa, pb), name
+
+
+def test_run_directory_contents(tiny_data_dir, tmp_path):
+    out = tmp_path / "run"
+    history = Trainer(tiny_config(tiny_data_dir, out, "--train.steps=4", "--checkpoint.keep=1"),
+                      init_distributed("cpu")).fit()
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step_00000004"]  # keep=1
+    assert load_config(out / "config.yaml").train.steps == 4
+    assert load_config(out / "checkpoints/step_00000004/config.yaml").train.steps == 4
+    state = json.loads((out / "checkpoints/step_00000004/state.json").read_text())
+    assert state == {"step": 4, "tokens_seen": 4 * 4 * 16, "position": 16, "world_size": 1}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows if "val/loss" in r] == [3, 4]
+    assert rows[0]["train/ppl"] == pytest.approx(2.718281828 ** rows[0]["train/loss"], rel=1e-6)
+    assert history[-1]["val/loss"] == rows[-1]["val/loss"]
+
+
+def test_resume_modes(tiny_data_dir, tmp_path):
+    env = init_distributed("cpu")
+    with pytest.raises(CheckpointError, match="checkpoint.resume=required, but .* holds no complete checkpoint"):
+        Trainer(tiny_config(tiny_data_dir, tmp_path / "run", "--checkpoint.resume=required"), env)
+    Trainer(tiny_config(tiny_data_dir, tmp_path / "run", "--train.steps=3"), env).fit()
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    with pytest.raises(CheckpointError, match="checkpoint.resume=never, but .* already holds checkpoints"):
+        Trainer(tiny_config(tiny_data_dir, tmp_path / "run", "--checkpoint.resume=never"), env)
+    with pytest.raises(Exception, match="model.d_model: 32 -> 64"):
+        Trainer(tiny_config(tiny_data_dir, tmp_path / "run", "--model.d_model=64"), env)
+    assert before == {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+
+
+def test_no_weight_decay_on_biases_norms_embeddings():
+    cfg = load_config(None, ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=32"])
+    model = GPT(cfg.model)
+    decay, no_decay = build_optimizer(model, cfg, torch.device("cpu")).param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(names[id(p)].endswith("weight") and p.dim() == 2 for p in decay["params"])
+    assert {names[id(p)] for p in no_decay["params"]} >= {"wte.weight", "wpe.weight", "ln_f.weight"}
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_two_process_torchrun_loss_falls(tiny_data_dir, tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "lm.train", *TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}",
+           "--train.steps=24", "--train.batch_size=8", "--train.eval_every=12", "--checkpoint.every=12",
+           "--optim.lr=1e-2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert len(losses) == 24
+    assert sum(losses[-4:]) / 4 < 0.75 * sum(losses[:4]) / 4
+    assert "step 24/24 | loss" in result.stdout and "val ppl" in result.stdout
+    # each rank wrote its own shard, and no wrapper prefix leaked into the saved names
+    step_dir = out / "checkpoints/step_00000024"
+    assert {p.name for p in step_dir.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    keys = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata.keys()
+    assert "model.wte.weight" in keys
+    assert not [k for k in keys if "module." in k or "_orig_mod" in k]
+    assert json.loads((step_dir / "state.json").read_text())["world_size"] == 2
