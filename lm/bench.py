@@ -22,6 +22,7 @@ from lm.config import JobConfig, load_config
 from lm.data.loader import TokenLoader
 from lm.data.shards import ShardWriter, dtype_for_vocab, write_manifest
 from lm.models.gpt import GPT
+from lm.runtime import tune_cpu
 from lm.train.metrics import flops_per_token, peak_flops
 from lm.train.trainer import autocast_for, build_optimizer
 
@@ -102,7 +103,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
-        torch.set_flush_denormal(True)
+        tune_cpu()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"device: {name} | torch {torch.__version__}")
     print(f"{'preset':<11} {'mode':<8} {'batch x seq':>11} {'ms/step':>9} {'tokens/s':>10} "

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from lm.checkpoint import load_for_inference
 from lm.cli import run
+from lm.runtime import tune_cpu
 from lm.data.shards import DataError, open_shard, read_manifest
 from lm.tokenizer import load_tokenizer
 
@@ -102,6 +103,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        tune_cpu()
     model, cfg, step_dir = load_for_inference(args.checkpoint, device)
     seq_len = args.seq_len or cfg.data.seq_len
     if seq_len > cfg.model.block_size:

@@ -9,6 +9,7 @@ import torch
 
 from lm.checkpoint import load_for_inference
 from lm.cli import run
+from lm.runtime import tune_cpu
 from lm.data.shards import DataError
 from lm.models.generate import generate
 from lm.tokenizer import load_tokenizer
@@ -58,6 +59,8 @@ def main(argv: list[str]) -> int:
         parser.error(f"--temperature: must be >= 0, got {args.temperature}")
 
     device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        tune_cpu()
     model, cfg, step_dir = load_for_inference(args.checkpoint, device)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     text = read_prompt(args)

@@ -40,3 +40,22 @@ def tiny_data_dir(tiny_data_config) -> Path:
     Treat it as read-only: the whole session shares it."""
     prepare(tiny_data_config)
     return Path(tiny_data_config.dir)
+
+
+@pytest.fixture(scope="session")
+def trained_run(tiny_data_dir, tmp_path_factory) -> Path:
+    """A run directory holding a 2-layer, d=32 GPT trained for 4 steps on `tiny_data_dir` (block 32,
+    seq_len 16), with its final checkpoint at step 4. Read-only, shared by the session."""
+    from lm.config import load_config
+    from lm.distributed import init_distributed
+    from lm.train.trainer import Trainer
+
+    out = tmp_path_factory.mktemp("trained") / "run"
+    cfg = load_config(None, [
+        "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
+        "--data.seq_len=16", f"--data.dir={tiny_data_dir}", "--train.steps=4", "--train.batch_size=4",
+        "--train.micro_batch_size=2", "--train.device=cpu", "--train.eval_batches=2",
+        "--log.tensorboard=false", f"--train.out_dir={out}",
+    ])
+    Trainer(cfg, init_distributed("cpu")).fit()
+    return out

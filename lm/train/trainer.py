@@ -14,6 +14,7 @@ from lm.data.loader import TokenLoader, val_batches
 from lm.data.shards import check_manifest, read_manifest
 from lm.distributed import DistEnv, grad_sync, unwrap, wrap_ddp
 from lm.models.gpt import GPT
+from lm.runtime import tune_cpu
 from lm.train.metrics import MetricLogger, flops_per_token, peak_flops, perplexity
 from lm.train.schedule import lr_at
 
@@ -71,8 +72,7 @@ class Trainer:
         resume_from = self._find_resume()
 
         if env.device.type == "cpu":
-            # Denormal weights and gradients make CPU matmuls 10-20x slower after a few steps.
-            torch.set_flush_denormal(True)
+            tune_cpu()
         torch.manual_seed(cfg.train.seed)
         self.model = GPT(cfg.model).to(env.device)
         self.optimizer = build_optimizer(self.model, cfg, env.device)
