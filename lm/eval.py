@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seq-len", type=int, help="window length (default: the checkpoint's data.seq_len)")
     parser.add_argument("--stride", type=int, help="new tokens scored per window (default: seq_len // 2)")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, help="score at most this many tokens of each stream")
+    parser.add_argument("--max-tokens", type=int, help="read at most this many tokens, from the start of the data")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     args = parser.parse_args(argv)
 
@@ -123,7 +123,13 @@ def main(argv: list[str]) -> int:
             raise DataError(f"{data_dir}: the val split has no shards; prepare with data.val_fraction > 0")
         source = f"{data_dir} (val)"
     if args.max_tokens:
-        streams = [s[:args.max_tokens] for s in streams]
+        kept, left = [], args.max_tokens
+        for stream in streams:
+            if left < 2:
+                break
+            kept.append(stream[:left])
+            left -= len(kept[-1])
+        streams = kept
 
     total_nll, total_count = 0.0, 0
     with tqdm(total=sum(len(s) - 1 for s in streams), unit="tok", desc="eval", disable=None) as bar:

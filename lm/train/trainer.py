@@ -123,6 +123,9 @@ class Trainer:
         cfg, env = self.cfg, self.env
         history: list[dict] = []
         tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+        if self.step >= cfg.train.steps:
+            log.info("%s is already at step %d of train.steps=%d: nothing to train", self.out_dir, self.step,
+                     cfg.train.steps)
         window_start, window_steps = time.perf_counter(), 0
         while self.step < cfg.train.steps:
             lr = lr_at(self.step, cfg.optim.lr, cfg.schedule, cfg.train.steps)

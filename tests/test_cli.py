@@ -1,0 +1,45 @@
+import subprocess
+import sys
+
+import pytest
+
+from lm import bench, eval as eval_tool, prepare, sample
+from lm.cli import run
+from lm.train import __main__ as train_tool
+
+
+@pytest.mark.parametrize("tool", [prepare, train_tool, eval_tool, sample, bench])
+def test_every_tool_has_help(tool, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run(tool.main, ["--help"])
+    assert exit_.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_train_reports_missing_data_dir_in_one_line(tmp_path, capsys):
+    missing = tmp_path / "nowhere"
+    code = run(train_tool.main, ["--config", "configs/demo.yaml", f"--data.dir={missing}",
+                                 f"--train.out_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: data.dir: no directory") and str(missing) in err and "lm.prepare" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_manifest_tokenizer_mismatch(tiny_data_dir, tmp_path, capsys):
+    code = run(train_tool.main, [f"--data.dir={tiny_data_dir}", "--data.tokenizer=cl100k_base",
+                                 "--model.vocab_size=100277", f"--train.out_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "prepared with tokenizer 'gpt2', but data.tokenizer='cl100k_base'" in err
+
+
+def test_console_entry_point_runs_as_a_process():
+    result = subprocess.run([sys.executable, "-m", "lm", "train", "--model.n_layr=2"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: model.n_layr: unknown key; expected one of "
+        "['arch', 'bias', 'block_size', 'd_model', 'dropout', 'n_head', 'n_layer', 'vocab_size']"
+    ]
+    listing = subprocess.run([sys.executable, "-m", "lm", "--help"], capture_output=True, text=True, timeout=60)
+    assert listing.returncode == 0 and all(t in listing.stdout for t in ("prepare", "train", "eval", "sample", "bench"))
