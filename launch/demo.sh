@@ -8,5 +8,5 @@ cd "$(dirname "$0")/.."
 
 python -m lm.prepare --config configs/demo.yaml
 torchrun --standalone --nproc_per_node=2 -m lm.train --config configs/demo.yaml "$@"
-python -m lm.eval --checkpoint runs/demo --max-tokens 20000
+python -m lm.eval --checkpoint runs/demo --stride 128 --batch-size 16
 python -m lm.sample --checkpoint runs/demo --prompt "ROMEO:" --max-new-tokens 100 --seed 1

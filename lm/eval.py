@@ -149,7 +149,8 @@ def main(argv: list[str]) -> int:
         print(f"bits per byte: {total_nll / math.log(2) / n_bytes:.4f}")
     else:
         baseline = unigram_entropy(streams)
-        print(f"unigram baseline: {baseline:.4f} nats/token (perplexity {math.exp(baseline):.1f})")
+        print(f"unigram baseline: {baseline:.4f} nats/token (perplexity {math.exp(baseline):.1f}), "
+              "the best loss without context")
     return 0
 
 

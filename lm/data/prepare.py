@@ -5,8 +5,6 @@ memory stays bounded however large the corpus. The output is built in a sibling 
 in only when complete, so a crash or a bad input never harms shards that were already good.
 """
 
-from __future__ import annotations
-
 import collections
 import functools
 import hashlib
@@ -19,19 +17,16 @@ import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm import tqdm
 
+from lm.config import DataConfig
 from lm.data.corpora import Corpus, find_corpus
 from lm.data.shards import (
     FORMAT_VERSION, MANIFEST_NAME, DataError, ShardWriter, dtype_for_vocab, read_manifest, write_manifest,
 )
 from lm.tokenizer import load_tokenizer
-
-if TYPE_CHECKING:  # lm.config pulls in torch, which tokenizer worker processes should not pay for
-    from lm.config import DataConfig
 
 __all__ = ["is_val_document", "output_hash", "prepare"]
 

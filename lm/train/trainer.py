@@ -127,6 +127,7 @@ class Trainer:
             log.info("%s is already at step %d of train.steps=%d: nothing to train", self.out_dir, self.step,
                      cfg.train.steps)
         window_start, window_steps = time.perf_counter(), 0
+        window_loss = torch.zeros((), device=env.device)  # summed on device; read once per log line
         while self.step < cfg.train.steps:
             lr = lr_at(self.step, cfg.optim.lr, cfg.schedule, cfg.train.steps)
             for group in self.optimizer.param_groups:
@@ -135,10 +136,11 @@ class Trainer:
             self.step += 1
             self.tokens_seen += tokens_per_step
             window_steps += 1
+            window_loss += loss
             last = self.step == cfg.train.steps
             if self.step % cfg.log.every == 0 or last:
-                # One host sync per log line: the loss stays on device between logs.
-                loss_value = env.all_reduce_mean(loss).item()
+                # The mean over the steps since the last log line, and over ranks: one host sync per line.
+                loss_value = env.all_reduce_mean(window_loss / window_steps).item()
                 elapsed = time.perf_counter() - window_start
                 tok_s = window_steps * tokens_per_step / elapsed
                 flops_s = self.flops_per_token * tok_s / env.world_size
@@ -155,6 +157,8 @@ class Trainer:
                 ))
                 history.append({"step": self.step, **row})
                 window_start, window_steps = time.perf_counter(), 0
+                window_loss.zero_()
+            paused = time.perf_counter()
             if self.step % cfg.train.eval_every == 0 or last:
                 val_loss = self.evaluate()
                 val = {"val/loss": val_loss, "val/ppl": perplexity(val_loss)}
@@ -162,6 +166,7 @@ class Trainer:
                 history.append({"step": self.step, **val})
             if self.step % cfg.checkpoint.every == 0 or last:
                 self.save()
+            window_start += time.perf_counter() - paused  # throughput counts training time only
         self.metrics.close()
         return history
 
