@@ -1,0 +1,54 @@
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+from lm.distributed import grad_sync, init_distributed, unwrap, wrap_ddp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out: dict) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = init_distributed("cpu")
+    torch.manual_seed(0)
+    model = wrap_ddp(nn.Linear(3, 1, bias=False), env)
+    x = torch.full((1, 3), float(rank + 1))  # rank 0 sees 1s, rank 1 sees 2s
+    with grad_sync(model, sync=False):  # an accumulation micro-step: no all-reduce
+        model(x).sum().backward()
+    local = model.module.weight.grad.clone()
+    with grad_sync(model, sync=True):  # the last micro-step: all-reduce the accumulated sum
+        model(x).sum().backward()
+    out[rank] = (local, model.module.weight.grad.clone(), unwrap(model) is model.module,
+                 env.broadcast_object(f"from {rank}"))
+    env.close()
+    assert not dist.is_initialized()
+
+
+def test_accumulation_skips_all_reduce_until_the_last_micro_step():
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+        results = dict(out)
+    # micro-step 1 kept each rank's own gradient; after micro-step 2 both hold the mean of the sums
+    assert torch.equal(results[0][0], torch.full((1, 3), 1.0))
+    assert torch.equal(results[1][0], torch.full((1, 3), 2.0))
+    for rank in (0, 1):
+        assert torch.equal(results[rank][1], torch.full((1, 3), 3.0))  # ((1 + 1) + (2 + 2)) / 2
+        assert results[rank][2] is True
+        assert results[rank][3] == "from 0"
+
+
+def test_single_process_is_left_unwrapped():
+    env = init_distributed("cpu")
+    model = nn.Linear(2, 2)
+    assert env.world_size == 1 and wrap_ddp(model, env) is model
+    assert unwrap(torch.compile(model)) is model
