@@ -61,7 +61,7 @@ class SplitWindows:
                 f"{data_dir}: the {split} split is empty"
                 + ("; prepare with data.val_fraction > 0" if split == "val" else "")
             )
-        self.seq_len = seq_len
+        self.data_dir, self.split, self.seq_len = Path(data_dir), split, seq_len
         self.shards = [open_shard(Path(data_dir) / e["file"]) for e in entries]
         counts = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
         self.cum_counts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # (num_shards + 1,)
@@ -140,20 +140,21 @@ class TokenLoader:
 
 
 def val_batches(
-    data_dir: str | Path, seq_len: int, micro_batch: int, rank: int, world: int, max_batches: int
+    windows: SplitWindows, micro_batch: int, rank: int, world: int, max_batches: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Validation batches (x, y), each (micro_batch, T) int64, of the val split's windows in order.
+    """Validation batches (x, y), each (micro_batch, T) int64, of a split's windows in order.
 
     Batch b holds windows [b * micro_batch, (b + 1) * micro_batch); rank r takes batches r, r + world, ...
     Every rank yields the same number of full batches, min(max_batches, full batches // world), so
-    ranks that average their losses with a collective stay in step.
+    ranks that average their losses with a collective stay in step. `windows` is opened once by the
+    caller and reused for every evaluation.
     """
-    windows = SplitWindows(data_dir, "val", seq_len)
     per_rank = min(max_batches, windows.num_samples // micro_batch // world)
     if per_rank == 0:
         raise DataError(
-            f"{data_dir}: the val split has {windows.num_samples} windows of data.seq_len={seq_len}, fewer than "
-            f"train.micro_batch_size ({micro_batch}) x world size ({world}); prepare with a larger data.val_fraction"
+            f"{windows.data_dir}: the {windows.split} split has {windows.num_samples} windows of "
+            f"data.seq_len={windows.seq_len}, fewer than train.micro_batch_size ({micro_batch}) x world size "
+            f"({world}); prepare with a larger data.val_fraction"
         )
     starts = [(rank + i * world) * micro_batch for i in range(per_rank)]
     # a generator expression, so the checks above run when val_batches is called, not at first next()

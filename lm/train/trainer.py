@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from lm import checkpoint as ckpt
 from lm.config import ConfigError, JobConfig, save_config
-from lm.data.loader import TokenLoader, val_batches
+from lm.data.loader import SplitWindows, TokenLoader, val_batches
 from lm.data.shards import check_manifest, read_manifest
 from lm.distributed import DistEnv, grad_sync, unwrap, wrap_ddp
 from lm.models.gpt import GPT
@@ -80,6 +80,7 @@ class Trainer:
             cfg.data.dir, "train", cfg.data.seq_len, cfg.train.seed, env.rank, env.world_size,
             cfg.train.batch_size, cfg.train.micro_batch_size,
         )
+        self.val_windows = SplitWindows(cfg.data.dir, "val", cfg.data.seq_len)
         self.step = 0
         self.tokens_seen = 0
         if resume_from is not None:
@@ -194,8 +195,8 @@ class Trainer:
         model.eval()
         total = torch.zeros((), device=env.device)
         count = 0
-        for x, y in val_batches(cfg.data.dir, cfg.data.seq_len, cfg.train.micro_batch_size,
-                                env.rank, env.world_size, cfg.train.eval_batches):
+        for x, y in val_batches(self.val_windows, cfg.train.micro_batch_size, env.rank, env.world_size,
+                                cfg.train.eval_batches):
             with self.autocast:
                 _, loss = model(x.to(env.device), y.to(env.device))
             total += loss.float()

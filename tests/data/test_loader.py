@@ -142,25 +142,26 @@ def test_loader_errors(tmp_path, data_dir):
 
 def test_val_batches_are_sequential_and_strided_over_ranks(tmp_path):
     data = make_data_dir(tmp_path / "data", [9], val_lengths=(21, 20))  # val windows: 5 + 4 = 9
-    all_windows = SplitWindows(data, "val", T).read(np.arange(9))[0][:, 0].tolist()
-    single = firsts(val_batches(data, T, 2, 0, 1, 10))
+    val = SplitWindows(data, "val", T)
+    all_windows = val.read(np.arange(9))[0][:, 0].tolist()
+    single = firsts(val_batches(val, 2, 0, 1, 10))
     assert single == all_windows[:8]  # 4 full batches of 2; the last window does not fill a batch
-    rank0, rank1 = (firsts(val_batches(data, T, 2, r, 2, 10)) for r in range(2))
+    rank0, rank1 = (firsts(val_batches(val, 2, r, 2, 10)) for r in range(2))
     assert rank0 == all_windows[0:2] + all_windows[4:6]
     assert rank1 == all_windows[2:4] + all_windows[6:8]
-    assert firsts(val_batches(data, T, 2, 1, 2, 1)) == all_windows[2:4]
-    x, y = next(val_batches(data, T, 2, 0, 1, 1))
+    assert firsts(val_batches(val, 2, 1, 2, 1)) == all_windows[2:4]
+    x, y = next(val_batches(val, 2, 0, 1, 1))
     assert x.shape == (2, T) and torch.equal(x[:, 1:], y[:, :-1])
 
 
 def test_val_batch_errors(tmp_path):
     empty = make_data_dir(tmp_path / "empty", [9], val_lengths=())
     with pytest.raises(DataError, match=r"the val split is empty; prepare with data.val_fraction > 0"):
-        val_batches(empty, T, 2, 0, 1, 10)
+        SplitWindows(empty, "val", T)
     small = make_data_dir(tmp_path / "small", [9], val_lengths=(9,))
     message = r"val split has 2 windows of data.seq_len=4, fewer than .* \(2\) x world size \(2\)"
     with pytest.raises(DataError, match=message):
-        val_batches(small, T, 2, 0, 2, 10)
+        val_batches(SplitWindows(small, "val", T), 2, 0, 2, 10)
 
 
 def test_on_prepared_data(tiny_data_dir):
@@ -169,4 +170,4 @@ def test_on_prepared_data(tiny_data_dir):
     (x, y), _ = train.next_batch()
     assert x.shape == (4, 16) and int(x.max()) <= 50256
     assert torch.equal(x[:, 1:], y[:, :-1])
-    assert len(list(val_batches(tiny_data_dir, 16, 4, 0, 1, 1000))) == 355 // 4
+    assert len(list(val_batches(SplitWindows(tiny_data_dir, "val", 16), 4, 0, 1, 1000))) == 355 // 4

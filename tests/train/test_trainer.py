@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from lm import eval as eval_tool, sample
 from lm.checkpoint import CheckpointError, complete_checkpoints, load_model_weights
+from lm.cli import run
 from lm.config import load_config
 from lm.distributed import init_distributed
 from lm.models.gpt import GPT
@@ -91,7 +93,7 @@ def test_no_weight_decay_on_biases_norms_embeddings():
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
-def test_two_process_torchrun_loss_falls(tiny_data_dir, tmp_path):
+def test_two_process_torchrun_loss_falls(tiny_data_dir, tmp_path, capsys):
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "lm.train", *TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}",
@@ -112,3 +114,8 @@ def test_two_process_torchrun_loss_falls(tiny_data_dir, tmp_path):
     assert "model.wte.weight" in keys
     assert not [k for k in keys if "module." in k or "_orig_mod" in k]
     assert json.loads((step_dir / "state.json").read_text())["world_size"] == 2
+    # a checkpoint written by 2 ranks loads whole on one process, for sampling and evaluation
+    assert run(sample.main, ["--checkpoint", str(out), "--max-new-tokens", "5", "--prompt", "KING:"]) == 0
+    assert run(eval_tool.main, ["--checkpoint", str(out), "--max-tokens", "100"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("KING:") and "tokens scored: 99" in printed
