@@ -119,3 +119,17 @@ def test_two_process_torchrun_loss_falls(tiny_data_dir, tmp_path, capsys):
     assert run(eval_tool.main, ["--checkpoint", str(out), "--max-tokens", "100"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("KING:") and "tokens scored: 99" in printed
+
+
+def test_tensorboard_receives_the_logged_scalars(tiny_data_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb_run"
+    Trainer(tiny_config(tiny_data_dir, out, "--train.steps=2", "--log.tensorboard=true"), init_distributed("cpu")).fit()
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/ppl", "train/lr", "train/grad_norm", "perf/tokens_per_s", "val/loss", "val/ppl"} <= tags
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert events.Scalars("val/loss")[0].value == pytest.approx(rows[-1]["val/loss"], rel=1e-6)
