@@ -24,14 +24,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import yaml
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
-from lm.config import ConfigError, JobConfig, save_config
+from lm.config import ConfigError, JobConfig, load_config, save_config
 from lm.distributed.env import DistEnv
 
 log = logging.getLogger(__name__)
@@ -80,8 +75,6 @@ def read_state(path: Path) -> dict:
 
 def read_config(path: Path) -> JobConfig:
     """The config a checkpoint was written with, validated like any other config."""
-    from lm.config import load_config
-
     return load_config(path / "config.yaml")
 
 
@@ -143,7 +136,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 def load_model_weights(path: Path, model: nn.Module) -> None:
     """Load only the model weights of a checkpoint saved at any world size, on one process."""
-    model_sd = get_model_state_dict(model, options=StateDictOptions())
+    model_sd = get_model_state_dict(model)
     dcp.load({"model": model_sd}, checkpoint_id=path)
     model.load_state_dict(model_sd)
 
