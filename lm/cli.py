@@ -1,7 +1,6 @@
 """What every command-line tool shares: logging setup and turning known errors into one clear line."""
 
 import logging
-import os
 import sys
 from collections.abc import Callable
 
@@ -9,10 +8,9 @@ from lm.models.config import ConfigError
 
 
 def setup_logging() -> None:
-    """INFO on rank 0, warnings only on other ranks, so a multi-process run prints one log."""
-    rank = int(os.environ.get("RANK", "0"))
+    """INFO to stdout; `init_distributed` lowers other ranks to warnings, so a run prints one log."""
     logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
+        level=logging.INFO,
         format="%(asctime)s %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stdout,

@@ -69,6 +69,8 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistEnv:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = _pick_device(device, local_rank)
+    if rank != 0:  # one log for the whole run: other ranks report only warnings and errors
+        logging.getLogger().setLevel(logging.WARNING)
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(
