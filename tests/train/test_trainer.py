@@ -133,3 +133,14 @@ def test_tensorboard_receives_the_logged_scalars(tiny_data_dir, tmp_path):
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert events.Scalars("val/loss")[0].value == pytest.approx(rows[-1]["val/loss"], rel=1e-6)
+
+
+def test_compiled_training_matches_eager_and_saves_bare_names(tiny_data_dir, tmp_path):
+    env = init_distributed("cpu")
+    eager = Trainer(tiny_config(tiny_data_dir, tmp_path / "eager", "--train.steps=2"), env).fit()
+    compiled = Trainer(tiny_config(tiny_data_dir, tmp_path / "compiled", "--train.steps=2", "--train.compile=true"),
+                       env).fit()
+    for step, loss in train_losses(eager).items():
+        assert train_losses(compiled)[step] == pytest.approx(loss, rel=1e-4)
+    keys = dcp.FileSystemReader(str(tmp_path / "compiled/checkpoints/step_00000002")).read_metadata().state_dict_metadata
+    assert "model.wte.weight" in keys and not [k for k in keys if "_orig_mod" in k]
