@@ -20,7 +20,7 @@ import torch
 from lm.cli import run
 from lm.config import JobConfig, load_config
 from lm.data.loader import TokenLoader
-from lm.data.shards import ShardWriter, dtype_for_vocab, write_manifest
+from lm.data.shards import ShardWriter, dtype_for_vocab, new_manifest, write_manifest
 from lm.models.gpt import GPT
 from lm.runtime import tune_cpu
 from lm.train.metrics import flops_per_token, peak_flops
@@ -81,9 +81,7 @@ def bench_loader(cfg: JobConfig, micro_batch: int, steps: int) -> dict:
         val.add(rng.integers(0, cfg.model.vocab_size, 100_000, dtype=np.int64).astype(dtype))
         splits = {name: {"documents": 1, "tokens": sum(s["tokens"] for s in shards), "shards": shards}
                   for name, shards in (("train", train), ("val", val.close()))}
-        write_manifest(tmp, {"format_version": 1, "tokenizer": cfg.data.tokenizer,
-                             "vocab_size": cfg.model.vocab_size, "dtype": str(dtype), "eot_id": 0,
-                             "source": "synthetic", "content_hash": "", "splits": splits})
+        write_manifest(tmp, new_manifest(cfg.data.tokenizer, cfg.model.vocab_size, 0, "synthetic", "", splits))
         loader = TokenLoader(tmp, "train", cfg.data.seq_len, 0, 0, 1, micro_batch * 4, micro_batch)
         loader.next_batch()  # first touch of the permutation and page cache
         start = time.perf_counter()

@@ -24,7 +24,8 @@ from tqdm import tqdm
 from lm.config import DataConfig
 from lm.data.corpora import Corpus, find_corpus
 from lm.data.shards import (
-    FORMAT_VERSION, MANIFEST_NAME, DataError, ShardWriter, dtype_for_vocab, read_manifest, write_manifest,
+    FORMAT_VERSION, MANIFEST_NAME, DataError, ShardWriter, dtype_for_vocab, new_manifest, read_manifest,
+    write_manifest,
 )
 from lm.tokenizer import load_tokenizer
 
@@ -73,11 +74,7 @@ def prepare(cfg: DataConfig, force: bool = False) -> dict:
     tmp.mkdir(parents=True)
     try:
         splits = _tokenize(corpus, cfg, tmp, dtype_for_vocab(enc.n_vocab))
-        manifest = {
-            "format_version": FORMAT_VERSION, "tokenizer": cfg.tokenizer, "vocab_size": enc.n_vocab,
-            "dtype": dtype_for_vocab(enc.n_vocab).name, "eot_id": enc.eot_token, "source": cfg.source,
-            "content_hash": content_hash, "splits": splits,
-        }
+        manifest = new_manifest(cfg.tokenizer, enc.n_vocab, enc.eot_token, cfg.source, content_hash, splits)
         write_manifest(tmp, manifest)
         _swap_in(tmp, out)
     finally:

@@ -21,7 +21,7 @@ import numpy as np
 
 __all__ = [
     "FORMAT_VERSION", "HEADER_BYTES", "MANIFEST_NAME", "DataError", "ShardWriter", "check_manifest",
-    "dtype_for_vocab", "open_shard", "read_header", "read_manifest", "shard_name", "write_manifest",
+    "dtype_for_vocab", "new_manifest", "open_shard", "read_header", "read_manifest", "shard_name", "write_manifest",
     "write_shard",
 ]
 
@@ -144,6 +144,17 @@ def open_shard(path: str | Path) -> np.memmap:
     """Map a validated shard read-only; returns its tokens (count,) as uint16|uint32."""
     dtype, count = read_header(path)
     return np.memmap(path, dtype=dtype.newbyteorder("<"), mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def new_manifest(
+    tokenizer: str, vocab_size: int, eot_id: int, source: str, content_hash: str, splits: dict[str, dict]
+) -> dict:
+    """The manifest.json contents; `splits` maps train/val to {"documents", "tokens", "shards"}."""
+    return {
+        "format_version": FORMAT_VERSION, "tokenizer": tokenizer, "vocab_size": vocab_size,
+        "dtype": dtype_for_vocab(vocab_size).name, "eot_id": eot_id, "source": source,
+        "content_hash": content_hash, "splits": splits,
+    }
 
 
 def write_manifest(data_dir: str | Path, manifest: dict) -> None:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from lm.data.loader import SplitWindows, TokenLoader, locate, rank_slice, sample_id_at, sample_order, val_batches
-from lm.data.shards import DataError, write_manifest, write_shard
+from lm.data.shards import DataError, new_manifest, write_manifest, write_shard
 
 T = 4
 
@@ -21,8 +21,7 @@ def make_data_dir(path, train_lengths, val_lengths=(9,)):
             shards.append({"file": name, "tokens": n})
             offset += n
         splits[split] = {"documents": 1, "tokens": sum(lengths), "shards": shards}
-    write_manifest(path, {"format_version": 1, "tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16",
-                          "eot_id": 50256, "source": "test", "content_hash": "", "splits": splits})
+    write_manifest(path, new_manifest("gpt2", 50257, 50256, "test", "", splits))
     return path
 
 

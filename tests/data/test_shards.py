@@ -6,7 +6,7 @@ import pytest
 
 from lm.data.shards import (
     HEADER_BYTES, DataError, ShardWriter, check_manifest, dtype_for_vocab, open_shard, read_header,
-    read_manifest, shard_name, write_manifest, write_shard,
+    new_manifest, read_manifest, shard_name, write_manifest, write_shard,
 )
 
 
@@ -100,12 +100,10 @@ def _prepared_dir(tmp_path):
     writer = ShardWriter(data, "train", 4, np.uint16)
     writer.add(np.arange(10, dtype=np.uint16))
     shards = writer.close()
-    manifest = {
-        "format_version": 1, "tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16", "eot_id": 50256,
-        "source": "x", "content_hash": "h",
-        "splits": {"train": {"documents": 1, "tokens": 10, "shards": shards},
-                   "val": {"documents": 0, "tokens": 0, "shards": []}},
-    }
+    manifest = new_manifest("gpt2", 50257, 50256, "x", "h", {
+        "train": {"documents": 1, "tokens": 10, "shards": shards},
+        "val": {"documents": 0, "tokens": 0, "shards": []},
+    })
     write_manifest(data, manifest)
     return data, manifest
 
