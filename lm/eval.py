@@ -107,9 +107,11 @@ def main(argv: list[str]) -> int:
         tune_cpu()
     model, cfg, step_dir = load_for_inference(args.checkpoint, device)
     seq_len = args.seq_len or cfg.data.seq_len
-    if seq_len > cfg.model.block_size:
-        raise DataError(f"--seq-len: {seq_len} exceeds the model's block_size {cfg.model.block_size}")
+    if not 0 < seq_len <= cfg.model.block_size:
+        parser.error(f"--seq-len: must be in [1, {cfg.model.block_size}] (the model's block_size), got {seq_len}")
     stride = args.stride or max(1, seq_len // 2)
+    if not 0 < stride <= seq_len:
+        parser.error(f"--stride: must be in [1, {seq_len}] (the window length), got {stride}")
 
     n_bytes = None
     if args.text is not None:

@@ -57,6 +57,9 @@ def main(argv: list[str]) -> int:
         parser.error(f"--top-p: must be in (0, 1], got {args.top_p}")
     if args.temperature < 0:
         parser.error(f"--temperature: must be >= 0, got {args.temperature}")
+    for flag in ("top_k", "max_new_tokens", "num_samples"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")
 
     device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
     if device.type == "cpu":

@@ -89,3 +89,11 @@ def test_unigram_entropy_by_hand():
     # the first token of each stream is context only, as in scoring
     assert unigram_entropy([np.array([5, 0, 0]), np.array([9, 1, 1])]) == pytest.approx(math.log(2))
     assert unigram_entropy([np.array([3, 7, 7, 7])]) == 0.0
+
+
+@pytest.mark.parametrize("flags, message", [(["--stride", "17"], "--stride: must be in [1, 16]"),
+                                            (["--seq-len", "64"], "--seq-len: must be in [1, 32]")])
+def test_cli_bad_window_flags(trained_run, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_:
+        run(main, ["--checkpoint", str(trained_run), *flags])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -38,3 +38,13 @@ def test_long_prompt_keeps_its_tail(caplog):
 def test_long_prompt_cli(trained_run, capsys):
     out = sample(trained_run, capsys, "--prompt", "word " * 100)
     assert out.startswith("word word")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--top-k", "0"], "--top-k: must be at least 1"), (["--max-new-tokens", "-1"], "--max-new-tokens: must be at least 1"),
+    (["--top-p", "1.5"], "--top-p: must be in (0, 1]"), (["--temperature", "-1"], "--temperature: must be >= 0"),
+])
+def test_bad_flags_are_usage_errors(trained_run, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_:
+        run(main, ["--checkpoint", str(trained_run), *flags])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
