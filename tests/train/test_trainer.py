@@ -138,8 +138,9 @@ def test_tensorboard_receives_the_logged_scalars(tiny_data_dir, tmp_path):
 def test_compiled_training_matches_eager_and_saves_bare_names(tiny_data_dir, tmp_path):
     env = init_distributed("cpu")
     eager = Trainer(tiny_config(tiny_data_dir, tmp_path / "eager", "--train.steps=2"), env).fit()
-    compiled = Trainer(tiny_config(tiny_data_dir, tmp_path / "compiled", "--train.steps=2", "--train.compile=true"),
-                       env).fit()
+    trainer = Trainer(tiny_config(tiny_data_dir, tmp_path / "compiled", "--train.steps=2", "--train.compile=true"), env)
+    assert hasattr(trainer.train_model, "_orig_mod")  # really compiled, so the names below prove the unwrapping
+    compiled = trainer.fit()
     for step, loss in train_losses(eager).items():
         assert train_losses(compiled)[step] == pytest.approx(loss, rel=1e-4)
     keys = dcp.FileSystemReader(str(tmp_path / "compiled/checkpoints/step_00000002")).read_metadata().state_dict_metadata
