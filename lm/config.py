@@ -5,6 +5,7 @@ the command line. Unknown keys, wrong types and impossible values raise `ConfigE
 """
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import asdict, dataclass, field
@@ -217,7 +218,9 @@ def _build(cls: type, values: dict, prefix: str) -> object:
     known = {f.name for f in dataclasses.fields(cls)}
     for key in values:
         if key not in known:
-            raise ConfigError(f"{prefix}{key}: unknown key; expected one of {sorted(known)}")
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"{prefix}{key}: unknown key; {hint}expected one of {sorted(known)}")
     kwargs = {}
     for name, value in values.items():
         kind = hints[name]

@@ -38,8 +38,10 @@ def test_console_entry_point_runs_as_a_process():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: model.n_layr: unknown key; expected one of "
-        "['arch', 'bias', 'block_size', 'd_model', 'dropout', 'n_head', 'n_layer', 'vocab_size']"
+        "error: model.n_layr: unknown key; did you mean 'n_layer'? expected one of "
+        "['arch', 'bias', 'block_size', 'd_ff', 'd_model', 'dropout', 'mlp', 'n_head', 'n_kv_head', "
+        "'n_layer', 'n_sentinels', 'norm', 'norm_eps', 'norm_position', 'pos', 'rope_theta', "
+        "'share_embeddings', 'tie_embeddings', 'vocab_size']"
     ]
     listing = subprocess.run([sys.executable, "-m", "lm", "--help"], capture_output=True, text=True, timeout=60)
     assert listing.returncode == 0 and all(t in listing.stdout for t in ("prepare", "train", "eval", "sample", "bench"))

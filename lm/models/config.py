@@ -1,9 +1,20 @@
 """Model hyperparameters, shared by the model code and the job config.
 
 Lives beside the models (not in `lm.config`) so model files import only model code.
+
+The defaults are GPT-2. A Llama-style decoder sets `pos: rope`, `norm: rmsnorm`, `mlp: swiglu`,
+`bias: false` and optionally `n_kv_head` (grouped-query attention). `arch: encdec` is the encoder-decoder
+of "Attention Is All You Need" (with `pos: sinusoidal`), trained by span corruption: its vocabulary is
+the tokenizer's plus `n_sentinels` sentinel ids plus one padding id.
 """
 
 from dataclasses import dataclass
+
+ARCHS = ("gpt", "encdec")
+POSITIONS = ("learned", "sinusoidal", "rope")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "relu", "swiglu")
+NORM_POSITIONS = ("pre", "post")
 
 
 class ConfigError(ValueError):
@@ -13,39 +24,110 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     arch: str = "gpt"
-    """Model family: gpt (decoder-only)."""
+    """Model family: gpt (decoder-only) or encdec (encoder-decoder, span-corruption pretraining)."""
     vocab_size: int = 50257
     """Tokenizer vocabulary size (the embedding is padded up to a multiple of 64)."""
     block_size: int = 1024
-    """Longest sequence the learned position table covers."""
+    """Longest sequence the model takes (for encdec: the longest source and the longest target)."""
     n_layer: int = 12
-    """Number of transformer blocks."""
+    """Number of transformer blocks (for encdec: in the encoder, and as many in the decoder)."""
     n_head: int = 12
-    """Attention heads per block."""
+    """Attention (query) heads per block."""
+    n_kv_head: int = 0
+    """Key/value heads (grouped-query attention); 0 means n_head, i.e. ordinary multi-head attention."""
     d_model: int = 768
     """Residual stream width."""
+    d_ff: int = 0
+    """Feed-forward hidden width; 0 means 4 * d_model (gelu, relu) or 8/3 * d_model rounded up to 64 (swiglu)."""
     dropout: float = 0.0
     """Dropout on attention weights, residual branches and embeddings."""
     bias: bool = True
-    """Biases in linear layers and LayerNorms, as in GPT-2."""
+    """Biases in linear layers and LayerNorms, as in GPT-2; Llama has none."""
+    pos: str = "learned"
+    """Positions: learned (GPT-2 table), sinusoidal (fixed, as in the original transformer) or rope (rotary, gpt only)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies."""
+    norm: str = "layernorm"
+    """Normalisation: layernorm or rmsnorm."""
+    norm_eps: float = 1e-5
+    """Epsilon of every norm."""
+    norm_position: str = "pre"
+    """pre: norm before each sublayer, plus a final norm (GPT-2, stabler); post: norm after each residual add (original)."""
+    mlp: str = "gelu"
+    """Feed-forward: gelu (tanh approximation, GPT-2), relu (original transformer) or swiglu (Llama)."""
+    tie_embeddings: bool = True
+    """Output head shares its weight with the (target) token embedding."""
+    share_embeddings: bool = True
+    """encdec: encoder and decoder share one token embedding."""
+    n_sentinels: int = 100
+    """encdec: sentinel ids appended to the vocabulary for span corruption."""
 
     def __post_init__(self) -> None:
-        if self.arch != "gpt":
-            raise ConfigError(f"model.arch: unknown architecture {self.arch!r}; expected 'gpt'")
-        for key in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
+        for key, allowed in (("arch", ARCHS), ("pos", POSITIONS), ("norm", NORMS), ("mlp", MLPS),
+                             ("norm_position", NORM_POSITIONS)):
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"model.{key}: unknown value {getattr(self, key)!r}; expected one of {list(allowed)}")
+        for key in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "rope_theta", "norm_eps"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"model.{key}: must be positive, got {getattr(self, key)}")
+        for key in ("n_kv_head", "d_ff"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"model.{key}: must be >= 0 (0 picks the default), got {getattr(self, key)}")
         if self.d_model % self.n_head:
             raise ConfigError(
                 f"model.d_model: {self.d_model} is not divisible by model.n_head={self.n_head}"
             )
+        if self.n_head % self.kv_heads:
+            raise ConfigError(
+                f"model.n_kv_head: {self.n_kv_head} does not divide model.n_head={self.n_head}; "
+                "each key/value head must serve the same number of query heads"
+            )
+        if self.pos == "rope" and self.head_dim % 2:
+            raise ConfigError(f"model.pos: rope needs an even head size, got d_model/n_head = {self.head_dim}")
+        if self.arch == "encdec":
+            if self.pos == "rope":
+                raise ConfigError("model.pos: rope is for arch gpt; encdec takes sinusoidal (as in the paper) or learned")
+            if self.n_sentinels < 1:
+                raise ConfigError(f"model.n_sentinels: encdec needs at least 1 sentinel id, got {self.n_sentinels}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout: must be in [0, 1), got {self.dropout}")
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads actually used (n_kv_head, or n_head when it is 0)."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def ff_dim(self) -> int:
+        """Feed-forward hidden width actually used."""
+        if self.d_ff:
+            return self.d_ff
+        if self.mlp == "swiglu":
+            # Llama's choice: 2/3 of 4d keeps the parameter count of a 4d two-matrix MLP with three matrices.
+            return (8 * self.d_model // 3 + 63) // 64 * 64
+        return 4 * self.d_model
+
+    @property
+    def total_vocab_size(self) -> int:
+        """Ids the model knows: the tokenizer's, then (encdec) the sentinels, then one padding id."""
+        if self.arch == "encdec":
+            return self.vocab_size + self.n_sentinels + 1
+        return self.vocab_size
+
+    @property
     def padded_vocab_size(self) -> int:
-        """Embedding rows: vocab_size rounded up to a multiple of 64 for efficient matmuls."""
-        return (self.vocab_size + 63) // 64 * 64
+        """Embedding rows: total_vocab_size rounded up to a multiple of 64 for efficient matmuls."""
+        return (self.total_vocab_size + 63) // 64 * 64
+
+    @property
+    def sentinel_start(self) -> int:
+        """encdec: id of sentinel 0; sentinel i is sentinel_start + i."""
+        return self.vocab_size
+
+    @property
+    def pad_id(self) -> int:
+        """encdec: the padding id, also the decoder's start token (as in T5)."""
+        return self.vocab_size + self.n_sentinels
 
     @property
     def head_dim(self) -> int:
