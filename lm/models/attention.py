@@ -1,7 +1,7 @@
-"""Multi-head self-attention on top of torch's fused `scaled_dot_product_attention` (SDPA).
+"""Attention layers on top of torch's fused `scaled_dot_product_attention` (SDPA).
 
-`attend` is the one place SDPA is called, so every attention variant shares the same kernel choice;
-`CausalSelfAttention` is the decoder layer, with an optional KV cache for incremental decoding.
+`attend` is the one place SDPA is called, so every attention variant (decoder self-attention, encoder
+self-attention, cross-attention; multi-head or grouped-query) shares the same kernel choice.
 """
 
 import torch
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from lm.models.config import ModelConfig
 from lm.models.kv_cache import LayerKVCache
+from lm.models.layers import apply_rope
 
 
 def attend(
@@ -23,12 +24,15 @@ def attend(
 ) -> torch.Tensor:
     """Attention of T queries over S keys, heads merged back into the channel dimension.
 
-    q: (B, nh, T, hs); k, v: (B, nh, S, hs); mask: boolean, broadcastable to (B, nh, T, S), True where a
-    query may attend to a key. `is_causal` aligns the causal triangle to the top-left, so it is only
-    right when T == S. Returns (B, T, nh * hs).
+    q: (B, nh, T, hs); k, v: (B, nkv, S, hs) where nkv divides nh (grouped-query attention when
+    nkv < nh: each key/value head serves nh / nkv query heads). mask: boolean, broadcastable to
+    (B, nh, T, S), True where a query may attend to a key. `is_causal` aligns the causal triangle to the
+    top-left, so it is only right when T == S. Returns (B, T, nh * hs).
     """
     B, nh, T, hs = q.shape
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+    y = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=k.size(1) != nh
+    )
     return y.transpose(1, 2).reshape(B, T, nh * hs)
 
 
@@ -39,31 +43,55 @@ def causal_mask(num_queries: int, start: int, device: torch.device | None = None
     return key_pos[None, :] <= query_pos[:, None]
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with one fused projection for queries, keys and values."""
+def key_padding_mask(keep: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, S) bool, True for real tokens -> (B, 1, 1, S), broadcast over heads and queries; None stays None."""
+    return None if keep is None else keep[:, None, None, :]
 
-    def __init__(self, cfg: ModelConfig) -> None:
+
+class SelfAttention(nn.Module):
+    """Multi-head (or grouped-query) self-attention, causal for decoders, with one fused q/k/v projection.
+
+    The fused projection's output rows are [q heads; k heads; v heads], as in GPT-2's c_attn.
+    """
+
+    def __init__(self, cfg: ModelConfig, causal: bool) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
+        self.causal = causal
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.dropout = cfg.dropout
         # One matmul for q, k and v instead of three keeps the GPU busy with fewer, larger kernels.
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
-        """x: (B, T, C) -> (B, T, C). With a cache, x holds the T positions after those already cached."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: LayerKVCache | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x: (B, T, C) -> (B, T, C).
+
+        rope: (cos, sin) of the T positions, each (T, hs), or None without rotary positions. With a
+        cache (causal only), x holds the T positions after those already cached. mask: key padding,
+        (B, 1, 1, T) bool (non-causal only), or None when nothing is padded.
+        """
         B, T, C = x.shape
-        qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, T, hs)
+        qkv = self.qkv(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)  # (B, nh|nkv, T, hs)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
 
         start = 0
         if cache is not None:
             start = cache.length
-            k, v = cache.append(k, v)  # (B, nh, start + T, hs)
+            k, v = cache.append(k, v)  # (B, nkv, start + T, hs)
 
         dropout_p = self.dropout if self.training else 0.0
-        if start == 0:
+        if not self.causal:
+            y = attend(q, k, v, mask=mask, dropout_p=dropout_p)
+        elif start == 0:
             y = attend(q, k, v, is_causal=True, dropout_p=dropout_p)
         elif T == 1:
             # A single new token comes after every cached one, so it may see all keys: no mask needed.
@@ -72,4 +100,35 @@ class CausalSelfAttention(nn.Module):
             # T new queries after a non-empty cache: the causal triangle sits bottom-right, which
             # is_causal (top-left aligned) would get wrong.
             y = attend(q, k, v, mask=causal_mask(T, start, x.device), dropout_p=dropout_p)
+        return self.resid_drop(self.proj(y))
+
+
+class CrossAttention(nn.Module):
+    """Decoder queries attend to the encoder's output (the memory); keys/values come from the memory only,
+    so during decoding they are projected once (`memory_kv`) and reused for every new token."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.dropout = cfg.dropout
+        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.kv = nn.Linear(cfg.d_model, 2 * cfg.kv_heads * cfg.head_dim, bias=cfg.bias)  # rows [k; v]
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def memory_kv(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the memory (B, S, C): each (B, nkv, S, hs)."""
+        B, S, _ = memory.shape
+        kv = self.kv(memory).view(B, S, 2 * self.n_kv_head, self.head_dim).transpose(1, 2)
+        k, v = kv.chunk(2, dim=1)
+        return k, v
+
+    def forward(
+        self, x: torch.Tensor, memory_kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x: (B, T, C) -> (B, T, C). mask: memory padding, (B, 1, 1, S) bool, or None."""
+        B, T, C = x.shape
+        q = self.q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k, v = memory_kv
+        y = attend(q, k, v, mask=mask, dropout_p=self.dropout if self.training else 0.0)
         return self.resid_drop(self.proj(y))

@@ -1,11 +1,12 @@
-"""GPT-2: a decoder-only transformer language model.
+"""GPT: a decoder-only transformer language model, GPT-2 by default and Llama-style by options.
 
-Token and learned position embeddings feed n_layer pre-LayerNorm blocks (attention, then an MLP, each
-added back to the residual stream); a final LayerNorm and an output head tied to the token embedding
-give logits over the (padded) vocabulary.
+Token embeddings (plus learned or sinusoidal positions, or rotary positions inside attention) feed
+n_layer causal blocks; a final norm (pre-norm models) and an output head, tied to the token embedding by
+default, give logits over the (padded) vocabulary. `pos: rope`, `norm: rmsnorm`, `mlp: swiglu`,
+`n_kv_head` and `bias: false` together make a Llama block.
 
 References: Radford et al. 2019, "Language Models are Unsupervised Multitask Learners";
-Vaswani et al. 2017, "Attention Is All You Need".
+Vaswani et al. 2017, "Attention Is All You Need"; Touvron et al. 2023, "LLaMA".
 """
 
 import math
@@ -14,48 +15,51 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lm.models.attention import CausalSelfAttention
+from lm.models.block import Block
 from lm.models.config import ModelConfig
-from lm.models.kv_cache import KVCache, LayerKVCache
+from lm.models.kv_cache import KVCache
+from lm.models.layers import make_norm, rope_angles, sinusoidal_positions
 
 
-class MLP(nn.Module):
-    """Position-wise feed-forward network d -> 4d -> d."""
+def init_weights_(model: nn.Module, residual_projections: set[nn.Module], skip: set[nn.Module],
+                  n_layer: int, embed_std: float = 0.02) -> None:
+    """Draw every parameter of `model` from the global torch RNG, in module order.
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.bias)
-        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.drop = nn.Dropout(cfg.dropout)
+    Linears ~ N(0, 0.02), except the projections that write into the residual stream: GPT-2 scales those
+    by 1/sqrt(2 * n_layer) so the stream's variance stays O(1) after 2 additions per layer. Embeddings
+    ~ N(0, embed_std); norms to ones (and zero bias). Modules in `skip` (a tied head) are left alone.
+    """
+    residual_std = 0.02 / math.sqrt(2 * n_layer)
+    for module in model.modules():
+        if module in skip:
+            continue
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=residual_std if module in residual_projections else 0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=embed_std)
+        elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            module.reset_parameters()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, T, C) -> (B, T, C)."""
-        # GPT-2 was trained with the tanh approximation of GELU; keep it so its weights load unchanged.
-        return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
 
-
-class Block(nn.Module):
-    """One transformer block; LayerNorm comes before each sublayer (GPT-2), not after (original)."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.mlp = MLP(cfg)
-
-    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
-        """x: (B, T, C) -> (B, T, C)."""
-        x = x + self.attn(self.ln_1(x), cache)
-        x = x + self.mlp(self.ln_2(x))
-        return x
+def residual_projections(blocks: nn.ModuleList) -> set[nn.Module]:
+    """The linears of `blocks` whose outputs are added to the residual stream."""
+    found = set()
+    for block in blocks:
+        found |= {block.attn.proj, block.mlp.proj}
+        if hasattr(block, "cross"):
+            found.add(block.cross.proj)
+    return found
 
 
 class GPT(nn.Module):
-    """GPT-2 language model; see the module docstring."""
+    """Decoder-only language model; see the module docstring."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        if cfg.arch != "gpt":
+            raise ValueError(f"GPT: model.arch is {cfg.arch!r}; build it with lm.models.factory.build_model")
         self.cfg = cfg
         # The layers are built on the meta device so that their own default init neither costs time nor
         # draws from the RNG: init_weights draws every value, so the same seed gives the same weights
@@ -63,10 +67,12 @@ class GPT(nn.Module):
         device = torch.get_default_device()
         with torch.device("meta"):
             self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
-            self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
+            if cfg.pos == "learned":
+                self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
             self.drop = nn.Dropout(cfg.dropout)
-            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-            self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+            self.blocks = nn.ModuleList(Block(cfg, causal=True) for _ in range(cfg.n_layer))
+            # A post-norm block already ends in a norm; pre-norm leaves the stream unnormalised.
+            self.ln_f = make_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
             self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
         self.to_empty(device=device)
         self.init_weights()
@@ -78,31 +84,18 @@ class GPT(nn.Module):
         parameters separately, which unties the output head from the token embedding, so the tie is
         restored here before anything is drawn.
         """
-        self.lm_head.weight = self.wte.weight
-        # GPT-2 scales the init of the projections that write into the residual stream by 1/sqrt(2L), so
-        # the stream's variance stays O(1) after 2L additions (attention + MLP per layer).
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
-        residual_projections = {m for block in self.blocks for m in (block.attn.proj, block.mlp.proj)}
-        for module in self.modules():
-            if module is self.lm_head:
-                continue  # its weight is wte's, drawn once as an embedding
-            if isinstance(module, nn.Linear):
-                std = residual_std if module in residual_projections else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, nn.LayerNorm):
-                module.reset_parameters()
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        skip = {self.lm_head} if self.cfg.tie_embeddings else set()  # tied: drawn once, as the embedding
+        init_weights_(self, residual_projections(self.blocks), skip, self.cfg.n_layer)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count, the tied head counted once; `non_embedding` leaves out the position table.
+        """Parameter count, a tied head counted once; `non_embedding` leaves out the position table.
 
         The token embedding stays in because, tied, it is also the output layer (as in GPT-2's counts).
         """
         n = sum(p.numel() for p in self.parameters())  # parameters() yields a shared tensor once
-        if non_embedding:
+        if non_embedding and self.cfg.pos == "learned":
             n -= self.wpe.weight.numel()
         return n
 
@@ -115,7 +108,7 @@ class GPT(nn.Module):
     ) -> KVCache:
         """An empty KV cache for up to `max_len` positions of `batch_size` sequences."""
         cfg = self.cfg
-        return KVCache(cfg.n_layer, batch_size, cfg.n_head, max_len, cfg.head_dim, device, dtype)
+        return KVCache(cfg.n_layer, batch_size, cfg.kv_heads, max_len, cfg.head_dim, device, dtype)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
@@ -126,18 +119,27 @@ class GPT(nn.Module):
         already cached, and their keys and values are appended to it.
         Returns logits (B, T, padded_vocab_size) and a float32 scalar loss, or None without targets.
         """
+        cfg = self.cfg
         B, T = idx.shape
         start = 0 if cache is None else cache.length
-        if start + T > self.cfg.block_size:
+        if start + T > cfg.block_size:
             raise ValueError(
                 f"sequence of {start + T} tokens ({start} cached + {T} new) exceeds "
-                f"model.block_size={self.cfg.block_size}"
+                f"model.block_size={cfg.block_size}"
             )
 
         pos = torch.arange(start, start + T, device=idx.device)  # (T,)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        x = self.wte(idx)  # (B, T, C)
+        rope = None
+        if cfg.pos == "learned":
+            x = x + self.wpe(pos)
+        elif cfg.pos == "sinusoidal":
+            x = x + sinusoidal_positions(pos, cfg.d_model).to(x.dtype)
+        else:
+            rope = rope_angles(pos, cfg.head_dim, cfg.rope_theta)  # each (T, hs)
+        x = self.drop(x)
         for i, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache[i])
+            x = block(x, rope, None if cache is None else cache[i])
         logits = self.lm_head(self.ln_f(x))  # (B, T, padded_vocab_size)
 
         loss = None

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from lm.models.attention import CausalSelfAttention, attend, causal_mask
+from lm.models.attention import SelfAttention, attend, causal_mask
 from lm.models.config import ModelConfig
 from lm.models.kv_cache import KVCache, LayerKVCache
 
@@ -47,7 +47,7 @@ def test_attend_with_mask_after_cached_keys() -> None:
 
 def test_self_attention_output_shape_and_no_future_leak() -> None:
     torch.manual_seed(0)
-    attn = CausalSelfAttention(CFG).eval()
+    attn = SelfAttention(CFG, causal=True).eval()
     x = torch.randn(2, 8, CFG.d_model)
     y = attn(x)
     assert y.shape == (2, 8, CFG.d_model)
@@ -58,12 +58,12 @@ def test_self_attention_output_shape_and_no_future_leak() -> None:
 
 def test_self_attention_with_cache_in_chunks_equals_full() -> None:
     torch.manual_seed(0)
-    attn = CausalSelfAttention(CFG).eval()
+    attn = SelfAttention(CFG, causal=True).eval()
     x = torch.randn(2, 10, CFG.d_model)
     full = attn(x)
     cache = LayerKVCache(2, CFG.n_head, 16, CFG.head_dim)
     # prefill (is_causal), a multi-token append (explicit mask), a single-token decode (no mask)
-    chunks = [attn(x[:, :4], cache), attn(x[:, 4:7], cache), attn(x[:, 7:8], cache), attn(x[:, 8:], cache)]
+    chunks = [attn(x[:, :4], cache=cache), attn(x[:, 4:7], cache=cache), attn(x[:, 7:8], cache=cache), attn(x[:, 8:], cache=cache)]
     assert cache.length == 10
     torch.testing.assert_close(torch.cat(chunks, dim=1), full, rtol=0, atol=1e-5)
 
@@ -71,7 +71,7 @@ def test_self_attention_with_cache_in_chunks_equals_full() -> None:
 def test_dropout_only_in_training() -> None:
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=100, block_size=32, n_layer=2, n_head=2, d_model=32, dropout=0.5)
-    attn = CausalSelfAttention(cfg)
+    attn = SelfAttention(cfg, causal=True)
     x = torch.randn(1, 6, cfg.d_model)
     assert not torch.equal(attn(x), attn(x))
     attn.eval()

@@ -1,0 +1,50 @@
+"""One transformer layer: self-attention, optional cross-attention, feed-forward, each a residual sublayer."""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from lm.models.attention import CrossAttention, SelfAttention
+from lm.models.config import ModelConfig
+from lm.models.kv_cache import LayerKVCache
+from lm.models.layers import MLP, make_norm
+
+
+class Block(nn.Module):
+    """A decoder block (causal), an encoder block (not causal) or an encoder-decoder's decoder block (cross).
+
+    Pre-norm (GPT-2): x + f(norm(x)). Post-norm (the original transformer): norm(x + f(x)).
+    """
+
+    def __init__(self, cfg: ModelConfig, causal: bool = True, cross: bool = False) -> None:
+        super().__init__()
+        self.post_norm = cfg.norm_position == "post"
+        self.ln_1 = make_norm(cfg)
+        self.attn = SelfAttention(cfg, causal)
+        if cross:
+            self.ln_cross = make_norm(cfg)
+            self.cross = CrossAttention(cfg)
+        self.ln_2 = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def _residual(self, x: torch.Tensor, norm: nn.Module, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if self.post_norm:
+            return norm(x + sublayer(x))
+        return x + sublayer(norm(x))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: LayerKVCache | None = None,
+        mask: torch.Tensor | None = None,
+        memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        memory_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x: (B, T, C) -> (B, T, C). mask pads the block's own keys (encoder); memory_kv are the
+        cross-attention keys and values of the encoder output (B, nkv, S, hs), memory_mask its padding."""
+        x = self._residual(x, self.ln_1, lambda h: self.attn(h, rope, cache, mask))
+        if memory_kv is not None:
+            x = self._residual(x, self.ln_cross, lambda h: self.cross(h, memory_kv, memory_mask))
+        return self._residual(x, self.ln_2, self.mlp)

@@ -1,0 +1,78 @@
+"""Building blocks shared by every architecture: norms, feed-forward networks and position encodings."""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lm.models.config import ModelConfig
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """LayerNorm (with a bias only when cfg.bias) or RMSNorm, over d_model channels."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network d -> ff_dim -> d, with GELU, ReLU or SwiGLU.
+
+    SwiGLU computes proj(silu(gate(x)) * up(x)); `fc` holds gate and up stacked as one matrix
+    (rows [gate; up]) so both come out of a single matmul.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.kind = cfg.mlp
+        hidden = cfg.ff_dim
+        self.fc = nn.Linear(cfg.d_model, 2 * hidden if cfg.mlp == "swiglu" else hidden, bias=cfg.bias)
+        self.proj = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, T, C) -> (B, T, C)."""
+        h = self.fc(x)  # (B, T, hidden) or (B, T, 2 * hidden)
+        if self.kind == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        elif self.kind == "relu":
+            h = F.relu(h)
+        else:
+            # GPT-2 was trained with the tanh approximation of GELU; keep it so its weights load unchanged.
+            h = F.gelu(h, approximate="tanh")
+        return self.drop(self.proj(h))
+
+
+def sinusoidal_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
+    """Fixed position encodings of Vaswani et al.: PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(...).
+
+    positions: (T,) int; returns (T, d_model) float32.
+    """
+    inv_freq = torch.exp(torch.arange(0, d_model, 2, device=positions.device, dtype=torch.float32)
+                         * (-math.log(10000.0) / d_model))  # (ceil(d/2),)
+    angles = positions.float()[:, None] * inv_freq[None, :]  # (T, ceil(d/2))
+    pe = torch.empty(len(positions), d_model, device=positions.device)
+    pe[:, 0::2] = angles.sin()
+    pe[:, 1::2] = angles.cos()[:, : d_model // 2]
+    return pe
+
+
+def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each (T, head_dim) float32, for `positions` (T,).
+
+    Channel pairs (j, j + head_dim/2) rotate together by position * theta^(-2j/head_dim): the
+    "half split" layout of GPT-NeoX and Hugging Face's Llama, so their weights need no permutation.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, head_dim / 2)
+    angles = torch.cat([freqs, freqs], dim=-1)  # (T, head_dim)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate queries or keys x (B, nh, T, hs) by the angles of their positions (cos, sin: (T, hs))."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)  # (B, nh, T, hs): each pair (a, b) -> (-b, a)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
