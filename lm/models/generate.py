@@ -1,8 +1,14 @@
-"""Autoregressive sampling from a GPT: prefill the prompt into a KV cache once, then decode token by token."""
+"""Autoregressive sampling with a KV cache.
+
+GPT: prefill the prompt into the cache once, then decode token by token. Encoder-decoder: encode the
+source once and project its cross-attention keys and values once, then decode token by token from the
+start id, the decoder's own keys and values cached.
+"""
 
 import torch
 import torch.nn.functional as F
 
+from lm.models.encdec import EncoderDecoder
 from lm.models.gpt import GPT
 
 
@@ -103,6 +109,59 @@ def generate(
                 break
             new_tokens.append(token_id)
             idx = token.view(1, 1)  # decode: feed only the new token; the cache holds the rest
+        return new_tokens
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def generate_seq2seq(
+    model: EncoderDecoder,
+    source: list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_ids: set[int] | None = None,
+    seed: int | None = None,
+) -> list[int]:
+    """Decode up to `max_new_tokens` target tokens for one source sequence and return them.
+
+    Any id below model.cfg.pad_id can be sampled (the tokenizer's ids and the sentinels); decoding stops
+    before a token in `stop_ids` (not returned). Sampling options and seeding are those of `generate`.
+    """
+    cfg = model.cfg
+    if not source:
+        raise ValueError("generate_seq2seq: the source must hold at least one token")
+    if len(source) > cfg.block_size:
+        raise ValueError(
+            f"generate_seq2seq: source of {len(source)} tokens is longer than the encoder's positions "
+            f"(model.block_size={cfg.block_size})"
+        )
+    if not 0 <= max_new_tokens <= cfg.block_size:
+        raise ValueError(f"generate_seq2seq: max_new_tokens must be in [0, {cfg.block_size}], got {max_new_tokens}")
+    if temperature < 0.0:
+        raise ValueError(f"generate_seq2seq: temperature must be >= 0, got {temperature}")
+    weight = model.tgt_embed.weight
+    generator = None if seed is None else torch.Generator(weight.device).manual_seed(seed)
+    stop_ids = stop_ids or set()
+
+    was_training = model.training
+    model.eval()
+    try:
+        src = torch.tensor([source], dtype=torch.long, device=weight.device)  # (1, S)
+        memory_kv = model.memory_kv(model.encode(src))  # once per source, reused by every step
+        cache = model.new_cache(1, max(max_new_tokens, 1), weight.device, weight.dtype)
+        idx = torch.full((1, 1), cfg.pad_id, dtype=torch.long, device=weight.device)  # the start id
+        new_tokens: list[int] = []
+        for _ in range(max_new_tokens):
+            logits = model.decode(idx, memory_kv, cache=cache)  # (1, 1, padded_vocab_size)
+            token = _next_token(logits[0, -1, :cfg.pad_id], temperature, top_k, top_p, generator)
+            token_id = int(token.item())
+            if token_id in stop_ids:
+                break
+            new_tokens.append(token_id)
+            idx = token.view(1, 1)
         return new_tokens
     finally:
         model.train(was_training)

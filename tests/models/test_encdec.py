@@ -1,0 +1,190 @@
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lm.models.config import ConfigError, ModelConfig
+from lm.models.encdec import EncoderDecoder, padding_mask
+from lm.models.factory import build_model
+from lm.models.generate import generate_seq2seq
+from lm.models.layers import sinusoidal_positions
+
+CFG = ModelConfig(arch="encdec", vocab_size=200, block_size=24, n_layer=2, n_head=4, d_model=32, pos="sinusoidal",
+                  n_sentinels=5, norm_position="post", mlp="relu")
+
+
+def randomised(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Every parameter redrawn (biases and norm gains too), so no zero or one can hide a wrong mapping."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if p.dim() == 1 and p.numel() == model.cfg.d_model else 0.0))
+    return model.eval()
+
+
+def reference_transformer(model: EncoderDecoder) -> nn.Transformer:
+    """torch.nn.Transformer in the paper's post-LN form (no final norms), holding our model's weights."""
+    cfg = model.cfg
+    layer_args = dict(d_model=cfg.d_model, nhead=cfg.n_head, dim_feedforward=cfg.ff_dim, dropout=0.0,
+                      activation="relu", layer_norm_eps=cfg.norm_eps, batch_first=True, norm_first=False)
+    ref = nn.Transformer(
+        d_model=cfg.d_model, nhead=cfg.n_head, batch_first=True,
+        custom_encoder=nn.TransformerEncoder(nn.TransformerEncoderLayer(**layer_args), cfg.n_layer, norm=None,
+                                             enable_nested_tensor=False),
+        custom_decoder=nn.TransformerDecoder(nn.TransformerDecoderLayer(**layer_args), cfg.n_layer, norm=None),
+    )
+
+    def copy(dst: nn.Module, src: nn.Module) -> None:
+        dst.weight.copy_(src.weight)
+        dst.bias.copy_(src.bias)
+
+    with torch.no_grad():
+        for ours, theirs in zip(model.encoder, ref.encoder.layers):
+            theirs.self_attn.in_proj_weight.copy_(ours.attn.qkv.weight)
+            theirs.self_attn.in_proj_bias.copy_(ours.attn.qkv.bias)
+            copy(theirs.self_attn.out_proj, ours.attn.proj)
+            copy(theirs.linear1, ours.mlp.fc), copy(theirs.linear2, ours.mlp.proj)
+            copy(theirs.norm1, ours.ln_1), copy(theirs.norm2, ours.ln_2)
+        for ours, theirs in zip(model.decoder, ref.decoder.layers):
+            theirs.self_attn.in_proj_weight.copy_(ours.attn.qkv.weight)
+            theirs.self_attn.in_proj_bias.copy_(ours.attn.qkv.bias)
+            copy(theirs.self_attn.out_proj, ours.attn.proj)
+            theirs.multihead_attn.in_proj_weight.copy_(torch.cat([ours.cross.q.weight, ours.cross.kv.weight]))
+            theirs.multihead_attn.in_proj_bias.copy_(torch.cat([ours.cross.q.bias, ours.cross.kv.bias]))
+            copy(theirs.multihead_attn.out_proj, ours.cross.proj)
+            copy(theirs.linear1, ours.mlp.fc), copy(theirs.linear2, ours.mlp.proj)
+            copy(theirs.norm1, ours.ln_1), copy(theirs.norm2, ours.ln_cross), copy(theirs.norm3, ours.ln_2)
+    return ref.eval()
+
+
+def test_post_ln_matches_torch_nn_transformer_with_our_embeddings_and_head() -> None:
+    torch.manual_seed(0)
+    model = randomised(EncoderDecoder(CFG))
+    ref = reference_transformer(model)
+    src = torch.randint(0, CFG.vocab_size, (3, 11))
+    src[1, 8:] = CFG.pad_id  # one padded source, so the key-padding masks are compared too
+    tgt = torch.randint(0, CFG.vocab_size, (3, 7))
+    keep = padding_mask(src, CFG.pad_id)
+    with torch.no_grad():
+        ours, _ = model(src, tgt, src_mask=keep)
+        src_x = model._embed(src, model.source_embedding, None, 0)  # our embeddings and positions ...
+        tgt_x = model._embed(tgt, model.tgt_embed, None, 0)
+        out = ref(src_x, tgt_x, tgt_mask=nn.Transformer.generate_square_subsequent_mask(7), tgt_is_causal=True,
+                  src_key_padding_mask=~keep, memory_key_padding_mask=~keep)
+        theirs = model.lm_head(out)  # ... and our head around torch's layers
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_embeddings_are_scaled_by_sqrt_d_model_plus_sinusoids() -> None:
+    torch.manual_seed(0)
+    model = EncoderDecoder(CFG).eval()
+    ids = torch.tensor([[3, 7, 9]])
+    pe = torch.tensor([[math.sin(p / 10000 ** (2 * (i // 2) / CFG.d_model)) if i % 2 == 0 else
+                        math.cos(p / 10000 ** (2 * (i // 2) / CFG.d_model)) for i in range(CFG.d_model)]
+                       for p in range(3)])
+    torch.testing.assert_close(sinusoidal_positions(torch.arange(3), CFG.d_model), pe)
+    expected = model.tgt_embed(ids) * math.sqrt(CFG.d_model) + pe
+    torch.testing.assert_close(model._embed(ids, model.tgt_embed, None, 0), expected)
+
+
+@pytest.mark.parametrize("norm_position", ["pre", "post"])
+def test_extra_source_padding_changes_no_output(norm_position: str) -> None:
+    cfg = ModelConfig(**{**CFG.__dict__, "norm_position": norm_position})
+    torch.manual_seed(0)
+    model = randomised(EncoderDecoder(cfg))
+    src = torch.randint(0, cfg.vocab_size, (2, 9))
+    tgt = torch.randint(0, cfg.vocab_size, (2, 6))
+    padded = torch.cat([src, torch.full((2, 5), cfg.pad_id)], dim=1)  # (2, 14)
+    with torch.no_grad():
+        plain, _ = model(src, tgt)
+        masked, _ = model(padded, tgt, src_mask=padding_mask(padded, cfg.pad_id))
+        unmasked, _ = model(padded, tgt)
+    torch.testing.assert_close(masked, plain, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(unmasked, plain, atol=1e-3)  # the mask is what makes the padding invisible
+
+
+def test_padding_mask_is_none_without_padding() -> None:
+    assert padding_mask(torch.tensor([[1, 2, 3]]), CFG.pad_id) is None
+    assert padding_mask(torch.tensor([[1, CFG.pad_id]]), CFG.pad_id).tolist() == [[True, False]]
+
+
+def test_kv_cache_decoding_equals_full_recomputation() -> None:
+    torch.manual_seed(0)
+    model = randomised(EncoderDecoder(ModelConfig(**{**CFG.__dict__, "norm_position": "pre", "n_kv_head": 2})))
+    src = torch.randint(0, CFG.vocab_size, (2, 10))
+    tgt = torch.randint(0, CFG.vocab_size, (2, 8))
+    with torch.no_grad():
+        full, _ = model(src, tgt)
+        memory_kv = model.memory_kv(model.encode(src))
+        cache = model.new_cache(2, 8)
+        steps = [model.decode(tgt[:, :3], memory_kv, cache=cache)]  # a chunk, then one token at a time
+        steps += [model.decode(tgt[:, t:t + 1], memory_kv, cache=cache) for t in range(3, 8)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_generate_seq2seq_greedy_equals_recomputing_everything_each_step() -> None:
+    torch.manual_seed(0)
+    model = randomised(EncoderDecoder(ModelConfig(**{**CFG.__dict__, "norm_position": "pre"})), seed=3)
+    source = torch.randint(0, CFG.vocab_size, (10,)).tolist()
+    fast = generate_seq2seq(model, source, max_new_tokens=12, temperature=0.0)
+    tokens = [CFG.pad_id]
+    with torch.no_grad():
+        for _ in range(12):
+            logits, _ = model(torch.tensor([source]), torch.tensor([tokens]))
+            tokens.append(int(logits[0, -1, :CFG.pad_id].argmax()))
+    assert fast == tokens[1:] and len(fast) == 12
+    stop = fast[4]
+    assert generate_seq2seq(model, source, 12, temperature=0.0, stop_ids={stop}) == fast[:fast.index(stop)]
+    sampled = generate_seq2seq(model, source, 12, temperature=1.0, seed=5)
+    assert sampled == generate_seq2seq(model, source, 12, temperature=1.0, seed=5)
+    assert all(t < CFG.pad_id for t in sampled)
+
+
+def test_source_longer_than_the_encoder_positions_is_refused() -> None:
+    model = EncoderDecoder(CFG)
+    with pytest.raises(ValueError, match=r"source of 25 tokens is longer than the encoder's positions \(model.block_size=24\)"):
+        model(torch.zeros(1, 25, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="source of 30 tokens"):
+        generate_seq2seq(model, [1] * 30, 4)
+
+
+def test_vocabulary_holds_sentinels_and_padding() -> None:
+    assert (CFG.sentinel_start, CFG.pad_id, CFG.total_vocab_size, CFG.padded_vocab_size) == (200, 205, 206, 256)
+    with pytest.raises(ConfigError, match="model.n_sentinels: encdec needs at least 1"):
+        ModelConfig(arch="encdec", n_sentinels=0)
+    with pytest.raises(ConfigError, match="model.pos: rope is for arch gpt"):
+        ModelConfig(arch="encdec", pos="rope")
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_shared_or_separate_embeddings_and_tied_head(share: bool) -> None:
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**{**CFG.__dict__, "share_embeddings": share}))
+    assert isinstance(model, EncoderDecoder)
+    assert model.lm_head.weight is model.tgt_embed.weight
+    assert (model.source_embedding is model.tgt_embed) == share
+    emb = CFG.padded_vocab_size * CFG.d_model
+    assert model.num_params() == sum(p.numel() for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) - (0 if share else emb) == EncoderDecoder(CFG).num_params()
+
+
+def test_same_seed_same_weights_and_loss_falls_when_fitting_one_batch() -> None:
+    cfg = ModelConfig(**{**CFG.__dict__, "norm_position": "pre"})
+    torch.manual_seed(1)
+    a = EncoderDecoder(cfg)
+    torch.manual_seed(1)
+    b = EncoderDecoder(cfg)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    src = torch.randint(0, 200, (4, 12))
+    tgt = torch.randint(0, 200, (4, 6))
+    tgt_in = torch.cat([torch.full((4, 1), cfg.pad_id), tgt[:, :-1]], dim=1)
+    opt = torch.optim.AdamW(a.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        _, loss = a(src, tgt_in, tgt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] > math.log(200) - 1 and losses[-1] < 0.5 * losses[0]
