@@ -20,6 +20,7 @@ import torch
 from lm.cli import run
 from lm.config import JobConfig, load_config
 from lm.data.loader import TokenLoader
+from lm.data.objectives import build_objective
 from lm.data.shards import ShardWriter, dtype_for_vocab, new_manifest, write_manifest
 from lm.models.gpt import GPT
 from lm.runtime import tune_cpu
@@ -82,7 +83,8 @@ def bench_loader(cfg: JobConfig, micro_batch: int, steps: int) -> dict:
         splits = {name: {"documents": 1, "tokens": sum(s["tokens"] for s in shards), "shards": shards}
                   for name, shards in (("train", train), ("val", val.close()))}
         write_manifest(tmp, new_manifest(cfg.data.tokenizer, cfg.model.vocab_size, 0, "synthetic", "", splits))
-        loader = TokenLoader(tmp, "train", cfg.data.seq_len, 0, 0, 1, micro_batch * 4, micro_batch)
+        objective = build_objective(cfg.model, cfg.data.seq_len, 0)  # its cost is part of the loader's
+        loader = TokenLoader(tmp, "train", cfg.data.seq_len, 0, 0, 1, micro_batch * 4, micro_batch, objective)
         loader.next_batch()  # first touch of the permutation and page cache
         start = time.perf_counter()
         for _ in range(steps):

@@ -5,6 +5,10 @@ tokens, window j starting at token j * T, and global sample ids number shard 0's
 1's, and so on. Training order is a pure function of (seed, epoch, position), so the loader's whole
 state is one integer, the number of samples consumed since the start of training: resuming, also with
 a different number of ranks, is arithmetic on that integer.
+
+The loader reads raw windows; an objective (`lm.data.objectives`) turns them into the model's batch.
+Training samples are keyed by their global position and validation samples by their id, so an
+objective's randomness (span corruption's noise) is the same for a position whatever the world size.
 """
 
 from collections.abc import Iterator
@@ -13,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lm.data.objectives import NextToken, Objective
 from lm.data.shards import DataError, open_shard, read_manifest
 
 __all__ = ["SplitWindows", "TokenLoader", "locate", "rank_slice", "sample_id_at", "sample_order", "val_batches"]
@@ -73,16 +78,14 @@ class SplitWindows:
                 f"(its longest shard holds {longest}); lower data.seq_len or prepare with larger data.shard_tokens"
             )
 
-    def read(self, sample_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and next-token targets for the samples `sample_ids` (B,): x, y each (B, T) int64."""
+    def read_rows(self, sample_ids: np.ndarray) -> np.ndarray:
+        """The windows of the samples `sample_ids` (B,): (B, T + 1) int64."""
         shard, window = locate(np.asarray(sample_ids, dtype=np.int64), self.cum_counts)
         t = self.seq_len
         rows = np.empty((len(shard), t + 1), dtype=np.int64)  # (B, T + 1)
         for i, (k, j) in enumerate(zip(shard.tolist(), window.tolist())):
             rows[i] = self.shards[k][j * t:j * t + t + 1]
-        batch = torch.from_numpy(rows)
-        # copies, so that targets can be flattened with .view(-1) by the loss
-        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        return rows
 
 
 class TokenLoader:
@@ -91,11 +94,12 @@ class TokenLoader:
     Each `next_batch()` is one optimizer step: the step's `global_batch` samples are split into
     contiguous equal chunks per rank, and each rank's chunk into micro-batches. The union over ranks
     is the same set of samples for any world size, so a run can resume on a different number of ranks.
+    `objective` (default NextToken) makes each micro-batch from its windows and their global positions.
     """
 
     def __init__(
         self, data_dir: str | Path, split: str, seq_len: int, seed: int, rank: int, world_size: int,
-        global_batch: int, micro_batch: int,
+        global_batch: int, micro_batch: int, objective: Objective | None = None,
     ) -> None:
         if global_batch % (world_size * micro_batch):
             raise ValueError(
@@ -103,6 +107,7 @@ class TokenLoader:
                 f"({micro_batch}) x world size ({world_size})"
             )
         self.windows = SplitWindows(data_dir, split, seq_len)
+        self.objective = objective if objective is not None else NextToken()
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.grad_accum = global_batch // (world_size * micro_batch)
@@ -132,17 +137,26 @@ class TokenLoader:
             ids[i] = self._order[index]
         return ids
 
-    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's `grad_accum` micro-batches (x, y), each (micro_batch, T) int64, for one optimizer step."""
-        ids = self.sample_ids(rank_slice(self.position, self.global_batch, self.rank, self.world_size))
+    def next_batch(self) -> list[tuple[torch.Tensor, ...]]:
+        """This rank's `grad_accum` micro-batches for one optimizer step, each the objective's tuple
+        (NextToken: x, y each (micro_batch, T) int64)."""
+        positions = rank_slice(self.position, self.global_batch, self.rank, self.world_size)
+        ids = self.sample_ids(positions)
+        # keyed by position, not sample id: a sample seen again in a later epoch gets fresh noise
+        keys = np.arange(positions.start, positions.stop, dtype=np.int64)
         self.position += self.global_batch
-        return [self.windows.read(ids[i:i + self.micro_batch]) for i in range(0, len(ids), self.micro_batch)]
+        return [
+            self.objective(self.windows.read_rows(ids[i:i + self.micro_batch]), keys[i:i + self.micro_batch])
+            for i in range(0, len(ids), self.micro_batch)
+        ]
 
 
 def val_batches(
-    windows: SplitWindows, micro_batch: int, rank: int, world: int, max_batches: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Validation batches (x, y), each (micro_batch, T) int64, of a split's windows in order.
+    windows: SplitWindows, micro_batch: int, rank: int, world: int, max_batches: int,
+    objective: Objective | None = None,
+) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Validation batches of a split's windows in order, each the objective's tuple keyed by sample id
+    (default NextToken: x, y each (micro_batch, T) int64).
 
     Batch b holds windows [b * micro_batch, (b + 1) * micro_batch); rank r takes batches r, r + world, ...
     Every rank yields the same number of full batches, min(max_batches, full batches // world), so
@@ -156,6 +170,8 @@ def val_batches(
             f"data.seq_len={windows.seq_len}, fewer than train.micro_batch_size ({micro_batch}) x world size "
             f"({world}); prepare with a larger data.val_fraction"
         )
+    objective = objective if objective is not None else NextToken()
     starts = [(rank + i * world) * micro_batch for i in range(per_rank)]
+    batches = [np.arange(start, start + micro_batch, dtype=np.int64) for start in starts]  # sample ids, each (B,)
     # a generator expression, so the checks above run when val_batches is called, not at first next()
-    return (windows.read(np.arange(start, start + micro_batch)) for start in starts)
+    return (objective(windows.read_rows(ids), ids) for ids in batches)

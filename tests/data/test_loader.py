@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from lm.data.loader import SplitWindows, TokenLoader, locate, rank_slice, sample_id_at, sample_order, val_batches
+from lm.data.objectives import SpanCorruption
 from lm.data.shards import DataError, new_manifest, write_manifest, write_shard
 
 T = 4
@@ -68,12 +69,12 @@ def test_locate():
 def test_windows_cover_each_shard_without_overlap(data_dir):
     windows = SplitWindows(data_dir, "train", T)
     assert windows.num_samples == 9
-    x, y = windows.read(np.arange(9))
-    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (9, T)
+    rows = windows.read_rows(np.arange(9))
+    assert rows.dtype == np.int64 and rows.shape == (9, T + 1)
     # shard 0 starts at 0, shard 1 (too short) at 10, shard 2 at 13, shard 3 at 30
-    assert x[:, 0].tolist() == [0, 4, 13, 17, 21, 25, 30, 34, 38]
-    assert x[2].tolist() == [13, 14, 15, 16] and y[2].tolist() == [14, 15, 16, 17]
-    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert rows[:, 0].tolist() == [0, 4, 13, 17, 21, 25, 30, 34, 38]
+    assert rows[2].tolist() == [13, 14, 15, 16, 17]
+    assert rows[[5, 1]].tolist() == windows.read_rows(np.array([5, 1])).tolist()
 
 
 def test_next_batch_reads_one_epoch_in_seeded_order(data_dir):
@@ -142,7 +143,7 @@ def test_loader_errors(tmp_path, data_dir):
 def test_val_batches_are_sequential_and_strided_over_ranks(tmp_path):
     data = make_data_dir(tmp_path / "data", [9], val_lengths=(21, 20))  # val windows: 5 + 4 = 9
     val = SplitWindows(data, "val", T)
-    all_windows = val.read(np.arange(9))[0][:, 0].tolist()
+    all_windows = val.read_rows(np.arange(9))[:, 0].tolist()
     single = firsts(val_batches(val, 2, 0, 1, 10))
     assert single == all_windows[:8]  # 4 full batches of 2; the last window does not fill a batch
     rank0, rank1 = (firsts(val_batches(val, 2, r, 2, 10)) for r in range(2))
@@ -170,3 +171,48 @@ def test_on_prepared_data(tiny_data_dir):
     assert x.shape == (4, 16) and int(x.max()) <= 50256
     assert torch.equal(x[:, 1:], y[:, :-1])
     assert len(list(val_batches(SplitWindows(tiny_data_dir, "val", 16), 4, 0, 1, 1000))) == 355 // 4
+
+
+def keys_of(rows, keys):
+    """An objective that returns the keys the loader passed, to see them."""
+    return (torch.from_numpy(keys),)
+
+
+def test_objective_keys_are_global_positions_and_val_sample_ids(data_dir):
+    ranks = [TokenLoader(data_dir, "train", T, 7, r, 2, 8, 2, keys_of) for r in range(2)]
+    for r in ranks:
+        r.load_state_dict({"position": 16})
+    assert [k.tolist() for (k,) in ranks[0].next_batch()] == [[16, 17], [18, 19]]
+    assert [k.tolist() for (k,) in ranks[1].next_batch()] == [[20, 21], [22, 23]]
+    val = SplitWindows(data_dir, "val", T)  # 2 windows
+    assert [k.tolist() for (k,) in val_batches(val, 1, 1, 2, 10, keys_of)] == [[1]]
+
+
+def span_loaders(data, world, micro):
+    objective = SpanCorruption(0, 50257, 4, 50261, 33)  # windows of 33 tokens: 5 noise tokens in 2 spans
+    return [TokenLoader(data, "train", 32, 7, r, world, 4, micro, objective) for r in range(world)]
+
+
+def joined(micro_batches) -> list[torch.Tensor]:
+    """The micro-batches' tensors, each joined along the batch."""
+    return [torch.cat(parts) for parts in zip(*micro_batches)]
+
+
+def test_span_corruption_is_the_same_at_any_world_size_and_after_resume(tmp_path):
+    data = make_data_dir(tmp_path / "data", [200, 150])  # 6 + 4 windows of 32 tokens
+    one, = span_loaders(data, world=1, micro=2)
+    pair = span_loaders(data, world=2, micro=1)
+    patterns = set()  # where the sentinels sit in each source
+    for step in range(8):  # crosses epoch boundaries (N = 10)
+        if step == 5:  # fresh loaders, with another micro-batch size, resumed from the pair's state
+            state = pair[0].state_dict()
+            pair = span_loaders(data, world=2, micro=2)
+            for r in pair:
+                r.load_state_dict(state)
+        src, tgt_in, tgt_out = joined(one.next_batch())
+        parts = [joined(r.next_batch()) for r in pair]
+        for whole, rank0, rank1 in zip((src, tgt_in, tgt_out), *parts):
+            assert torch.equal(whole, torch.cat([rank0, rank1]))
+        assert src.shape == (4, 33 - 5 + 2) and tgt_out.shape == (4, 5 + 2 + 1)
+        patterns |= {tuple(torch.nonzero(row >= 50257).flatten().tolist()) for row in src}
+    assert len(patterns) > 10

@@ -1,0 +1,97 @@
+"""Training objectives: what a model is trained to predict from the raw windows the loader reads.
+
+An objective is a callable `objective(rows, keys)`: `rows` (B, T + 1) int64 are windows of the token
+shards and `keys` (B,) int64 name the samples (the loader passes global loader positions for training
+and sample ids for validation). It returns the model's batch as a tuple of int64 tensors. Any
+randomness is a pure function of (seed, key), so a run resumed at any world size sees the same batch.
+"""
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from lm.data.span_corruption import corrupt, corrupted_lengths, noise_mask, span_counts
+from lm.models.config import ConfigError, ModelConfig
+
+__all__ = ["NextToken", "Objective", "SpanCorruption", "build_objective"]
+
+
+class Objective(Protocol):
+    def __call__(self, rows: np.ndarray, keys: np.ndarray) -> tuple[torch.Tensor, ...]: ...
+
+
+class NextToken:
+    """Decoder-only language modelling: inputs x and next-token targets y, each (B, T) int64."""
+
+    def __call__(self, rows: np.ndarray, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = torch.from_numpy(np.asarray(rows, dtype=np.int64))  # (B, T + 1)
+        # copies, so that targets can be flattened with .view(-1) by the loss
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+
+class SpanCorruption:
+    """T5 span corruption of each window: (src (B, S), tgt_in (B, U), tgt_out (B, U)), all int64.
+
+    src is the window with its noise spans replaced by sentinels, tgt_out the sentinels each followed by
+    its span plus the end sentinel, and tgt_in is tgt_out shifted right behind the decoder start token
+    (pad_id), for teacher forcing. The noise of the row with key k is drawn from
+    np.random.default_rng([seed, k]) alone.
+    """
+
+    def __init__(
+        self, seed: int, sentinel_start: int, n_sentinels: int, pad_id: int, window_len: int,
+        noise_density: float = 0.15, mean_span_length: float = 3.0,
+    ) -> None:
+        _, num_spans = span_counts(window_len, noise_density, mean_span_length)
+        if num_spans + 1 > n_sentinels:
+            raise ConfigError(
+                f"model.n_sentinels: {n_sentinels} sentinels do not fit data.seq_len={window_len - 1}: its windows "
+                f"of {window_len} tokens have {num_spans} noise spans and need {num_spans + 1} sentinels "
+                f"({num_spans} spans + 1 end marker)"
+            )
+        self.seed, self.sentinel_start, self.n_sentinels, self.pad_id = seed, sentinel_start, n_sentinels, pad_id
+        self.window_len, self.noise_density, self.mean_span_length = window_len, noise_density, mean_span_length
+
+    @classmethod
+    def from_config(cls, model_cfg: ModelConfig, seq_len: int, seed: int) -> "SpanCorruption":
+        """The objective of an encdec model trained on windows of seq_len + 1 tokens."""
+        objective = cls(seed, model_cfg.sentinel_start, model_cfg.n_sentinels, model_cfg.pad_id, seq_len + 1)
+        longest = max(objective.lengths)
+        if longest > model_cfg.block_size:
+            raise ConfigError(
+                f"model.block_size: {model_cfg.block_size} is shorter than the corrupted windows of "
+                f"data.seq_len={seq_len} (source, target lengths {objective.lengths})"
+            )
+        return objective
+
+    @property
+    def lengths(self) -> tuple[int, int]:
+        """(S, U): source and target length of every corrupted window."""
+        return corrupted_lengths(self.window_len, self.noise_density, self.mean_span_length)
+
+    def __call__(self, rows: np.ndarray, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = np.asarray(rows, dtype=np.int64)
+        keys = np.asarray(keys, dtype=np.int64)
+        if rows.ndim != 2 or rows.shape[1] != self.window_len or keys.shape != rows.shape[:1]:
+            raise ValueError(
+                f"span corruption takes rows (B, {self.window_len}) and keys (B,), got {rows.shape} and {keys.shape}"
+            )
+        s, u = self.lengths
+        src = np.empty((len(rows), s), dtype=np.int64)  # (B, S)
+        tgt_in = np.empty((len(rows), u), dtype=np.int64)  # (B, U)
+        tgt_out = np.empty((len(rows), u), dtype=np.int64)  # (B, U)
+        for i, (row, key) in enumerate(zip(rows, keys.tolist())):
+            rng = np.random.default_rng([self.seed, key])
+            mask = noise_mask(self.window_len, rng, self.noise_density, self.mean_span_length)
+            src[i], tgt_out[i] = corrupt(row, mask, self.sentinel_start)
+        tgt_in[:, 0] = self.pad_id
+        tgt_in[:, 1:] = tgt_out[:, :-1]
+        return torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out)
+
+
+def build_objective(model_cfg: ModelConfig, seq_len: int, seed: int) -> Objective:
+    """The objective that trains `model_cfg.arch`: next-token prediction for gpt, span corruption for encdec."""
+    if model_cfg.arch == "encdec":
+        return SpanCorruption.from_config(model_cfg, seq_len, seed)
+    return NextToken()
