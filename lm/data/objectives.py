@@ -11,7 +11,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from lm.data.span_corruption import corrupt, corrupted_lengths, noise_mask, span_counts
+from lm.data.span_corruption import corrupt_rows, corrupted_lengths, noise_masks, span_counts
 from lm.models.config import ConfigError, ModelConfig
 
 __all__ = ["NextToken", "Objective", "SpanCorruption", "build_objective"]
@@ -77,14 +77,13 @@ class SpanCorruption:
             raise ValueError(
                 f"span corruption takes rows (B, {self.window_len}) and keys (B,), got {rows.shape} and {keys.shape}"
             )
-        s, u = self.lengths
-        src = np.empty((len(rows), s), dtype=np.int64)  # (B, S)
-        tgt_in = np.empty((len(rows), u), dtype=np.int64)  # (B, U)
-        tgt_out = np.empty((len(rows), u), dtype=np.int64)  # (B, U)
-        for i, (row, key) in enumerate(zip(rows, keys.tolist())):
-            rng = np.random.default_rng([self.seed, key])
-            mask = noise_mask(self.window_len, rng, self.noise_density, self.mean_span_length)
-            src[i], tgt_out[i] = corrupt(row, mask, self.sentinel_start)
+        # one generator per row, so a row's noise depends on its key alone (equal to noise_mask(L, rng))
+        uniforms = np.zeros((len(rows), self.window_len - 2))  # (B, T - 1)
+        for i, key in enumerate(keys.tolist()):
+            uniforms[i] = np.random.default_rng([self.seed, key]).random(self.window_len - 2)
+        masks = noise_masks(self.window_len, uniforms, self.noise_density, self.mean_span_length)  # (B, T + 1)
+        src, tgt_out = corrupt_rows(rows, masks, self.sentinel_start)  # (B, S), (B, U)
+        tgt_in = np.empty_like(tgt_out)  # (B, U)
         tgt_in[:, 0] = self.pad_id
         tgt_in[:, 1:] = tgt_out[:, :-1]
         return torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out)

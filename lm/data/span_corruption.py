@@ -14,7 +14,7 @@ For a given L both lengths are fixed, so batches need no padding.
 
 import numpy as np
 
-__all__ = ["corrupt", "corrupted_lengths", "noise_mask", "reconstruct", "span_counts"]
+__all__ = ["corrupt", "corrupt_rows", "corrupted_lengths", "noise_mask", "noise_masks", "reconstruct", "span_counts"]
 
 
 def span_counts(length: int, noise_density: float = 0.15, mean_span_length: float = 3.0) -> tuple[int, int]:
@@ -48,36 +48,55 @@ def corrupted_lengths(
     return length - num_noise + num_spans, num_noise + num_spans + 1
 
 
-def random_parts(total: int, num_parts: int, rng: np.random.Generator) -> np.ndarray:
-    """A uniformly random split of `total` items into `num_parts` positive parts, (num_parts,) int64.
-
-    Choosing num_parts - 1 distinct cut points among the total - 1 gaps between items picks every
-    composition with equal probability.
-    """
-    cuts = np.sort(rng.choice(total - 1, size=num_parts - 1, replace=False) + 1)
-    return np.diff(np.concatenate([[0], cuts, [total]])).astype(np.int64)
-
-
 def noise_mask(
     length: int, rng: np.random.Generator, noise_density: float = 0.15, mean_span_length: float = 3.0
 ) -> np.ndarray:
     """Which tokens of a `length`-token window are noise: (L,) bool.
 
     Exactly num_noise True tokens in exactly num_spans runs; the window starts with kept tokens and
-    kept and noise runs alternate (so it ends with a noise run). Draws from `rng` only.
+    kept and noise runs alternate (so it ends with a noise run). Draws L - 2 uniforms from `rng` only.
+    """
+    uniforms = rng.random((1, max(length - 2, 0)))  # (1, L - 2)
+    return noise_masks(length, uniforms, noise_density, mean_span_length)[0]
+
+
+def noise_masks(
+    length: int, uniforms: np.ndarray, noise_density: float = 0.15, mean_span_length: float = 3.0
+) -> np.ndarray:
+    """The noise masks (B, L) bool that rows of uniform draws `uniforms` (B, L - 2) pick.
+
+    As in T5, the noise tokens are split into num_spans random positive parts, likewise the kept
+    tokens, and the parts interleave, kept first. A split of n items into k parts is a choice of k - 1
+    of the n - 1 gaps between items to cut at: row b cuts at the gaps whose uniforms are the smallest,
+    the first num_noise - 1 uniforms serving the noise tokens and the other num_kept - 1 the kept ones.
+    iid uniforms rank in a uniformly random order, so every split is equally likely. Taking the draws
+    as input leaves only them to do row by row (one generator per row); the rest runs on the batch.
     """
     num_noise, num_spans = span_counts(length, noise_density, mean_span_length)
-    noise_lengths = random_parts(num_noise, num_spans, rng)  # (num_spans,)
-    kept_lengths = random_parts(length - num_noise, num_spans, rng)  # (num_spans,)
-    run_lengths = np.stack([kept_lengths, noise_lengths], axis=1).reshape(-1)  # (2 * num_spans,) kept, noise, ...
-    run_is_noise = np.tile([False, True], num_spans)  # (2 * num_spans,)
-    return np.repeat(run_is_noise, run_lengths)
+    uniforms = np.asarray(uniforms, dtype=np.float64)
+    if uniforms.ndim != 2 or uniforms.shape[1] != length - 2:
+        raise ValueError(f"noise masks of {length} tokens take uniforms (B, {length - 2}), got {uniforms.shape}")
+    batch = len(uniforms)
+    noise_cuts = smallest(uniforms[:, :num_noise - 1], num_spans - 1)  # (B, num_noise - 1)
+    kept_cuts = smallest(uniforms[:, num_noise - 1:], num_spans - 1)  # (B, num_kept - 1)
+
+    # noise run of each noise token: the cuts before it
+    noise_run = np.pad(np.cumsum(noise_cuts, axis=1), ((0, 0), (1, 0)))  # (B, num_noise)
+    # kept tokens up to the end of kept run s (every row has num_spans - 1 cuts, so they reshape)
+    cut_gaps = np.nonzero(kept_cuts)[1].reshape(batch, num_spans - 1)  # (B, num_spans - 1) ascending
+    kept_ends = np.pad(cut_gaps + 1, ((0, 0), (0, 1)), constant_values=length - num_noise)  # (B, num_spans)
+    # noise run s follows kept runs 0..s, so a noise token sits after the kept tokens up to kept_ends[s]
+    position = np.arange(num_noise) + np.take_along_axis(kept_ends, noise_run, axis=1)  # (B, num_noise)
+    mask = np.zeros((batch, length), dtype=bool)
+    mask[np.arange(batch)[:, None], position] = True
+    return mask
 
 
-def run_starts(mask: np.ndarray) -> np.ndarray:
-    """(L,) bool: True where a noise run begins."""
-    previous = np.concatenate([[False], mask[:-1]])
-    return mask & ~previous
+def smallest(values: np.ndarray, k: int) -> np.ndarray:
+    """(B, n) bool: True at the k smallest entries of each row of `values` (B, n)."""
+    chosen = np.zeros(values.shape, dtype=bool)
+    np.put_along_axis(chosen, np.argsort(values, axis=1)[:, :k], True, axis=1)
+    return chosen
 
 
 def corrupt(tokens: np.ndarray, mask: np.ndarray, sentinel_start: int) -> tuple[np.ndarray, np.ndarray]:
@@ -87,22 +106,44 @@ def corrupt(tokens: np.ndarray, mask: np.ndarray, sentinel_start: int) -> tuple[
     (id sentinel_start + i). targets (num_noise + num_spans + 1,): sentinel i then run i, for every run,
     then sentinel num_spans as the end marker. Both int64.
     """
-    tokens = np.asarray(tokens, dtype=np.int64)
-    mask = np.asarray(mask, dtype=bool)
+    tokens, mask = np.asarray(tokens), np.asarray(mask)
     if tokens.ndim != 1 or tokens.shape != mask.shape:
         raise ValueError(f"tokens {tokens.shape} and mask {mask.shape} must be 1-D and of the same length")
-    starts = run_starts(mask)  # (L,)
-    num_spans = int(starts.sum())
-    sentinels = sentinel_start + np.arange(num_spans + 1, dtype=np.int64)  # (num_spans + 1,)
+    inputs, targets = corrupt_rows(tokens[None], mask[None], sentinel_start)
+    return inputs[0], targets[0]
 
-    # each run start becomes its run's sentinel; the rest of the run is dropped
-    run_index = np.cumsum(starts) - 1  # (L,) index of the latest run that began at or before each token
-    inputs = np.where(starts, sentinel_start + run_index, tokens)[~mask | starts]
 
-    # the noise tokens, with sentinel i inserted before the first token of run i
-    first_of_run = np.flatnonzero(starts[mask])  # (num_spans,) positions within tokens[mask]
-    targets = np.insert(tokens[mask], first_of_run, sentinels[:-1])
-    return inputs, np.append(targets, sentinels[-1])
+def corrupt_rows(tokens: np.ndarray, mask: np.ndarray, sentinel_start: int) -> tuple[np.ndarray, np.ndarray]:
+    """`corrupt` of every row of `tokens` (B, L) with its `mask` (B, L): inputs (B, S), targets (B, U).
+
+    Every mask must have the same numbers of noise tokens and runs, so that the rows line up; one pass
+    of array operations over the batch is much faster than B calls of `corrupt`.
+    """
+    tokens = np.asarray(tokens, dtype=np.int64)
+    mask = np.asarray(mask, dtype=bool)
+    if tokens.ndim != 2 or tokens.shape != mask.shape:
+        raise ValueError(f"tokens {tokens.shape} and mask {mask.shape} must be 2-D and of the same shape")
+    batch = len(tokens)
+    starts = mask & ~np.pad(mask, ((0, 0), (1, 0)))[:, :-1]  # (B, L) True where a noise run begins
+    num_noise, num_spans = mask.sum(axis=1), starts.sum(axis=1)  # (B,), (B,)
+    if batch and (np.any(num_noise != num_noise[0]) or np.any(num_spans != num_spans[0])):
+        raise ValueError("every row's mask must have the same number of noise tokens and of noise runs")
+    num_noise, num_spans = (int(n[0]) if batch else 0 for n in (num_noise, num_spans))
+    run_index = np.cumsum(starts, axis=1) - 1  # (B, L) the latest run begun at or before each token
+
+    # each run start becomes its run's sentinel and the rest of the run is dropped; every row keeps
+    # the same number of tokens, so the row-major selection reshapes back into rows
+    keep = ~mask | starts
+    inputs = np.where(starts, sentinel_start + run_index, tokens)[keep].reshape(batch, -1 if batch else 0)
+
+    # a noise token of run i lands after the noise tokens before it and the sentinels 0..i
+    slot = np.cumsum(mask, axis=1) - 1 + run_index + 1  # (B, L), meaningful where mask
+    row = np.broadcast_to(np.arange(batch)[:, None], mask.shape)  # (B, L)
+    targets = np.empty((batch, num_noise + num_spans + 1), dtype=np.int64)
+    targets[row[mask], slot[mask]] = tokens[mask]
+    targets[row[starts], slot[starts] - 1] = sentinel_start + run_index[starts]  # sentinel i just before run i
+    targets[:, -1] = sentinel_start + num_spans  # the end marker
+    return inputs, targets
 
 
 def reconstruct(inputs: np.ndarray, targets: np.ndarray, sentinel_start: int, n_sentinels: int) -> np.ndarray:

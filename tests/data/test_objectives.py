@@ -4,7 +4,7 @@ import torch
 
 from lm.data.loader import SplitWindows, TokenLoader, val_batches
 from lm.data.objectives import NextToken, SpanCorruption, build_objective
-from lm.data.span_corruption import corrupted_lengths, reconstruct
+from lm.data.span_corruption import corrupt, corrupted_lengths, noise_mask, reconstruct
 from lm.models.config import ConfigError, ModelConfig
 
 VOCAB = 50257
@@ -56,6 +56,8 @@ def test_span_corruption_depends_only_on_seed_and_key():
     assert not torch.equal(src[0], src[1]) and not torch.equal(src[1], src[2])
     alone, _, _ = objective(rows[:1], np.array([8]))
     assert torch.equal(alone[0], src[1])  # the rest of the batch does not matter
+    expected = corrupt(rows[1], noise_mask(33, np.random.default_rng([0, 8])), VOCAB)
+    assert src[1].tolist() == expected[0].tolist() and tgt[1].tolist() == expected[1].tolist()
     other_seed, _, _ = span_objective(seed=1)(rows[:1], np.array([7]))
     assert not torch.equal(other_seed[0], src[0])
     with pytest.raises(ValueError, match=r"rows \(B, 33\) and keys \(B,\), got \(4, 32\) and \(4,\)"):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from lm.data.span_corruption import (
-    corrupt, corrupted_lengths, noise_mask, random_parts, reconstruct, span_counts,
+    corrupt, corrupt_rows, corrupted_lengths, noise_mask, noise_masks, reconstruct, span_counts,
 )
 
 S0 = 1000  # sentinel_start in these tests: every token id is below it
@@ -37,13 +37,14 @@ def test_span_counts_rejects_bad_arguments(args, message):
         span_counts(*args)
 
 
-def test_random_parts_are_positive_and_cover_every_composition():
-    rng = np.random.default_rng(0)
-    seen = {tuple(random_parts(5, 3, rng).tolist()) for _ in range(300)}
-    # the C(4, 2) = 6 ways to write 5 as an ordered sum of 3 positive parts
-    assert seen == {(1, 1, 3), (1, 3, 1), (3, 1, 1), (1, 2, 2), (2, 1, 2), (2, 2, 1)}
-    assert random_parts(4, 1, rng).tolist() == [4]
-    assert random_parts(4, 4, rng).tolist() == [1, 1, 1, 1]
+def test_noise_masks_pick_every_layout_equally_often():
+    # 10 tokens, 5 noise in 2 runs and 5 kept in 2 runs: 4 splits of each, 16 layouts
+    masks = noise_masks(10, np.random.default_rng(0).random((1600, 8)), 0.5, 2.5)
+    layouts, counts = np.unique(masks, axis=0, return_counts=True)
+    assert len(layouts) == 16 and counts.min() > 70 and counts.max() < 130  # 100 each expected
+    assert all([v for v, _ in runs(m)] == [False, True, False, True] for m in layouts)
+    with pytest.raises(ValueError, match=r"noise masks of 10 tokens take uniforms \(B, 8\), got \(2, 9\)"):
+        noise_masks(10, np.zeros((2, 9)))
 
 
 @pytest.mark.parametrize("length, density, mean", [
@@ -82,6 +83,19 @@ def test_corrupt_example():
     assert inputs.tolist() == [10, 11, 12] and targets.tolist() == [S0]
     with pytest.raises(ValueError, match="same length"):
         corrupt(tokens, mask[:-1], S0)
+
+
+def test_corrupt_rows_equals_corrupt_row_by_row():
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, S0, (5, 40))
+    masks = noise_masks(40, rng.random((5, 38)), 0.3, 2.0)
+    inputs, targets = corrupt_rows(tokens, masks, S0)
+    for row, mask, i, t in zip(tokens, masks, inputs, targets):
+        expected = corrupt(row, mask, S0)
+        assert np.array_equal(i, expected[0]) and np.array_equal(t, expected[1])
+    uneven = np.array([[0, 1, 0], [0, 1, 1]], dtype=bool)
+    with pytest.raises(ValueError, match="the same number of noise tokens and of noise runs"):
+        corrupt_rows(np.zeros((2, 3)), uneven, S0)
 
 
 def test_round_trip_and_lengths_for_random_windows():
