@@ -134,9 +134,10 @@ def corrupt_rows(tokens: np.ndarray, mask: np.ndarray, sentinel_start: int) -> t
     # each run start becomes its run's sentinel and the rest of the run is dropped; every row keeps
     # the same number of tokens, so the row-major selection reshapes back into rows
     keep = ~mask | starts
-    inputs = np.where(starts, sentinel_start + run_index, tokens)[keep].reshape(batch, -1 if batch else 0)
+    source_len = mask.shape[1] - num_noise + num_spans
+    inputs = np.where(starts, sentinel_start + run_index, tokens)[keep].reshape(batch, source_len)
 
-    # a noise token of run i lands after the noise tokens before it and the sentinels 0..i
+    # the k-th noise token (from 0), of run i, lands after the k noise tokens and i + 1 sentinels before it
     slot = np.cumsum(mask, axis=1) - 1 + run_index + 1  # (B, L), meaningful where mask
     row = np.broadcast_to(np.arange(batch)[:, None], mask.shape)  # (B, L)
     targets = np.empty((batch, num_noise + num_spans + 1), dtype=np.int64)
