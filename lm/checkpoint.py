@@ -23,13 +23,14 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-import yaml
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from lm.config import ConfigError, JobConfig, load_config, save_config
 from lm.distributed.env import DistEnv
 
 log = logging.getLogger(__name__)
+
+ARCH_NAMES = {"gpt": "decoder-only GPT", "encdec": "encoder-decoder"}
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -142,22 +143,29 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
 
 
 def check_compatible(path: Path, cfg: JobConfig) -> None:
-    """Refuse to resume a checkpoint whose model shape differs from the current config."""
-    saved = yaml.safe_load((path / "config.yaml").read_text())["model"]
+    """Refuse to resume a checkpoint whose architecture or model shape differs from the current config.
+
+    Keys missing from an older checkpoint's config take their defaults, as they did when it was written.
+    """
+    saved = read_config(path).to_dict()["model"]
     current = cfg.to_dict()["model"]
-    diff = sorted(k for k in current if saved.get(k) != current[k] and k != "dropout")
+    if saved["arch"] != current["arch"]:
+        raise ConfigError(f"{path}: checkpoint is a {ARCH_NAMES[saved['arch']]} (model.arch={saved['arch']}) "
+                          f"but the config asks for a {ARCH_NAMES[current['arch']]} (model.arch={current['arch']}); "
+                          "use another train.out_dir to start a new run")
+    diff = sorted(k for k in current if saved[k] != current[k] and k != "dropout")
     if diff:
-        details = ", ".join(f"model.{k}: {saved.get(k)!r} -> {current[k]!r}" for k in diff)
+        details = ", ".join(f"model.{k}: {saved[k]!r} -> {current[k]!r}" for k in diff)
         raise ConfigError(f"{path}: checkpoint has a different model shape ({details}); "
                           "use another train.out_dir to start a new run")
 
 
 def load_for_inference(path: str | Path, device: torch.device) -> tuple[nn.Module, JobConfig, Path]:
     """Build the model a checkpoint describes and load its weights; returns (model, config, step dir)."""
-    from lm.models.gpt import GPT
+    from lm.models.factory import build_model
 
     step_dir = resolve_checkpoint(path)
     cfg = read_config(step_dir)
-    model = GPT(cfg.model)
+    model = build_model(cfg.model)
     load_model_weights(step_dir, model)
     return model.to(device).eval(), cfg, step_dir

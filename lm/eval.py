@@ -1,7 +1,10 @@
 """`python -m lm.eval`: loss, perplexity and bits per byte of a checkpoint on val shards or a text file.
 
-Long inputs are scored with strided windows: every token is scored exactly once, and every window
-after the first keeps at least `seq_len - stride` tokens of context before the tokens it scores.
+The architecture comes from the checkpoint. A GPT scores long inputs with strided windows: every token
+is scored exactly once, and every window after the first keeps at least `seq_len - stride` tokens of
+context before the tokens it scores. An encoder-decoder is scored on its pretraining task: each window
+of seq_len + 1 tokens is span-corrupted exactly as the trainer's validation does (window k's noise drawn
+from (train.seed, k)), and the loss is over the target tokens (sentinels and masked spans).
 """
 
 import argparse
@@ -18,6 +21,7 @@ from tqdm import tqdm
 from lm.checkpoint import load_for_inference
 from lm.cli import run
 from lm.runtime import tune_cpu
+from lm.data.objectives import SpanCorruption
 from lm.data.shards import DataError, open_shard, read_manifest
 from lm.tokenizer import load_tokenizer
 
@@ -69,6 +73,30 @@ def score_stream(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, strid
     return nll, count
 
 
+@torch.no_grad()
+def score_span_corruption(model: torch.nn.Module, streams: list[np.ndarray], objective: SpanCorruption,
+                          batch_size: int, device: torch.device, progress: tqdm | None = None) -> tuple[float, int]:
+    """Summed target NLL (nats) and target tokens scored, over every window of the streams.
+
+    Windows are cut like the loader's (window j of a stream starts at token j * seq_len and holds
+    seq_len + 1 tokens) and numbered across streams, so on the val shards window k is corrupted with the
+    key k, the sample id the trainer's validation uses.
+    """
+    length = objective.window_len
+    seq_len = length - 1
+    rows = [np.asarray(s[j * seq_len:j * seq_len + length]) for s in streams for j in range((len(s) - 1) // seq_len)]
+    nll, count = 0.0, 0
+    for i in range(0, len(rows), batch_size):
+        keys = np.arange(i, min(i + batch_size, len(rows)), dtype=np.int64)
+        src, tgt_in, tgt_out = (t.to(device) for t in objective(np.stack(rows[i:i + batch_size]), keys))
+        _, loss = model(src, tgt_in, tgt_out)
+        nll += loss.double().item() * tgt_out.numel()  # no padding in a full window: every target counts
+        count += tgt_out.numel()
+        if progress is not None:
+            progress.update(len(keys) * seq_len)
+    return nll, count
+
+
 def unigram_entropy(streams: list[np.ndarray]) -> float:
     """Entropy (nats/token) of the streams' own token frequencies: the loss of the best model that
     ignores context, a baseline a trained model must beat by a wide margin."""
@@ -107,11 +135,20 @@ def main(argv: list[str]) -> int:
         tune_cpu()
     model, cfg, step_dir = load_for_inference(args.checkpoint, device)
     seq_len = args.seq_len or cfg.data.seq_len
-    if not 0 < seq_len <= cfg.model.block_size:
-        parser.error(f"--seq-len: must be in [1, {cfg.model.block_size}] (the model's block_size), got {seq_len}")
-    stride = args.stride or max(1, seq_len // 2)
-    if not 0 < stride <= seq_len:
-        parser.error(f"--stride: must be in [1, {seq_len}] (the window length), got {stride}")
+    encdec = cfg.model.arch == "encdec"
+    if encdec:
+        if args.stride is not None:
+            parser.error("--stride: applies to decoder-only checkpoints; an encoder-decoder is scored on "
+                         "non-overlapping span-corrupted windows")
+        if seq_len <= 0:
+            parser.error(f"--seq-len: must be positive, got {seq_len}")
+        objective = SpanCorruption.from_config(cfg.model, seq_len, cfg.train.seed)
+    else:
+        if not 0 < seq_len <= cfg.model.block_size:
+            parser.error(f"--seq-len: must be in [1, {cfg.model.block_size}] (the model's block_size), got {seq_len}")
+        stride = args.stride or max(1, seq_len // 2)
+        if not 0 < stride <= seq_len:
+            parser.error(f"--stride: must be in [1, {seq_len}] (the window length), got {stride}")
 
     n_bytes = None
     if args.text is not None:
@@ -135,21 +172,30 @@ def main(argv: list[str]) -> int:
 
     total_nll, total_count = 0.0, 0
     with tqdm(total=sum(len(s) - 1 for s in streams), unit="tok", desc="eval", disable=None) as bar:
-        for stream in streams:
-            nll, count = score_stream(model, np.asarray(stream), seq_len, stride, args.batch_size, device, bar)
-            total_nll += nll
-            total_count += count
+        if encdec:
+            total_nll, total_count = score_span_corruption(model, streams, objective, args.batch_size, device, bar)
+        else:
+            for stream in streams:
+                nll, count = score_stream(model, np.asarray(stream), seq_len, stride, args.batch_size, device, bar)
+                total_nll += nll
+                total_count += count
     if total_count == 0:
-        raise DataError(f"{source}: nothing to score (fewer than 2 tokens)")
+        raise DataError(f"{source}: nothing to score (fewer than {seq_len + 1 if encdec else 2} tokens)")
     loss = total_nll / total_count
     print(f"checkpoint: {step_dir}")
-    print(f"data: {source} | window {seq_len}, stride {stride}")
-    print(f"tokens scored: {total_count:,}")
+    if encdec:
+        s, t = objective.lengths
+        print(f"data: {source} | span corruption of windows of {seq_len + 1} tokens (source {s}, target {t})")
+        print(f"target tokens scored: {total_count:,}")
+    else:
+        print(f"data: {source} | window {seq_len}, stride {stride}")
+        print(f"tokens scored: {total_count:,}")
     print(f"loss: {loss:.4f} nats/token")
     print(f"perplexity: {math.exp(loss):.3f}")
-    if n_bytes is not None:
+    # bits per byte and the unigram baseline describe next-token prediction, not span corruption
+    if n_bytes is not None and not encdec:
         print(f"bits per byte: {total_nll / math.log(2) / n_bytes:.4f}")
-    else:
+    elif not encdec:
         baseline = unigram_entropy(streams)
         print(f"unigram baseline: {baseline:.4f} nats/token (perplexity {math.exp(baseline):.1f}), "
               "the best loss without context")

@@ -1,4 +1,9 @@
-"""`python -m lm.sample`: generate text from a checkpoint saved at any world size."""
+"""`python -m lm.sample`: generate text from a checkpoint saved at any world size.
+
+A GPT continues the prompt. An encoder-decoder reads the prompt as its source: each `<mask>` in it
+becomes a sentinel whose span the decoder writes, and the output is the prompt with the spans filled
+in; a prompt without `<mask>` gets one at its end, so the model writes a continuation.
+"""
 
 import argparse
 import logging
@@ -11,7 +16,8 @@ from lm.checkpoint import load_for_inference
 from lm.cli import run
 from lm.runtime import tune_cpu
 from lm.data.shards import DataError
-from lm.models.generate import generate
+from lm.models.config import ModelConfig
+from lm.models.generate import generate, generate_seq2seq
 from lm.tokenizer import load_tokenizer
 
 log = logging.getLogger("lm.sample")
@@ -28,6 +34,46 @@ def fit_prompt(ids: list[int], max_new_tokens: int, block_size: int) -> list[int
                     len(ids), room, max_new_tokens, block_size)
         return ids[-room:]
     return ids
+
+
+MASK = "<mask>"
+
+
+def encdec_source(text: str, encode, cfg: ModelConfig) -> tuple[list[int], list[str]]:
+    """Source ids for an encoder-decoder prompt and the text pieces around its masks.
+
+    Every `<mask>` becomes the next sentinel id; a prompt without one gets one at its end. Returns
+    (ids, pieces) with len(pieces) == number of masks + 1.
+    """
+    pieces = text.split(MASK)
+    if len(pieces) == 1:
+        pieces.append("")
+    n_masks = len(pieces) - 1
+    if n_masks + 1 > cfg.n_sentinels:  # the spans' sentinels plus the end marker
+        raise ValueError(f"prompt has {n_masks} {MASK} markers; the model has {cfg.n_sentinels} sentinels, "
+                         f"so at most {cfg.n_sentinels - 1} spans can be filled")
+    ids: list[int] = []
+    for i, piece in enumerate(pieces):
+        ids += encode(piece) if piece else []
+        if i < n_masks:
+            ids.append(cfg.sentinel_start + i)
+    if len(ids) > cfg.block_size:
+        raise ValueError(f"prompt of {len(ids)} tokens is longer than the encoder's positions "
+                         f"(model.block_size={cfg.block_size}); shorten it")
+    return ids, pieces
+
+
+def split_spans(tokens: list[int], n_spans: int, sentinel_start: int) -> list[list[int]]:
+    """The decoder's output `s0 span0 s1 span1 ...` cut into n_spans spans (missing ones are empty);
+    tokens before the first sentinel, and sentinels out of order, start no span."""
+    spans: list[list[int]] = [[] for _ in range(n_spans)]
+    current = None
+    for token in tokens:
+        if sentinel_start <= token < sentinel_start + n_spans:
+            current = token - sentinel_start
+        elif current is not None:
+            spans[current].append(token)
+    return spans
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -67,6 +113,8 @@ def main(argv: list[str]) -> int:
     model, cfg, step_dir = load_for_inference(args.checkpoint, device)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     text = read_prompt(args)
+    if cfg.model.arch == "encdec":
+        return sample_encdec(model, cfg.model, tokenizer, text, args, parser)
     ids = tokenizer.encode_ordinary(text) if text else [tokenizer.eot_token]
     try:
         ids = fit_prompt(ids, args.max_new_tokens, cfg.model.block_size)
@@ -78,6 +126,32 @@ def main(argv: list[str]) -> int:
         if args.num_samples > 1:
             print(f"--- sample {i + 1} ---")
         print(text + tokenizer.decode(new))
+    return 0
+
+
+def sample_encdec(model, cfg: ModelConfig, tokenizer, text: str, args: argparse.Namespace,
+                  parser: argparse.ArgumentParser) -> int:
+    """Fill the prompt's masks (or continue it) with an encoder-decoder; prints one text per sample."""
+    if args.max_new_tokens > cfg.block_size:
+        parser.error(f"--max-new-tokens: {args.max_new_tokens} exceeds the decoder's positions "
+                     f"(model.block_size={cfg.block_size})")
+    try:
+        ids, pieces = encdec_source(text, tokenizer.encode_ordinary, cfg)
+    except ValueError as err:
+        parser.error(str(err))
+    n_spans = len(pieces) - 1
+    # the end marker, and any sentinel after it, end the output
+    stop = set(range(cfg.sentinel_start + n_spans, cfg.sentinel_start + cfg.n_sentinels))
+    for i in range(args.num_samples):
+        out = generate_seq2seq(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                               top_p=args.top_p, stop_ids=stop, seed=args.seed + i)
+        spans = split_spans(out, n_spans, cfg.sentinel_start)
+        if args.num_samples > 1:
+            print(f"--- sample {i + 1} ---")
+        filled = [pieces[0]]
+        for span, piece in zip(spans, pieces[1:]):
+            filled += [tokenizer.decode(span), piece]  # spans hold no sentinel: they delimit or stop
+        print("".join(filled))
     return 0
 
 

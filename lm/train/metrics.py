@@ -35,6 +35,23 @@ def flops_per_token(cfg: ModelConfig, num_params: int, seq_len: int) -> float:
     return 6 * num_params + 12 * cfg.n_layer * cfg.d_model * seq_len
 
 
+def encdec_flops_per_token(model: torch.nn.Module, seq_len: int, source_len: int, target_len: int) -> float:
+    """Training FLOPs per window token of an encoder-decoder fed (source_len, target_len) per window.
+
+    Per sample: 6 per parameter per token it touches (encoder blocks on the source tokens; decoder
+    blocks and the output head on the target tokens) plus the attention scores, 12 * n_layer * d_model
+    times (S^2 encoder + T^2 decoder + T*S cross). Divided by the seq_len tokens the sample was cut
+    from, so tokens/s and MFU compare with the GPT's at the same data rate.
+    """
+    cfg = model.cfg
+    count = lambda modules: sum(p.numel() for m in modules for p in m.parameters())  # noqa: E731
+    encoder = count([*model.encoder, model.enc_norm])
+    decoder = count([*model.decoder, model.dec_norm]) + model.lm_head.weight.numel()
+    S, T = source_len, target_len
+    per_sample = 6 * (encoder * S + decoder * T) + 12 * cfg.n_layer * cfg.d_model * (S * S + T * T + T * S)
+    return per_sample / seq_len
+
+
 def peak_flops(device: torch.device) -> float | None:
     """Peak bf16 FLOP/s of a known GPU, or None (CPUs and unlisted GPUs)."""
     if device.type != "cuda":

@@ -13,9 +13,10 @@ from lm.config import ConfigError, JobConfig, save_config
 from lm.data.loader import SplitWindows, TokenLoader, val_batches
 from lm.data.shards import check_manifest, read_manifest
 from lm.distributed import DistEnv, grad_sync, unwrap, wrap_ddp
-from lm.models.gpt import GPT
+from lm.data.objectives import build_objective
+from lm.models.factory import build_model
 from lm.runtime import tune_cpu
-from lm.train.metrics import MetricLogger, flops_per_token, peak_flops, perplexity
+from lm.train.metrics import MetricLogger, encdec_flops_per_token, flops_per_token, peak_flops, perplexity
 from lm.train.schedule import lr_at
 
 log = logging.getLogger("lm.train")
@@ -30,7 +31,7 @@ def build_optimizer(model: nn.Module, cfg: JobConfig, device: torch.device) -> t
             if id(param) in seen or not param.requires_grad:
                 continue  # the tied output head shares the embedding's Parameter
             seen.add(id(param))
-            skip = isinstance(module, (nn.Embedding, nn.LayerNorm)) or name == "bias"
+            skip = isinstance(module, (nn.Embedding, nn.LayerNorm, nn.RMSNorm)) or name == "bias"
             (no_decay if skip else decay).append(param)
     groups = [
         {"params": decay, "weight_decay": cfg.optim.weight_decay},
@@ -73,12 +74,14 @@ class Trainer:
 
         if env.device.type == "cpu":
             tune_cpu()
+        # span corruption checks its sentinel budget against seq_len here, before any weights exist
+        self.objective = build_objective(cfg.model, cfg.data.seq_len, cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
-        self.model = GPT(cfg.model).to(env.device)
+        self.model = build_model(cfg.model).to(env.device)
         self.optimizer = build_optimizer(self.model, cfg, env.device)
         self.loader = TokenLoader(
             cfg.data.dir, "train", cfg.data.seq_len, cfg.train.seed, env.rank, env.world_size,
-            cfg.train.batch_size, cfg.train.micro_batch_size,
+            cfg.train.batch_size, cfg.train.micro_batch_size, self.objective,
         )
         self.val_windows = SplitWindows(cfg.data.dir, "val", cfg.data.seq_len)
         self.step = 0
@@ -96,7 +99,10 @@ class Trainer:
         self.train_model = wrap_ddp(self.train_model, env)
         self.autocast = autocast_for(cfg, env.device)
         n_params = self.model.num_params()
-        self.flops_per_token = flops_per_token(cfg.model, n_params, cfg.data.seq_len)
+        if cfg.model.arch == "encdec":
+            self.flops_per_token = encdec_flops_per_token(self.model, cfg.data.seq_len, *self.objective.lengths)
+        else:
+            self.flops_per_token = flops_per_token(cfg.model, n_params, cfg.data.seq_len)
         self.peak_flops = peak_flops(env.device)
         if env.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -175,10 +181,11 @@ class Trainer:
         """Forward/backward over this rank's micro-batches, clip, step. Returns (mean loss, grad norm) on device."""
         micro_batches = self.loader.next_batch()
         loss_sum = torch.zeros((), device=self.env.device)
-        for i, (x, y) in enumerate(micro_batches):
-            x, y = x.to(self.env.device, non_blocking=True), y.to(self.env.device, non_blocking=True)
+        for i, batch in enumerate(micro_batches):
+            # (x, y) for the GPT, (src, tgt_in, tgt_out) for the encoder-decoder: the model's own arguments
+            batch = [t.to(self.env.device, non_blocking=True) for t in batch]
             with grad_sync(self.train_model, sync=i == len(micro_batches) - 1), self.autocast:
-                _, loss = self.train_model(x, y)
+                _, loss = self.train_model(*batch)
                 (loss / len(micro_batches)).backward()
             loss_sum += loss.detach()
         clip = self.cfg.optim.grad_clip or float("inf")
@@ -195,10 +202,10 @@ class Trainer:
         model.eval()
         total = torch.zeros((), device=env.device)
         count = 0
-        for x, y in val_batches(self.val_windows, cfg.train.micro_batch_size, env.rank, env.world_size,
-                                cfg.train.eval_batches):
+        for batch in val_batches(self.val_windows, cfg.train.micro_batch_size, env.rank, env.world_size,
+                                 cfg.train.eval_batches, self.objective):
             with self.autocast:
-                _, loss = model(x.to(env.device), y.to(env.device))
+                _, loss = model(*(t.to(env.device) for t in batch))
             total += loss.float()
             count += 1
         model.train()
