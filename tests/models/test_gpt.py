@@ -120,8 +120,16 @@ def test_meta_build_then_init_weights_matches_normal_build() -> None:
     assert model.num_params() == reference.num_params()
 
 
-def test_prefill_then_decode_logits_match_full_forward() -> None:
-    model = tiny_model()
+VARIANTS = {
+    "gpt2": {},
+    "llama": dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_head=4, n_kv_head=2, tie_embeddings=False),
+    "sinusoidal-post-norm": dict(pos="sinusoidal", norm_position="post", mlp="relu"),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_then_decode_logits_match_full_forward(variant: str) -> None:
+    model = tiny_model(**VARIANTS[variant])
     idx = torch.randint(0, 100, (2, 12))
     full, _ = model(idx)
     cache = model.new_cache(batch_size=2, max_len=12)
@@ -131,13 +139,42 @@ def test_prefill_then_decode_logits_match_full_forward() -> None:
     torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, rtol=0, atol=1e-5)
 
 
-def test_multi_token_append_to_nonempty_cache_matches_full_forward() -> None:
-    model = tiny_model()
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_multi_token_append_to_nonempty_cache_matches_full_forward(variant: str) -> None:
+    model = tiny_model(**VARIANTS[variant])
     idx = torch.randint(0, 100, (2, 15))
     full, _ = model(idx)
     cache = model.new_cache(batch_size=2, max_len=20)
     parts = [model(idx[:, a:b], cache=cache)[0] for a, b in [(0, 5), (5, 9), (9, 10), (10, 15)]]
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=0, atol=1e-5)
+
+
+def test_llama_options_build_the_llama_layers() -> None:
+    model = tiny_model(**VARIANTS["llama"])
+    block = model.blocks[0]
+    assert isinstance(block.ln_1, torch.nn.RMSNorm) and isinstance(model.ln_f, torch.nn.RMSNorm)
+    assert not hasattr(model, "wpe")
+    assert block.attn.qkv.weight.shape == ((4 + 2 * 2) * 8, 32)  # 4 query heads, 2 key/value heads of 8
+    assert block.mlp.fc.weight.shape == (2 * 128, 32)  # gate and up: 8/3 * 32 rounded up to 64 -> 128
+    assert model.lm_head.weight is not model.wte.weight
+    assert all(m.bias is None for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert model.new_cache(1, 8).layers[0].k.shape == (1, 2, 8, 8)  # cached per key/value head
+
+
+def test_rotary_attention_scores_depend_only_on_relative_position() -> None:
+    from lm.models.layers import apply_rope, rope_angles
+
+    q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+    def score(i: int, j: int) -> float:
+        cos, sin = rope_angles(torch.tensor([i, j]), 8, 10000.0)
+        return float(apply_rope(q, cos[:1], sin[:1]) @ apply_rope(k, cos[1:], sin[1:]).transpose(-1, -2))
+    assert score(3, 1) == pytest.approx(score(10, 8), abs=1e-5)
+    assert score(3, 1) != pytest.approx(score(3, 2), abs=1e-3)
+
+
+def test_post_norm_has_no_final_norm_and_pre_norm_has_one() -> None:
+    assert isinstance(tiny_model(norm_position="post").ln_f, torch.nn.Identity)
+    assert isinstance(tiny_model().ln_f, torch.nn.LayerNorm)
 
 
 def test_sequence_longer_than_block_size_raises() -> None:
