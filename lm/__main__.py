@@ -11,6 +11,7 @@ TOOLS = {
     "eval": ("lm.eval", "loss, perplexity and bits per byte of a checkpoint"),
     "sample": ("lm.sample", "generate text from a checkpoint"),
     "bench": ("lm.bench", "training and loader throughput on this device"),
+    "export": ("lm.export", "write a checkpoint as a Hugging Face transformers model"),
 }
 
 

@@ -1,0 +1,145 @@
+"""Numerical parity with Hugging Face transformers: our GPT and the transformers model built from the export
+mapping (`lm.export.hf_config` + `hf_state_dict`) give the same logits to 1e-5 on CPU in float32."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from lm.export import ExportError, gpt2_state_dict, hf_config, hf_state_dict, hf_target, llama_state_dict
+from lm.models.config import ModelConfig
+from lm.models.gpt import GPT
+
+VOCAB = 300  # not a multiple of 64: the mapping must drop our 20 padding rows
+GPT2 = {}
+LLAMA = dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=2, d_ff=96, rope_theta=500.0,
+             tie_embeddings=False)
+
+
+def tiny_config(**overrides: object) -> ModelConfig:
+    fields = dict(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, d_model=64, norm_eps=1e-5)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def random_model(cfg: ModelConfig, seed: int = 0) -> GPT:
+    """Every parameter drawn anew, biases and norm gains included: zero biases or unit gains (the init)
+    would let a dropped or misplaced tensor go unnoticed. Gains centre on 1 so logits stay O(1)."""
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            is_gain = name.endswith(".weight") and p.dim() == 1
+            p.normal_(1.0 if is_gain else 0.0, 0.2 if is_gain else 0.1)
+    return model.eval()
+
+
+def hf_model(model: GPT, attn: str = "eager") -> PreTrainedModel:
+    """The transformers model our mapping describes, holding our weights."""
+    fields = hf_config(model.cfg)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+    missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
+    assert unexpected == []
+    # A tied head is not written: transformers ties lm_head to the embedding itself.
+    assert missing == (["lm_head.weight"] if model.cfg.tie_embeddings else [])
+    if model.cfg.tie_embeddings:
+        assert hf.lm_head.weight.data_ptr() == hf.get_input_embeddings().weight.data_ptr()
+    return hf
+
+
+def assert_same_logits(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Our logits over the tokenizer's ids equal transformers' to 1e-5, and are not trivially small."""
+    assert ours.shape[-1] == tiny_config().padded_vocab_size and theirs.shape[-1] == VOCAB
+    assert theirs.std() > 0.3
+    torch.testing.assert_close(ours[..., :VOCAB], theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides", [
+    GPT2,
+    dict(tie_embeddings=False, d_ff=96, norm_eps=1e-6),  # n_inner and an untied head pass through
+], ids=["gpt2", "gpt2-untied-dff"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_gpt2_logits_match_transformers(overrides, attn):
+    model = random_model(tiny_config(**overrides))
+    hf = hf_model(model, attn)
+    assert type(hf).__name__ == "GPT2LMHeadModel"
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_same_logits(model(idx)[0], hf(idx).logits)
+
+
+@pytest.mark.parametrize("overrides", [
+    LLAMA,
+    {**LLAMA, "tie_embeddings": True},
+    {**LLAMA, "bias": True, "n_kv_head": 0},  # attention_bias, mlp_bias; multi-head attention
+    {**LLAMA, "n_kv_head": 1, "d_ff": 0},  # multi-query attention; default SwiGLU width
+], ids=["gqa-untied", "gqa-tied", "mha-bias", "mqa"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_llama_logits_match_transformers(overrides, attn):
+    model = random_model(tiny_config(**overrides))
+    hf = hf_model(model, attn)
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_same_logits(model(idx)[0], hf(idx).logits)
+
+
+@pytest.mark.parametrize("overrides", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_incremental_decoding_matches_a_full_transformers_forward(overrides):
+    """Our KV-cached decoding (a prompt, then single tokens, then a chunk after a non-empty cache) gives
+    the logits transformers computes for the whole sequence at once."""
+    model = random_model(tiny_config(**overrides))
+    hf = hf_model(model)
+    idx = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(2))
+    cache = model.new_cache(batch_size=2, max_len=20)
+    pieces = [(0, 8), *((t, t + 1) for t in range(8, 16)), (16, 20)]
+    with torch.no_grad():
+        ours = torch.cat([model(idx[:, a:b], cache=cache)[0] for a, b in pieces], dim=1)
+        assert_same_logits(ours, hf(idx).logits)
+    assert cache.length == 20
+
+
+def test_vocabulary_is_the_tokenizers_and_tied_heads_are_written_once():
+    tied = gpt2_state_dict(random_model(tiny_config()))
+    assert tied["transformer.wte.weight"].shape == (VOCAB, 64) and "lm_head.weight" not in tied
+    untied = llama_state_dict(random_model(tiny_config(**LLAMA)))
+    assert untied["lm_head.weight"].shape == untied["model.embed_tokens.weight"].shape == (VOCAB, 64)
+    assert untied["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 16, 64)
+    pointers = [t.untyped_storage().data_ptr() for t in untied.values()]
+    assert len(set(pointers)) == len(pointers)  # safetensors refuses shared storage
+    config = hf_config(tiny_config(**LLAMA))
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 500.0}
+    assert config["rope_theta"] == 500.0 and config["num_key_value_heads"] == 2
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    (dict(arch="encdec", pos="sinusoidal"), [
+        "(model.arch=encdec, model.pos=sinusoidal, model.norm=layernorm, model.mlp=gelu)",
+        "GPT2LMHeadModel (GPT-2) needs model.arch=gpt, model.pos=learned;",
+        "LlamaForCausalLM (Llama) needs model.arch=gpt, model.pos=rope, model.norm=rmsnorm, model.mlp=swiglu",
+    ]),
+    (dict(norm="rmsnorm"), [
+        "(model.norm=rmsnorm, model.pos=learned, model.mlp=gelu)",
+        "GPT2LMHeadModel (GPT-2) needs model.norm=layernorm;",
+        "LlamaForCausalLM (Llama) needs model.pos=rope, model.mlp=swiglu",
+    ]),
+    ({**LLAMA, "norm_position": "post"}, ["model.norm_position=post", "needs model.norm_position=pre"]),
+    (dict(mlp="relu"), ["GPT2LMHeadModel (GPT-2) needs model.mlp=gelu;"]),
+    (dict(n_kv_head=2), ["GPT2LMHeadModel (GPT-2) needs model.n_kv_head=0 (one key/value head per query head)"]),
+    (dict(bias=False), ["GPT2LMHeadModel (GPT-2) needs model.bias=true;"]),
+], ids=["encdec", "rmsnorm-learned", "post-norm", "relu", "gpt2-gqa", "gpt2-no-bias"])
+def test_unsupported_configs_name_their_keys(overrides, fragments):
+    cfg = tiny_config(**overrides)
+    with pytest.raises(ExportError) as err:
+        hf_config(cfg)
+    message = str(err.value)
+    assert message.startswith("cannot export to Hugging Face: no transformers model has this combination")
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_mapping_refuses_the_other_target():
+    assert hf_target(tiny_config()) == "gpt2" and hf_target(tiny_config(**LLAMA)) == "llama"
+    with pytest.raises(ExportError, match="maps to LlamaForCausalLM, not GPT2LMHeadModel"):
+        gpt2_state_dict(random_model(tiny_config(**LLAMA)))

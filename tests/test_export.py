@@ -1,0 +1,155 @@
+"""`python -m lm.export --to hf`: checkpoints written by the real trainer load in transformers with our logits
+and tokenizer; unsupported models and occupied output directories are refused without writing anything."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import lm.export
+from lm.checkpoint import load_for_inference, resolve_checkpoint
+from lm.cli import run
+from lm.export import main
+from lm.tokenizer import load_tokenizer
+
+TEXT = "KING DUNCAN.\nWhat bloody man is that?  He can report,\n\tAs seemeth by his plight, 1606: naïve café 🙂"
+HF_FILES = {"config.json", "generation_config.json", "model.safetensors",
+            "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"}
+
+
+def train_run(data_dir: Path, out: Path, *model_flags: str) -> Path:
+    """A run directory written by the real Trainer: a tiny model trained 2 steps, like `trained_run`."""
+    from lm.config import load_config
+    from lm.distributed import init_distributed
+    from lm.train.trainer import Trainer
+
+    cfg = load_config(None, [
+        "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32", *model_flags,
+        "--data.seq_len=16", f"--data.dir={data_dir}", "--train.steps=2", "--train.batch_size=2",
+        "--train.micro_batch_size=2", "--train.device=cpu", "--train.eval_batches=1",
+        "--log.tensorboard=false", f"--train.out_dir={out}",
+    ])
+    Trainer(cfg, init_distributed("cpu")).fit()
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_run(tiny_data_dir, tmp_path_factory) -> Path:
+    """Llama-style: rotary positions, RMSNorm, SwiGLU, no biases, one key/value head for two query heads."""
+    return train_run(tiny_data_dir, tmp_path_factory.mktemp("llama") / "run", "--model.pos=rope",
+                     "--model.norm=rmsnorm", "--model.mlp=swiglu", "--model.bias=false", "--model.n_kv_head=1")
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+def export_process(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def assert_same_model(run_dir: Path, out: Path, hf_class: str) -> None:
+    """transformers loads OUT alone (model and tokenizer) and reproduces our logits and token ids."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ours, cfg, _ = load_for_inference(run_dir, torch.device("cpu"))
+    hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    assert type(hf).__name__ == hf_class and hf.dtype == torch.float32
+    vocab = cfg.model.vocab_size
+    idx = torch.randint(0, vocab, (2, cfg.model.block_size), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0][..., :vocab], hf(idx).logits, atol=1e-5, rtol=1e-5)
+
+    encoding = load_tokenizer(cfg.data.tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    ids = encoding.encode_ordinary(TEXT)
+    assert tokenizer.encode(TEXT) == ids and tokenizer.decode(ids) == TEXT
+    assert tokenizer.eos_token_id == hf.config.eos_token_id == hf.generation_config.eos_token_id == encoding.eot_token
+
+
+def test_gpt2_run_exports_to_gpt2(trained_run, tmp_path):
+    out = tmp_path / "hf" / "gpt2"  # parents are created
+    result = export_process("lm.export", "--checkpoint", str(trained_run), "--to", "hf", str(out))
+    assert result.returncode == 0, result.stderr
+    assert {p.name for p in out.iterdir()} == HF_FILES
+    assert [p.name for p in out.parent.iterdir()] == ["gpt2"]  # no staging directory left behind
+    assert_same_model(trained_run, out, "GPT2LMHeadModel")
+
+
+def test_llama_run_exports_to_llama(llama_run, tmp_path):
+    out = tmp_path / "llama"
+    result = export_process("lm", "export", "--checkpoint", str(llama_run), "--to", "hf", str(out))
+    assert result.returncode == 0, result.stderr
+    assert {p.name for p in out.iterdir()} == HF_FILES
+    assert_same_model(llama_run, out, "LlamaForCausalLM")
+
+
+def test_unsupported_model_is_refused_in_one_line_before_out_exists(tiny_data_dir, tmp_path, capsys):
+    run_dir = train_run(tiny_data_dir, tmp_path / "run", "--model.norm=rmsnorm")  # learned positions kept
+    out = tmp_path / "out"
+    assert run(main, ["--checkpoint", str(run_dir), "--to", "hf", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: cannot export to Hugging Face")
+    assert "model.norm=rmsnorm" in err[0] and "model.pos=learned" in err[0] and "model.mlp=gelu" in err[0]
+    assert "GPT2LMHeadModel (GPT-2) needs model.norm=layernorm" in err[0]
+    assert "LlamaForCausalLM (Llama) needs model.pos=rope, model.mlp=swiglu" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_encdec_checkpoint_is_refused_from_its_config(trained_run, tmp_path, capsys):
+    """Refused from its config alone: the weights are not even read (this copy has none)."""
+    step = tmp_path / "encdec" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    source = resolve_checkpoint(trained_run)
+    shutil.copy(source / "state.json", step)
+    config = yaml.safe_load((source / "config.yaml").read_text())
+    config["model"].update(arch="encdec", pos="sinusoidal")
+    (step / "config.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "out"
+    assert run(main, ["--checkpoint", str(tmp_path / "encdec"), "--to", "hf", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "model.arch=encdec" in lines[0] and "needs model.arch=gpt" in lines[0]
+    assert not out.exists()
+
+
+def test_non_empty_out_needs_force_and_keeps_other_files(trained_run, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "README.md").write_text("my notes")
+    (out / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        run(main, ["--checkpoint", str(trained_run), "--to", "hf", str(out)])
+    assert exit_.value.code == 2
+    assert "directory is not empty; pass --force" in capsys.readouterr().err
+    assert {p.name: p.read_text() for p in out.iterdir()} == {"README.md": "my notes", "config.json": "{}"}
+
+    assert run(main, ["--checkpoint", str(trained_run), "--to", "hf", str(out), "--force"]) == 0
+    assert {p.name for p in out.iterdir()} == HF_FILES | {"README.md"}
+    assert (out / "README.md").read_text() == "my notes" and (out / "config.json").read_text() != "{}"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_failed_export_leaves_nothing(trained_run, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(lm.export, "write_hf_tokenizer", broken)
+    with pytest.raises(OSError, match="disk full"):
+        run(main, ["--checkpoint", str(trained_run), "--to", "hf", str(tmp_path / "out")])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_out_that_is_a_file_is_a_usage_error(trained_run, tmp_path, capsys):
+    out = tmp_path / "model.bin"
+    out.write_text("x")
+    with pytest.raises(SystemExit) as exit_:
+        run(main, ["--checkpoint", str(trained_run), "--to", "hf", str(out), "--force"])
+    assert exit_.value.code == 2 and "exists and is not a directory" in capsys.readouterr().err
