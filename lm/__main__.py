@@ -1,4 +1,4 @@
-"""The `lm` console script: `lm prepare | train | eval | sample | bench [ARGS]`, same as `python -m lm.<tool>`."""
+"""The `lm` console script: `lm prepare | train | eval | sample | export | bench [ARGS]`, same as `python -m lm.<tool>`."""
 
 import importlib
 import sys
