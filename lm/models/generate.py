@@ -77,6 +77,9 @@ def generate(
     seed None draws from the global torch RNG. The caller truncates a prompt that would not fit:
     prompt plus max_new_tokens may exceed model.block_size by one, since the last token is never fed back.
     """
+    if not isinstance(model, GPT):
+        raise TypeError(f"generate: takes a decoder-only GPT, got {type(model).__name__}; "
+                        "an encoder-decoder decodes with generate_seq2seq")
     block_size = model.cfg.block_size
     if not prompt:
         raise ValueError("generate: prompt must hold at least one token")
@@ -130,6 +133,9 @@ def generate_seq2seq(
     Any id below model.cfg.pad_id can be sampled (the tokenizer's ids and the sentinels); decoding stops
     before a token in `stop_ids` (not returned). Sampling options and seeding are those of `generate`.
     """
+    if not isinstance(model, EncoderDecoder):
+        raise TypeError(f"generate_seq2seq: takes an encoder-decoder, got {type(model).__name__}; "
+                        "a decoder-only GPT samples with generate")
     cfg = model.cfg
     if not source:
         raise ValueError("generate_seq2seq: the source must hold at least one token")

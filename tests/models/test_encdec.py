@@ -188,3 +188,14 @@ def test_same_seed_same_weights_and_loss_falls_when_fitting_one_batch() -> None:
         opt.step()
         losses.append(loss.item())
     assert losses[0] > math.log(200) - 1 and losses[-1] < 0.5 * losses[0]
+
+
+def test_each_decoding_function_refuses_the_other_architecture() -> None:
+    from lm.models.generate import generate
+    from lm.models.gpt import GPT
+
+    gpt = GPT(ModelConfig(vocab_size=100, block_size=16, n_layer=1, n_head=2, d_model=16))
+    with pytest.raises(TypeError, match="generate_seq2seq: takes an encoder-decoder, got GPT"):
+        generate_seq2seq(gpt, [1, 2], 3)
+    with pytest.raises(TypeError, match="generate: takes a decoder-only GPT, got EncoderDecoder"):
+        generate(EncoderDecoder(CFG), [1, 2], 3)
