@@ -17,7 +17,7 @@ from lm.models.config import ConfigError, ModelConfig
 
 __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "JobConfig", "LogConfig", "ModelConfig",
-    "OptimConfig", "ScheduleConfig", "TrainConfig", "load_config", "parse_cli", "save_config",
+    "OptimConfig", "ParallelConfig", "ScheduleConfig", "TrainConfig", "load_config", "parse_cli", "save_config",
 ]
 
 TOKENIZER_VOCAB = {"gpt2": 50257, "cl100k_base": 100277}
@@ -136,6 +136,39 @@ class TrainConfig:
             raise ConfigError(f"train.dtype: expected auto, bfloat16 or float32, got {self.dtype!r}")
 
 
+ENGINES = ("ddp", "fsdp", "deepspeed")
+
+
+@dataclass
+class ParallelConfig:
+    engine: str = "ddp"
+    """How ranks share the work: ddp (replicated model), fsdp (FSDP2, sharded per block) or deepspeed (ZeRO)."""
+    zero_stage: int = 0
+    """deepspeed only: ZeRO stage 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters); 0 = not set."""
+    cpu_offload: bool = False
+    """fsdp and deepspeed: keep sharded parameters (fsdp) or optimizer state (deepspeed) in CPU memory."""
+    deepspeed_config: str = ""
+    """deepspeed only: a DeepSpeed JSON whose keys override the config generated from this job."""
+    activation_checkpointing: int = 0
+    """Recompute activations in the backward pass: 0 none, 1 every block (full), N every N-th block."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"parallel.engine: unknown engine {self.engine!r}; expected one of {list(ENGINES)}")
+        if self.engine == "deepspeed" and self.zero_stage not in (1, 2, 3):
+            raise ConfigError(f"parallel.zero_stage: deepspeed takes ZeRO stage 1, 2 or 3, got {self.zero_stage}")
+        if self.engine != "deepspeed":
+            for key, unset in (("zero_stage", 0), ("deepspeed_config", "")):
+                if getattr(self, key) != unset:
+                    raise ConfigError(f"parallel.{key}: only the deepspeed engine has it, but parallel.engine is "
+                                      f"{self.engine}; set parallel.engine=deepspeed or drop parallel.{key}")
+        if self.engine == "ddp" and self.cpu_offload:
+            raise ConfigError("parallel.cpu_offload: the ddp engine keeps a whole model per rank and cannot offload; "
+                              "use parallel.engine=fsdp or deepspeed")
+        if self.activation_checkpointing < 0:
+            raise ConfigError(f"parallel.activation_checkpointing: must be >= 0 (0 = none), got {self.activation_checkpointing}")
+
+
 @dataclass
 class CheckpointConfig:
     every: int = 500
@@ -171,6 +204,7 @@ class JobConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
