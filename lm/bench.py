@@ -25,7 +25,7 @@ from lm.data.shards import ShardWriter, dtype_for_vocab, new_manifest, write_man
 from lm.models.gpt import GPT
 from lm.runtime import tune_cpu
 from lm.train.metrics import flops_per_token, peak_flops
-from lm.train.trainer import autocast_for, build_optimizer
+from lm.distributed.engine import autocast_for, build_optimizer
 
 PRESETS = ["demo", "gpt2-124m"]
 

@@ -4,10 +4,13 @@ Layout of a run directory:
 
     <out_dir>/config.yaml                  resolved config of the run
     <out_dir>/checkpoints/step_00000300/   one complete checkpoint
-        .metadata, __<rank>_0.distcp       DCP: model and optimizer, each rank writes its own shard
+        .metadata, __<rank>_0.distcp       ddp, fsdp: DCP model and optimizer, each rank its own shard
+        deepspeed/, latest                 deepspeed: the engine's own checkpoint (tag "deepspeed")
         rng_rank<r>.pt                     each rank's RNG states
-        state.json                         step, loader position, tokens seen, world size
+        state.json                         step, loader position, tokens seen, world size, engine
         config.yaml                        the config that wrote it
+
+ddp and fsdp write the same DCP format, so either resumes the other's checkpoints at any world size.
 
 A checkpoint is written under `step_XXXXXXXX.tmp` and renamed into place by rank 0 only after every
 rank has finished, so a directory without the suffix and with a state.json is always complete.
@@ -23,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from lm.config import ConfigError, JobConfig, load_config, save_config
 from lm.distributed.env import DistEnv
@@ -71,7 +74,23 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def read_state(path: Path) -> dict:
-    return json.loads((path / "state.json").read_text())
+    """state.json; checkpoints from before the engine switch were written by ddp."""
+    return {"engine": "ddp", **json.loads((path / "state.json").read_text())}
+
+
+def check_engine(path: Path, cfg: JobConfig, world_size: int) -> bool:
+    """Refuse a checkpoint another engine family wrote; True when a DeepSpeed checkpoint must first be
+    converted to DeepSpeed's universal format (another world size or ZeRO stage)."""
+    state = read_state(path)
+    saved, wanted = state["engine"], cfg.parallel.engine
+    if (saved == "deepspeed") != (wanted == "deepspeed"):
+        raise CheckpointError(
+            f"{path}: written by the {saved} engine, and parallel.engine is {wanted}; engines other than "
+            f"ddp/fsdp cannot read each other's checkpoints. Consolidate it (python -m lm.consolidate "
+            f"--checkpoint {path} OUT.safetensors) and start a new run from its weights with "
+            f"checkpoint.init_from=OUT.safetensors, or resume with parallel.engine={saved}"
+        )
+    return saved == "deepspeed" and (state["world_size"] != world_size or state.get("zero_stage") != cfg.parallel.zero_stage)
 
 
 def read_config(path: Path) -> JobConfig:
@@ -79,16 +98,7 @@ def read_config(path: Path) -> JobConfig:
     return load_config(path / "config.yaml")
 
 
-def save_checkpoint(
-    root: Path,
-    step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    state: dict,
-    cfg: JobConfig,
-    env: DistEnv,
-    keep: int,
-) -> Path:
+def save_checkpoint(root: Path, step: int, engine, state: dict, cfg: JobConfig, env: DistEnv, keep: int) -> Path:
     """Collectively write one checkpoint; every rank must call this. Returns the final directory."""
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
@@ -98,8 +108,7 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir()
     env.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    engine.save(tmp)
     rng = {"cpu": torch.get_rng_state()}
     if env.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(env.device)
@@ -107,7 +116,10 @@ def save_checkpoint(
     env.barrier()
     if env.is_main:
         save_config(cfg, tmp / "config.yaml")
-        (tmp / "state.json").write_text(json.dumps({**state, "world_size": env.world_size}, indent=2))
+        meta = {"world_size": env.world_size, "engine": cfg.parallel.engine}
+        if cfg.parallel.engine == "deepspeed":
+            meta["zero_stage"] = cfg.parallel.zero_stage
+        (tmp / "state.json").write_text(json.dumps({**state, **meta}, indent=2))
         if final.exists():  # the same step saved again after a resume: the new one replaces it
             shutil.rmtree(final)
         tmp.rename(final)
@@ -118,12 +130,26 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> dict:
-    """Load model and optimizer (resharded to this world size) and this rank's RNG; return state.json."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+def ensure_universal(path: Path, env: DistEnv) -> None:
+    """Give a DeepSpeed checkpoint a universal twin (`deepspeed_universal/`), which loads at any world
+    size and ZeRO stage; rank 0 converts once, into a temporary directory renamed when complete."""
+    from lm.distributed.engine import DEEPSPEED_TAG, UNIVERSAL_TAG
+    from lm.distributed.zero import convert_to_universal
+
+    if env.is_main and not (path / UNIVERSAL_TAG).is_dir():
+        log.info("%s: converting the DeepSpeed checkpoint to a universal one for another world size or stage", path)
+        tmp_tag = UNIVERSAL_TAG + ".tmp"
+        shutil.rmtree(path / tmp_tag, ignore_errors=True)
+        convert_to_universal(path, DEEPSPEED_TAG, tmp_tag)
+        (path / tmp_tag).rename(path / UNIVERSAL_TAG)
+    env.barrier()
+
+
+def load_checkpoint(path: Path, engine, env: DistEnv) -> dict:
+    """Load model and optimizer through the engine (resharded to this world size) and this rank's RNG;
+    return state.json."""
     state = read_state(path)
+    engine.load(path, state)
     rng_file = path / f"rng_rank{env.rank}.pt"
     if state["world_size"] == env.world_size and rng_file.is_file():
         rng = torch.load(rng_file, weights_only=True)

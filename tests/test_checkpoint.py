@@ -7,27 +7,27 @@ from lm.checkpoint import (
 )
 from lm.config import ConfigError, load_config
 from lm.distributed import init_distributed
-from lm.models.gpt import GPT
+from lm.distributed.engine import TorchEngine
 
 TINY = ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=16", "--model.block_size=16", "--data.seq_len=8"]
 
 
 def setup(seed=0):
+    """A ddp engine (one process) after one optimizer step, so AdamW has state to save."""
     cfg = load_config(None, TINY)
     torch.manual_seed(seed)
-    model = GPT(cfg.model)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long))[1].backward()
-    optimizer.step()
-    return cfg, model, optimizer
+    engine = TorchEngine(cfg, init_distributed("cpu"))
+    engine.forward_backward([torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long)], True, 1)
+    engine.optimizer_step()
+    return cfg, engine
 
 
 def test_save_keeps_the_newest_and_ignores_incomplete(tmp_path):
-    cfg, model, optimizer = setup()
+    cfg, engine = setup()
     env = init_distributed("cpu")
     root = checkpoint_root(tmp_path)
     for step in (1, 2, 3):
-        save_checkpoint(root, step, model, optimizer, {"step": step, "tokens_seen": 0, "position": step}, cfg, env, keep=2)
+        save_checkpoint(root, step, engine, {"step": step, "tokens_seen": 0, "position": step}, cfg, env, keep=2)
     (root / "step_00000009.tmp").mkdir()  # a save that crashed half-way
     (root / "step_00000008").mkdir()  # a directory without state.json is not complete either
     assert [p.name for p in complete_checkpoints(root)] == ["step_00000002", "step_00000003"]
@@ -39,23 +39,24 @@ def test_save_keeps_the_newest_and_ignores_incomplete(tmp_path):
 
 
 def test_load_restores_model_optimizer_and_rng(tmp_path):
-    cfg, model, optimizer = setup(seed=0)
+    cfg, engine = setup(seed=0)
     env = init_distributed("cpu")
     torch.manual_seed(123)
-    path = save_checkpoint(tmp_path, 5, model, optimizer, {"step": 5, "tokens_seen": 40, "position": 7}, cfg, env, keep=1)
+    path = save_checkpoint(tmp_path, 5, engine, {"step": 5, "tokens_seen": 40, "position": 7}, cfg, env, keep=1)
     expected_draw = torch.rand(3)
-    _, other, other_opt = setup(seed=1)
-    state = load_checkpoint(path, other, other_opt, env)
-    assert state == {"step": 5, "tokens_seen": 40, "position": 7, "world_size": 1}
+    _, other = setup(seed=1)
+    state = load_checkpoint(path, other, env)
+    assert state == {"step": 5, "tokens_seen": 40, "position": 7, "world_size": 1, "engine": "ddp"}
     assert torch.equal(torch.rand(3), expected_draw)
-    for a, b in zip(model.state_dict().values(), other.state_dict().values()):
+    for a, b in zip(engine.model.state_dict().values(), other.model.state_dict().values()):
         assert torch.equal(a, b)
-    assert torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], other_opt.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(engine.optimizer.state_dict()["state"][0]["exp_avg"],
+                       other.optimizer.state_dict()["state"][0]["exp_avg"])
 
 
 def test_model_shape_change_is_refused_with_the_keys(tmp_path):
-    cfg, model, optimizer = setup()
-    path = save_checkpoint(tmp_path, 1, model, optimizer, {"step": 1, "tokens_seen": 0, "position": 0}, cfg,
+    cfg, engine = setup()
+    path = save_checkpoint(tmp_path, 1, engine, {"step": 1, "tokens_seen": 0, "position": 0}, cfg,
                            init_distributed("cpu"), keep=1)
     check_compatible(path, load_config(None, TINY + ["--model.dropout=0.1", "--optim.lr=1e-3"]))
     with pytest.raises(ConfigError, match=r"model.n_layer: 1 -> 2.*another train.out_dir"):

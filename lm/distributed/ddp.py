@@ -22,15 +22,3 @@ def grad_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager
         return contextlib.nullcontext()
     return model.no_sync()
 
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The bare model under DDP and torch.compile wrappers."""
-    while True:
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
-
-

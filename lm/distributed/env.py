@@ -80,3 +80,12 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistEnv:
         )
         log.info("joined process group: rank %d/%d, backend %s", rank, world_size, backend)
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev)
+
+
+def ensure_process_group(env: DistEnv) -> None:
+    """Give a one-process run a process group of its own (in memory, no ports): FSDP2 and DeepSpeed shard
+    over a group even when it has one rank. Under torchrun the group already exists."""
+    if not dist.is_initialized():
+        backend = "nccl" if env.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=env.device if env.device.type == "cuda" else None)

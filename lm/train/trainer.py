@@ -1,59 +1,24 @@
 """The training loop: one optimizer step per global batch, logging, validation and checkpoints."""
 
-import contextlib
 import logging
 import time
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 from lm import checkpoint as ckpt
 from lm.config import ConfigError, JobConfig, save_config
 from lm.data.loader import SplitWindows, TokenLoader, val_batches
 from lm.data.shards import check_manifest, read_manifest
-from lm.distributed import DistEnv, grad_sync, unwrap, wrap_ddp
-from lm.data.objectives import build_objective
+from lm.distributed import DistEnv
+from lm.distributed.engine import build_engine
 from lm.models.factory import build_model
+from lm.data.objectives import build_objective
 from lm.runtime import tune_cpu
 from lm.train.metrics import MetricLogger, encdec_flops_per_token, flops_per_token, peak_flops, perplexity
 from lm.train.schedule import lr_at
 
 log = logging.getLogger("lm.train")
-
-
-def build_optimizer(model: nn.Module, cfg: JobConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on weight matrices only: biases, norms and embeddings are not decayed."""
-    decay, no_decay = [], []
-    seen: set[int] = set()
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            if id(param) in seen or not param.requires_grad:
-                continue  # the tied output head shares the embedding's Parameter
-            seen.add(id(param))
-            skip = isinstance(module, (nn.Embedding, nn.LayerNorm, nn.RMSNorm)) or name == "bias"
-            (no_decay if skip else decay).append(param)
-    groups = [
-        {"params": decay, "weight_decay": cfg.optim.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(
-        groups,
-        lr=cfg.optim.lr,
-        betas=(cfg.optim.beta1, cfg.optim.beta2),
-        eps=cfg.optim.eps,
-        fused=device.type == "cuda",
-    )
-
-
-def autocast_for(cfg: JobConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA by default; plain fp32 on CPU, where bf16 autocast is slower."""
-    dtype = cfg.train.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device.type == "cuda" else "float32"
-    if dtype == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 class Trainer:
@@ -76,9 +41,15 @@ class Trainer:
             tune_cpu()
         # span corruption checks its sentinel budget against seq_len here, before any weights exist
         self.objective = build_objective(cfg.model, cfg.data.seq_len, cfg.train.seed)
+        load_universal = False
+        if resume_from is not None:
+            ckpt.check_compatible(resume_from, cfg)
+            load_universal = ckpt.check_engine(resume_from, cfg, env.world_size)
+            if load_universal:
+                ckpt.ensure_universal(resume_from, env)
         torch.manual_seed(cfg.train.seed)
-        self.model = build_model(cfg.model).to(env.device)
-        self.optimizer = build_optimizer(self.model, cfg, env.device)
+        self.engine = build_engine(cfg, env, load_universal)
+        self.model = self.engine.model
         self.loader = TokenLoader(
             cfg.data.dir, "train", cfg.data.seq_len, cfg.train.seed, env.rank, env.world_size,
             cfg.train.batch_size, cfg.train.micro_batch_size, self.objective,
@@ -87,28 +58,25 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         if resume_from is not None:
-            ckpt.check_compatible(resume_from, cfg)
-            state = ckpt.load_checkpoint(resume_from, self.model, self.optimizer, env)
+            state = ckpt.load_checkpoint(resume_from, self.engine, env)
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
             self.loader.load_state_dict({"position": state["position"]})
             log.info("resumed from %s at step %d", resume_from, self.step)
 
-        self.train_model = self.model
-        if cfg.train.compile:
-            self.train_model = torch.compile(self.train_model)
-        self.train_model = wrap_ddp(self.train_model, env)
-        self.autocast = autocast_for(cfg, env.device)
-        n_params = self.model.num_params()
+        # counted on a meta-device twin: sharded engines (ZeRO-3, FSDP) hide the full shapes
+        with torch.device("meta"):
+            shape_model = build_model(cfg.model)
+        n_params = shape_model.num_params()
         if cfg.model.arch == "encdec":
-            self.flops_per_token = encdec_flops_per_token(self.model, cfg.data.seq_len, *self.objective.lengths)
+            self.flops_per_token = encdec_flops_per_token(shape_model, cfg.data.seq_len, *self.objective.lengths)
         else:
             self.flops_per_token = flops_per_token(cfg.model, n_params, cfg.data.seq_len)
         self.peak_flops = peak_flops(env.device)
         if env.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.out_dir / "config.yaml")
-            log.info("model: %.2fM parameters (non-embedding), %d ranks on %s",
-                     n_params / 1e6, env.world_size, env.device)
+            log.info("model: %.2fM parameters (non-embedding), %d ranks on %s, engine %s",
+                     n_params / 1e6, env.world_size, env.device, self.engine.name)
         self.metrics = MetricLogger(self.out_dir, env.is_main, cfg.log.tensorboard)
 
     def _find_resume(self) -> Path | None:
@@ -137,8 +105,7 @@ class Trainer:
         window_loss = torch.zeros((), device=env.device)  # summed on device; read once per log line
         while self.step < cfg.train.steps:
             lr = lr_at(self.step, cfg.optim.lr, cfg.schedule, cfg.train.steps)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+            self.engine.set_lr(lr)
             loss, grad_norm = self._train_step()
             self.step += 1
             self.tokens_seen += tokens_per_step
@@ -184,37 +151,27 @@ class Trainer:
         for i, batch in enumerate(micro_batches):
             # (x, y) for the GPT, (src, tgt_in, tgt_out) for the encoder-decoder: the model's own arguments
             batch = [t.to(self.env.device, non_blocking=True) for t in batch]
-            with grad_sync(self.train_model, sync=i == len(micro_batches) - 1), self.autocast:
-                _, loss = self.train_model(*batch)
-                (loss / len(micro_batches)).backward()
-            loss_sum += loss.detach()
-        clip = self.cfg.optim.grad_clip or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            loss_sum += self.engine.forward_backward(batch, last=i == len(micro_batches) - 1,
+                                                     num_micro=len(micro_batches))
+        grad_norm = self.engine.optimizer_step()
         return loss_sum / len(micro_batches), grad_norm
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over `train.eval_batches` micro-batches per rank, averaged over ranks."""
         cfg, env = self.cfg, self.env
-        model = unwrap(self.train_model)
-        model.eval()
+        self.engine.train(False)
         total = torch.zeros((), device=env.device)
         count = 0
         for batch in val_batches(self.val_windows, cfg.train.micro_batch_size, env.rank, env.world_size,
                                  cfg.train.eval_batches, self.objective):
-            with self.autocast:
-                _, loss = model(*(t.to(env.device) for t in batch))
-            total += loss.float()
+            total += self.engine.eval_loss([t.to(env.device) for t in batch]).float()
             count += 1
-        model.train()
+        self.engine.train(True)
         mean = total / max(count, 1)
         return env.all_reduce_mean(mean).item()
 
     def save(self) -> Path:
         state = {"step": self.step, "tokens_seen": self.tokens_seen, **self.loader.state_dict()}
-        return ckpt.save_checkpoint(
-            self.ckpt_root, self.step, self.model, self.optimizer, state, self.cfg, self.env,
-            self.cfg.checkpoint.keep,
-        )
+        return ckpt.save_checkpoint(self.ckpt_root, self.step, self.engine, state, self.cfg, self.env,
+                                    self.cfg.checkpoint.keep)

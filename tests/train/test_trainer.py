@@ -14,7 +14,8 @@ from lm.cli import run
 from lm.config import load_config
 from lm.distributed import init_distributed
 from lm.models.gpt import GPT
-from lm.train.trainer import Trainer, build_optimizer
+from lm.distributed.engine import build_optimizer
+from lm.train.trainer import Trainer
 
 TINY = [
     "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
@@ -61,7 +62,7 @@ def test_run_directory_contents(tiny_data_dir, tmp_path):
     assert load_config(out / "config.yaml").train.steps == 4
     assert load_config(out / "checkpoints/step_00000004/config.yaml").train.steps == 4
     state = json.loads((out / "checkpoints/step_00000004/state.json").read_text())
-    assert state == {"step": 4, "tokens_seen": 4 * 4 * 16, "position": 16, "world_size": 1}
+    assert state == {"step": 4, "tokens_seen": 4 * 4 * 16, "position": 16, "world_size": 1, "engine": "ddp"}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4]
     assert [r["step"] for r in rows if "val/loss" in r] == [3, 4]
@@ -139,7 +140,7 @@ def test_compiled_training_matches_eager_and_saves_bare_names(tiny_data_dir, tmp
     env = init_distributed("cpu")
     eager = Trainer(tiny_config(tiny_data_dir, tmp_path / "eager", "--train.steps=2"), env).fit()
     trainer = Trainer(tiny_config(tiny_data_dir, tmp_path / "compiled", "--train.steps=2", "--train.compile=true"), env)
-    assert hasattr(trainer.train_model, "_orig_mod")  # really compiled, so the names below prove the unwrapping
+    assert hasattr(trainer.engine.train_model, "_orig_mod")  # really compiled, so the names below prove the unwrapping
     compiled = trainer.fit()
     for step, loss in train_losses(eager).items():
         assert train_losses(compiled)[step] == pytest.approx(loss, rel=1e-4)

@@ -1,0 +1,177 @@
+"""The engines: one interface over DDP, FSDP2 and DeepSpeed ZeRO for the trainer and the checkpoints.
+
+An engine owns the model (built for its engine), the optimizer and how a micro-batch's gradients are
+accumulated, reduced, clipped and applied. The model code is the same under every engine.
+"""
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from lm.config import JobConfig
+from lm.distributed.activation import checkpoint_blocks
+from lm.distributed.ddp import grad_sync, wrap_ddp
+from lm.distributed.env import DistEnv, ensure_process_group
+from lm.models.factory import build_model
+
+DEEPSPEED_TAG = "deepspeed"
+UNIVERSAL_TAG = "deepspeed_universal"
+
+
+def build_optimizer(model: nn.Module, cfg: JobConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on weight matrices only: biases, norms and embeddings are not decayed."""
+    decay, no_decay = [], []
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen or not param.requires_grad:
+                continue  # the tied output head shares the embedding's Parameter
+            seen.add(id(param))
+            skip = isinstance(module, (nn.Embedding, nn.LayerNorm, nn.RMSNorm)) or name == "bias"
+            (no_decay if skip else decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": cfg.optim.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups,
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+        eps=cfg.optim.eps,
+        fused=device.type == "cuda",
+    )
+
+
+def autocast_for(cfg: JobConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA by default; plain fp32 on CPU, where bf16 autocast is slower."""
+    dtype = cfg.train.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+class TorchEngine:
+    """ddp (replicated model, DistributedDataParallel) or fsdp (FSDP2 fully_shard); DCP checkpoints."""
+
+    def __init__(self, cfg: JobConfig, env: DistEnv) -> None:
+        self.cfg, self.env, self.name = cfg, env, cfg.parallel.engine
+        if self.name == "fsdp":
+            from lm.distributed.fsdp import build_fsdp_model
+
+            self.model = build_fsdp_model(cfg, env)
+            self.train_model = self.model  # fully_shard works in place; precision is its policy's
+            self.autocast = contextlib.nullcontext()
+        else:
+            self.model = build_model(cfg.model).to(env.device)
+            checkpoint_blocks(self.model, cfg.parallel.activation_checkpointing)
+            self.train_model = torch.compile(self.model) if cfg.train.compile else self.model
+            self.train_model = wrap_ddp(self.train_model, env)
+            self.autocast = autocast_for(cfg, env.device)
+        self.optimizer = build_optimizer(self.model, cfg, env.device)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int) -> torch.Tensor:
+        """One micro-batch: forward, backward of loss / num_micro; gradients are reduced on the last."""
+        if self.name == "fsdp":
+            self.model.set_requires_gradient_sync(last)
+            sync = contextlib.nullcontext()
+        else:
+            sync = grad_sync(self.train_model, sync=last)
+        with sync, self.autocast:
+            _, loss = self.train_model(*batch)
+            (loss / num_micro).backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> torch.Tensor:
+        """Clip the global gradient norm, step, clear gradients; returns the norm before clipping."""
+        clip = self.cfg.optim.grad_clip or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if isinstance(norm, DTensor):  # sharded gradients: the norm is itself sharded until reduced
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def eval_loss(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        with self.autocast:
+            return self.model(*batch)[1]
+
+    def train(self, mode: bool) -> None:
+        self.model.train(mode)
+
+    def save(self, directory: Path) -> None:
+        """Collectively write model and optimizer as DCP shards into `directory`."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+
+    def load(self, directory: Path, state: dict) -> None:
+        """Load model and optimizer, resharded to this world size and engine (DCP is the same for both)."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+class DeepSpeedEngine:
+    """DeepSpeed ZeRO stage 1-3 around our model and our AdamW; DeepSpeed's own checkpoints."""
+
+    name = "deepspeed"
+
+    def __init__(self, cfg: JobConfig, env: DistEnv, load_universal: bool = False) -> None:
+        from lm.distributed.zero import initialize
+
+        self.cfg, self.env = cfg, env
+        self.model = build_model(cfg.model).to(env.device)
+        checkpoint_blocks(self.model, cfg.parallel.activation_checkpointing)
+        optimizer = build_optimizer(self.model, cfg, env.device)
+        self.engine, self.optimizer = initialize(self.model, optimizer, cfg, env, load_universal)
+        self.load_universal = load_universal
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int) -> torch.Tensor:
+        """DeepSpeed divides the loss by its accumulation steps and steps the optimizer on the last one."""
+        _, loss = self.engine(*batch)
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+    def optimizer_step(self) -> torch.Tensor:
+        """The step already happened in the last forward_backward; report its gradient norm."""
+        norm = self.engine.get_global_grad_norm()
+        return torch.as_tensor(0.0 if norm is None else norm, dtype=torch.float32)
+
+    def eval_loss(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        return self.engine(*batch)[1]
+
+    def train(self, mode: bool) -> None:
+        self.engine.train(mode)
+
+    def save(self, directory: Path) -> None:
+        self.engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG)
+
+    def load(self, directory: Path, state: dict) -> None:
+        tag = UNIVERSAL_TAG if self.load_universal else DEEPSPEED_TAG
+        path, _ = self.engine.load_checkpoint(str(directory), tag=tag, load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"{directory / tag}: DeepSpeed found no checkpoint to load")
+
+
+def build_engine(cfg: JobConfig, env: DistEnv, load_universal: bool = False) -> TorchEngine | DeepSpeedEngine:
+    """The engine parallel.engine names; the global RNG must be seeded before (it draws the weights)."""
+    if cfg.parallel.engine != "ddp":
+        ensure_process_group(env)
+    if cfg.parallel.engine == "deepspeed":
+        return DeepSpeedEngine(cfg, env, load_universal)
+    return TorchEngine(cfg, env)

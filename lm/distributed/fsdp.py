@@ -1,0 +1,76 @@
+"""FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over ranks, block by block.
+
+The model is built on the meta device, sharded, and only then materialised: each rank allocates its own
+shards (`to_empty`) and `init_weights` fills them. Random fills draw the full tensor on the CPU and keep
+this rank's slice, one parameter at a time, so the weights equal those of an unsharded model with the
+same seed at any world size, and no rank ever holds the whole model.
+"""
+
+import inspect
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.overrides import TorchFunctionMode
+
+from lm.config import JobConfig
+from lm.distributed.activation import checkpoint_blocks, model_blocks
+from lm.distributed.env import DistEnv
+from lm.models.factory import build_model
+
+_NORMAL_SIGNATURE = inspect.signature(torch.nn.init.normal_)
+
+
+class FullTensorInit(TorchFunctionMode):
+    """Inside this mode, `nn.init.normal_` of a sharded parameter draws the whole tensor from the global
+    CPU generator and copies this rank's slice: every rank consumes the same random numbers, in the same
+    order, as an unsharded model would."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.nn.init.normal_:
+            return func(*args, **kwargs)
+        bound = _NORMAL_SIGNATURE.bind(*args, **kwargs)
+        bound.apply_defaults()
+        param = bound.arguments["tensor"]
+        if not isinstance(param, DTensor):
+            return func(*args, **kwargs)
+        full = torch.empty(param.shape, dtype=param.dtype).normal_(bound.arguments["mean"], bound.arguments["std"])
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        with torch.no_grad():
+            param.to_local().copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+        return param
+
+
+def mixed_precision(cfg: JobConfig, device: torch.device) -> MixedPrecisionPolicy:
+    """bf16 parameters in forward/backward with fp32 gradient reduction on CUDA (train.dtype auto or
+    bfloat16); fp32 throughout on CPU or with train.dtype float32. The sharded master copy stays fp32."""
+    dtype = cfg.train.dtype
+    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def build_fsdp_model(cfg: JobConfig, env: DistEnv) -> nn.Module:
+    """The config's model, sharded with fully_shard per block and at the root, initialised per rank.
+
+    Call after seeding the global RNG, as for an unsharded model. With train.compile each block is
+    compiled on its own (FSDP2's hooks sit between blocks, so whole-model compile would break on them).
+    """
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    checkpoint_blocks(model, cfg.parallel.activation_checkpointing)
+    options = {"mp_policy": mixed_precision(cfg, env.device)}
+    if cfg.parallel.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    for block in model_blocks(model):
+        if cfg.train.compile:
+            block.compile()
+        fully_shard(block, **options)
+    fully_shard(model, **options)  # the embeddings, final norm and head: gathered once per forward
+    model.to_empty(device="cpu" if cfg.parallel.cpu_offload else env.device)
+    with FullTensorInit():
+        model.init_weights()
+    return model

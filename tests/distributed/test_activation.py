@@ -1,0 +1,26 @@
+import pytest
+import torch
+
+from lm.distributed.activation import checkpoint_blocks
+from lm.models.config import ModelConfig
+from lm.models.factory import build_model
+
+
+@pytest.mark.parametrize("arch", ["gpt", "encdec"])
+@pytest.mark.parametrize("every", [1, 2])
+def test_activation_checkpointing_gives_the_same_gradients_as_none(arch, every):
+    cfg = ModelConfig(arch=arch, vocab_size=100, block_size=16, n_layer=3, n_head=2, d_model=16, n_sentinels=3,
+                      pos="sinusoidal" if arch == "encdec" else "learned")
+    batch = [torch.randint(0, 100, (2, 8)) for _ in range(2 if arch == "gpt" else 3)]
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        if wrap:
+            blocks = 3 if arch == "gpt" else 6
+            assert checkpoint_blocks(model, every) == (blocks + every - 1) // every
+        model(*batch)[1].backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()  # same names: checkpoints do not notice
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name

@@ -1,0 +1,157 @@
+"""Every engine on real 2-process gloo groups: same losses as one process, exact resume at the same world
+size, and resume from 2 processes to 1 (resharding) that continues the loss trajectory."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lm.checkpoint import CheckpointError, check_engine
+from lm.config import ConfigError, load_config
+from lm.distributed.zero import deepspeed_config
+
+TINY = [
+    "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
+    "--data.seq_len=16", "--train.batch_size=8", "--train.micro_batch_size=2", "--train.device=cpu",
+    "--train.eval_every=3", "--train.eval_batches=2", "--log.every=1", "--log.tensorboard=false",
+    "--checkpoint.every=3", "--checkpoint.keep=5", "--optim.lr=3e-3", "--schedule.warmup_steps=2",
+    "--train.steps=6",
+]
+ENGINES = {
+    "ddp": ["--parallel.engine=ddp"],
+    "fsdp": ["--parallel.engine=fsdp"],
+    "zero1": ["--parallel.engine=deepspeed", "--parallel.zero_stage=1"],
+    "zero2": ["--parallel.engine=deepspeed", "--parallel.zero_stage=2"],
+    "zero3": ["--parallel.engine=deepspeed", "--parallel.zero_stage=3"],
+}
+# One process and two sum the same gradients in a different order (gloo all-reduce), so fp32 losses agree
+# to rounding, not bit for bit.
+SAME_BATCH_REL = 1e-5
+# Resuming on fewer processes reshards the optimizer state; DeepSpeed goes through its universal
+# checkpoint, whose AdamW state differs from the live one in rounding, so later losses drift slightly.
+RESHARD_REL = 1e-3
+
+
+def train(nproc: int, out: Path, data_dir: Path, *extra: str) -> dict[int, float]:
+    """Run lm.train on `nproc` processes (torchrun for 2) and return its logged train loss per step."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    cmd = [sys.executable, *launcher, "-m", "lm.train", *TINY, f"--data.dir={data_dir}", f"--train.out_dir={out}", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve()))
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def resume_copy(src: Path, dst: Path, step: int = 3) -> Path:
+    """A new run directory holding only `src`'s checkpoint of `step`."""
+    name = f"step_{step:08d}"
+    (dst / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src / "checkpoints" / name, dst / "checkpoints" / name)
+    return dst
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_two_processes_match_one_and_resume(engine, tiny_data_dir, tmp_path):
+    flags = ENGINES[engine]
+    one = train(1, tmp_path / "one", tiny_data_dir, *flags)
+    two = train(2, tmp_path / "two", tiny_data_dir, *flags)
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4, 5, 6]
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=SAME_BATCH_REL), step
+    assert two[6] < two[1]
+    state = json.loads((tmp_path / "two/checkpoints/step_00000006/state.json").read_text())
+    assert state["world_size"] == 2 and state["engine"] == flags[0].split("=")[1]
+
+    # the same world size: steps 4..6 again, bit for bit
+    again = train(2, resume_copy(tmp_path / "two", tmp_path / "again"), tiny_data_dir, *flags)
+    assert sorted(again) == [4, 5, 6] and all(again[s] == two[s] for s in again)
+    # 2 processes -> 1: the loader's global position and the resharded state continue the trajectory
+    alone = train(1, resume_copy(tmp_path / "two", tmp_path / "alone"), tiny_data_dir, *flags)
+    assert sorted(alone) == [4, 5, 6]
+    for step in alone:
+        assert alone[step] == pytest.approx(two[step], rel=RESHARD_REL), step
+
+
+def test_activation_checkpointing_changes_no_loss_under_fsdp(tiny_data_dir, tmp_path):
+    plain = train(2, tmp_path / "plain", tiny_data_dir, "--parallel.engine=fsdp", "--train.steps=3")
+    recomputed = train(2, tmp_path / "ac", tiny_data_dir, "--parallel.engine=fsdp", "--train.steps=3",
+                       "--parallel.activation_checkpointing=1")
+    assert recomputed == plain
+
+
+ENCDEC = ["--model.arch=encdec", "--model.pos=sinusoidal", "--model.n_sentinels=4", "--train.steps=5",
+          "--optim.lr=1e-2"]
+
+
+def test_encoder_decoder_trains_under_fsdp_and_deepspeed(tiny_data_dir, tmp_path):
+    reference = train(1, tmp_path / "ddp", tiny_data_dir, *ENCDEC)
+    for name, flags in (("fsdp", ENGINES["fsdp"]), ("zero3", ENGINES["zero3"])):
+        losses = train(2, tmp_path / name, tiny_data_dir, *ENCDEC, *flags)
+        assert losses[5] < losses[1], name
+        for step in reference:
+            assert losses[step] == pytest.approx(reference[step], rel=SAME_BATCH_REL), (name, step)
+
+
+def test_deepspeed_config_comes_from_ours_and_a_user_json_may_not_contradict_it(tmp_path):
+    import torch
+
+    cfg = load_config(None, ["--parallel.engine=deepspeed", "--parallel.zero_stage=2", "--train.batch_size=32",
+                             "--train.micro_batch_size=4", "--optim.grad_clip=0.5"])
+    ds = deepspeed_config(cfg, 2, torch.device("cpu"))
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (32, 4, 4)
+    assert ds["zero_optimization"] == {"stage": 2} and ds["gradient_clipping"] == 0.5 and ds["bf16"] == {"enabled": False}
+    assert deepspeed_config(cfg, 2, torch.device("cuda"))["bf16"] == {"enabled": True}
+
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"zero_optimization": {"overlap_comm": True}, "wall_clock_breakdown": True}))
+    cfg.parallel.deepspeed_config = str(user)
+    merged = deepspeed_config(cfg, 2, torch.device("cpu"))
+    assert merged["zero_optimization"] == {"stage": 2, "overlap_comm": True} and merged["wall_clock_breakdown"]
+    user.write_text(json.dumps({"train_batch_size": 64}))
+    with pytest.raises(ConfigError, match=r"sets train_batch_size=64, but this job has 32 \(train.batch_size\)"):
+        deepspeed_config(cfg, 2, torch.device("cpu"))
+    user.write_text(json.dumps({"optimizer": {"type": "Adam"}}))
+    with pytest.raises(ConfigError, match="sets 'optimizer'; lm passes its own AdamW"):
+        deepspeed_config(cfg, 2, torch.device("cpu"))
+    user.write_text("{not json")
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        deepspeed_config(cfg, 2, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--parallel.engine=megatron"], "parallel.engine: unknown engine 'megatron'"),
+    (["--parallel.engine=deepspeed", "--parallel.zero_stage=4"], "parallel.zero_stage: deepspeed takes ZeRO stage 1, 2 or 3, got 4"),
+    (["--parallel.engine=deepspeed"], "parallel.zero_stage: deepspeed takes ZeRO stage 1, 2 or 3, got 0"),
+    (["--parallel.engine=fsdp", "--parallel.zero_stage=2"], "parallel.zero_stage: only the deepspeed engine has it"),
+    (["--parallel.deepspeed_config=ds.json"], "parallel.deepspeed_config: only the deepspeed engine has it"),
+    (["--parallel.cpu_offload=true"], "parallel.cpu_offload: the ddp engine keeps a whole model per rank"),
+    (["--parallel.activation_checkpointing=-1"], "parallel.activation_checkpointing: must be >= 0"),
+])
+def test_engine_options_are_checked_when_the_config_loads(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, overrides)
+
+
+def test_a_checkpoint_of_another_engine_family_is_refused_with_what_to_do(tmp_path):
+    step = tmp_path / "step_00000003"
+    step.mkdir()
+    (step / "state.json").write_text(json.dumps({"step": 3, "world_size": 2, "engine": "deepspeed", "zero_stage": 2}))
+    fsdp = load_config(None, ["--parallel.engine=fsdp"])
+    with pytest.raises(CheckpointError, match="written by the deepspeed engine, and parallel.engine is fsdp.*"
+                                              "python -m lm.consolidate"):
+        check_engine(step, fsdp, 2)
+    zero2 = load_config(None, ["--parallel.engine=deepspeed", "--parallel.zero_stage=2"])
+    zero3 = load_config(None, ["--parallel.engine=deepspeed", "--parallel.zero_stage=3"])
+    assert check_engine(step, zero2, 2) is False  # same world size and stage: DeepSpeed loads it as is
+    assert check_engine(step, zero2, 1) is True  # another world size: through the universal format
+    assert check_engine(step, zero3, 2) is True  # another stage: likewise
+    (step / "state.json").write_text(json.dumps({"step": 3, "world_size": 2}))  # before engines: ddp
+    assert check_engine(step, fsdp, 1) is False  # ddp and fsdp share DCP
+    with pytest.raises(CheckpointError, match="written by the ddp engine"):
+        check_engine(step, zero2, 2)
