@@ -186,12 +186,33 @@ def check_compatible(path: Path, cfg: JobConfig) -> None:
                           "use another train.out_dir to start a new run")
 
 
+def check_init_from(path: Path, cfg: JobConfig) -> None:
+    """Refuse a consolidated file (checkpoint.init_from) whose model differs from the config's."""
+    from lm.consolidate import read_consolidated_config
+
+    saved = read_consolidated_config(path).to_dict()["model"]
+    current = cfg.to_dict()["model"]
+    diff = sorted(k for k in current if saved[k] != current[k] and k != "dropout")
+    if diff:
+        details = ", ".join(f"model.{k}: {saved[k]!r} -> {current[k]!r}" for k in diff)
+        raise ConfigError(f"checkpoint.init_from: {path} holds a different model ({details})")
+
+
 def load_for_inference(path: str | Path, device: torch.device) -> tuple[nn.Module, JobConfig, Path]:
-    """Build the model a checkpoint describes and load its weights; returns (model, config, step dir)."""
+    """Build the model a checkpoint describes and load its weights; returns (model, config, source).
+
+    `path`: a run directory, its checkpoints/ or one step directory of any engine (DeepSpeed's are
+    merged by zero_to_fp32), or a consolidated .safetensors file.
+    """
+    from lm.consolidate import load_checkpoint_weights, load_consolidated
     from lm.models.factory import build_model
 
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        model, cfg = load_consolidated(path, device)
+        return model, cfg, path
     step_dir = resolve_checkpoint(path)
     cfg = read_config(step_dir)
     model = build_model(cfg.model)
-    load_model_weights(step_dir, model)
+    load_checkpoint_weights(step_dir, model)
     return model.to(device).eval(), cfg, step_dir

@@ -177,6 +177,8 @@ class CheckpointConfig:
     """Complete checkpoints to keep; older ones are deleted after a successful save."""
     resume: str = "auto"
     """auto (newest complete checkpoint if any), never, or required (fail without one)."""
+    init_from: str = ""
+    """A consolidated .safetensors (python -m lm.consolidate) whose weights start a new run; optimizer and data start fresh."""
 
     def __post_init__(self) -> None:
         if self.every <= 0 or self.keep <= 0:

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from lm.config import JobConfig
+from lm.consolidate import load_consolidated_weights
 from lm.distributed.activation import checkpoint_blocks
 from lm.distributed.ddp import grad_sync, wrap_ddp
 from lm.distributed.env import DistEnv, ensure_process_group
@@ -60,16 +61,21 @@ def autocast_for(cfg: JobConfig, device: torch.device) -> contextlib.AbstractCon
 class TorchEngine:
     """ddp (replicated model, DistributedDataParallel) or fsdp (FSDP2 fully_shard); DCP checkpoints."""
 
-    def __init__(self, cfg: JobConfig, env: DistEnv) -> None:
+    def __init__(self, cfg: JobConfig, env: DistEnv, init_from: Path | None = None) -> None:
         self.cfg, self.env, self.name = cfg, env, cfg.parallel.engine
         if self.name == "fsdp":
-            from lm.distributed.fsdp import build_fsdp_model
+            from lm.distributed.fsdp import build_fsdp_model, load_full_weights
 
             self.model = build_fsdp_model(cfg, env)
+            if init_from is not None:
+                load_full_weights(self.model, init_from)
             self.train_model = self.model  # fully_shard works in place; precision is its policy's
             self.autocast = contextlib.nullcontext()
         else:
-            self.model = build_model(cfg.model).to(env.device)
+            self.model = build_model(cfg.model)
+            if init_from is not None:
+                load_consolidated_weights(init_from, self.model)
+            self.model.to(env.device)
             checkpoint_blocks(self.model, cfg.parallel.activation_checkpointing)
             self.train_model = torch.compile(self.model) if cfg.train.compile else self.model
             self.train_model = wrap_ddp(self.train_model, env)
@@ -126,11 +132,15 @@ class DeepSpeedEngine:
 
     name = "deepspeed"
 
-    def __init__(self, cfg: JobConfig, env: DistEnv, load_universal: bool = False) -> None:
+    def __init__(self, cfg: JobConfig, env: DistEnv, load_universal: bool = False,
+                 init_from: Path | None = None) -> None:
         from lm.distributed.zero import initialize
 
         self.cfg, self.env = cfg, env
-        self.model = build_model(cfg.model).to(env.device)
+        self.model = build_model(cfg.model)
+        if init_from is not None:
+            load_consolidated_weights(init_from, self.model)
+        self.model.to(env.device)
         checkpoint_blocks(self.model, cfg.parallel.activation_checkpointing)
         optimizer = build_optimizer(self.model, cfg, env.device)
         self.engine, self.optimizer = initialize(self.model, optimizer, cfg, env, load_universal)
@@ -168,10 +178,14 @@ class DeepSpeedEngine:
             raise RuntimeError(f"{directory / tag}: DeepSpeed found no checkpoint to load")
 
 
-def build_engine(cfg: JobConfig, env: DistEnv, load_universal: bool = False) -> TorchEngine | DeepSpeedEngine:
-    """The engine parallel.engine names; the global RNG must be seeded before (it draws the weights)."""
+def build_engine(cfg: JobConfig, env: DistEnv, load_universal: bool = False,
+                 init_from: Path | None = None) -> TorchEngine | DeepSpeedEngine:
+    """The engine parallel.engine names; the global RNG must be seeded before (it draws the weights).
+
+    init_from: a consolidated safetensors file whose weights replace the drawn ones (a new run).
+    """
     if cfg.parallel.engine != "ddp":
         ensure_process_group(env)
     if cfg.parallel.engine == "deepspeed":
-        return DeepSpeedEngine(cfg, env, load_universal)
-    return TorchEngine(cfg, env)
+        return DeepSpeedEngine(cfg, env, load_universal, init_from)
+    return TorchEngine(cfg, env, init_from)

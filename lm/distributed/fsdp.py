@@ -7,6 +7,7 @@ same seed at any world size, and no rank ever holds the whole model.
 """
 
 import inspect
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -74,3 +75,18 @@ def build_fsdp_model(cfg: JobConfig, env: DistEnv) -> nn.Module:
     with FullTensorInit():
         model.init_weights()
     return model
+
+
+def load_full_weights(model: nn.Module, path: Path) -> None:
+    """Load a consolidated safetensors file (every rank reads it whole) into the sharded model: each rank
+    keeps its slices of the full tensors."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from lm.consolidate import read_consolidated_config, tied_names
+
+    read_consolidated_config(path)  # a readable lm file, or one clear error
+    weights = load_file(str(path), device="cpu")
+    for alias, name in tied_names(model).items():  # the tied head is stored once, under its embedding
+        weights.setdefault(alias, weights[name])
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))

@@ -47,8 +47,12 @@ class Trainer:
             load_universal = ckpt.check_engine(resume_from, cfg, env.world_size)
             if load_universal:
                 ckpt.ensure_universal(resume_from, env)
+        init_from = None
+        if resume_from is None and cfg.checkpoint.init_from:
+            init_from = Path(cfg.checkpoint.init_from)
+            ckpt.check_init_from(init_from, cfg)
         torch.manual_seed(cfg.train.seed)
-        self.engine = build_engine(cfg, env, load_universal)
+        self.engine = build_engine(cfg, env, load_universal, init_from)
         self.model = self.engine.model
         self.loader = TokenLoader(
             cfg.data.dir, "train", cfg.data.seq_len, cfg.train.seed, env.rank, env.world_size,
