@@ -1,15 +1,35 @@
 #!/usr/bin/env bash
-# One node's share of a multi-node run; start it on every node with the same MASTER_ADDR and RUN_ID.
-#   NNODES=2 MASTER_ADDR=node0 bash launch/multi_node.sh --config configs/gpt2-124m.yaml
-# c10d rendezvous assigns node ranks; a node that joins late or restarts rejoins the same run.
+# One node's share of a multi-node run: start it on every node with the same NNODES, MASTER_ADDR,
+# MASTER_PORT and RUN_ID. Arguments go to lm.train.
+#   NNODES=2 MASTER_ADDR=node0 RUN_ID=gpt2 bash launch/multi_node.sh --config configs/gpt2-124m.yaml
+#
+# NNODES          nodes in the run (required)
+# MASTER_ADDR     host of the rendezvous store, one of the nodes (required); MASTER_PORT (29500)
+# NPROC_PER_NODE  processes per node (default: the GPUs torch sees, else 1)
+# RUN_ID          rendezvous id shared by the nodes of one run (lm); MAX_RESTARTS (0)
+# NODE_RANK       unset: c10d rendezvous assigns node ranks, and a node that restarts rejoins the run;
+#                 set: static rendezvous with this fixed rank, and node 0 hosts the store
+# WORLD_SIZE      optional check: the total number of processes you expect (NNODES x NPROC_PER_NODE)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+die() { echo "error: $*" >&2; exit 2; }
+count() { [[ "$2" =~ ^[1-9][0-9]*$ ]] || die "$1 must be a positive integer, got '$2'"; }
+
+count NNODES "${NNODES:-}"
+[ -n "${MASTER_ADDR:-}" ] || die "MASTER_ADDR: set it to the host name or address of one node"
 . launch/activate.sh
-: "${NNODES:?set NNODES to the number of nodes}"
-: "${MASTER_ADDR:?set MASTER_ADDR to the host name of one node}"
 nproc="${NPROC_PER_NODE:-$(python -c 'import torch; print(torch.cuda.device_count() or 1)')}"
-exec torchrun \
-  --nnodes="$NNODES" --nproc_per_node="$nproc" \
-  --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}" --rdzv_id="${RUN_ID:-lm}" \
-  --max-restarts="${MAX_RESTARTS:-0}" \
-  -m lm.train "$@"
+count NPROC_PER_NODE "$nproc"
+if [ -n "${WORLD_SIZE:-}" ] && [ "$WORLD_SIZE" != "$((NNODES * nproc))" ]; then
+  die "WORLD_SIZE=$WORLD_SIZE, but NNODES=$NNODES x NPROC_PER_NODE=$nproc is $((NNODES * nproc)) processes"
+fi
+port="${MASTER_PORT:-29500}"
+if [ -n "${NODE_RANK:-}" ]; then
+  [[ "$NODE_RANK" =~ ^[0-9]+$ ]] && [ "$NODE_RANK" -lt "$NNODES" ] \
+    || die "NODE_RANK must be in 0..$((NNODES - 1)), got '$NODE_RANK'"
+  rdzv=(--rdzv_backend=static --node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR" --master_port="$port")
+else
+  rdzv=(--rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$port")
+fi
+exec torchrun --nnodes="$NNODES" --nproc_per_node="$nproc" "${rdzv[@]}" --rdzv_id="${RUN_ID:-lm}" \
+  --max-restarts="${MAX_RESTARTS:-0}" -m lm.train "$@"

@@ -1,0 +1,236 @@
+"""The launch scripts, run as a user runs them: two torchrun "nodes" on this machine, Slurm through stub
+`srun`/`scontrol` commands that run the job here, DeepSpeed's launcher on this machine and, with stub
+`ssh`/`pdsh`, from a hostfile."""
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = [
+    "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
+    "--data.seq_len=16", "--train.batch_size=4", "--train.micro_batch_size=2", "--train.device=cpu",
+    "--train.eval_batches=2", "--log.every=1", "--log.tensorboard=false", "--optim.lr=3e-3",
+    "--schedule.warmup_steps=2",
+]
+# Variables a launcher reads; the test process's own values (say, from a torchrun above pytest) must not leak in.
+LAUNCH_VARS = ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
+               "MASTER_PORT", "RUN_ID", "MAX_RESTARTS", "HOSTFILE")
+DEEPSPEED_ENGINE = importlib.util.find_spec("lm.distributed.zero") is not None  # the ZeRO engine (parallel.engine=deepspeed)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def script_env(tmp_path: Path, **variables: str) -> dict[str, str]:
+    """The environment of a launch script: this interpreter's environment active, as launch/test.sh leaves
+    it (so launch/activate.sh keeps it), the stubs of tmp_path/bin first on PATH, one thread per process."""
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    path = f"{tmp_path / 'bin'}:{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    return {**env, "VIRTUAL_ENV": sys.prefix, "PATH": path, "OMP_NUM_THREADS": "1", **variables}
+
+
+def stub(tmp_path: Path, name: str, body: str = "") -> Path:
+    """A command on the scripts' PATH that appends its arguments, one call per line, to tmp_path/<name>.calls."""
+    path = tmp_path / "bin" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(f'#!/usr/bin/env bash\necho "$*" >> {tmp_path / name}.calls\n{body}\n')
+    path.chmod(0o755)
+    return tmp_path / f"{name}.calls"
+
+
+def calls(record: Path) -> list[list[str]]:
+    return [line.split() for line in record.read_text().splitlines()] if record.exists() else []
+
+
+def run_script(args: list[str], env: dict[str, str], log: Path, cwd: Path = REPO) -> subprocess.Popen:
+    # a session of its own, so a failed test can stop the launcher and every process it started
+    with open(log, "w") as out:
+        return subprocess.Popen(["bash", *args], cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float = 300) -> list[int]:
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def train_steps(out: Path) -> list[int]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if "train/loss" in r]
+
+
+def test_two_nodes_rendezvous_and_train(tiny_data_dir, tmp_path):
+    out = tmp_path / "run"
+    env = script_env(tmp_path, NNODES="2", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port()), RUN_ID=f"test-{os.getpid()}")
+    args = ["launch/multi_node.sh", *TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}",
+            "--train.steps=3", "--train.eval_every=3", "--checkpoint.every=3"]
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    codes = wait_all([run_script(args, env, log) for log in logs])
+    text = [log.read_text() for log in logs]
+    assert codes == [0, 0], "\n\n".join(text)
+    # c10d rendezvous gave the two torchruns one group of 2 ranks; one of them holds rank 0 and logs
+    assert sum("joined process group: rank 0/2, backend gloo" in t for t in text) == 1
+    state = json.loads((out / "checkpoints/step_00000003/state.json").read_text())
+    assert state["world_size"] == 2 and state["step"] == 3
+    assert {p.name for p in (out / "checkpoints/step_00000003").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    assert train_steps(out) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("variables, message", [
+    ({"NNODES": "2", "NPROC_PER_NODE": "2", "WORLD_SIZE": "8"},
+     "error: WORLD_SIZE=8, but NNODES=2 x NPROC_PER_NODE=2 is 4 processes"),
+    ({"NNODES": "0"}, "error: NNODES must be a positive integer, got '0'"),
+    ({"NNODES": "two"}, "error: NNODES must be a positive integer, got 'two'"),
+    ({}, "error: NNODES must be a positive integer, got ''"),
+    ({"NNODES": "2", "NPROC_PER_NODE": "-1"}, "error: NPROC_PER_NODE must be a positive integer, got '-1'"),
+    ({"NNODES": "2", "NODE_RANK": "2"}, "error: NODE_RANK must be in 0..1, got '2'"),
+    ({"NNODES": "2", "MASTER_ADDR": ""}, "error: MASTER_ADDR: set it to the host name or address of one node"),
+], ids=["world-size", "zero-nodes", "word-nodes", "no-nodes", "bad-nproc", "node-rank", "no-master"])
+def test_multi_node_rejects_bad_input_before_torchrun(tmp_path, variables, message):
+    torchrun = stub(tmp_path, "torchrun")
+    env = script_env(tmp_path, **{"MASTER_ADDR": "127.0.0.1", "NPROC_PER_NODE": "1", **variables})
+    result = subprocess.run(["bash", "launch/multi_node.sh", "--train.steps=1"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [message] and result.stdout == ""
+    assert calls(torchrun) == []
+
+
+def test_multi_node_command_lines(tmp_path):
+    torchrun = stub(tmp_path, "torchrun")
+    base = {"NNODES": "4", "NPROC_PER_NODE": "8", "MASTER_ADDR": "node0", "WORLD_SIZE": "32"}
+    for variables in ({"RUN_ID": "r1", "MAX_RESTARTS": "3"}, {"NODE_RANK": "3", "MASTER_PORT": "1234"}):
+        subprocess.run(["bash", "launch/multi_node.sh", "--config", "c.yaml"], cwd=REPO, check=True,
+                       env=script_env(tmp_path, **base, **variables), timeout=60)
+    elastic, static = calls(torchrun)
+    assert elastic == ["--nnodes=4", "--nproc_per_node=8", "--rdzv_backend=c10d", "--rdzv_endpoint=node0:29500",
+                       "--rdzv_id=r1", "--max-restarts=3", "-m", "lm.train", "--config", "c.yaml"]
+    assert static == ["--nnodes=4", "--nproc_per_node=8", "--rdzv_backend=static", "--node_rank=3",
+                      "--master_addr=node0", "--master_port=1234", "--rdzv_id=lm", "--max-restarts=0",
+                      "-m", "lm.train", "--config", "c.yaml"]
+
+
+# srun as Slurm runs a step of --ntasks-per-node=1: the command once per node, all at once, each with its
+# node id; every "node" here is this machine.
+FAKE_SRUN = """
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for ((node = 0; node < SLURM_NNODES; node++)); do SLURM_NODEID=$node SLURM_PROCID=$node "$@" & pids+=($!); done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+
+
+def slurm_job(tmp_path: Path, nodelist: list[str], **variables: str) -> tuple[Path, dict[str, str]]:
+    """sbatch's view of a job: the script copied to a spool directory, SLURM_* set, stub srun/scontrol."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    shutil.copy(REPO / "launch/slurm.sbatch", spool / "slurm_script")
+    stub(tmp_path, "srun", FAKE_SRUN)
+    stub(tmp_path, "scontrol", f"printf '%s\\n' {' '.join(nodelist)}")
+    env = script_env(tmp_path, **{"SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_ID": "4242",
+                                  "SLURM_NNODES": str(len(nodelist)), "SLURM_JOB_NODELIST": ",".join(nodelist),
+                                  **variables})
+    return spool / "slurm_script", env
+
+
+def test_slurm_script_runs_one_torchrun_per_node(tiny_data_dir, tmp_path):
+    script, env = slurm_job(tmp_path, ["localhost"], MASTER_PORT=str(free_port()))
+    out = tmp_path / "run"
+    log = tmp_path / "job.log"
+    code, = wait_all([run_script([str(script), *TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}",
+                                  "--train.steps=2", "--train.eval_every=2", "--checkpoint.every=2"],
+                                 env, log, cwd=tmp_path)])
+    assert code == 0, log.read_text()
+    assert calls(tmp_path / "scontrol.calls") == [["show", "hostnames", "localhost"]]
+    (srun,) = calls(tmp_path / "srun.calls")
+    assert srun[:2] == ["--kill-on-bad-exit=1", "torchrun"]
+    assert {"--nnodes=1", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{env['MASTER_PORT']}",
+            "--rdzv_id=4242"} <= set(srun)
+    assert json.loads((out / "checkpoints/step_00000002/state.json").read_text())["world_size"] == 1
+    assert train_steps(out) == [1, 2]
+
+
+def test_slurm_script_two_gpu_nodes(tmp_path):
+    script, env = slurm_job(tmp_path, ["gpu07", "gpu08"], SLURM_GPUS_PER_NODE="h100:8")
+    torchrun = stub(tmp_path, "torchrun")
+    subprocess.run(["bash", str(script), "--config", "configs/gpt2-124m.yaml"], cwd=tmp_path, env=env,
+                   check=True, timeout=60)
+    expected = ["--nnodes=2", "--nproc_per_node=8", "--rdzv_backend=c10d", "--rdzv_endpoint=gpu07:29500",
+                "--rdzv_id=4242", "--max-restarts=0", "-m", "lm.train", "--config", "configs/gpt2-124m.yaml"]
+    assert calls(torchrun) == [expected, expected]  # one torchrun per node
+    header = [line.split()[1] for line in (REPO / "launch/slurm.sbatch").read_text().splitlines()
+              if line.startswith("#SBATCH")]
+    assert "--ntasks-per-node=1" in header
+    assert any(h.startswith("--nodes=") for h in header) and any(h.startswith("--gpus-per-node=") for h in header)
+
+
+def test_slurm_script_outside_the_checkout(tmp_path):
+    script, env = slurm_job(tmp_path, ["gpu07"], SLURM_SUBMIT_DIR=str(tmp_path))
+    result = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"error: submit from the repository root (no launch/activate.sh in {tmp_path})"]
+    assert calls(tmp_path / "srun.calls") == []
+
+
+def test_deepspeed_hostfile_launch(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node0 slots=8\nnode1 slots=8\n")
+    ssh = stub(tmp_path, "ssh", "echo 10.0.0.7")  # `ssh node0 hostname -I` gives the master address
+    pdsh = stub(tmp_path, "pdsh")
+    result = subprocess.run(["bash", str(REPO / "launch/deepspeed.sh"), "--config", "c.yaml", "--parallel.engine=deepspeed"],
+                            cwd=tmp_path, env=script_env(tmp_path, HOSTFILE="hosts"), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [c[-1] for c in calls(ssh)] == ["hostname", "-I"]  # the reachability check, then the address
+    (command,) = calls(pdsh)
+    assert command[command.index("-w") + 1] == "node0,node1"
+    launch = command[command.index("deepspeed.launcher.launch"):]
+    assert {"--master_addr=10.0.0.7", "--master_port=29500", "--module", "--no_local_rank"} <= set(launch)
+    assert launch[-4:] == ["lm.train", "--config", "c.yaml", "--parallel.engine=deepspeed"]
+    assert f"cd {REPO};" in pdsh.read_text()  # every node starts in this checkout
+
+
+def test_deepspeed_missing_hostfile(tmp_path):
+    deepspeed = stub(tmp_path, "deepspeed")
+    result = subprocess.run(["bash", str(REPO / "launch/deepspeed.sh")], cwd=tmp_path, capture_output=True, text=True,
+                            env=script_env(tmp_path, HOSTFILE="hosts"), timeout=60)
+    assert result.returncode == 2 and result.stderr.splitlines() == ["error: HOSTFILE: no file 'hosts'"]
+    assert calls(deepspeed) == []
+
+
+@pytest.mark.skipif(not DEEPSPEED_ENGINE, reason="lm.distributed.zero (parallel.engine=deepspeed) is not there yet")
+def test_deepspeed_local_zero2_run(tiny_data_dir, tmp_path):
+    out = tmp_path / "run"
+    # DeepSpeed builds a C++ op on its first initialize; the checkout's cache keeps it for later runs
+    env = script_env(tmp_path, MASTER_PORT=str(free_port()), NPROC_PER_NODE="2",
+                     TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache/torch_extensions")))
+    log = tmp_path / "ds.log"
+    code, = wait_all([run_script(["launch/deepspeed.sh", *TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}",
+                                  "--train.steps=2", "--train.eval_every=2", "--checkpoint.every=2",
+                                  "--parallel.engine=deepspeed", "--parallel.zero_stage=2"], env, log)], timeout=600)
+    text = log.read_text()
+    assert code == 0, text
+    assert "--local_rank" not in text  # lm.train's arguments are ours alone; the rank comes by environment
+    state = json.loads((out / "checkpoints/step_00000002/state.json").read_text())
+    assert (state["world_size"], state.get("engine"), state.get("zero_stage")) == (2, "deepspeed", 2), text
+    assert train_steps(out) == [1, 2], text
