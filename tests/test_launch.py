@@ -128,6 +128,16 @@ def test_multi_node_command_lines(tmp_path):
                       "-m", "lm.train", "--config", "c.yaml"]
 
 
+def test_single_node_uses_every_gpu_or_two_cpu_processes(tmp_path):
+    import torch
+
+    torchrun = stub(tmp_path, "torchrun")
+    subprocess.run(["bash", "launch/single_node.sh", "--config", "c.yaml"], cwd=REPO, check=True,
+                   env=script_env(tmp_path), timeout=60)
+    assert calls(torchrun) == [["--standalone", f"--nproc_per_node={torch.cuda.device_count() or 2}",
+                                "-m", "lm.train", "--config", "c.yaml"]]
+
+
 # srun as Slurm runs a step of --ntasks-per-node=1: the command once per node, all at once, each with its
 # node id; every "node" here is this machine.
 FAKE_SRUN = """
