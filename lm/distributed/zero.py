@@ -44,6 +44,9 @@ def deepspeed_config(cfg: JobConfig, world_size: int, device: torch.device, load
         "steps_per_print": 2**31 - 1,  # we log ourselves
         "checkpoint": {"load_universal": load_universal},
     }
+    if cfg.parallel.cpu_offload:
+        # our torch AdamW steps the offloaded state on the CPU; DeepSpeed would insist on its compiled one
+        ours["zero_force_ds_cpu_optimizer"] = False
     if not cfg.parallel.deepspeed_config:
         return ours
     path = Path(cfg.parallel.deepspeed_config)

@@ -39,11 +39,18 @@ class Block(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: LayerKVCache | None = None,
         mask: torch.Tensor | None = None,
+        memory: torch.Tensor | None = None,
         memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         memory_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x: (B, T, C) -> (B, T, C). mask pads the block's own keys (encoder); memory_kv are the
-        cross-attention keys and values of the encoder output (B, nkv, S, hs), memory_mask its padding."""
+        """x: (B, T, C) -> (B, T, C). mask pads the block's own keys (encoder). A cross-attention block
+        attends to the encoder output `memory` (B, S, C), or to its keys and values `memory_kv`
+        (B, nkv, S, hs) when the caller projected them once for many decoding steps; memory_mask is
+        the memory's padding."""
+        if memory is not None:
+            # projected here, inside the block's forward, so that sharding wrappers (FSDP2) have
+            # gathered this block's weights
+            memory_kv = self.cross.memory_kv(memory)
         x = self._residual(x, self.ln_1, lambda h: self.attn(h, rope, cache, mask))
         if memory_kv is not None:
             x = self._residual(x, self.ln_cross, lambda h: self.cross(h, memory_kv, memory_mask))

@@ -120,11 +120,13 @@ class EncoderDecoder(nn.Module):
     def decode(
         self,
         tgt: torch.Tensor,
-        memory_kv: MemoryKV,
+        memory_kv: MemoryKV | None = None,
         src_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        memory: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits (B, T, padded_vocab_size) for decoder inputs tgt (B, T).
+        """Logits (B, T, padded_vocab_size) for decoder inputs tgt (B, T), given the encoder output either
+        as `memory` (B, S, C) or as its per-layer keys and values `memory_kv` (see `memory_kv`).
 
         With a cache, tgt holds the T tokens after the cache.length already decoded; their self-attention
         keys and values are appended to it, and memory_kv is computed once per source by the caller.
@@ -133,7 +135,8 @@ class EncoderDecoder(nn.Module):
         x = self._embed(tgt, self.tgt_embed, getattr(self, "tgt_pos", None), start)
         memory_mask = key_padding_mask(src_mask)
         for i, block in enumerate(self.decoder):
-            x = block(x, cache=None if cache is None else cache[i], memory_kv=memory_kv[i], memory_mask=memory_mask)
+            x = block(x, cache=None if cache is None else cache[i], memory=memory,
+                      memory_kv=None if memory_kv is None else memory_kv[i], memory_mask=memory_mask)
         return self.lm_head(self.dec_norm(x))
 
     def new_cache(
@@ -160,8 +163,7 @@ class EncoderDecoder(nn.Module):
         targets: (B, T), pad_id where nothing is to be predicted; src_mask: see `encode`.
         Returns logits (B, T, padded_vocab_size) and a float32 scalar loss, or None without targets.
         """
-        memory = self.encode(src, src_mask)
-        logits = self.decode(tgt_in, self.memory_kv(memory), src_mask)
+        logits = self.decode(tgt_in, src_mask=src_mask, memory=self.encode(src, src_mask))
         loss = None
         if targets is not None:
             # float32 softmax over the ~50k vocabulary, as in the GPT
