@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.overrides import TorchFunctionMode
 
-from lm.config import JobConfig
+from lm.config import ConfigError, JobConfig
 from lm.distributed.activation import checkpoint_blocks, model_blocks
 from lm.distributed.env import DistEnv
 from lm.models.factory import build_model
@@ -60,6 +60,9 @@ def build_fsdp_model(cfg: JobConfig, env: DistEnv) -> nn.Module:
     Call after seeding the global RNG, as for an unsharded model. With train.compile each block is
     compiled on its own (FSDP2's hooks sit between blocks, so whole-model compile would break on them).
     """
+    if cfg.parallel.cpu_offload and env.device.type != "cuda":
+        raise ConfigError("parallel.cpu_offload: FSDP2 offloads a GPU run's shards to host memory; this run is "
+                          "on the CPU already, so drop parallel.cpu_offload")
     with torch.device("meta"):
         model = build_model(cfg.model)
     checkpoint_blocks(model, cfg.parallel.activation_checkpointing)

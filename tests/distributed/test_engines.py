@@ -155,3 +155,28 @@ def test_a_checkpoint_of_another_engine_family_is_refused_with_what_to_do(tmp_pa
     assert check_engine(step, fsdp, 1) is False  # ddp and fsdp share DCP
     with pytest.raises(CheckpointError, match="written by the ddp engine"):
         check_engine(step, zero2, 2)
+
+
+def test_deepspeed_cpu_offload_trains_like_no_offload(tiny_data_dir, tmp_path):
+    flags = [*ENGINES["zero2"], "--train.steps=2"]
+    plain = train(1, tmp_path / "plain", tiny_data_dir, *flags)
+    offloaded = train(1, tmp_path / "offload", tiny_data_dir, *flags, "--parallel.cpu_offload=true")
+    for step in plain:
+        assert offloaded[step] == pytest.approx(plain[step], rel=SAME_BATCH_REL)
+
+
+def test_fsdp_offload_on_a_cpu_run_is_refused_before_anything_is_written(tiny_data_dir, tmp_path):
+    import torch.distributed as dist
+
+    from lm.distributed import init_distributed
+    from lm.train.trainer import Trainer
+
+    cfg = load_config(None, [*TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={tmp_path / 'run'}",
+                             "--parallel.engine=fsdp", "--parallel.cpu_offload=true"])
+    try:
+        with pytest.raises(ConfigError, match="parallel.cpu_offload: FSDP2 offloads a GPU run's shards"):
+            Trainer(cfg, init_distributed("cpu"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert not (tmp_path / "run").exists()
