@@ -1,4 +1,4 @@
-"""The `lm` console script: `lm prepare | train | eval | sample | export | bench [ARGS]`, same as `python -m lm.<tool>`."""
+"""The `lm` console script: `lm prepare | train | eval | sample | export | consolidate | bench [ARGS]`, same as `python -m lm.<tool>`."""
 
 import importlib
 import sys
@@ -12,6 +12,7 @@ TOOLS = {
     "sample": ("lm.sample", "generate text from a checkpoint"),
     "bench": ("lm.bench", "training and loader throughput on this device"),
     "export": ("lm.export", "write a checkpoint as a Hugging Face transformers model"),
+    "consolidate": ("lm.consolidate", "merge any checkpoint (DCP or DeepSpeed) into one safetensors file"),
 }
 
 
@@ -19,7 +20,7 @@ def main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] not in TOOLS:
         print("usage: lm {" + ",".join(TOOLS) + "} [--help] [ARGS]\n")
         for name, (_, doc) in TOOLS.items():
-            print(f"  {name:8s} {doc}")
+            print(f"  {name:{max(map(len, TOOLS))}s} {doc}")
         return 0 if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help") else 2
     module = importlib.import_module(TOOLS[sys.argv[1]][0])
     return run(module.main, sys.argv[2:])

@@ -34,6 +34,10 @@ from lm.distributed.env import DistEnv
 log = logging.getLogger(__name__)
 
 ARCH_NAMES = {"gpt": "decoder-only GPT", "encdec": "encoder-decoder"}
+DEEPSPEED_TAG = "deepspeed"
+"""Subdirectory (DeepSpeed's checkpoint tag) of a step directory holding a DeepSpeed engine's files."""
+UNIVERSAL_TAG = "deepspeed_universal"
+"""Its conversion to DeepSpeed's universal format, made when a run resumes at another world size or stage."""
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -133,7 +137,6 @@ def save_checkpoint(root: Path, step: int, engine, state: dict, cfg: JobConfig, 
 def ensure_universal(path: Path, env: DistEnv) -> None:
     """Give a DeepSpeed checkpoint a universal twin (`deepspeed_universal/`), which loads at any world
     size and ZeRO stage; rank 0 converts once, into a temporary directory renamed when complete."""
-    from lm.distributed.engine import DEEPSPEED_TAG, UNIVERSAL_TAG
     from lm.distributed.zero import convert_to_universal
 
     if env.is_main and not (path / UNIVERSAL_TAG).is_dir():

@@ -35,20 +35,19 @@ import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from lm.checkpoint import CheckpointError, load_model_weights, read_config, read_state, resolve_checkpoint
+from lm.checkpoint import (
+    DEEPSPEED_TAG, CheckpointError, load_model_weights, read_config, read_state, resolve_checkpoint,
+)
 from lm.cli import run
 from lm.config import ConfigError, JobConfig, load_config
 from lm.models.factory import build_model
 
 __all__ = [
-    "DEEPSPEED_TAG", "consolidate", "load_checkpoint_weights", "load_consolidated", "load_consolidated_weights",
+    "consolidate", "load_checkpoint_weights", "load_consolidated", "load_consolidated_weights",
     "read_consolidated_config", "tied_names",
 ]
 
 log = logging.getLogger("lm.consolidate")
-
-DEEPSPEED_TAG = "deepspeed"
-"""The tag the deepspeed engine saves under: its files live in `<step dir>/deepspeed/`."""
 
 
 def tied_names(model: nn.Module) -> dict[str, str]:

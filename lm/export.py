@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from lm.checkpoint import load_for_inference, read_config, resolve_checkpoint
 from lm.cli import run
 from lm.config import JobConfig
+from lm.consolidate import read_consolidated_config
 from lm.hf_tokenizer import write_hf_tokenizer
 from lm.models.config import ConfigError, ModelConfig
 from lm.models.gpt import GPT
@@ -319,8 +320,13 @@ def main(argv: list[str]) -> int:
     if problem:
         parser.error(problem)
 
-    step_dir = resolve_checkpoint(args.checkpoint)
-    target = hf_target(read_config(step_dir).model)  # refuse before loading weights or creating anything
+    if Path(args.checkpoint).suffix == ".safetensors":  # a consolidated file (python -m lm.consolidate)
+        step_dir = Path(args.checkpoint)
+        saved = read_consolidated_config(step_dir)
+    else:
+        step_dir = resolve_checkpoint(args.checkpoint)
+        saved = read_config(step_dir)
+    target = hf_target(saved.model)  # refuse before loading weights or creating anything
     model, job, _ = load_for_inference(step_dir, torch.device("cpu"))
     encoding = load_tokenizer(job.data.tokenizer)
 

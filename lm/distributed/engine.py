@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from lm.checkpoint import DEEPSPEED_TAG, UNIVERSAL_TAG
 from lm.config import JobConfig
 from lm.consolidate import load_consolidated_weights
 from lm.distributed.activation import checkpoint_blocks
@@ -20,8 +21,6 @@ from lm.distributed.ddp import grad_sync, wrap_ddp
 from lm.distributed.env import DistEnv, ensure_process_group
 from lm.models.factory import build_model
 
-DEEPSPEED_TAG = "deepspeed"
-UNIVERSAL_TAG = "deepspeed_universal"
 
 
 def build_optimizer(model: nn.Module, cfg: JobConfig, device: torch.device) -> torch.optim.AdamW:
