@@ -22,8 +22,9 @@ def user_errors() -> tuple[type[Exception], ...]:
     from lm.checkpoint import CheckpointError
     from lm.data.shards import DataError
     from lm.tokenizer import TokenizerError
+    from lm.train.faults import TrainingError
 
-    return (ConfigError, CheckpointError, DataError, TokenizerError, FileNotFoundError)
+    return (ConfigError, CheckpointError, DataError, TokenizerError, TrainingError, FileNotFoundError)
 
 
 def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:

@@ -120,9 +120,11 @@ class TrainConfig:
     """Validation micro-batches per rank at each evaluation."""
     out_dir: str = "runs/default"
     """Run directory: resolved config, checkpoints and TensorBoard logs."""
+    max_nonfinite_steps: int = 5
+    """Steps with a NaN/inf loss or gradient norm are skipped; this many in a row stop the run."""
 
     def __post_init__(self) -> None:
-        for key in ("steps", "batch_size", "micro_batch_size", "eval_every", "eval_batches"):
+        for key in ("steps", "batch_size", "micro_batch_size", "eval_every", "eval_batches", "max_nonfinite_steps"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"train.{key}: must be positive, got {getattr(self, key)}")
         if self.batch_size % self.micro_batch_size:

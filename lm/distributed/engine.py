@@ -85,8 +85,10 @@ class TorchEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int) -> torch.Tensor:
-        """One micro-batch: forward, backward of loss / num_micro; gradients are reduced on the last."""
+    def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int,
+                         poison: bool = False) -> torch.Tensor:
+        """One micro-batch: forward, backward of loss / num_micro; gradients are reduced on the last.
+        `poison` makes the loss NaN (the fault-injection hook of the non-finite guard's tests)."""
         if self.name == "fsdp":
             self.model.set_requires_gradient_sync(last)
             sync = contextlib.nullcontext()
@@ -94,18 +96,32 @@ class TorchEngine:
             sync = grad_sync(self.train_model, sync=last)
         with sync, self.autocast:
             _, loss = self.train_model(*batch)
+            if poison:
+                loss = loss * float("nan")
             (loss / num_micro).backward()
         return loss.detach()
 
-    def optimizer_step(self) -> torch.Tensor:
-        """Clip the global gradient norm, step, clear gradients; returns the norm before clipping."""
+    def optimizer_step(self) -> tuple[torch.Tensor, bool]:
+        """Clip the global gradient norm and step, unless the norm is NaN or inf: then the step is
+        skipped. Clears gradients; returns (norm before clipping, whether the step was applied).
+
+        A NaN anywhere in any rank's loss or gradients reaches every rank's norm through the gradient
+        reduction, so all ranks skip together.
+        """
         clip = self.cfg.optim.grad_clip or float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         if isinstance(norm, DTensor):  # sharded gradients: the norm is itself sharded until reduced
             norm = norm.full_tensor()
-        self.optimizer.step()
+        applied = bool(torch.isfinite(norm))  # one host sync per step, the price of never stepping on NaN
+        if applied:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return norm, applied
+
+    def parameters_finite(self) -> bool:
+        """Whether this rank's (shard of the) weights holds only finite values."""
+        return all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
+                   for p in self.model.parameters())
 
     def eval_loss(self, batch: list[torch.Tensor]) -> torch.Tensor:
         with self.autocast:
@@ -149,17 +165,26 @@ class DeepSpeedEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int) -> torch.Tensor:
+    def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int,
+                         poison: bool = False) -> torch.Tensor:
         """DeepSpeed divides the loss by its accumulation steps and steps the optimizer on the last one."""
         _, loss = self.engine(*batch)
+        if poison:
+            loss = loss * float("nan")
         self.engine.backward(loss)
         self.engine.step()
         return loss.detach()
 
-    def optimizer_step(self) -> torch.Tensor:
-        """The step already happened in the last forward_backward; report its gradient norm."""
+    def optimizer_step(self) -> tuple[torch.Tensor, bool]:
+        """The step already happened inside DeepSpeed's last micro-step, which (without fp16 loss
+        scaling) cannot skip it; report its gradient norm and whether it was finite."""
         norm = self.engine.get_global_grad_norm()
-        return torch.as_tensor(0.0 if norm is None else norm, dtype=torch.float32)
+        norm = torch.as_tensor(0.0 if norm is None else norm, dtype=torch.float32)
+        return norm, bool(torch.isfinite(norm))
+
+    def parameters_finite(self) -> bool:
+        """Whether this rank's partition of the fp32 master weights holds only finite values."""
+        return all(bool(torch.isfinite(p).all()) for group in self.optimizer.param_groups for p in group["params"])
 
     def eval_loss(self, batch: list[torch.Tensor]) -> torch.Tensor:
         return self.engine(*batch)[1]

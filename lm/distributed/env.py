@@ -73,10 +73,21 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistEnv:
         logging.getLogger().setLevel(logging.WARNING)
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = {}
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if restart != "0":
+            # After torchrun restarts a failed group, the rendezvous store still holds the dead
+            # processes' addresses under the same keys, and the new group would try to connect to them
+            # (pytorch/pytorch#167288). Keys of their own per attempt avoid that.
+            client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                   is_master=False, timeout=timeout)
+            store = {"store": dist.PrefixStore(f"lm/attempt{restart}", client), "rank": rank, "world_size": world_size}
         dist.init_process_group(
             backend=backend,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=dev if dev.type == "cuda" else None,
+            **store,
         )
         log.info("joined process group: rank %d/%d, backend %s", rank, world_size, backend)
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev)

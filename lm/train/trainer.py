@@ -1,6 +1,8 @@
 """The training loop: one optimizer step per global batch, logging, validation and checkpoints."""
 
 import logging
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -15,6 +17,8 @@ from lm.distributed.engine import build_engine
 from lm.models.factory import build_model
 from lm.data.objectives import build_objective
 from lm.runtime import tune_cpu
+from lm.train.faults import Faults, TrainingError
+from lm.train.preemption import StopSignals
 from lm.train.metrics import MetricLogger, encdec_flops_per_token, flops_per_token, peak_flops, perplexity
 from lm.train.schedule import lr_at
 
@@ -66,6 +70,11 @@ class Trainer:
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
             self.loader.load_state_dict({"position": state["position"]})
             log.info("resumed from %s at step %d", resume_from, self.step)
+            for key, (old, new) in changed_settings(resume_from, cfg).items():
+                log.info("config changed since the checkpoint: %s %r -> %r", key, old, new)
+        self.faults = Faults.from_env()
+        self.nonfinite_in_a_row = 0
+        self.skipped_steps = 0
 
         # counted on a meta-device twin: sharded engines (ZeRO-3, FSDP) hide the full shapes
         with torch.device("meta"):
@@ -77,7 +86,7 @@ class Trainer:
             self.flops_per_token = flops_per_token(cfg.model, n_params, cfg.data.seq_len)
         self.peak_flops = peak_flops(env.device)
         if env.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
+            probe_output_dir(self.out_dir, checkpoint_bytes=12 * n_params)
             save_config(cfg, self.out_dir / "config.yaml")
             log.info("model: %.2fM parameters (non-embedding), %d ranks on %s, engine %s",
                      n_params / 1e6, env.world_size, env.device, self.engine.name)
@@ -95,10 +104,12 @@ class Trainer:
                 f"checkpoint.resume=never, but {self.ckpt_root} already holds checkpoints that a new "
                 "run would overwrite; pick another train.out_dir or use checkpoint.resume=auto"
             )
-        return found[-1] if found and mode != "never" else None
+        # the newest checkpoint whose files match its manifest; corrupt ones are skipped with a warning
+        return ckpt.latest_valid_checkpoint(self.ckpt_root, self.env) if found and mode != "never" else None
 
     def fit(self) -> list[dict]:
-        """Train to `train.steps`; returns the logged metrics, one dict per log step."""
+        """Train to `train.steps` (or until SIGTERM/SIGINT: then save and return); returns the logged
+        metrics, one dict per log step."""
         cfg, env = self.cfg, self.env
         history: list[dict] = []
         tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
@@ -107,58 +118,96 @@ class Trainer:
                      cfg.train.steps)
         window_start, window_steps = time.perf_counter(), 0
         window_loss = torch.zeros((), device=env.device)  # summed on device; read once per log line
-        while self.step < cfg.train.steps:
-            lr = lr_at(self.step, cfg.optim.lr, cfg.schedule, cfg.train.steps)
-            self.engine.set_lr(lr)
-            loss, grad_norm = self._train_step()
-            self.step += 1
-            self.tokens_seen += tokens_per_step
-            window_steps += 1
-            window_loss += loss
-            last = self.step == cfg.train.steps
-            if self.step % cfg.log.every == 0 or last:
-                # The mean over the steps since the last log line, and over ranks: one host sync per line.
-                loss_value = env.all_reduce_mean(window_loss / window_steps).item()
-                elapsed = time.perf_counter() - window_start
-                tok_s = window_steps * tokens_per_step / elapsed
-                flops_s = self.flops_per_token * tok_s / env.world_size
-                row = {
-                    "train/loss": loss_value, "train/ppl": perplexity(loss_value), "train/lr": lr,
-                    "train/grad_norm": grad_norm.item(), "perf/tokens_per_s": tok_s,
-                    "perf/tflops_per_device": flops_s / 1e12,
-                    "perf/mfu": flops_s / self.peak_flops if self.peak_flops else None,
-                }
-                perf = f"mfu {row['perf/mfu']:.1%}" if self.peak_flops else f"{flops_s / 1e12:.3f} TFLOP/s"
-                self.metrics.log(self.step, row, (
-                    f"step {{step}}/{cfg.train.steps} | loss {{train_loss:.4f}} | ppl {{train_ppl:.1f}} | "
-                    f"lr {{train_lr:.2e}} | grad norm {{train_grad_norm:.3f}} | {{perf_tokens_per_s:,.0f}} tok/s | {perf}"
-                ))
-                history.append({"step": self.step, **row})
-                window_start, window_steps = time.perf_counter(), 0
-                window_loss.zero_()
-            paused = time.perf_counter()
-            if self.step % cfg.train.eval_every == 0 or last:
-                val_loss = self.evaluate()
-                val = {"val/loss": val_loss, "val/ppl": perplexity(val_loss)}
-                self.metrics.log(self.step, val, "step {step} | val loss {val_loss:.4f} | val ppl {val_ppl:.2f}")
-                history.append({"step": self.step, **val})
-            if self.step % cfg.checkpoint.every == 0 or last:
-                self.save()
-            window_start += time.perf_counter() - paused  # throughput counts training time only
+        with StopSignals() as signals:
+            while self.step < cfg.train.steps:
+                lr = lr_at(self.step, cfg.optim.lr, cfg.schedule, cfg.train.steps)
+                self.engine.set_lr(lr)
+                loss, grad_norm, applied = self._train_step()
+                self.step += 1
+                self.tokens_seen += tokens_per_step
+                self._count_nonfinite(applied, grad_norm)
+                window_steps += 1
+                if applied:  # a skipped step's NaN would poison the window's mean
+                    window_loss += loss
+                last = self.step == cfg.train.steps
+                if self.step % cfg.log.every == 0 or last:
+                    # The mean over the steps since the last log line, and over ranks: one host sync per line.
+                    loss_value = env.all_reduce_mean(window_loss / max(window_steps, 1)).item()
+                    elapsed = time.perf_counter() - window_start
+                    tok_s = window_steps * tokens_per_step / elapsed
+                    flops_s = self.flops_per_token * tok_s / env.world_size
+                    row = {
+                        "train/loss": loss_value, "train/ppl": perplexity(loss_value), "train/lr": lr,
+                        "train/grad_norm": grad_norm.item(), "train/skipped_steps": self.skipped_steps,
+                        "perf/tokens_per_s": tok_s, "perf/tflops_per_device": flops_s / 1e12,
+                        "perf/mfu": flops_s / self.peak_flops if self.peak_flops else None,
+                    }
+                    perf = f"mfu {row['perf/mfu']:.1%}" if self.peak_flops else f"{flops_s / 1e12:.3f} TFLOP/s"
+                    skipped = f" | {self.skipped_steps} skipped" if self.skipped_steps else ""
+                    self.metrics.log(self.step, row, (
+                        f"step {{step}}/{cfg.train.steps} | loss {{train_loss:.4f}} | ppl {{train_ppl:.1f}} | "
+                        f"lr {{train_lr:.2e}} | grad norm {{train_grad_norm:.3f}} | {{perf_tokens_per_s:,.0f}} tok/s | "
+                        f"{perf}{skipped}"
+                    ))
+                    history.append({"step": self.step, **row})
+                    window_start, window_steps = time.perf_counter(), 0
+                    window_loss.zero_()
+                paused = time.perf_counter()
+                if self.step % cfg.train.eval_every == 0 or last:
+                    val_loss = self.evaluate()
+                    val = {"val/loss": val_loss, "val/ppl": perplexity(val_loss)}
+                    self.metrics.log(self.step, val, "step {step} | val loss {val_loss:.4f} | val ppl {val_ppl:.2f}")
+                    history.append({"step": self.step, **val})
+                saved = self.step % cfg.checkpoint.every == 0 or last
+                if saved:
+                    self.save()
+                self.faults.maybe_kill(self.step, env.rank)
+                # every rank must stop at the same step, though a signal may reach only some of them:
+                # one tiny all-reduce per step
+                flag = torch.tensor(float(signals.requested is not None), device=env.device)
+                if not last and env.all_reduce_mean(flag).item() > 0:
+                    if not saved:
+                        self.save()
+                    log.warning("stopped at step %d by %s; checkpoint saved, the same command resumes",
+                                self.step, signals.requested or "a signal to another rank")
+                    break
+                window_start += time.perf_counter() - paused  # throughput counts training time only
         self.metrics.close()
         return history
 
-    def _train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward/backward over this rank's micro-batches, clip, step. Returns (mean loss, grad norm) on device."""
+    def _count_nonfinite(self, applied: bool, grad_norm: torch.Tensor) -> None:
+        """Count steps skipped for a NaN/inf loss or gradient norm; stop after too many in a row."""
+        if applied:
+            self.nonfinite_in_a_row = 0
+            return
+        self.skipped_steps += 1
+        self.nonfinite_in_a_row += 1
+        log.warning("step %d: gradient norm %s, optimizer step skipped (%d in a row)", self.step,
+                    grad_norm.item(), self.nonfinite_in_a_row)
+        # DeepSpeed has already applied the step, so its weights may no longer be finite: stop at once
+        limit = 1 if self.engine.name == "deepspeed" else self.cfg.train.max_nonfinite_steps
+        if self.nonfinite_in_a_row >= limit:
+            found = ckpt.complete_checkpoints(self.ckpt_root)
+            last_good = found[-1] if found else "none (no checkpoint was saved)"
+            raise TrainingError(
+                f"step {self.step}: {self.nonfinite_in_a_row} steps in a row with a non-finite loss or gradient "
+                f"norm (train.max_nonfinite_steps={self.cfg.train.max_nonfinite_steps}); the last good "
+                f"checkpoint is {last_good}. Lower optim.lr or raise optim.grad_clip, then resume from it"
+            )
+
+    def _train_step(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Forward/backward over this rank's micro-batches, clip, step. Returns (mean loss, grad norm) on
+        device and whether the optimizer step was applied (not skipped for a non-finite norm)."""
         micro_batches = self.loader.next_batch()
+        poison = self.faults.nan_at(self.step + 1, self.env.rank)
         loss_sum = torch.zeros((), device=self.env.device)
         for i, batch in enumerate(micro_batches):
             # (x, y) for the GPT, (src, tgt_in, tgt_out) for the encoder-decoder: the model's own arguments
             batch = [t.to(self.env.device, non_blocking=True) for t in batch]
             loss_sum += self.engine.forward_backward(batch, last=i == len(micro_batches) - 1,
-                                                     num_micro=len(micro_batches))
-        grad_norm = self.engine.optimizer_step()
-        return loss_sum / len(micro_batches), grad_norm
+                                                     num_micro=len(micro_batches), poison=poison)
+        grad_norm, applied = self.engine.optimizer_step()
+        return loss_sum / len(micro_batches), grad_norm, applied
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -176,6 +225,47 @@ class Trainer:
         return env.all_reduce_mean(mean).item()
 
     def save(self) -> Path:
+        """Checkpoint the run; refuses weights that are no longer finite, and reports a failed write
+        (a full disk, say) with the previous checkpoint named, which the failed save leaves intact."""
+        flag = torch.tensor(float(not self.engine.parameters_finite()), device=self.env.device)
+        if self.env.all_reduce_mean(flag).item() > 0:
+            found = ckpt.complete_checkpoints(self.ckpt_root)
+            raise TrainingError(f"step {self.step}: the weights hold NaN or inf values and are not saved; the last "
+                                f"good checkpoint is {found[-1] if found else 'none'}")
         state = {"step": self.step, "tokens_seen": self.tokens_seen, **self.loader.state_dict()}
-        return ckpt.save_checkpoint(self.ckpt_root, self.step, self.engine, state, self.cfg, self.env,
-                                    self.cfg.checkpoint.keep)
+        try:
+            return ckpt.save_checkpoint(self.ckpt_root, self.step, self.engine, state, self.cfg, self.env,
+                                        self.cfg.checkpoint.keep)
+        except OSError as err:
+            found = ckpt.complete_checkpoints(self.ckpt_root)
+            raise ckpt.CheckpointError(
+                f"{self.ckpt_root}: saving step {self.step} failed ({err.strerror or err}); the previous "
+                f"checkpoint {found[-1] if found else '(none)'} is intact"
+            ) from None
+
+
+def probe_output_dir(out_dir: Path, checkpoint_bytes: int) -> None:
+    """Fail before training, not at the first save, when train.out_dir cannot be written or lacks the space
+    for about one checkpoint (`checkpoint_bytes`: weights plus AdamW's two moments, 12 bytes a parameter)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".write_probe"
+        with open(probe, "wb") as f:
+            f.write(b"lm")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+        free = shutil.disk_usage(out_dir).free
+    except OSError as err:
+        raise ckpt.CheckpointError(f"train.out_dir: cannot write to {out_dir}: {err.strerror or err}") from None
+    if free < checkpoint_bytes:
+        raise ckpt.CheckpointError(f"train.out_dir: {out_dir} has {free / 2**20:,.0f} MiB free, less than one "
+                                   f"checkpoint needs (about {checkpoint_bytes / 2**20:,.0f} MiB)")
+
+
+def changed_settings(checkpoint: Path, cfg: JobConfig) -> dict[str, tuple[object, object]]:
+    """Config keys outside `model` whose value differs from the checkpoint's: {"optim.lr": (old, new)}."""
+    saved, current = ckpt.read_config(checkpoint).to_dict(), cfg.to_dict()
+    return {f"{section}.{key}": (saved[section][key], value)
+            for section, values in current.items() if section != "model"
+            for key, value in values.items() if saved[section][key] != value}

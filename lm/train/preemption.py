@@ -1,0 +1,42 @@
+"""Graceful stop on SIGTERM or SIGINT (what Slurm and most schedulers send before preempting a job).
+
+The first signal only sets a flag: the trainer finishes its step, writes a checkpoint and exits 0. A
+second signal restores the default handler and re-delivers itself, so the process ends at once.
+"""
+
+import logging
+import signal
+import threading
+from types import FrameType
+
+log = logging.getLogger("lm.train")
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopSignals:
+    """Context manager that turns SIGTERM/SIGINT into `requested` (the signal's name) while it is active."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.requested is not None:  # the second one: stop now, the way the signal normally would
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
+        self.requested = name
+        log.warning("%s received: finishing this step, saving a checkpoint, then exiting "
+                    "(send it again to exit at once)", name)
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():  # Python only lets the main thread handle signals
+            for signum in SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
