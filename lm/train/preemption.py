@@ -1,7 +1,7 @@
 """Graceful stop on SIGTERM or SIGINT (what Slurm and most schedulers send before preempting a job).
 
-The first signal only sets a flag: the trainer finishes its step, writes a checkpoint and exits 0. A
-second signal restores the default handler and re-delivers itself, so the process ends at once.
+The first signal only sets a flag: the trainer trains on to its next log step, writes a checkpoint and
+exits 0. A second signal restores the default handler and re-delivers itself, so the process ends at once.
 """
 
 import logging
@@ -28,7 +28,7 @@ class StopSignals:
             signal.raise_signal(signum)
             return
         self.requested = name
-        log.warning("%s received: finishing this step, saving a checkpoint, then exiting "
+        log.warning("%s received: training to the next log step, saving a checkpoint, then exiting "
                     "(send it again to exit at once)", name)
 
     def __enter__(self) -> "StopSignals":

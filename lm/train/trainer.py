@@ -162,10 +162,9 @@ class Trainer:
                 if saved:
                     self.save()
                 self.faults.maybe_kill(self.step, env.rank)
-                # every rank must stop at the same step, though a signal may reach only some of them:
-                # one tiny all-reduce per step
-                flag = torch.tensor(float(signals.requested is not None), device=env.device)
-                if not last and env.all_reduce_mean(flag).item() > 0:
+                # every rank must stop at the same step, though a signal may reach only some of them; they
+                # agree at log steps only, so the step itself stays free of this collective and host sync
+                if not last and self.step % cfg.log.every == 0 and self._stop_agreed(signals):
                     if not saved:
                         self.save()
                     log.warning("stopped at step %d by %s; checkpoint saved, the same command resumes",
@@ -174,6 +173,11 @@ class Trainer:
                 window_start += time.perf_counter() - paused  # throughput counts training time only
         self.metrics.close()
         return history
+
+    def _stop_agreed(self, signals: StopSignals) -> bool:
+        """Whether any rank received a stop signal (a collective: every rank must call it at the same step)."""
+        flag = torch.tensor(float(signals.requested is not None), device=self.env.device)
+        return self.env.all_reduce_mean(flag).item() > 0
 
     def _count_nonfinite(self, applied: bool, grad_norm: torch.Tensor) -> None:
         """Count steps skipped for a NaN/inf loss or gradient norm; stop after too many in a row."""
