@@ -25,7 +25,7 @@ from lm.config import DataConfig
 from lm.data.corpora import Corpus, find_corpus
 from lm.data.shards import (
     FORMAT_VERSION, MANIFEST_NAME, DataError, ShardWriter, dtype_for_vocab, new_manifest, read_manifest,
-    write_manifest,
+    verify_hashes, write_manifest,
 )
 from lm.tokenizer import load_tokenizer
 
@@ -61,7 +61,7 @@ def prepare(cfg: DataConfig, force: bool = False) -> dict:
     content_hash = output_hash(corpus.content_hash(cfg.text_column), cfg)
     out = Path(cfg.dir)
     if not force:
-        manifest = _reusable(out, content_hash)
+        manifest = _reusable(out, content_hash, cfg.verify_hashes)
         if manifest is not None:
             log.info("%s is up to date (content hash %s); use --force to rebuild", out, content_hash[:12])
             return manifest
@@ -85,16 +85,21 @@ def prepare(cfg: DataConfig, force: bool = False) -> dict:
     return manifest
 
 
-def _reusable(out: Path, content_hash: str) -> dict | None:
-    """The existing manifest if it describes this exact preparation and all its shards are intact."""
+def _reusable(out: Path, content_hash: str, check_hashes: bool) -> dict | None:
+    """The existing manifest if it describes this exact preparation and all its shards are intact (sizes
+    always, sha256 with `check_hashes`); a manifest from before shards had checksums is rebuilt."""
     if not (out / MANIFEST_NAME).is_file():
         return None
     try:
         manifest = read_manifest(out)
+        if manifest.get("content_hash") != content_hash:
+            return None
+        if check_hashes or any("sha256" not in e for split in SPLITS for e in manifest["splits"][split]["shards"]):
+            verify_hashes(out, manifest)
     except DataError as err:
         log.info("rebuilding: %s", err)
         return None
-    return manifest if manifest.get("content_hash") == content_hash else None
+    return manifest
 
 
 def _check_replaceable(out: Path) -> None:
@@ -109,6 +114,9 @@ def _check_replaceable(out: Path) -> None:
 
 
 def _check_splits(val_docs: int, documents: int, val_fraction: float) -> None:
+    if val_fraction > 0 and documents < 2:
+        raise DataError(f"data.val_fraction={val_fraction} needs at least 2 documents (one for val, one for training), "
+                        f"but data.source holds {documents}; add documents or set it to 0 for no validation")
     if val_fraction > 0 and val_docs == 0:
         raise DataError(
             f"data.val_fraction={val_fraction} puts none of the {documents} documents in the val split; "

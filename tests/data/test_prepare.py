@@ -125,6 +125,31 @@ def test_damaged_shard_is_rebuilt(tmp_path):
     assert tree_digest(tmp_path / "data") == before
 
 
+def test_verify_hashes_rebuilds_a_shard_with_a_flipped_byte(tmp_path, caplog):
+    cfg = config(tmp_path, write_txt(tmp_path / "in", DOCS), verify_hashes=True)
+    prepare(cfg)
+    before = tree_digest(tmp_path / "data")
+    shard = tmp_path / "data" / "train_00001.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0x80
+    shard.write_bytes(bytes(raw))
+    with caplog.at_level(logging.INFO, logger="lm.data.prepare"):
+        prepare(cfg)
+    assert "rebuilding: " in caplog.text and "train_00001.bin: sha256 differs" in caplog.text
+    assert tree_digest(tmp_path / "data") == before
+
+
+def test_a_manifest_without_checksums_is_rebuilt_with_them(tmp_path):
+    cfg = config(tmp_path, write_txt(tmp_path / "in", DOCS))
+    manifest = prepare(cfg)
+    path = tmp_path / "data" / "manifest.json"
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            del shard["sha256"]
+    path.write_text(json.dumps(manifest))  # as written before shards had checksums
+    assert all("sha256" in s for split in prepare(cfg)["splits"].values() for s in split["shards"])
+
+
 def _bad_utf8(d):
     (d / "doc_004.txt").write_bytes(b"ok \xc3\x28")
     return str(d / "*.txt")
@@ -148,7 +173,8 @@ def _too_few_for_val(d):
     (_bad_utf8, r"doc_004.txt: not UTF-8: byte 0xc3 at offset 3"),
     (_empty, r"doc_004.txt: empty file"),
     (_no_column, r"rows.jsonl: no column 'text' \(data.text_column\); the columns are \['body'\]"),
-    (_too_few_for_val, r"data.val_fraction=0.25 puts none of the 1 documents in the val split"),
+    (_too_few_for_val, r"data.val_fraction=0.25 needs at least 2 documents \(one for val, one for training\), "
+                       r"but data.source holds 1"),
 ])
 def test_bad_input_leaves_prepared_dir_untouched(tmp_path, make_bad_source, message):
     cfg = config(tmp_path, write_txt(tmp_path / "in", DOCS))
@@ -188,6 +214,16 @@ def test_cli(tmp_path, capsys):
     assert "error: data.source: " in capsys.readouterr().err
     assert run(main, ["--data.val_fraction=2"]) == 2
     assert "error: data.val_fraction: must be in [0, 1)" in capsys.readouterr().err
+    assert run(main, argv + ["--verify"]) == 0
+    assert "all 2 shards match manifest.json (sizes and sha256)" in capsys.readouterr().out
+    shard = tmp_path / "data" / "val_00000.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[40] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    before = tree_digest(tmp_path / "data")
+    assert run(main, argv + ["--verify"]) == 2
+    assert "val_00000.bin: sha256 differs from manifest.json" in capsys.readouterr().err
+    assert tree_digest(tmp_path / "data") == before  # --verify reports; it never rebuilds
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     assert exit_.value.code == 0

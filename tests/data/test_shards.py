@@ -1,3 +1,4 @@
+import hashlib
 import json
 import struct
 
@@ -6,7 +7,7 @@ import pytest
 
 from lm.data.shards import (
     HEADER_BYTES, DataError, ShardWriter, check_manifest, dtype_for_vocab, open_shard, read_header,
-    new_manifest, read_manifest, shard_name, write_manifest, write_shard,
+    new_manifest, read_manifest, shard_name, verify_hashes, write_manifest, write_shard,
 )
 
 
@@ -42,10 +43,12 @@ def test_writer_cuts_exact_shards(tmp_path):
     for chunk in chunks:
         writer.add(chunk.astype(np.uint16))
     shards = writer.close()
-    assert shards == [
-        {"file": "val_00000.bin", "tokens": 4}, {"file": "val_00001.bin", "tokens": 4},
-        {"file": "val_00002.bin", "tokens": 4}, {"file": "val_00003.bin", "tokens": 1},
+    assert [(s["file"], s["tokens"]) for s in shards] == [
+        ("val_00000.bin", 4), ("val_00001.bin", 4), ("val_00002.bin", 4), ("val_00003.bin", 1),
     ]
+    # the checksum covers the whole file, header included, so `sha256sum` on the shard agrees with it
+    assert [s["sha256"] for s in shards] == [hashlib.sha256((tmp_path / s["file"]).read_bytes()).hexdigest()
+                                             for s in shards]
     assert np.concatenate([open_shard(tmp_path / s["file"]) for s in shards]).tolist() == list(range(13))
     assert sorted(p.name for p in tmp_path.iterdir()) == [s["file"] for s in shards]  # no .tmp left
 
@@ -153,3 +156,25 @@ def test_check_manifest(tmp_path):
         check_manifest(manifest, "cl100k_base", 100277, data)
     with pytest.raises(DataError, match=r"prepared with vocab_size 50257, but model.vocab_size=50304"):
         check_manifest(manifest, "gpt2", 50304, data)
+
+
+def _flip_byte(path, offset):
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_verify_hashes_names_a_shard_with_a_flipped_byte(tmp_path):
+    data, manifest = _prepared_dir(tmp_path)
+    verify_hashes(data, manifest)
+    _flip_byte(data / "train_00001.bin", HEADER_BYTES + 3)  # a token's byte: the size stays right
+    read_manifest(data)  # sizes alone cannot see it
+    with pytest.raises(DataError, match=r"train_00001.bin: sha256 differs from manifest.json"):
+        verify_hashes(data, manifest)
+
+
+def test_verify_hashes_refuses_a_manifest_without_checksums(tmp_path):
+    data, manifest = _prepared_dir(tmp_path)
+    del manifest["splits"]["train"]["shards"][0]["sha256"]
+    with pytest.raises(DataError, match=r"no sha256 for train_00000.bin .* with --force to add them"):
+        verify_hashes(data, manifest)
