@@ -22,7 +22,6 @@ to `.deleting` before it is deleted, so a half-deleted one never looks complete.
 before manifest.json existed are accepted without verification.
 """
 
-import hashlib
 import json
 import logging
 import re
@@ -37,10 +36,11 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from lm.config import ConfigError, JobConfig, load_config, save_config
 from lm.distributed.env import DistEnv
+from lm.hashing import sha256_file
 
 log = logging.getLogger(__name__)
 
-ARCH_NAMES = {"gpt": "decoder-only GPT", "encdec": "encoder-decoder"}
+ARCH_NAMES = {"gpt": "a decoder-only GPT", "encdec": "an encoder-decoder"}
 DEEPSPEED_TAG = "deepspeed"
 """Subdirectory (DeepSpeed's checkpoint tag) of a step directory holding a DeepSpeed engine's files."""
 UNIVERSAL_TAG = "deepspeed_universal"
@@ -49,7 +49,6 @@ UNIVERSAL_TAG = "deepspeed_universal"
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _LEFTOVER = re.compile(r"^step_\d{8}\.(tmp|deleting|replaced)$")
-_HASH_CHUNK = 1 << 20
 
 
 # DCP warns on every single-process save and load (eval, sample, a run without torchrun); that is intended.
@@ -143,25 +142,13 @@ def save_checkpoint(root: Path, step: int, engine, state: dict, cfg: JobConfig, 
     return final
 
 
-def _sha256(path: Path) -> str:
-    # Streamed in 1 MiB chunks, so memory stays flat for multi-GB shards. sha256 runs at ~1,300 MiB/s on
-    # one core of the development machine (AMD EPYC with SHA-NI, file in page cache; slower when it must
-    # come from disk): rank 0 hashes every rank's files once when saving and once when resuming or
-    # loading for inference, ~0.8 s per GiB of checkpoint each time.
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _write_manifest(step_dir: Path) -> None:
     """Record the size and sha256 of every file under `step_dir` (relative POSIX paths)."""
     files = {}
     for path in sorted(p for p in step_dir.rglob("*") if p.is_file()):
         rel = path.relative_to(step_dir).as_posix()
         if rel != MANIFEST:
-            files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+            files[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     (step_dir / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
 
@@ -220,7 +207,7 @@ def _clean_leftovers(root: Path) -> None:
 def verify_checkpoint(step_dir: Path) -> None:
     """Check every file of a complete checkpoint against its manifest: all sizes first (cheap), then all
     sha256 sums. Raises CheckpointError naming the first bad file; files not in the manifest are ignored."""
-    name = step_dir.name
+    name = step_dir
     try:
         json.loads((step_dir / "state.json").read_text())
     except FileNotFoundError:
@@ -244,7 +231,7 @@ def verify_checkpoint(step_dir: Path) -> None:
             what = "truncated" if actual < size else "longer than written"
             raise CheckpointError(f"{name}/{rel}: {actual:,} bytes, manifest says {size:,} ({what})")
     for rel, (_, sha256) in files.items():
-        if _sha256(step_dir / rel) != sha256:
+        if sha256_file(step_dir / rel) != sha256:
             raise CheckpointError(f"{name}/{rel}: sha256 differs from the manifest (corrupt)")
 
 
@@ -271,7 +258,7 @@ def latest_valid_checkpoint(root: Path, env: DistEnv | None = None) -> Path | No
             choice = path
             break
         if found and choice is None:
-            error = f"{root}: no usable checkpoint: " + "; ".join(problems)
+            error = f"no usable checkpoint in {root}: " + "; ".join(problems)
     if env is not None:
         choice, error = env.broadcast_object((choice, error))
     if error is not None:
@@ -324,14 +311,37 @@ def check_compatible(path: Path, cfg: JobConfig) -> None:
     saved = read_config(path).to_dict()["model"]
     current = cfg.to_dict()["model"]
     if saved["arch"] != current["arch"]:
-        raise ConfigError(f"{path}: checkpoint is a {ARCH_NAMES[saved['arch']]} (model.arch={saved['arch']}) "
-                          f"but the config asks for a {ARCH_NAMES[current['arch']]} (model.arch={current['arch']}); "
+        raise ConfigError(f"{path}: checkpoint is {ARCH_NAMES[saved['arch']]} (model.arch={saved['arch']}) "
+                          f"but the config asks for {ARCH_NAMES[current['arch']]} (model.arch={current['arch']}); "
                           "use another train.out_dir to start a new run")
     diff = sorted(k for k in current if saved[k] != current[k] and k != "dropout")
     if diff:
         details = ", ".join(f"model.{k}: {saved[k]!r} -> {current[k]!r}" for k in diff)
         raise ConfigError(f"{path}: checkpoint has a different model shape ({details}); "
                           "use another train.out_dir to start a new run")
+
+
+def data_identity(manifest: dict) -> dict:
+    """What state.json records of the prepared data a run trains on; `content_hash` fingerprints the
+    input files, tokenizer, split and shard size, so it changes whenever the shards' bytes would."""
+    return {"content_hash": manifest["content_hash"], "source": manifest["source"],
+            "train_tokens": manifest["splits"]["train"]["tokens"]}
+
+
+def check_data(path: Path, manifest: dict, cfg: JobConfig) -> None:
+    """Refuse to resume on data other than the checkpoint's unless checkpoint.allow_data_change is set.
+    Checkpoints from before state.json recorded its data are not checked."""
+    saved = read_state(path).get("data")
+    current = data_identity(manifest)
+    if saved is None or saved["content_hash"] == current["content_hash"]:
+        return
+    what = (f"{path} trained on {saved['source']!r} ({saved['train_tokens']:,} train tokens, content hash "
+            f"{saved['content_hash'][:12]}), but data.dir={cfg.data.dir!r} now holds {current['source']!r} "
+            f"({current['train_tokens']:,} train tokens, content hash {current['content_hash'][:12]})")
+    if not cfg.checkpoint.allow_data_change:
+        raise CheckpointError(f"{what}. Prepare the original data again, point data.dir at it, or set "
+                              "checkpoint.allow_data_change=true to go on with the new data")
+    log.warning("%s; going on with the new data (checkpoint.allow_data_change=true)", what)
 
 
 def check_init_from(path: Path, cfg: JobConfig) -> None:

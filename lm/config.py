@@ -41,6 +41,8 @@ class DataConfig:
     """Tokenizer processes when preparing."""
     seq_len: int = 256
     """Tokens per training sample (each sample reads seq_len + 1 tokens)."""
+    verify_hashes: bool = False
+    """Check every shard's sha256 against manifest.json when training starts and when lm.prepare reuses data (sizes are always checked)."""
 
     def __post_init__(self) -> None:
         if self.tokenizer not in TOKENIZER_VOCAB:
@@ -181,6 +183,8 @@ class CheckpointConfig:
     """auto (newest complete checkpoint if any), never, or required (fail without one)."""
     init_from: str = ""
     """A consolidated .safetensors (python -m lm.consolidate) whose weights start a new run; optimizer and data start fresh."""
+    allow_data_change: bool = False
+    """Resume even though data.dir now holds other data than the checkpoint trained on (its loader position carries over)."""
 
     def __post_init__(self) -> None:
         if self.every <= 0 or self.keep <= 0:

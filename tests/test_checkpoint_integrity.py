@@ -72,7 +72,7 @@ def test_manifest_lists_every_file_with_size_and_sha256(tmp_path):
 def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, caplog, damage, problem):
     first, second = save_two(tmp_path)
     damage(second / "__0_0.distcp")
-    with pytest.raises(CheckpointError, match=r"^step_00000002/__0_0.distcp: " + problem):
+    with pytest.raises(CheckpointError, match=f"^{tmp_path}/step_00000002/__0_0.distcp: " + problem):
         verify_checkpoint(second)
     with caplog.at_level(logging.WARNING, logger="lm.checkpoint"):
         assert latest_valid_checkpoint(tmp_path) == first
@@ -85,7 +85,8 @@ def test_the_only_checkpoint_damaged_is_refused_with_the_file(tmp_path):
     cfg, engine = setup()
     only = save_checkpoint(tmp_path, 3, engine, state(3), cfg, init_distributed("cpu"), keep=1)
     flip_byte(only / "__0_0.distcp")
-    with pytest.raises(CheckpointError, match=r"no usable checkpoint: step_00000003/__0_0.distcp: sha256 differs"):
+    with pytest.raises(CheckpointError,
+                       match=f"no usable checkpoint in {tmp_path}: {tmp_path}/step_00000003/__0_0.distcp: sha256 differs"):
         latest_valid_checkpoint(tmp_path)
     assert latest_valid_checkpoint(tmp_path / "empty") is None
 
@@ -95,7 +96,7 @@ def test_missing_extra_and_unverified_files(tmp_path, caplog):
     (second / "notes.txt").write_text("not in the manifest: ignored")
     verify_checkpoint(second)
     (second / "rng_rank0.pt").unlink()
-    with pytest.raises(CheckpointError, match=r"^step_00000002/rng_rank0.pt: missing$"):
+    with pytest.raises(CheckpointError, match=f"^{tmp_path}/step_00000002/rng_rank0.pt: missing$"):
         verify_checkpoint(second)
     (first / MANIFEST).unlink()  # a checkpoint from before manifests: accepted as it is
     with caplog.at_level(logging.DEBUG, logger="lm.checkpoint"):

@@ -3,6 +3,8 @@
 LM_FAULT_NAN_STEPS=3,4   rank 0's loss at these steps (numbered from 1, as logged) is made NaN
 LM_FAULT_KILL=R:S        rank R SIGKILLs itself right after step S, on torchrun's first attempt only
                          (TORCHELASTIC_RESTART_COUNT 0), so a restarted group runs through
+LM_FAULT_KILL_SAVE=R:S   rank R SIGKILLs itself inside the save of step S, right after writing its own
+                         checkpoint files, while the other ranks wait for it (first attempt only)
 """
 
 import os
@@ -22,6 +24,7 @@ class Faults:
     nan_steps: set[int] = field(default_factory=set)
     kill_rank: int | None = None
     kill_step: int | None = None
+    kill_save: tuple[int, int] | None = None  # (rank, step)
 
     @classmethod
     def from_env(cls) -> "Faults":
@@ -31,12 +34,30 @@ class Faults:
         if kill := os.environ.get("LM_FAULT_KILL"):
             rank, step = kill.split(":")
             faults.kill_rank, faults.kill_step = int(rank), int(step)
+        if kill := os.environ.get("LM_FAULT_KILL_SAVE"):
+            rank, step = kill.split(":")
+            faults.kill_save = int(rank), int(step)
         return faults
 
     def nan_at(self, step: int, rank: int) -> bool:
         return rank == 0 and step in self.nan_steps
 
     def maybe_kill(self, step: int, rank: int) -> None:
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if first_attempt and rank == self.kill_rank and step == self.kill_step:
+        if _first_attempt() and rank == self.kill_rank and step == self.kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def arm_save(self, engine, step: int, rank: int) -> None:
+        """Before the save of `step`: make `engine.save` kill this rank once its files are written."""
+        if not (_first_attempt() and self.kill_save == (rank, step)):
+            return
+        save = engine.save
+
+        def save_then_die(*args, **kwargs):
+            save(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        engine.save = save_then_die
+
+
+def _first_attempt() -> bool:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"

@@ -11,7 +11,7 @@ import torch
 from lm import checkpoint as ckpt
 from lm.config import ConfigError, JobConfig, save_config
 from lm.data.loader import SplitWindows, TokenLoader, val_batches
-from lm.data.shards import check_manifest, read_manifest
+from lm.data.shards import DataError, check_manifest, read_manifest, verify_hashes
 from lm.distributed import DistEnv
 from lm.distributed.engine import build_engine
 from lm.models.factory import build_model
@@ -35,8 +35,11 @@ class Trainer:
                 f"train.batch_size: {cfg.train.batch_size} is not a multiple of train.micro_batch_size "
                 f"({cfg.train.micro_batch_size}) x world size ({env.world_size})"
             )
-        manifest = read_manifest(cfg.data.dir)
+        manifest = read_manifest(cfg.data.dir)  # shard sizes, on every rank
         check_manifest(manifest, cfg.data.tokenizer, cfg.model.vocab_size, cfg.data.dir)
+        if cfg.data.verify_hashes:
+            self._verify_data(manifest)
+        self.data_identity = ckpt.data_identity(manifest)
         self.out_dir = Path(cfg.train.out_dir)
         self.ckpt_root = ckpt.checkpoint_root(self.out_dir)
         resume_from = self._find_resume()
@@ -48,6 +51,7 @@ class Trainer:
         load_universal = False
         if resume_from is not None:
             ckpt.check_compatible(resume_from, cfg)
+            ckpt.check_data(resume_from, manifest, cfg)
             load_universal = ckpt.check_engine(resume_from, cfg, env.world_size)
             if load_universal:
                 ckpt.ensure_universal(resume_from, env)
@@ -91,6 +95,19 @@ class Trainer:
             log.info("model: %.2fM parameters (non-embedding), %d ranks on %s, engine %s",
                      n_params / 1e6, env.world_size, env.device, self.engine.name)
         self.metrics = MetricLogger(self.out_dir, env.is_main, cfg.log.tensorboard)
+
+    def _verify_data(self, manifest: dict) -> None:
+        """data.verify_hashes: rank 0 hashes every shard and tells the others, so all ranks fail together."""
+        error = None
+        if self.env.is_main:
+            try:
+                verify_hashes(self.cfg.data.dir, manifest)
+            except DataError as err:
+                error = str(err)
+        error = self.env.broadcast_object(error)
+        if error is not None:
+            raise DataError(error)
+        log.info("%s: every shard matches its sha256 in the manifest", self.cfg.data.dir)
 
     def _find_resume(self) -> Path | None:
         mode = self.cfg.checkpoint.resume
@@ -236,7 +253,9 @@ class Trainer:
             found = ckpt.complete_checkpoints(self.ckpt_root)
             raise TrainingError(f"step {self.step}: the weights hold NaN or inf values and are not saved; the last "
                                 f"good checkpoint is {found[-1] if found else 'none'}")
-        state = {"step": self.step, "tokens_seen": self.tokens_seen, **self.loader.state_dict()}
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, **self.loader.state_dict(),
+                 "data": self.data_identity}
+        self.faults.arm_save(self.engine, self.step, self.env.rank)
         try:
             return ckpt.save_checkpoint(self.ckpt_root, self.step, self.engine, state, self.cfg, self.env,
                                         self.cfg.checkpoint.keep)

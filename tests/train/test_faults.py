@@ -136,3 +136,20 @@ def test_a_killed_rank_restarts_the_group_which_finishes_like_an_uninterrupted_r
                               capture_output=True, text=True, timeout=300)
     assert straight.returncode == 0, straight.stdout + straight.stderr
     assert_same_weights(tmp_path / "killed", tmp_path / "straight")
+
+
+def test_a_rank_killed_during_a_save_restarts_from_the_previous_checkpoint(tiny_data_dir, tmp_path):
+    # rank 1 dies right after writing its shard of step 6, while rank 0 waits for it: step_00000006.tmp is
+    # left half-written, and the restarted group must resume from step 4 and still end like a straight run
+    extra = ["--train.steps=8", "--checkpoint.every=2", "--train.batch_size=8"]
+    killed = subprocess.run(train_cmd(2, tiny_data_dir, tmp_path / "killed", *extra),
+                            env=run_env(LM_FAULT_KILL_SAVE="1:6"), capture_output=True, text=True, timeout=300)
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    assert "step_00000004 at step 4" in killed.stdout
+    assert [p.name for p in complete_checkpoints(tmp_path / "killed/checkpoints")] == [
+        "step_00000004", "step_00000006", "step_00000008"]
+    assert not list((tmp_path / "killed/checkpoints").glob("*.tmp"))
+    straight = subprocess.run(train_cmd(2, tiny_data_dir, tmp_path / "straight", *extra), env=run_env(),
+                              capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    assert_same_weights(tmp_path / "killed", tmp_path / "straight")

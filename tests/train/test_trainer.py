@@ -62,7 +62,10 @@ def test_run_directory_contents(tiny_data_dir, tmp_path):
     assert load_config(out / "config.yaml").train.steps == 4
     assert load_config(out / "checkpoints/step_00000004/config.yaml").train.steps == 4
     state = json.loads((out / "checkpoints/step_00000004/state.json").read_text())
-    assert state == {"step": 4, "tokens_seen": 4 * 4 * 16, "position": 16, "world_size": 1, "engine": "ddp"}
+    manifest = json.loads((tiny_data_dir / "manifest.json").read_text())
+    data = {"content_hash": manifest["content_hash"], "source": manifest["source"], "train_tokens": 25_450}
+    assert state == {"step": 4, "tokens_seen": 4 * 4 * 16, "position": 16, "data": data, "world_size": 1,
+                     "engine": "ddp"}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4]
     assert [r["step"] for r in rows if "val/loss" in r] == [3, 4]
