@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from lm.checkpoint import (
     DEEPSPEED_TAG, CheckpointError, load_model_weights, read_config, read_state, resolve_checkpoint,
+    verify_checkpoint,
 )
 from lm.cli import run
 from lm.config import ConfigError, JobConfig, load_config
@@ -147,6 +148,7 @@ def consolidate(checkpoint: str | Path, out: str | Path, force: bool = False) ->
     if problem := _output_problem(out, force):
         raise CheckpointError(problem)
     step_dir = resolve_checkpoint(checkpoint)
+    verify_checkpoint(step_dir)
     state = _read_state(step_dir)
     cfg = read_config(step_dir)
     model = build_model(cfg.model)
@@ -228,6 +230,7 @@ def load_consolidated(path: Path, device: torch.device) -> tuple[nn.Module, JobC
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
+        prog="python -m lm.consolidate",
         description="Consolidate a checkpoint of any engine (ddp, fsdp, deepspeed ZeRO 1-3) and world size into "
                     "one safetensors file holding the fp32 weights and the run's config, which lm.eval, lm.sample "
                     "and lm.export read on a single process. A tied output head is stored once.",

@@ -119,7 +119,7 @@ def _text_tokens(path: Path, tokenizer) -> tuple[np.ndarray, int]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description="Evaluate a checkpoint: loss, perplexity (and bits per byte on text).")
+    parser = argparse.ArgumentParser(prog="python -m lm.eval", description="Evaluate a checkpoint: loss, perplexity (and bits per byte on text).")
     parser.add_argument("--checkpoint", required=True, help="run directory, its checkpoints/ or one step_XXXXXXXX directory")
     parser.add_argument("--text", type=Path, help="score this UTF-8 text file instead of the val shards")
     parser.add_argument("--data-dir", help="shard directory (default: the checkpoint's data.dir)")

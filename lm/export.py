@@ -305,6 +305,7 @@ def publish(staging: Path, out: Path) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
+        prog="python -m lm.export",
         description="Export a checkpoint to another framework's format: --to hf writes a Hugging Face transformers "
                     "directory (GPT2LMHeadModel or LlamaForCausalLM, chosen from the model config).",
     )

@@ -83,10 +83,12 @@ def read_prompt(args: argparse.Namespace) -> str:
         return Path(args.prompt_file).read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise DataError(f"{args.prompt_file}: not UTF-8 (invalid byte at offset {err.start})") from None
+    except OSError as err:
+        raise DataError(f"--prompt-file: cannot read {args.prompt_file!r}: {err.strerror}") from None
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description="Sample text from a trained checkpoint.")
+    parser = argparse.ArgumentParser(prog="python -m lm.sample", description="Sample text from a trained checkpoint.")
     parser.add_argument("--checkpoint", required=True, help="run directory, its checkpoints/ or one step_XXXXXXXX directory")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", default="", help="prompt text (default: empty, start from end-of-text)")

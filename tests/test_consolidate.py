@@ -120,12 +120,15 @@ def test_bad_inputs_fail_with_one_error_naming_the_path(trained_run, tmp_path):
     shutil.copytree(resolve_checkpoint(trained_run), broken)
     shard = next(broken.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=f"{shard}: 100 bytes, manifest says .* \\(truncated\\)"):
+        consolidate(broken, out)
+    (broken / "manifest.json").unlink()  # as written before checkpoints had one: read, and fail there
     with pytest.raises(CheckpointError, match=f"{broken}: cannot read the ddp checkpoint"):
         consolidate(broken, out)
     assert not out.exists() and list(tmp_path.glob(".*.tmp")) == []
 
     (broken / "state.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match=f"{broken / 'state.json'}: unreadable"):
+    with pytest.raises(CheckpointError, match=f"{broken / 'state.json'}: not valid JSON"):
         consolidate(broken, out)
 
     state = json.loads((resolve_checkpoint(trained_run) / "state.json").read_text())

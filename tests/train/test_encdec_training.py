@@ -147,7 +147,7 @@ def test_resuming_one_architecture_with_the_other_is_refused(encdec_run, tiny_da
     _, out = encdec_run
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     cfg = load_config(None, [*TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}", "--train.steps=40"])
-    with pytest.raises(ConfigError, match=r"checkpoint is a encoder-decoder \(model.arch=encdec\) but the config "
+    with pytest.raises(ConfigError, match=r"checkpoint is an encoder-decoder \(model.arch=encdec\) but the config "
                                           r"asks for a decoder-only GPT \(model.arch=gpt\)"):
         Trainer(cfg, init_distributed("cpu"))
     assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}

@@ -1,0 +1,240 @@
+"""Bad input across config, data, checkpoints and the command line: each case must fail with exit code 2 and
+one `error:` line that names what was wrong, and must leave every file of the run and its data as it was.
+
+Each case runs a real tool (`main` of lm.train, lm.prepare, lm.eval, lm.sample, lm.export or lm.consolidate,
+through the same `lm.cli.run` as the console script) in a fresh copy of a workspace holding prepared data, a
+trained run with one checkpoint, and a consolidated weights file; the workspace is hashed (every directory
+and every file's sha256) before and after.
+"""
+
+import hashlib
+import importlib
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from lm.cli import run
+from lm.data.shards import HEADER_BYTES
+
+TOOLS = {
+    "train": "lm.train.__main__", "prepare": "lm.prepare", "eval": "lm.eval", "sample": "lm.sample",
+    "export": "lm.export", "consolidate": "lm.consolidate",
+}
+TINY = [
+    "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32", "--data.seq_len=16",
+    "--train.steps=8", "--train.batch_size=4", "--train.micro_batch_size=2", "--train.device=cpu",
+    "--train.eval_batches=2", "--log.tensorboard=false",
+]
+
+
+@pytest.fixture(scope="module")
+def workspace(tiny_data_dir, trained_run, tmp_path_factory) -> Path:
+    """data/ (the tiny prepared data), run/ (the trained tiny GPT, checkpoint at step 4), weights.safetensors
+    (its consolidated weights), corpus/ (two text documents) and spare files the cases point tools at."""
+    from lm.consolidate import main as consolidate
+
+    ws = tmp_path_factory.mktemp("workspace")
+    shutil.copytree(tiny_data_dir, ws / "data")
+    shutil.copytree(trained_run, ws / "run")
+    assert run(consolidate, ["--checkpoint", str(ws / "run"), str(ws / "weights.safetensors")]) == 0
+    (ws / "corpus").mkdir()
+    for i in range(2):
+        (ws / "corpus" / f"doc_{i}.txt").write_text(f"Document {i}. " * 50)
+    (ws / "exported").mkdir()
+    (ws / "exported" / "config.json").write_text("{}\n")
+    (ws / "bad.yaml").write_text("model: [n_layer: 2\n")
+    (ws / "list.yaml").write_text("- model\n- data\n")
+    (ws / "binary.txt").write_bytes(b"text \xff\xfe then bytes")
+    return ws
+
+
+def digest(root: Path) -> dict[str, str]:
+    """Every path under `root` with its sha256 (files) or "dir": a new, removed or changed entry shows."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(root.rglob("*"))}
+
+
+def checkpoint(ws: Path) -> Path:
+    return next((ws / "run" / "checkpoints").iterdir())
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def truncate(path: Path, size: int) -> None:
+    path.write_bytes(path.read_bytes()[:size])
+
+
+def edit_json(path: Path, **changes) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@dataclass
+class Case:
+    id: str
+    tool: str
+    argv: list[str]
+    error: str  # a regex the `error:` line must match ({ws} is the workspace)
+    setup: Callable[[Path], None] | None = None
+
+
+def train(*extra: str, data: str = "{ws}/data", out: str = "{ws}/run") -> list[str]:
+    return [*TINY, f"--data.dir={data}", f"--train.out_dir={out}", *extra]
+
+
+CASES = [
+    # config: the file, its keys and values, and what a resumed run may change
+    Case("config: file missing", "train", ["--config", "{ws}/none.yaml", *train()],
+         r"--config: no such file '{ws}/none.yaml'"),
+    Case("config: not YAML", "train", ["--config", "{ws}/bad.yaml", *train()], r"{ws}/bad.yaml: not valid YAML"),
+    Case("config: not a mapping", "train", ["--config", "{ws}/list.yaml", *train()],
+         r"{ws}/list.yaml: expected a mapping of sections at the top level"),
+    Case("config: unknown key", "train", train("--model.n_layers=3"),
+         r"model.n_layers: unknown key; did you mean 'n_layer'\?"),
+    Case("config: unknown section", "train", train("--optimizer.lr=1e-3"),
+         r"optimizer: unknown key; did you mean 'optim'\?"),
+    Case("config: wrong type", "train", train("--train.steps=ten"), r"train.steps: expected int, got str 'ten'"),
+    Case("config: override without a value form", "train", train("--train.steps"),
+         r"--train.steps: overrides take the form --section.key=value"),
+    Case("config: impossible value", "train", train("--optim.lr=-1"), r"optim.lr: must be positive, got -1.0"),
+    Case("config: unknown engine", "train", train("--parallel.engine=megatron"),
+         r"parallel.engine: unknown engine 'megatron'; expected one of \['ddp', 'fsdp', 'deepspeed'\]"),
+    Case("config: another engine's option", "train", train("--parallel.zero_stage=2"),
+         r"parallel.zero_stage: only the deepspeed engine has it, but parallel.engine is ddp"),
+    Case("config: seq_len beyond block_size", "train", train("--data.seq_len=64"),
+         r"data.seq_len: 64 exceeds model.block_size=32"),
+    Case("config: batch not divisible", "train", train("--train.batch_size=5"),
+         r"train.batch_size: 5 is not a multiple of train.micro_batch_size=2"),
+    Case("config: model shape changed on resume", "train", train("--model.n_layer=3"),
+         r"step_00000004: checkpoint has a different model shape \(model.n_layer: 2 -> 3\)"),
+    Case("config: architecture changed on resume", "train", train("--model.arch=encdec"),
+         r"step_00000004: checkpoint is a decoder-only GPT \(model.arch=gpt\) but the config asks for an "
+         r"encoder-decoder"),
+    Case("config: engine family changed on resume", "train",
+         train("--parallel.engine=deepspeed", "--parallel.zero_stage=1"),
+         r"step_00000004: written by the ddp engine, and parallel.engine is deepspeed; .* \(python -m lm.consolidate"),
+    Case("config: resume=never over checkpoints", "train", train("--checkpoint.resume=never"),
+         r"checkpoint.resume=never, but {ws}/run/checkpoints already holds checkpoints"),
+    Case("config: resume=required without checkpoints", "train",
+         train("--checkpoint.resume=required", out="{ws}/new_run"),
+         r"checkpoint.resume=required, but {ws}/new_run/checkpoints holds no complete checkpoint"),
+    Case("config: init_from missing", "train",
+         train("--checkpoint.init_from={ws}/none.safetensors", out="{ws}/new_run"),
+         r"{ws}/none.safetensors: no such file"),
+    Case("config: init_from of another shape", "train",
+         train("--checkpoint.init_from={ws}/weights.safetensors", "--model.d_model=64", out="{ws}/new_run"),
+         r"checkpoint.init_from: {ws}/weights.safetensors holds a different model \(model.d_model: 32 -> 64\)"),
+    # data: prepared shards, their manifest, and the corpus lm.prepare reads
+    Case("data: no data directory", "train", train(data="{ws}/nowhere"),
+         r"data.dir: no directory '{ws}/nowhere'; run `python -m lm.prepare` first"),
+    Case("data: manifest missing", "train", train(),
+         r"{ws}/data/manifest.json: no manifest", lambda ws: (ws / "data/manifest.json").unlink()),
+    Case("data: manifest not JSON", "train", train(), r"{ws}/data/manifest.json: unreadable manifest \(JSONDecodeError",
+         lambda ws: (ws / "data/manifest.json").write_text("{not json")),
+    Case("data: shard missing", "train", train(),
+         r"{ws}/data/val_00001.bin: listed in {ws}/data/manifest.json but missing",
+         lambda ws: (ws / "data/val_00001.bin").unlink()),
+    Case("data: shard truncated", "train", train(),
+         r"{ws}/data/train_00002.bin: file is 1000 bytes, but its header \(4096 tokens x 2 bytes\) implies 8224",
+         lambda ws: truncate(ws / "data/train_00002.bin", 1000)),
+    Case("data: shard byte flipped", "train", train("--data.verify_hashes=true"),
+         r"{ws}/data/train_00002.bin: sha256 differs from manifest.json",
+         lambda ws: flip_byte(ws / "data/train_00002.bin", HEADER_BYTES + 7)),
+    Case("data: shard header damaged", "train", train(),
+         r"{ws}/data/val_00000.bin: not a token shard: magic b'MMTOKENS', expected b'LMTOKENS'",
+         lambda ws: flip_byte(ws / "data/val_00000.bin", 0)),
+    Case("data: other tokenizer", "train", train("--data.tokenizer=cl100k_base", "--model.vocab_size=100277"),
+         r"{ws}/data: prepared with tokenizer 'gpt2', but data.tokenizer='cl100k_base'"),
+    Case("data: changed under the run", "train", train(),
+         r"step_00000004 trained on .* \(25,450 train tokens, content hash [0-9a-f]{12}\), but "
+         r"data.dir='{ws}/data' now holds 'elsewhere' .* checkpoint.allow_data_change=true",
+         lambda ws: edit_json(ws / "data/manifest.json", content_hash="0" * 64, source="elsewhere")),
+    Case("data: prepare from files that do not exist", "prepare",
+         ["--data.source={ws}/corpus/*.md", "--data.dir={ws}/data"],
+         r"data.source: '{ws}/corpus/\*.md' matches no files"),
+    Case("data: prepare a non-UTF-8 file", "prepare",
+         ["--data.source={ws}/corpus/*.txt,{ws}/binary.txt", "--data.val_fraction=0.5", "--data.dir={ws}/data"],
+         r"{ws}/binary.txt: not UTF-8: byte 0xff at offset 5"),
+    Case("data: prepare over a run directory", "prepare",
+         ["--data.source={ws}/corpus/*.txt", "--data.val_fraction=0.5", "--data.dir={ws}/run"],
+         r"data.dir: '{ws}/run' holds files but no manifest.json, so lm.prepare did not make it"),
+    Case("data: verify a flipped shard", "prepare", ["--data.dir={ws}/data", "--verify"],
+         r"{ws}/data/val_00001.bin: sha256 differs from manifest.json",
+         lambda ws: flip_byte(ws / "data/val_00001.bin", HEADER_BYTES)),
+    # checkpoints: the files a save wrote, read by resume and by every tool
+    Case("checkpoint: only one, byte flipped", "train", train(),
+         r"no usable checkpoint in {ws}/run/checkpoints: {ws}/run/checkpoints/step_00000004/__0_0.distcp: "
+         r"sha256 differs from the manifest",
+         lambda ws: flip_byte(checkpoint(ws) / "__0_0.distcp", 100)),
+    Case("checkpoint: truncated, for eval", "eval", ["--checkpoint", "{ws}/run", "--data-dir", "{ws}/data"],
+         r"step_00000004/__0_0.distcp: 100 bytes, manifest says [\d,]+ \(truncated\)",
+         lambda ws: truncate(checkpoint(ws) / "__0_0.distcp", 100)),
+    Case("checkpoint: state.json not JSON, for sample", "sample", ["--checkpoint", "{ws}/run"],
+         r"step_00000004/state.json: not valid JSON \(corrupt\)",
+         lambda ws: (checkpoint(ws) / "state.json").write_text("{")),
+    Case("checkpoint: manifest not JSON, for export", "export",
+         ["--checkpoint", "{ws}/run", "--to", "hf", "{ws}/hf"], r"step_00000004/manifest.json: unreadable \(corrupt\)",
+         lambda ws: (checkpoint(ws) / "manifest.json").write_text("[")),
+    Case("checkpoint: a file missing, for consolidate", "consolidate",
+         ["--checkpoint", "{ws}/run", "{ws}/out.safetensors"],
+         r"step_00000004/rng_rank0.pt: missing", lambda ws: (checkpoint(ws) / "rng_rank0.pt").unlink()),
+    Case("checkpoint: no checkpoint at the path", "eval", ["--checkpoint", "{ws}/corpus"],
+         r"{ws}/corpus: no complete checkpoint"),
+    # command line of the tools
+    Case("cli: export over an existing directory", "export",
+         ["--checkpoint", "{ws}/run", "--to", "hf", "{ws}/exported"],
+         r"python -m lm.export: error: {ws}/exported: directory is not empty; pass --force"),
+    Case("cli: consolidate over an existing file", "consolidate",
+         ["--checkpoint", "{ws}/run", "{ws}/weights.safetensors"],
+         r"python -m lm.consolidate: error: {ws}/weights.safetensors: exists; pass --force"),
+    Case("cli: eval stride beyond the window", "eval",
+         ["--checkpoint", "{ws}/run", "--data-dir", "{ws}/data", "--stride", "99"],
+         r"python -m lm.eval: error: --stride: must be in \[1, 16\] \(the window length\), got 99"),
+    Case("cli: eval a non-UTF-8 text", "eval", ["--checkpoint", "{ws}/run", "--text", "{ws}/binary.txt"],
+         r"{ws}/binary.txt: not UTF-8 \(invalid byte at offset 5\)"),
+    Case("cli: sample top-p out of range", "sample", ["--checkpoint", "{ws}/run", "--top-p", "2"],
+         r"python -m lm.sample: error: --top-p: must be in \(0, 1\], got 2.0"),
+    Case("cli: sample prompt file missing", "sample", ["--checkpoint", "{ws}/run", "--prompt-file", "{ws}/none.txt"],
+         r"--prompt-file: cannot read '{ws}/none.txt': No such file or directory"),
+    Case("cli: sample more tokens than the context", "sample", ["--checkpoint", "{ws}/run", "--max-new-tokens", "500"],
+         r"--max-new-tokens: 500 leaves no room for a prompt in the model's context of 32 tokens"),
+    Case("cli: train --nproc without --dry-run", "train", [*train(), "--nproc", "2"],
+         r"--nproc: only --dry-run takes it"),
+    Case("cli: train --dry-run --nproc 0", "train", [*train(), "--dry-run", "--nproc", "0"],
+         r"python -m lm.train: error: argument --nproc: expected a positive integer, got 0"),
+]
+
+
+def test_the_table_covers_every_area():
+    assert len(CASES) >= 25
+    assert {c.id.split(":")[0] for c in CASES} == {"config", "data", "checkpoint", "cli"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_refused_by_name_and_changes_no_file(case, workspace, tmp_path, capsys, monkeypatch):
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace, ws)
+    if case.setup is not None:
+        case.setup(ws)
+    monkeypatch.chdir(ws)  # a tool that wrote relative paths would write inside the hashed tree
+    before = digest(ws)
+    main = importlib.import_module(TOOLS[case.tool]).main
+    argv = [a.replace("{ws}", str(ws)) for a in case.argv]
+    try:
+        code = run(main, argv)
+    except SystemExit as exit_:  # argparse's usage errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error: " in line]
+    assert code == 2, err
+    assert len(lines) == 1, err
+    assert re.search(case.error.replace("{ws}", re.escape(str(ws))), lines[0]), lines[0]
+    assert digest(ws) == before
