@@ -1,9 +1,12 @@
 """Autoregressive sampling with a KV cache.
 
-GPT: prefill the prompt into the cache once, then decode token by token. Encoder-decoder: encode the
-source once and project its cross-attention keys and values once, then decode token by token from the
-start id, the decoder's own keys and values cached.
+GPT: prefill the prompt into the cache once, then decode token by token (or, without a cache, run the
+whole sequence again for every token: the baseline the cache is measured against). Encoder-decoder:
+encode the source once and project its cross-attention keys and values once, then decode token by
+token from the start id, the decoder's own keys and values cached.
 """
+
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -48,12 +51,48 @@ def _next_token(
     top_p: float | None,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """Pick one token id from logits (V,); returns a 0-dim long tensor."""
+    """Pick one token id per row of logits (B, V); returns (B,) long."""
     if temperature == 0.0:
-        return torch.argmax(logits)
+        return torch.argmax(logits, dim=-1)
     logits = filter_logits(logits.float() / temperature, top_k, top_p)
     probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)[0]
+    return torch.multinomial(probs, num_samples=1, generator=generator)[:, 0]
+
+
+def _decode(model: GPT, idx: torch.Tensor, steps: int, vocab_size: int, use_cache: bool, temperature: float,
+            top_k: int | None, top_p: float | None, generator: torch.Generator | None) -> Iterator[torch.Tensor]:
+    """Yield `steps` next tokens (B,) after the prompts idx (B, T), each picked by `_next_token`.
+
+    With the cache the prompt is prefilled once and each step feeds only the new token; without it each
+    step runs the whole sequence so far (its last block_size tokens) through the model again.
+    """
+    block_size = model.cfg.block_size
+    if use_cache:
+        weight = model.wte.weight
+        cache = model.new_cache(idx.size(0), min(block_size, idx.size(1) + steps), weight.device, weight.dtype)
+        x = idx
+    for _ in range(steps):
+        if use_cache:
+            logits, _ = model(x, cache=cache, last_only=True)  # (B, 1, padded_vocab_size)
+        else:
+            logits, _ = model(idx[:, -block_size:], last_only=True)
+        # Slicing off the padding rows is the same as masking them to -inf, and cheaper.
+        token = _next_token(logits[:, -1, :vocab_size], temperature, top_k, top_p, generator)  # (B,)
+        yield token
+        if use_cache:
+            x = token[:, None]  # decode: feed only the new token; the cache holds the rest
+        else:
+            idx = torch.cat([idx, token[:, None]], dim=1)
+
+
+def _check_length(model: GPT, prompt_len: int, max_new_tokens: int, name: str) -> None:
+    if max_new_tokens < 0:
+        raise ValueError(f"{name}: max_new_tokens must be >= 0, got {max_new_tokens}")
+    if prompt_len + max(max_new_tokens - 1, 0) > model.cfg.block_size:
+        raise ValueError(
+            f"{name}: prompt of {prompt_len} tokens plus max_new_tokens={max_new_tokens} does not fit "
+            f"model.block_size={model.cfg.block_size}; truncate the prompt"
+        )
 
 
 @torch.no_grad()
@@ -80,18 +119,11 @@ def generate(
     if not isinstance(model, GPT):
         raise TypeError(f"generate: takes a decoder-only GPT, got {type(model).__name__}; "
                         "an encoder-decoder decodes with generate_seq2seq")
-    block_size = model.cfg.block_size
     if not prompt:
         raise ValueError("generate: prompt must hold at least one token")
-    if max_new_tokens < 0:
-        raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
+    _check_length(model, len(prompt), max_new_tokens, "generate")
     if temperature < 0.0:
         raise ValueError(f"generate: temperature must be >= 0, got {temperature}")
-    if len(prompt) + max(max_new_tokens - 1, 0) > block_size:
-        raise ValueError(
-            f"generate: prompt of {len(prompt)} tokens plus max_new_tokens={max_new_tokens} does not fit "
-            f"model.block_size={block_size}; truncate the prompt"
-        )
     vocab_size = model.cfg.vocab_size if vocab_size is None else vocab_size
     weight = model.wte.weight
     generator = None if seed is None else torch.Generator(weight.device).manual_seed(seed)
@@ -99,20 +131,41 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        max_len = min(block_size, len(prompt) + max_new_tokens)
-        cache = model.new_cache(1, max_len, weight.device, weight.dtype)
         idx = torch.tensor([prompt], dtype=torch.long, device=weight.device)  # (1, T): prefill first
         new_tokens: list[int] = []
-        for _ in range(max_new_tokens):
-            logits, _ = model(idx, cache=cache)  # (1, T, padded_vocab_size)
-            # Slicing off the padding rows is the same as masking them to -inf, and cheaper.
-            token = _next_token(logits[0, -1, :vocab_size], temperature, top_k, top_p, generator)
+        for token in _decode(model, idx, max_new_tokens, vocab_size, True, temperature, top_k, top_p, generator):
             token_id = int(token.item())  # one host sync per token, needed to test for eot anyway
             if token_id == eot_id:
                 break
             new_tokens.append(token_id)
-            idx = token.view(1, 1)  # decode: feed only the new token; the cache holds the rest
         return new_tokens
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def generate_batch(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> torch.Tensor:
+    """Continue every prompt of idx (B, T) by exactly `max_new_tokens` tokens; returns them (B, N).
+
+    No stop token and no host sync per token: the fixed-length batched form that benchmarks and
+    batch sampling want. Sampling options are those of `generate`; only real vocabulary ids are drawn.
+    """
+    _check_length(model, idx.size(1), max_new_tokens, "generate_batch")
+    was_training = model.training
+    model.eval()
+    try:
+        tokens = list(_decode(model, idx, max_new_tokens, model.cfg.vocab_size, use_cache, temperature, top_k, top_p,
+                              generator))
+        return torch.stack(tokens, dim=1) if tokens else idx.new_empty(idx.size(0), 0)
     finally:
         model.train(was_training)
 
@@ -162,7 +215,7 @@ def generate_seq2seq(
         new_tokens: list[int] = []
         for _ in range(max_new_tokens):
             logits = model.decode(idx, memory_kv, cache=cache)  # (1, 1, padded_vocab_size)
-            token = _next_token(logits[0, -1, :cfg.pad_id], temperature, top_k, top_p, generator)
+            token = _next_token(logits[:, -1, :cfg.pad_id], temperature, top_k, top_p, generator)  # (1,)
             token_id = int(token.item())
             if token_id in stop_ids:
                 break

