@@ -38,7 +38,7 @@ class DataConfig:
     shard_tokens: int = 100_000_000
     """Tokens per shard file when preparing."""
     num_workers: int = 2
-    """Tokenizer processes when preparing."""
+    """Tokenizer threads when preparing (tiktoken releases the GIL, so they run in parallel)."""
     seq_len: int = 256
     """Tokens per training sample (each sample reads seq_len + 1 tokens)."""
     verify_hashes: bool = False

@@ -33,7 +33,7 @@ def tiny_data_config(tiny_corpus_dir, tmp_path_factory) -> DataConfig:
 
 @pytest.fixture(scope="session")
 def tiny_data_dir(tiny_data_config) -> Path:
-    """A data dir prepared through the real `prepare` path (with 2 tokenizer processes) from Macbeth's
+    """A data dir prepared through the real `prepare` path (with 2 tokenizer threads) from Macbeth's
     28 scenes: tokenizer gpt2 (uint16 shards, eot 50256), val_fraction 0.1 -> 26 train scenes,
     25,450 tokens in 7 shards (6 x 4096 + 874), and 2 val scenes, 5,703 tokens in 2 shards (4096 + 1607).
     At seq_len 16 that is 1,584 train and 355 val windows; any seq_len below 4096 leaves some.
