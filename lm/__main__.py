@@ -10,7 +10,7 @@ TOOLS = {
     "train": ("lm.train.__main__", "pretrain a model (use torchrun for several processes)"),
     "eval": ("lm.eval", "loss, perplexity and bits per byte of a checkpoint"),
     "sample": ("lm.sample", "generate text from a checkpoint"),
-    "bench": ("lm.bench", "training and loader throughput on this device"),
+    "bench": ("lm.bench.__main__", "training, sampling and data throughput, ours beside transformers"),
     "export": ("lm.export", "write a checkpoint as a Hugging Face transformers model"),
     "consolidate": ("lm.consolidate", "merge any checkpoint (DCP or DeepSpeed) into one safetensors file"),
 }

@@ -3,7 +3,8 @@ import sys
 
 import pytest
 
-from lm import bench, eval as eval_tool, prepare, sample
+from lm import eval as eval_tool, prepare, sample
+from lm.bench import __main__ as bench
 from lm.cli import run
 from lm.train import __main__ as train_tool
 

@@ -1,0 +1,184 @@
+"""`python -m lm.bench`: training, sampling and data throughput on this device, ours beside transformers'.
+
+Every row is the median of several repetitions after untimed warm-up. On a CPU, gpt2-124m is scaled
+down (one 256-token sequence per step) so each row takes about a minute at most. The last table checks
+the ratios against the targets of docs/benchmarks.md.
+"""
+
+import argparse
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from lm.bench.common import device_name, fmt, print_table
+from lm.cli import run
+from lm.config import JobConfig, load_config
+from lm.runtime import tune_cpu
+
+PRESETS = ["demo", "gpt2-124m"]
+SECTIONS = ["training", "engines", "sampling", "data"]
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def preset_config(preset: str, device: torch.device) -> tuple[JobConfig, int]:
+    """The preset's config for this device and the micro-batch to time."""
+    overrides = [f"--train.device={device.type}", "--train.compile=false"]
+    if device.type == "cpu" and preset == "gpt2-124m":
+        overrides += ["--data.seq_len=256", "--train.dtype=float32"]
+    cfg = load_config(CONFIGS / f"{preset}.yaml", overrides)
+    micro = 1 if device.type == "cpu" and preset == "gpt2-124m" else cfg.train.micro_batch_size
+    return cfg, micro
+
+
+def _train_cells(preset: str, mode: str, micro: int, cfg: JobConfig, row: dict, ours: dict | None) -> list[str]:
+    ratio = row["tokens/s"] / ours["tokens/s"] if ours else None
+    return [preset, mode, f"{micro} x {cfg.data.seq_len}", f"{row['ms/step']:.1f}", f"{row['tokens/s']:,.0f}",
+            f"{row['TFLOP/s']:.3f}", fmt(row["MFU"], ".1%"), fmt(row["peak GiB"], ".2f"), fmt(ratio, ".2f")]
+
+
+def training(args, device, results: dict) -> None:
+    from lm.bench.training import bench_model
+
+    rows = []
+    for preset in args.presets:
+        cfg, micro = preset_config(preset, device)
+        timing = dict(warmup=args.warmup, reps=args.reps)
+        hf = bench_model(cfg, device, micro, hf=True, **timing)
+        eager = bench_model(cfg, device, micro, **timing)
+        results[f"train {preset} eager"] = eager["tokens/s"] / hf["tokens/s"]
+        rows.append(_train_cells(preset, "transformers", micro, cfg, hf, hf))
+        rows.append(_train_cells(preset, "ours eager", micro, cfg, eager, hf))
+        if args.compile:
+            compiled = bench_model(cfg, device, micro, compiled=True, **timing)
+            results[f"train {preset} compiled"] = compiled["tokens/s"] / hf["tokens/s"]
+            rows.append(_train_cells(preset, "ours compiled", micro, cfg, compiled, hf))
+        print(f"  {preset}: max |logit diff| ours vs transformers at the same weights {hf['max |logit diff|']:.1e}",
+              file=sys.stderr)
+    print_table("training: forward + backward + clip + AdamW, one process (x transformers = tokens/s ratio)",
+                ["preset", "model", "batch x seq", "ms/step", "tokens/s", "TFLOP/s", "MFU", "peak GiB",
+                 "x transformers"], rows)
+
+
+def engines(args, device, results: dict) -> None:
+    import torch.distributed as dist
+
+    from lm.bench.training import bench_engine
+
+    rows = []
+    for preset in args.presets:
+        for engine in args.engines:
+            cfg, micro = preset_config(preset, device)
+            name, _, stage = engine.partition("-zero")
+            cfg.parallel.engine = name
+            cfg.parallel.zero_stage = int(stage or 0)
+            row = bench_engine(cfg, device, micro, args.warmup, args.reps)
+            rows.append([preset, engine, f"{micro} x {cfg.data.seq_len}", f"{row['ms/step']:.1f}",
+                         f"{row['tokens/s']:,.0f}", f"{row['TFLOP/s']:.3f}", fmt(row["MFU"], ".1%"),
+                         fmt(row["peak GiB"], ".2f")])
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    print_table("engines: the trainer's engine interface, one process (world size 1)",
+                ["preset", "engine", "batch x seq", "ms/step", "tokens/s", "TFLOP/s", "MFU", "peak GiB"], rows)
+
+
+def sampling(args, device, results: dict) -> None:
+    from lm.bench.sampling import bench_sampling
+
+    cfg, _ = preset_config(args.sampling_preset, device)
+    rows = []
+    for batch in (1, 8):
+        found = bench_sampling(cfg, device, batch, args.new_tokens, args.warmup, args.reps, args.reps_no_cache)
+        ours = found[0]["tokens/s"]
+        for row in found:
+            rows.append([args.sampling_preset, row["method"], str(batch), f"{row['tokens/s']:,.0f}",
+                         f"{row['ms/token']:.2f}", f"{ours / row['tokens/s']:.2f}", f"{row['same tokens']:.0%}"])
+        results[f"sample batch {batch} KV cache vs transformers"] = ours / found[2]["tokens/s"]
+    print_table(f"sampling: {args.new_tokens} new tokens per sequence, greedy, from one token",
+                ["preset", "method", "batch", "tokens/s", "ms/token", "ours KV cache x", "same tokens"], rows)
+
+
+def data(args, device, results: dict) -> None:
+    from lm.bench.data import bench_loader, bench_prepare
+    from lm.bench.training import bench_model
+
+    cfg, _ = preset_config("demo", torch.device("cpu"))
+    prep = bench_prepare(cfg, args.reps_data)
+    results["prepare vs one-process loop"] = prep["speedup"]
+    print_table(f"data preparation: {prep['documents']} text files, {prep['tokens']:,} tokens",
+                ["method", "tokens/s", "x loop"], [
+        [f"lm.prepare, {prep['workers']} processes", f"{prep['prepare tokens/s']:,.0f}", f"{prep['speedup']:.2f}"],
+        ["encode_ordinary loop, 1 process", f"{prep['loop tokens/s']:,.0f}", "1.00"],
+    ])
+    rows = []
+    for preset in args.presets:
+        cfg, micro = preset_config(preset, device)
+        loader = bench_loader(cfg, micro, steps=200)
+        step = bench_model(cfg, device, micro, args.warmup, args.reps)["ms/step"] / 1e3
+        share = loader["seconds/step"] / (loader["seconds/step"] + step)
+        results[f"loader share of a {preset} step"] = share
+        rows.append([preset, f"{micro} x {cfg.data.seq_len}", f"{loader['batches/s']:,.0f}", f"{loader['GB/s']:.3f}",
+                     f"{loader['seconds/step'] * 1e3:.3f}", f"{step * 1e3:.1f}", f"{share:.3%}"])
+    print_table("loader: next_batch over memory-mapped shards, one rank",
+                ["preset", "batch x seq", "batches/s", "GB/s", "ms/batch", "train ms/step", "share of step"], rows)
+
+
+TARGETS = [  # (key prefix, what, target, higher is better); from the speed issue, CPU side
+    ("train demo eager", "training vs transformers, demo, eager", 1.2, True),
+    ("train gpt2-124m eager", "training vs transformers, gpt2-124m, eager", 1.2, True),
+    ("train demo compiled", "training vs transformers, demo, compiled", 1.2, True),
+    ("train gpt2-124m compiled", "training vs transformers, gpt2-124m, compiled", 1.2, True),
+    ("sample batch 1", "KV-cache sampling vs generate, batch 1", 2.0, True),
+    ("sample batch 8", "KV-cache sampling vs generate, batch 8", 2.0, True),
+    ("prepare", "prepare vs one-process loop", 1.8, True),
+    ("loader share of a demo", "loader share of a demo step", 0.01, False),
+    ("loader share of a gpt2-124m", "loader share of a gpt2-124m step", 0.01, False),
+]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lm.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sections", nargs="+", default=SECTIONS, choices=SECTIONS)
+    parser.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
+    parser.add_argument("--engines", nargs="+", default=["ddp", "fsdp", "deepspeed-zero1", "deepspeed-zero2",
+                                                        "deepspeed-zero3"],
+                        choices=["ddp", "fsdp", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (the median is reported)")
+    parser.add_argument("--reps-no-cache", type=int, default=1, help="timed repetitions of sampling without cache")
+    parser.add_argument("--reps-data", type=int, default=3, help="timed repetitions of data preparation")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile rows")
+    parser.add_argument("--new-tokens", type=int, default=256, help="tokens per sequence in the sampling rows")
+    parser.add_argument("--sampling-preset", default="demo", choices=PRESETS)
+    args = parser.parse_args(argv)
+    for flag in ("warmup", "reps", "reps_no_cache", "reps_data", "new_tokens"):
+        if getattr(args, flag) < (0 if flag == "warmup" else 1):
+            parser.error(f"--{flag.replace('_', '-')}: must be {'>= 0' if flag == 'warmup' else 'positive'}")
+    device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        tune_cpu()
+    import transformers
+
+    print(f"device: {device_name(device)} | {platform.processor() or platform.machine()} | torch {torch.__version__}"
+          f" | transformers {transformers.__version__}")
+    results: dict[str, float] = {}
+    for section in SECTIONS:
+        if section in args.sections:
+            globals()[section](args, device, results)
+    rows = []
+    for key, what, target, higher in TARGETS:
+        found = [v for k, v in results.items() if k.startswith(key)]
+        if found:
+            value = found[0]
+            met = value >= target if higher else value < target
+            shown = (f"{value:.2f}x", f">= {target}x") if higher else (f"{value:.3%}", f"< {target:.0%}")
+            rows.append([what, *shown, "met" if met else "NOT met"])
+    if rows and device.type == "cpu":
+        print_table("targets (CPU)", ["measure", "value", "target", ""], rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))

@@ -1,0 +1,62 @@
+"""Sampling throughput: our KV cache, no cache, and transformers' `generate` on the exported model.
+
+Every row decodes greedily from one end-of-text token per sequence for exactly `new_tokens` tokens, so
+all rows do the same work; the share of tokens equal to ours shows that they run the same model.
+"""
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lm.bench.common import median_seconds
+from lm.config import JobConfig
+from lm.export import export_hf
+from lm.models.generate import generate_batch
+from lm.models.gpt import GPT
+from lm.tokenizer import load_tokenizer
+
+
+def exported_hf_model(model: GPT, cfg: JobConfig, device: torch.device) -> torch.nn.Module:
+    """`model` written by `lm.export --to hf` and read back by transformers (SDPA attention)."""
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        export_hf(model, cfg, load_tokenizer(cfg.data.tokenizer), Path(tmp))
+        hf = AutoModelForCausalLM.from_pretrained(tmp, local_files_only=True, attn_implementation="sdpa")
+    hf.generation_config.eos_token_id = None  # never stop early: every row makes all its tokens
+    return hf.to(device).eval()
+
+
+def bench_sampling(cfg: JobConfig, device: torch.device, batch: int, new_tokens: int, warmup: int,
+                   reps: int, reps_no_cache: int) -> list[dict]:
+    """Rows {"method", "batch", "tokens/s", "ms/token", "same tokens"} for one batch size."""
+    torch.manual_seed(0)
+    model = GPT(cfg.model).to(device).eval()
+    eot = load_tokenizer(cfg.data.tokenizer).eot_token
+    prompt = torch.full((batch, 1), eot, dtype=torch.long, device=device)  # (B, 1)
+    hf = exported_hf_model(model, cfg, device)
+    out: dict[str, torch.Tensor] = {}
+
+    def ours(use_cache: bool):
+        def run() -> None:
+            out["ours" if use_cache else "no cache"] = generate_batch(model, prompt, new_tokens, temperature=0.0,
+                                                                      use_cache=use_cache)
+        return run
+
+    def theirs() -> None:
+        with torch.no_grad():
+            tokens = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                 max_new_tokens=new_tokens, pad_token_id=eot)
+        out["transformers"] = tokens[:, 1:]
+
+    rows = []
+    for method, fn, n in [("ours, KV cache", ours(True), reps), ("ours, no cache", ours(False), reps_no_cache),
+                          ("transformers generate", theirs, reps)]:
+        seconds = median_seconds(fn, device, min(warmup, 1), n)
+        rows.append({"method": method, "batch": batch, "tokens/s": batch * new_tokens / seconds,
+                     "ms/token": seconds * 1e3 / new_tokens})
+    reference = out["ours"]
+    for row, key in zip(rows, ["ours", "no cache", "transformers"]):
+        row["same tokens"] = (out[key] == reference).float().mean().item()
+    return rows

@@ -1,0 +1,94 @@
+"""Training throughput: our GPT (eager, compiled, under each engine) and transformers' GPT2LMHeadModel with
+the same weights, batch, optimizer (our AdamW groups) and precision, timed step by step on random tokens."""
+
+import torch
+import torch.nn as nn
+
+from lm.bench.common import median_seconds, peak_memory_gib, reset_peak_memory
+from lm.config import JobConfig
+from lm.distributed.engine import autocast_for, build_engine, build_optimizer
+from lm.distributed.env import DistEnv
+from lm.export import hf_config, hf_state_dict
+from lm.models.gpt import GPT
+from lm.train.metrics import flops_per_token, peak_flops
+
+
+def random_batch(cfg: JobConfig, micro_batch: int, device: torch.device) -> torch.Tensor:
+    """(B, T + 1) token ids: inputs are [:, :-1], targets [:, 1:]."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.data.seq_len + 1), generator=generator).to(device)
+
+
+def hf_gpt2(model: GPT) -> nn.Module:
+    """transformers' GPT2LMHeadModel (SDPA attention) holding `model`'s weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = hf_config(model.cfg)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    hf.load_state_dict({k: v.detach().cpu() for k, v in hf_state_dict(model).items()}, strict=False)
+    return hf
+
+
+def _row(cfg: JobConfig, device: torch.device, step_s: float, micro_batch: int, extra: dict) -> dict:
+    with torch.device("meta"):  # only the parameter count
+        shape_model = GPT(cfg.model)
+    tok_s = micro_batch * cfg.data.seq_len / step_s
+    flops = flops_per_token(cfg.model, shape_model.num_params(), cfg.data.seq_len) * tok_s
+    peak = peak_flops(device)
+    return {"ms/step": step_s * 1e3, "tokens/s": tok_s, "TFLOP/s": flops / 1e12,
+            "MFU": flops / peak if peak else None, "peak GiB": peak_memory_gib(device), **extra}
+
+
+def bench_model(cfg: JobConfig, device: torch.device, micro_batch: int, warmup: int, reps: int,
+                compiled: bool = False, hf: bool = False) -> dict:
+    """One training step (forward, backward, clip, AdamW) of our GPT, or with `hf` of GPT2LMHeadModel
+    built from the same initial weights; median of `reps` after `warmup`. Returns a row of numbers."""
+    torch.manual_seed(0)
+    ours = GPT(cfg.model)
+    if hf:
+        model = hf_gpt2(ours).to(device)
+        with torch.no_grad():  # the same model: the same logits over the tokenizer's ids
+            x = random_batch(cfg, 1, device)[:, :16]
+            diff = (model(input_ids=x).logits - ours.to(device)(x)[0][..., :cfg.model.vocab_size]).abs().max()
+        del ours
+    else:
+        model, diff = ours.to(device), None
+    optimizer = build_optimizer(model, cfg, device)
+    autocast = autocast_for(cfg, device)
+    step_model = torch.compile(model) if compiled else model
+    x = random_batch(cfg, micro_batch, device)
+    inputs, targets = x[:, :-1], x[:, 1:]
+
+    def step() -> None:
+        with autocast:
+            if hf:  # what a transformers user writes: the model shifts the labels and computes the loss
+                loss = step_model(input_ids=inputs, labels=inputs).loss
+            else:
+                loss = step_model(inputs, targets)[1]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    reset_peak_memory(device)
+    step_s = median_seconds(step, device, warmup, reps)
+    return _row(cfg, device, step_s, micro_batch, {"max |logit diff|": diff})
+
+
+def bench_engine(cfg: JobConfig, device: torch.device, micro_batch: int, warmup: int, reps: int) -> dict:
+    """One optimizer step through the trainer's engine interface (forward_backward + optimizer_step) on a
+    one-process group: the engine's own costs (wrappers, sharding, DeepSpeed's step) at world size 1."""
+    env = DistEnv(rank=0, local_rank=0, world_size=1, device=device)
+    torch.manual_seed(0)
+    engine = build_engine(cfg, env)
+    x = random_batch(cfg, micro_batch, device)
+    batch = [x[:, :-1], x[:, 1:]]
+
+    def step() -> None:
+        engine.forward_backward(batch, last=True, num_micro=1)
+        engine.optimizer_step()
+
+    reset_peak_memory(device)
+    step_s = median_seconds(step, device, warmup, reps)
+    return _row(cfg, device, step_s, micro_batch, {})

@@ -1,0 +1,73 @@
+"""The benchmark's pieces on tiny models: they must time the work they claim, on the same model as
+transformers' where they compare, and print a table; the speed targets themselves are not tested."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lm.bench import __main__ as bench
+from lm.bench.data import bench_loader, bench_prepare
+from lm.bench.sampling import bench_sampling
+from lm.bench.training import bench_engine, bench_model
+from lm.cli import run
+from lm.config import load_config
+
+CPU = torch.device("cpu")
+TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=64",
+        "--data.seq_len=32", "--train.device=cpu"]
+
+
+def tiny(*extra: str):
+    return load_config(None, [*TINY, *extra])
+
+
+def test_training_rows_time_our_model_and_transformers_on_the_same_weights():
+    cfg = tiny()
+    hf = bench_model(cfg, CPU, 2, warmup=1, reps=2, hf=True)
+    ours = bench_model(cfg, CPU, 2, warmup=1, reps=2)
+    assert hf["max |logit diff|"] < 1e-4  # the comparison is between equal models
+    for row in (hf, ours):
+        assert row["ms/step"] > 0 and row["tokens/s"] == pytest.approx(2 * 32 / (row["ms/step"] / 1e3))
+        assert row["TFLOP/s"] > 0 and row["MFU"] is None  # no known peak for a CPU
+        assert row["peak GiB"] > 0.05  # the process's resident set on Linux
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
+def test_engine_rows_run_the_trainer_interface(engine):
+    extra = ["--parallel.zero_stage=2"] if engine == "deepspeed" else []
+    try:
+        row = bench_engine(tiny(f"--parallel.engine={engine}", *extra), CPU, 2, warmup=1, reps=2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert row["ms/step"] > 0 and row["tokens/s"] > 0
+
+
+def test_sampling_rows_decode_the_same_tokens():
+    rows = bench_sampling(tiny(), CPU, batch=3, new_tokens=12, warmup=1, reps=2, reps_no_cache=1)
+    assert [r["method"] for r in rows] == ["ours, KV cache", "ours, no cache", "transformers generate"]
+    assert all(r["batch"] == 3 and r["tokens/s"] > 0 for r in rows)
+    assert rows[0]["same tokens"] == rows[1]["same tokens"] == 1.0
+    assert rows[2]["same tokens"] >= 0.9  # transformers runs the exported copy; a near-tie may flip
+
+
+def test_prepare_and_loader_rows():
+    prep = bench_prepare(tiny(), reps=1, repeat=1)
+    assert prep["documents"] == 38 and prep["tokens"] > 1_000_000  # the built-in plays, each with its EOT
+    assert prep["prepare tokens/s"] > 0 and prep["speedup"] == pytest.approx(
+        prep["prepare tokens/s"] / prep["loop tokens/s"])
+    loader = bench_loader(tiny(), 4, steps=20)
+    # each micro-batch is (x, y) of 4 x 32 int64 tokens
+    assert loader["GB/s"] * 1e9 / loader["batches/s"] == pytest.approx(2 * 4 * 32 * 8)
+
+
+def test_the_command_prints_its_tables(capsys):
+    assert run(bench.main, ["--sections", "sampling", "--new-tokens", "4", "--reps", "1", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "sampling: 4 new tokens per sequence" in out and "transformers generate" in out
+    assert "KV-cache sampling vs generate, batch 8" in out  # the targets table
+
+
+def test_bad_flags():
+    with pytest.raises(SystemExit):
+        bench.main(["--reps", "0"])
