@@ -152,6 +152,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile rows")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens per sequence in the sampling rows")
     parser.add_argument("--sampling-preset", default="demo", choices=PRESETS)
+    parser.add_argument("--profile", action="store_true",
+                        help="instead: torch.profiler's top ops of a training step, ours and transformers', per preset")
     args = parser.parse_args(argv)
     for flag in ("warmup", "reps", "reps_no_cache", "reps_data", "new_tokens"):
         if getattr(args, flag) < (0 if flag == "warmup" else 1):
@@ -163,6 +165,15 @@ def main(argv: list[str]) -> int:
 
     print(f"device: {device_name(device)} | {platform.processor() or platform.machine()} | torch {torch.__version__}"
           f" | transformers {transformers.__version__}")
+    if args.profile:
+        from lm.bench.training import profile_step
+
+        for preset in args.presets:
+            cfg, micro = preset_config(preset, device)
+            for hf in (False, True):
+                print(f"\n{preset}, {'transformers' if hf else 'ours'}: {args.reps} steps of {micro} x {cfg.data.seq_len}")
+                print(profile_step(cfg, device, micro, args.warmup, args.reps, hf=hf))
+        return 0
     results: dict[str, float] = {}
     for section in SECTIONS:
         if section in args.sections:

@@ -28,6 +28,25 @@ def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int, 
     return statistics.median(times)
 
 
+def median_seconds_interleaved(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int,
+                               reps: dict[str, int]) -> dict[str, float]:
+    """Median wall time of each of `fns`, their timed calls taken in turns (A B C A B C ...) after `warmup`
+    untimed calls of each, so that a slow spell of a shared machine touches all of them alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for rep in range(max(reps.values())):
+        for name, fn in fns.items():
+            if rep < reps[name]:
+                sync(device)
+                start = time.perf_counter()
+                fn()
+                sync(device)
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak: CUDA's allocator statistics, or on Linux the process's peak resident set
     (writing 5 to /proc/self/clear_refs resets VmHWM)."""

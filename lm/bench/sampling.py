@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from lm.bench.common import median_seconds
+from lm.bench.common import median_seconds_interleaved
 from lm.config import JobConfig
 from lm.export import export_hf
 from lm.models.generate import generate_batch
@@ -50,12 +50,11 @@ def bench_sampling(cfg: JobConfig, device: torch.device, batch: int, new_tokens:
                                  max_new_tokens=new_tokens, pad_token_id=eot)
         out["transformers"] = tokens[:, 1:]
 
-    rows = []
-    for method, fn, n in [("ours, KV cache", ours(True), reps), ("ours, no cache", ours(False), reps_no_cache),
-                          ("transformers generate", theirs, reps)]:
-        seconds = median_seconds(fn, device, min(warmup, 1), n)
-        rows.append({"method": method, "batch": batch, "tokens/s": batch * new_tokens / seconds,
-                     "ms/token": seconds * 1e3 / new_tokens})
+    methods = {"ours, KV cache": ours(True), "ours, no cache": ours(False), "transformers generate": theirs}
+    seconds = median_seconds_interleaved(methods, device, min(warmup, 1), {
+        "ours, KV cache": reps, "ours, no cache": reps_no_cache, "transformers generate": reps})
+    rows = [{"method": method, "batch": batch, "tokens/s": batch * new_tokens / s, "ms/token": s * 1e3 / new_tokens}
+            for method, s in seconds.items()]
     reference = out["ours"]
     for row, key in zip(rows, ["ours", "no cache", "transformers"]):
         row["same tokens"] = (out[key] == reference).float().mean().item()

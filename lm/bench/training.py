@@ -1,6 +1,8 @@
 """Training throughput: our GPT (eager, compiled, under each engine) and transformers' GPT2LMHeadModel with
 the same weights, batch, optimizer (our AdamW groups) and precision, timed step by step on random tokens."""
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 
@@ -40,10 +42,11 @@ def _row(cfg: JobConfig, device: torch.device, step_s: float, micro_batch: int, 
             "MFU": flops / peak if peak else None, "peak GiB": peak_memory_gib(device), **extra}
 
 
-def bench_model(cfg: JobConfig, device: torch.device, micro_batch: int, warmup: int, reps: int,
-                compiled: bool = False, hf: bool = False) -> dict:
-    """One training step (forward, backward, clip, AdamW) of our GPT, or with `hf` of GPT2LMHeadModel
-    built from the same initial weights; median of `reps` after `warmup`. Returns a row of numbers."""
+def training_step(cfg: JobConfig, device: torch.device, micro_batch: int, compiled: bool = False,
+                  hf: bool = False) -> tuple[Callable[[], None], float | None]:
+    """A closure running one training step (forward, backward, clip, AdamW) of our GPT, or with `hf` of
+    GPT2LMHeadModel built from the same initial weights; and, with `hf`, the largest logit difference
+    between the two models (they must be the same model)."""
     torch.manual_seed(0)
     ours = GPT(cfg.model)
     if hf:
@@ -71,9 +74,32 @@ def bench_model(cfg: JobConfig, device: torch.device, micro_batch: int, warmup: 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    return step, diff
+
+
+def bench_model(cfg: JobConfig, device: torch.device, micro_batch: int, warmup: int, reps: int,
+                compiled: bool = False, hf: bool = False) -> dict:
+    """`training_step` timed: median of `reps` after `warmup`. Returns a row of numbers."""
+    step, diff = training_step(cfg, device, micro_batch, compiled, hf)
     reset_peak_memory(device)
     step_s = median_seconds(step, device, warmup, reps)
     return _row(cfg, device, step_s, micro_batch, {"max |logit diff|": diff})
+
+
+def profile_step(cfg: JobConfig, device: torch.device, micro_batch: int, warmup: int, reps: int,
+                 hf: bool = False, rows: int = 12) -> str:
+    """torch.profiler's table of the ops that take the most time over `reps` training steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step, _ = training_step(cfg, device, micro_batch, hf=hf)
+    for _ in range(warmup):
+        step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(reps):
+            step()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=rows)
 
 
 def bench_engine(cfg: JobConfig, device: torch.device, micro_batch: int, warmup: int, reps: int) -> dict:

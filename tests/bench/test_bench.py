@@ -8,7 +8,7 @@ import torch.distributed as dist
 from lm.bench import __main__ as bench
 from lm.bench.data import bench_loader, bench_prepare
 from lm.bench.sampling import bench_sampling
-from lm.bench.training import bench_engine, bench_model
+from lm.bench.training import bench_engine, bench_model, profile_step
 from lm.cli import run
 from lm.config import load_config
 
@@ -30,6 +30,11 @@ def test_training_rows_time_our_model_and_transformers_on_the_same_weights():
         assert row["ms/step"] > 0 and row["tokens/s"] == pytest.approx(2 * 32 / (row["ms/step"] / 1e3))
         assert row["TFLOP/s"] > 0 and row["MFU"] is None  # no known peak for a CPU
         assert row["peak GiB"] > 0.05  # the process's resident set on Linux
+
+
+def test_profile_names_the_matmuls():
+    table = profile_step(tiny(), CPU, 2, warmup=1, reps=1)
+    assert "aten::mm" in table and "Self CPU" in table
 
 
 @pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
