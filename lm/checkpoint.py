@@ -207,13 +207,12 @@ def _clean_leftovers(root: Path) -> None:
 def verify_checkpoint(step_dir: Path) -> None:
     """Check every file of a complete checkpoint against its manifest: all sizes first (cheap), then all
     sha256 sums. Raises CheckpointError naming the first bad file; files not in the manifest are ignored."""
-    name = step_dir
     try:
         json.loads((step_dir / "state.json").read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{name}/state.json: missing (an incomplete checkpoint)") from None
+        raise CheckpointError(f"{step_dir}/state.json: missing (an incomplete checkpoint)") from None
     except ValueError:
-        raise CheckpointError(f"{name}/state.json: not valid JSON (corrupt)") from None
+        raise CheckpointError(f"{step_dir}/state.json: not valid JSON (corrupt)") from None
     if not (step_dir / MANIFEST).is_file():
         log.debug("%s: no %s (written before checkpoints had one); not verified", step_dir, MANIFEST)
         return
@@ -221,18 +220,18 @@ def verify_checkpoint(step_dir: Path) -> None:
         files = {rel: (int(e["size"]), str(e["sha256"]))
                  for rel, e in json.loads((step_dir / MANIFEST).read_text())["files"].items()}
     except (ValueError, KeyError, TypeError, AttributeError):
-        raise CheckpointError(f"{name}/{MANIFEST}: unreadable (corrupt)") from None
+        raise CheckpointError(f"{step_dir}/{MANIFEST}: unreadable (corrupt)") from None
     for rel, (size, _) in files.items():
         path = step_dir / rel
         if not path.is_file():
-            raise CheckpointError(f"{name}/{rel}: missing")
+            raise CheckpointError(f"{step_dir}/{rel}: missing")
         actual = path.stat().st_size
         if actual != size:
             what = "truncated" if actual < size else "longer than written"
-            raise CheckpointError(f"{name}/{rel}: {actual:,} bytes, manifest says {size:,} ({what})")
+            raise CheckpointError(f"{step_dir}/{rel}: {actual:,} bytes, manifest says {size:,} ({what})")
     for rel, (_, sha256) in files.items():
         if sha256_file(step_dir / rel) != sha256:
-            raise CheckpointError(f"{name}/{rel}: sha256 differs from the manifest (corrupt)")
+            raise CheckpointError(f"{step_dir}/{rel}: sha256 differs from the manifest (corrupt)")
 
 
 def latest_valid_checkpoint(root: Path, env: DistEnv | None = None) -> Path | None:

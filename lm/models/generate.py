@@ -160,6 +160,8 @@ def generate_batch(
     batch sampling want. Sampling options are those of `generate`; only real vocabulary ids are drawn.
     """
     _check_length(model, idx.size(1), max_new_tokens, "generate_batch")
+    if temperature < 0.0:
+        raise ValueError(f"generate_batch: temperature must be >= 0, got {temperature}")
     was_training = model.training
     model.eval()
     try:

@@ -217,3 +217,8 @@ def test_last_only_logits_equal_the_last_row_of_all_logits():
     torch.testing.assert_close(last[:, 0], full[:, -1], rtol=0, atol=1e-6)  # one row: another matmul shape
     with pytest.raises(ValueError, match="last_only is for sampling"):
         model(idx, idx, last_only=True)
+
+
+def test_generate_batch_refuses_a_negative_temperature():
+    with pytest.raises(ValueError, match="generate_batch: temperature must be >= 0, got -1.0"):
+        generate_batch(tiny_model(), torch.zeros(1, 1, dtype=torch.long), 3, temperature=-1.0)
