@@ -41,7 +41,8 @@ def _planned_world_size(nproc: int | None) -> int:
 
 def dry_run(cfg: JobConfig, world_size: int, device_gib: float) -> None:
     """Print what the config would train and how much memory each engine needs per device."""
-    from lm.distributed.memory import num_params, plan_table
+    from lm.distributed.memory import num_params
+    from lm.distributed.plan import plan_table
 
     m = cfg.model
     print(f"model: {m.arch}, {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads "

@@ -11,9 +11,9 @@ from lm.config import load_config
 from lm.data.objectives import build_objective
 from lm.distributed.activation import checkpoint_blocks
 from lm.distributed.memory import (
-    GIB, block_params, checkpointed_blocks, estimate_memory, layer_activation_bytes, num_params, pick, plan_rows,
-    plan_table,
+    GIB, block_params, checkpointed_blocks, estimate_memory, layer_activation_bytes, num_params,
 )
+from lm.distributed.plan import pick, plan_rows, plan_table
 from lm.models.factory import build_model
 
 SMALL = ["--model.n_layer=2", "--model.n_head=4", "--model.d_model=64", "--model.block_size=64", "--data.seq_len=40"]
