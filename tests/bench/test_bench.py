@@ -73,6 +73,16 @@ def test_the_command_prints_its_tables(capsys):
     assert "KV-cache sampling vs generate, batch 8" in out  # the targets table
 
 
+def test_target_rows_check_each_device_s_targets():
+    results = {"train demo eager": 1.25, "loader share of a demo step": 0.02, "mfu gpt2-124m compiled": 0.52}
+    assert bench.target_rows(results, CPU) == [
+        ["training vs transformers, demo, eager", "1.25x", ">= 1.2x", "met"],
+        ["loader share of a demo step", "2.000%", "< 1%", "NOT met"],
+    ]
+    assert bench.target_rows(results, torch.device("cuda")) == [
+        ["MFU, gpt2-124m, compiled", "52.000%", ">= 50%", "met"]]
+
+
 def test_bad_flags():
     with pytest.raises(SystemExit):
         bench.main(["--reps", "0"])
