@@ -16,16 +16,7 @@ def sync(device: torch.device) -> None:
 
 def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> float:
     """Median wall time of `reps` calls of `fn`, after `warmup` untimed calls (compilation, caches, allocator)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds_interleaved({"fn": fn}, device, warmup, {"fn": reps})["fn"]
 
 
 def median_seconds_interleaved(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int,

@@ -14,6 +14,7 @@ from lm.data.loader import TokenLoader
 from lm.data.objectives import build_objective
 from lm.data.shards import ShardWriter, dtype_for_vocab, new_manifest, write_manifest
 
+
 def bench_prepare(cfg: JobConfig, reps: int, repeat: int = 4) -> dict:
     """`prepare` on every core against a one-process `encode_ordinary` loop, timed in a fresh process
     (see lm/bench/prepare_speed.py)."""

@@ -36,26 +36,23 @@ def bench_sampling(cfg: JobConfig, device: torch.device, batch: int, new_tokens:
     eot = load_tokenizer(cfg.data.tokenizer).eot_token
     prompt = torch.full((batch, 1), eot, dtype=torch.long, device=device)  # (B, 1)
     hf = exported_hf_model(model, cfg, device)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}  # each method's tokens (B, new_tokens), by method name
 
-    def ours(use_cache: bool):
+    def ours(name: str, use_cache: bool):
         def run() -> None:
-            out["ours" if use_cache else "no cache"] = generate_batch(model, prompt, new_tokens, temperature=0.0,
-                                                                      use_cache=use_cache)
+            out[name] = generate_batch(model, prompt, new_tokens, temperature=0.0, use_cache=use_cache)
         return run
 
     def theirs() -> None:
         with torch.no_grad():
             tokens = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                                  max_new_tokens=new_tokens, pad_token_id=eot)
-        out["transformers"] = tokens[:, 1:]
+        out["transformers generate"] = tokens[:, 1:]
 
-    methods = {"ours, KV cache": ours(True), "ours, no cache": ours(False), "transformers generate": theirs}
+    methods = {"ours, KV cache": ours("ours, KV cache", True), "ours, no cache": ours("ours, no cache", False),
+               "transformers generate": theirs}
     seconds = median_seconds_interleaved(methods, device, min(warmup, 1), {
         "ours, KV cache": reps, "ours, no cache": reps_no_cache, "transformers generate": reps})
-    rows = [{"method": method, "batch": batch, "tokens/s": batch * new_tokens / s, "ms/token": s * 1e3 / new_tokens}
+    return [{"method": method, "batch": batch, "tokens/s": batch * new_tokens / s, "ms/token": s * 1e3 / new_tokens,
+             "same tokens": (out[method] == out["ours, KV cache"]).float().mean().item()}
             for method, s in seconds.items()]
-    reference = out["ours"]
-    for row, key in zip(rows, ["ours", "no cache", "transformers"]):
-        row["same tokens"] = (out[key] == reference).float().mean().item()
-    return rows

@@ -53,7 +53,9 @@ def training_step(cfg: JobConfig, device: torch.device, micro_batch: int, compil
         model = hf_gpt2(ours).to(device)
         with torch.no_grad():  # the same model: the same logits over the tokenizer's ids
             x = random_batch(cfg, 1, device)[:, :16]
-            diff = (model(input_ids=x).logits - ours.to(device)(x)[0][..., :cfg.model.vocab_size]).abs().max()
+            diff = (model(input_ids=x).logits - ours.to(device)(x)[0][..., :cfg.model.vocab_size]).abs().max().item()
+        if diff > 1e-3:  # a comparison between different models would be meaningless
+            raise RuntimeError(f"transformers' copy of the model gives other logits (max difference {diff:.1e})")
         del ours
     else:
         model, diff = ours.to(device), None

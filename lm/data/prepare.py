@@ -2,8 +2,9 @@
 
 Documents stream through: corpus -> batches of documents -> tokenizer threads -> ShardWriter, so
 memory stays bounded however large the corpus. Threads, not processes: tiktoken releases the GIL while
-it encodes, so threads tokenize in parallel without copying text and tokens between processes. The output is built in a sibling directory and swapped
-in only when complete, so a crash or a bad input never harms shards that were already good.
+it encodes, so threads tokenize in parallel without copying text and tokens between processes. The
+output is built in a sibling directory and swapped in only when complete, so a crash or a bad input
+never harms shards that were already good.
 """
 
 import collections
@@ -182,13 +183,15 @@ def _encode_batch(
     enc = load_tokenizer(tokenizer)  # cached
     eot = np.array([enc.eot_token], dtype=np.uint32)
     parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
+    counts = {False: 0, True: 0}
     for i, text in enumerate(texts):
         is_val = is_val_document(start + i, val_fraction)
         # Ordinary text only (no special tokens allowed): a corpus may contain the characters
         # "<|endoftext|>", which are text, not EOT. encode_to_numpy is encode_ordinary without a list of ints.
         parts[is_val] += [enc.encode_to_numpy(text, disallowed_special=()), eot]
+        counts[is_val] += 1
     tokens = tuple(np.concatenate(parts[v]).astype(dtype) if parts[v] else np.empty(0, dtype) for v in (False, True))
-    return tokens, (len(parts[False]) // 2, len(parts[True]) // 2)
+    return tokens, (counts[False], counts[True])
 
 
 def _ordered_map(fn: Callable, tasks: Iterator, num_workers: int) -> Iterator:

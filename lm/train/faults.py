@@ -22,8 +22,7 @@ class Faults:
     """The faults the environment asks for (see the module docstring)."""
 
     nan_steps: set[int] = field(default_factory=set)
-    kill_rank: int | None = None
-    kill_step: int | None = None
+    kill_after: tuple[int, int] | None = None  # (rank, step)
     kill_save: tuple[int, int] | None = None  # (rank, step)
 
     @classmethod
@@ -31,19 +30,15 @@ class Faults:
         faults = cls()
         if steps := os.environ.get("LM_FAULT_NAN_STEPS"):
             faults.nan_steps = {int(s) for s in steps.split(",")}
-        if kill := os.environ.get("LM_FAULT_KILL"):
-            rank, step = kill.split(":")
-            faults.kill_rank, faults.kill_step = int(rank), int(step)
-        if kill := os.environ.get("LM_FAULT_KILL_SAVE"):
-            rank, step = kill.split(":")
-            faults.kill_save = int(rank), int(step)
+        faults.kill_after = _rank_step("LM_FAULT_KILL")
+        faults.kill_save = _rank_step("LM_FAULT_KILL_SAVE")
         return faults
 
     def nan_at(self, step: int, rank: int) -> bool:
         return rank == 0 and step in self.nan_steps
 
     def maybe_kill(self, step: int, rank: int) -> None:
-        if _first_attempt() and rank == self.kill_rank and step == self.kill_step:
+        if _first_attempt() and self.kill_after == (rank, step):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def arm_save(self, engine, step: int, rank: int) -> None:
@@ -57,6 +52,14 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
 
         engine.save = save_then_die
+
+
+def _rank_step(name: str) -> tuple[int, int] | None:
+    """The environment variable `name` read as R:S, or None when unset."""
+    if not (value := os.environ.get(name)):
+        return None
+    rank, step = value.split(":")
+    return int(rank), int(step)
 
 
 def _first_attempt() -> bool:
