@@ -198,11 +198,21 @@ class LogConfig:
     every: int = 10
     """Log training metrics every this many steps."""
     tensorboard: bool = True
-    """Also write metrics to TensorBoard under <out_dir>/tb."""
+    """Also write metrics to TensorBoard under <out_dir>/tb (with the run's hyperparameters and samples)."""
+    sample_every: int = 500
+    """Every this many steps (and at the end) continue log.sample_prompt and log the text (TensorBoard and stdout); 0 = never."""
+    sample_prompt: str = ""
+    """The periodic samples' prompt (empty: start from end-of-text); fixed, so the samples show the model learning."""
+    sample_tokens: int = 64
+    """New tokens per periodic sample, at most model.block_size - 1 (temperature 0.8, top-k 200, seeded by train.seed)."""
 
     def __post_init__(self) -> None:
         if self.every <= 0:
             raise ConfigError(f"log.every: must be positive, got {self.every}")
+        if self.sample_every < 0:
+            raise ConfigError(f"log.sample_every: must be >= 0 (0 = never), got {self.sample_every}")
+        if self.sample_tokens <= 0:
+            raise ConfigError(f"log.sample_tokens: must be positive, got {self.sample_tokens}")
 
 
 @dataclass
@@ -302,7 +312,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         key, eq, text = item.removeprefix("--").partition("=")
         if not eq:
             raise ConfigError(f"{item}: overrides take the form --section.key=value")
-        _merge(raw, key, yaml.safe_load(text) if text else "")
+        value = yaml.safe_load(text) if text else ""
+        # every key is a scalar, so text that YAML reads as a mapping or list ("KING: hi") is meant literally
+        _merge(raw, key, text if isinstance(value, (dict, list)) else value)
     try:
         return _build(JobConfig, raw, "")
     except TypeError as err:  # a dataclass rejected its arguments in a way _build did not foresee

@@ -138,23 +138,31 @@ def sample_encdec(model, cfg: ModelConfig, tokenizer, text: str, args: argparse.
         parser.error(f"--max-new-tokens: {args.max_new_tokens} exceeds the decoder's positions "
                      f"(model.block_size={cfg.block_size})")
     try:
-        ids, pieces = encdec_source(text, tokenizer.encode_ordinary, cfg)
+        encdec_source(text, tokenizer.encode_ordinary, cfg)
     except ValueError as err:
         parser.error(str(err))
+    for i in range(args.num_samples):
+        if args.num_samples > 1:
+            print(f"--- sample {i + 1} ---")
+        print(fill_masks(model, cfg, tokenizer, text, args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k, top_p=args.top_p, seed=args.seed + i))
+    return 0
+
+
+def fill_masks(model, cfg: ModelConfig, tokenizer, text: str, max_new_tokens: int, temperature: float,
+               top_k: int | None, top_p: float | None, seed: int) -> str:
+    """The prompt with each `<mask>` replaced by the span an encoder-decoder writes for it."""
+    ids, pieces = encdec_source(text, tokenizer.encode_ordinary, cfg)
     n_spans = len(pieces) - 1
     # the end marker, and any sentinel after it, end the output
     stop = set(range(cfg.sentinel_start + n_spans, cfg.sentinel_start + cfg.n_sentinels))
-    for i in range(args.num_samples):
-        out = generate_seq2seq(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                               top_p=args.top_p, stop_ids=stop, seed=args.seed + i)
-        spans = split_spans(out, n_spans, cfg.sentinel_start)
-        if args.num_samples > 1:
-            print(f"--- sample {i + 1} ---")
-        filled = [pieces[0]]
-        for span, piece in zip(spans, pieces[1:]):
-            filled += [tokenizer.decode(span), piece]  # spans hold no sentinel: they delimit or stop
-        print("".join(filled))
-    return 0
+    out = generate_seq2seq(model, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                           stop_ids=stop, seed=seed)
+    spans = split_spans(out, n_spans, cfg.sentinel_start)
+    filled = [pieces[0]]
+    for span, piece in zip(spans, pieces[1:]):
+        filled += [tokenizer.decode(span), piece]  # spans hold no sentinel: they delimit or stop
+    return "".join(filled)
 
 
 if __name__ == "__main__":

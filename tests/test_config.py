@@ -19,6 +19,11 @@ def test_int_accepted_for_float():
     assert load_config(None, ["--optim.lr=1"]).optim.lr == 1.0
 
 
+def test_text_that_reads_as_a_yaml_mapping_is_taken_literally():
+    assert load_config(None, ["--log.sample_prompt=KING: hi"]).log.sample_prompt == "KING: hi"
+    assert load_config(None, ["--log.sample_prompt=[a, b]"]).log.sample_prompt == "[a, b]"
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -37,6 +42,9 @@ def test_int_accepted_for_float():
         ("--train.device=tpu", "train.device: expected auto, cpu or cuda"),
         ("--checkpoint.resume=maybe", "checkpoint.resume: expected auto, never or required"),
         ("--optim.beta2=1.5", "optim.beta2: must be in [0, 1)"),
+        ("--log.sample_every=-1", "log.sample_every: must be >= 0"),
+        ("--log.sample_tokens=0", "log.sample_tokens: must be positive"),
+        ("--model.n_layer=a: b", "model.n_layer: expected int, got str 'a: b'"),
         ("--model=3", "model: overrides take the form"),
         ("--model.n_layer", "overrides take the form --section.key=value"),
     ],

@@ -68,24 +68,33 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
 
 
+class MetricsError(ValueError):
+    """A run's metrics log is missing or unreadable; the message names the file."""
+
+
 class MetricLogger:
-    """Writes scalars to stdout, <out_dir>/metrics.jsonl and optionally TensorBoard; only rank 0 writes."""
+    """Writes scalars to stdout, <out_dir>/metrics.jsonl and optionally TensorBoard; only rank 0 writes.
+
+    Each metrics.jsonl line is one JSON object: `step`, `tokens` (trained so far), `elapsed_s` (wall
+    seconds of training so far, carried over resumes) and the namespaced scalars (`train/loss`, ...).
+    """
 
     def __init__(self, out_dir: str | Path, enabled: bool, tensorboard: bool) -> None:
         self.enabled = enabled
         self.writer = None
-        self.jsonl = open(Path(out_dir) / "metrics.jsonl", "a") if enabled else None
+        self.jsonl = open(Path(out_dir) / METRICS_FILE, "a") if enabled else None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(Path(out_dir) / "tb"))
 
-    def log(self, step: int, metrics: dict[str, float], fmt: str) -> None:
+    def log(self, step: int, tokens: int, elapsed_s: float, metrics: dict[str, float], fmt: str) -> None:
         """`metrics` keys are namespaced (`train/loss`); `fmt` is the stdout line's format string."""
         if not self.enabled:
             return
         log.info(fmt.format(step=step, **{k.replace("/", "_"): v for k, v in metrics.items()}))
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        row = {"step": step, "tokens": tokens, "elapsed_s": round(elapsed_s, 3), **metrics}
+        self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
         if self.writer is not None:
             for key, value in metrics.items():
@@ -93,8 +102,63 @@ class MetricLogger:
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
 
+    def log_hparams(self, hparams: dict[str, object], metric_keys: list[str]) -> None:
+        """Record the run's settings in TensorBoard's hparams view, beside this run's own scalars.
+
+        `SummaryWriter.add_hparams` would start a separate sub-run; writing the three hparams summaries to
+        this writer instead lets the view show `metric_keys` (scalars this run logs) next to the settings.
+        """
+        if self.writer is None:
+            return
+        from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+        for summary in hparams_summaries(hparams, {key: 0.0 for key in metric_keys}):
+            self.writer.file_writer.add_summary(summary)
+        self.writer.flush()
+
+    def log_text(self, tag: str, step: int, text: str) -> None:
+        """A text entry in TensorBoard's text view (a generated sample, say)."""
+        if self.writer is not None:
+            self.writer.add_text(tag, text, step)
+            self.writer.flush()
+
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
         if self.writer is not None:
             self.writer.close()
+
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of <run_dir>/metrics.jsonl as the run's final history.
+
+    A run resumed from a checkpoint logs again the steps after that checkpoint; the later row supersedes:
+    a row of step s drops every earlier row of the same kind (train or val) at step >= s.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise MetricsError(f"{path}: no metrics log; is {run_dir} a training run directory (train.out_dir)?")
+    rows: list[dict] = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise MetricsError(f"{path}:{number}: not a JSON object ({err.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise MetricsError(f"{path}:{number}: expected a JSON object with an integer 'step'")
+        kind = row_kind(row)
+        rows = [r for r in rows if row_kind(r) != kind or r["step"] < row["step"]]
+        rows.append(row)
+    if not rows:
+        raise MetricsError(f"{path}: the metrics log is empty; the run has not logged a step yet")
+    return rows
+
+
+def row_kind(row: dict) -> str:
+    """'val' for a validation row, 'train' otherwise: the namespace of its scalars."""
+    return "val" if any(key.startswith("val/") for key in row) else "train"

@@ -13,13 +13,15 @@ from lm.config import ConfigError, JobConfig, save_config
 from lm.data.loader import SplitWindows, TokenLoader, val_batches
 from lm.data.shards import DataError, check_manifest, read_manifest, verify_hashes
 from lm.distributed import DistEnv
-from lm.distributed.engine import build_engine
+from lm.distributed.engine import autocast_for, build_engine
 from lm.models.factory import build_model
 from lm.data.objectives import build_objective
 from lm.runtime import tune_cpu
+from lm.tokenizer import load_tokenizer
 from lm.train.faults import Faults, TrainingError
 from lm.train.preemption import StopSignals
 from lm.train.metrics import MetricLogger, encdec_flops_per_token, flops_per_token, peak_flops, perplexity
+from lm.train.samples import sample_text
 from lm.train.schedule import lr_at
 
 log = logging.getLogger("lm.train")
@@ -69,9 +71,12 @@ class Trainer:
         self.val_windows = SplitWindows(cfg.data.dir, "val", cfg.data.seq_len)
         self.step = 0
         self.tokens_seen = 0
+        self.elapsed_before = 0.0  # wall seconds trained by earlier processes of this run (before a resume)
+        self.fit_started: float | None = None
         if resume_from is not None:
             state = ckpt.load_checkpoint(resume_from, self.engine, env)
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+            self.elapsed_before = state.get("elapsed_s", 0.0)  # absent in checkpoints from before it was kept
             self.loader.load_state_dict({"position": state["position"]})
             log.info("resumed from %s at step %d", resume_from, self.step)
             for key, (old, new) in changed_settings(resume_from, cfg).items():
@@ -94,7 +99,9 @@ class Trainer:
             save_config(cfg, self.out_dir / "config.yaml")
             log.info("model: %.2fM parameters (non-embedding), %d ranks on %s, engine %s",
                      n_params / 1e6, env.world_size, env.device, self.engine.name)
+        self.n_params = n_params
         self.metrics = MetricLogger(self.out_dir, env.is_main, cfg.log.tensorboard)
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.log.sample_every else None
 
     def _verify_data(self, manifest: dict) -> None:
         """data.verify_hashes: rank 0 hashes every shard and tells the others, so all ranks fail together."""
@@ -133,6 +140,8 @@ class Trainer:
         if self.step >= cfg.train.steps:
             log.info("%s is already at step %d of train.steps=%d: nothing to train", self.out_dir, self.step,
                      cfg.train.steps)
+        self.fit_started = time.perf_counter()
+        self.metrics.log_hparams(hparams(cfg, self.n_params), ["train/loss", "val/loss", "val/ppl", "perf/tokens_per_s"])
         window_start, window_steps = time.perf_counter(), 0
         window_loss = torch.zeros((), device=env.device)  # summed on device; read once per log line
         with StopSignals() as signals:
@@ -161,7 +170,7 @@ class Trainer:
                     }
                     perf = f"mfu {row['perf/mfu']:.1%}" if self.peak_flops else f"{flops_s / 1e12:.3f} TFLOP/s"
                     skipped = f" | {self.skipped_steps} skipped" if self.skipped_steps else ""
-                    self.metrics.log(self.step, row, (
+                    self.metrics.log(self.step, self.tokens_seen, self.elapsed_s(), row, (
                         f"step {{step}}/{cfg.train.steps} | loss {{train_loss:.4f}} | ppl {{train_ppl:.1f}} | "
                         f"lr {{train_lr:.2e}} | grad norm {{train_grad_norm:.3f}} | {{perf_tokens_per_s:,.0f}} tok/s | "
                         f"{perf}{skipped}"
@@ -173,8 +182,11 @@ class Trainer:
                 if self.step % cfg.train.eval_every == 0 or last:
                     val_loss = self.evaluate()
                     val = {"val/loss": val_loss, "val/ppl": perplexity(val_loss)}
-                    self.metrics.log(self.step, val, "step {step} | val loss {val_loss:.4f} | val ppl {val_ppl:.2f}")
+                    self.metrics.log(self.step, self.tokens_seen, self.elapsed_s(), val,
+                                     "step {step} | val loss {val_loss:.4f} | val ppl {val_ppl:.2f}")
                     history.append({"step": self.step, **val})
+                if cfg.log.sample_every and (self.step % cfg.log.sample_every == 0 or last):
+                    self.log_sample()
                 saved = self.step % cfg.checkpoint.every == 0 or last
                 if saved:
                     self.save()
@@ -190,6 +202,18 @@ class Trainer:
                 window_start += time.perf_counter() - paused  # throughput counts training time only
         self.metrics.close()
         return history
+
+    def elapsed_s(self) -> float:
+        """Wall seconds this run has trained, over every process that resumed it (evaluations included)."""
+        return self.elapsed_before + (time.perf_counter() - self.fit_started if self.fit_started else 0.0)
+
+    def log_sample(self) -> None:
+        """Continue log.sample_prompt with the current weights; rank 0 logs the text (every rank samples)."""
+        with autocast_for(self.cfg, self.env.device):  # a bf16 FSDP forward meets a cache of the weights' dtype
+            text = sample_text(self.model, self.cfg, self.tokenizer, self.env.device)
+        self.metrics.log_text("sample", self.step, text)
+        if self.env.is_main:
+            log.info("step %d | sample: %r", self.step, text)
 
     def _stop_agreed(self, signals: StopSignals) -> bool:
         """Whether any rank received a stop signal (a collective: every rank must call it at the same step)."""
@@ -253,8 +277,8 @@ class Trainer:
             found = ckpt.complete_checkpoints(self.ckpt_root)
             raise TrainingError(f"step {self.step}: the weights hold NaN or inf values and are not saved; the last "
                                 f"good checkpoint is {found[-1] if found else 'none'}")
-        state = {"step": self.step, "tokens_seen": self.tokens_seen, **self.loader.state_dict(),
-                 "data": self.data_identity}
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed_s(),
+                 **self.loader.state_dict(), "data": self.data_identity}
         self.faults.arm_save(self.engine, self.step, self.env.rank)
         try:
             return ckpt.save_checkpoint(self.ckpt_root, self.step, self.engine, state, self.cfg, self.env,
@@ -284,6 +308,14 @@ def probe_output_dir(out_dir: Path, checkpoint_bytes: int) -> None:
     if free < checkpoint_bytes:
         raise ckpt.CheckpointError(f"train.out_dir: {out_dir} has {free / 2**20:,.0f} MiB free, less than one "
                                    f"checkpoint needs (about {checkpoint_bytes / 2**20:,.0f} MiB)")
+
+
+def hparams(cfg: JobConfig, n_params: int) -> dict[str, object]:
+    """The run's settings for TensorBoard's hparams view: every config key, dotted, and the parameter count."""
+    flat: dict[str, object] = {"params": n_params}
+    for section, values in cfg.to_dict().items():
+        flat.update({f"{section}.{key}": value for key, value in values.items()})
+    return flat
 
 
 def changed_settings(checkpoint: Path, cfg: JobConfig) -> dict[str, tuple[object, object]]:

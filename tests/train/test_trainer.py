@@ -44,6 +44,10 @@ def test_resume_continues_bit_for_bit(tiny_data_dir, tmp_path):
     assert trainer.step == 3 and trainer.loader.state_dict()["position"] == 12
     resumed = trainer.fit()
     assert sorted(train_losses(resumed)) == [4, 5, 6]
+    # the wall-time count goes on from the checkpoint's instead of restarting at zero
+    before = json.loads((resumed_dir / "step_00000003/state.json").read_text())["elapsed_s"]
+    rows = [json.loads(line) for line in (tmp_path / "resumed/metrics.jsonl").read_text().splitlines()]
+    assert before > 0 and rows[0]["elapsed_s"] > before
     for step, loss in train_losses(resumed).items():
         assert loss == train_losses(full)[step]
     cfg = tiny_config(tiny_data_dir, tmp_path / "x")
@@ -64,10 +68,14 @@ def test_run_directory_contents(tiny_data_dir, tmp_path):
     state = json.loads((out / "checkpoints/step_00000004/state.json").read_text())
     manifest = json.loads((tiny_data_dir / "manifest.json").read_text())
     data = {"content_hash": manifest["content_hash"], "source": manifest["source"], "train_tokens": 25_450}
+    elapsed = state.pop("elapsed_s")
     assert state == {"step": 4, "tokens_seen": 4 * 4 * 16, "position": 16, "data": data, "world_size": 1,
                      "engine": "ddp"}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4]
+    assert [r["tokens"] for r in rows if "train/loss" in r] == [64, 128, 192, 256]
+    times = [r["elapsed_s"] for r in rows]
+    assert times == sorted(times) and 0 < times[-1] <= elapsed
     assert [r["step"] for r in rows if "val/loss" in r] == [3, 4]
     assert rows[0]["train/ppl"] == pytest.approx(2.718281828 ** rows[0]["train/loss"], rel=1e-6)
     assert history[-1]["val/loss"] == rows[-1]["val/loss"]
@@ -149,3 +157,39 @@ def test_compiled_training_matches_eager_and_saves_bare_names(tiny_data_dir, tmp
         assert train_losses(compiled)[step] == pytest.approx(loss, rel=1e-4)
     keys = dcp.FileSystemReader(str(tmp_path / "compiled/checkpoints/step_00000002")).read_metadata().state_dict_metadata
     assert "model.wte.weight" in keys and not [k for k in keys if "_orig_mod" in k]
+
+
+def tensorboard_events(tb_dir):
+    """(step, tag, plugin, summary value) of every plugin summary in a run's TensorBoard event files."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    return [(event.step, value.tag, value.metadata.plugin_data.plugin_name, value)
+            for path in sorted(tb_dir.glob("events.out.tfevents.*")) for event in EventFileLoader(str(path)).Load()
+            for value in event.summary.value]
+
+
+def test_tensorboard_holds_the_hparams_and_the_periodic_samples(tiny_data_dir, tmp_path):
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    from lm.tokenizer import load_tokenizer
+    from lm.train.samples import sample_text
+
+    out = tmp_path / "tb_run"
+    cfg = tiny_config(tiny_data_dir, out, "--train.steps=4", "--log.tensorboard=true", "--log.sample_every=2",
+                      "--log.sample_prompt=KING: the", "--log.sample_tokens=6")
+    trainer = Trainer(cfg, init_distributed("cpu"))
+    trainer.fit()
+    events = tensorboard_events(out / "tb")
+    start = [v for _, tag, plugin, v in events if tag == "_hparams_/session_start_info"]
+    assert len(start) == 1 and all(plugin == "hparams" for _, tag, plugin, _ in events if tag.startswith("_hparams_"))
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(start[0].metadata.plugin_data.content)
+    values = hparams.session_start_info.hparams
+    assert values["model.n_layer"].number_value == 2 and values["optim.lr"].number_value == pytest.approx(3e-3)
+    assert values["model.arch"].string_value == "gpt" and values["params"].number_value == trainer.n_params
+    samples = {step: v.tensor.string_val[0].decode() for step, tag, plugin, v in events if plugin == "text"}
+    assert sorted(samples) == [2, 4] and all(text.startswith("KING: the") for text in samples.values())
+    # the step-4 text is what the final weights write for the fixed prompt and seed
+    model = GPT(cfg.model)
+    load_model_weights(out / "checkpoints/step_00000004", model)
+    assert samples[4] == sample_text(model, cfg, load_tokenizer("gpt2"), torch.device("cpu"))
+    assert len(samples[4]) > len("KING: the")
