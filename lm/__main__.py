@@ -1,4 +1,4 @@
-"""The `lm` console script: `lm prepare | train | eval | sample | export | consolidate | bench [ARGS]`, same as `python -m lm.<tool>`."""
+"""The `lm` console script: `lm prepare | train | eval | sample | sweep | plot | bench | export | consolidate [ARGS]`, same as `python -m lm.<tool>`."""
 
 import importlib
 import sys
@@ -10,6 +10,8 @@ TOOLS = {
     "train": ("lm.train.__main__", "pretrain a model (use torchrun for several processes)"),
     "eval": ("lm.eval", "loss, perplexity and bits per byte of a checkpoint"),
     "sample": ("lm.sample", "generate text from a checkpoint"),
+    "sweep": ("lm.sweep.__main__", "train a grid of configs and compare them in a table and a plot"),
+    "plot": ("lm.plot", "loss and perplexity curves of runs as a PNG"),
     "bench": ("lm.bench.__main__", "training, sampling and data throughput, ours beside transformers"),
     "export": ("lm.export", "write a checkpoint as a Hugging Face transformers model"),
     "consolidate": ("lm.consolidate", "merge any checkpoint (DCP or DeepSpeed) into one safetensors file"),

@@ -3,13 +3,14 @@ import sys
 
 import pytest
 
-from lm import eval as eval_tool, prepare, sample
+from lm import eval as eval_tool, plot, prepare, sample
 from lm.bench import __main__ as bench
+from lm.sweep import __main__ as sweep
 from lm.cli import run
 from lm.train import __main__ as train_tool
 
 
-@pytest.mark.parametrize("tool", [prepare, train_tool, eval_tool, sample, bench])
+@pytest.mark.parametrize("tool", [prepare, train_tool, eval_tool, sample, bench, sweep, plot])
 def test_every_tool_has_help(tool, capsys):
     with pytest.raises(SystemExit) as exit_:
         run(tool.main, ["--help"])
@@ -45,4 +46,4 @@ def test_console_entry_point_runs_as_a_process():
         "'share_embeddings', 'tie_embeddings', 'vocab_size']"
     ]
     listing = subprocess.run([sys.executable, "-m", "lm", "--help"], capture_output=True, text=True, timeout=60)
-    assert listing.returncode == 0 and all(t in listing.stdout for t in ("prepare", "train", "eval", "sample", "bench"))
+    assert listing.returncode == 0 and all(t in listing.stdout for t in ("prepare", "train", "eval", "sample", "sweep", "plot", "bench"))

@@ -1,0 +1,183 @@
+"""`python -m lm.sweep --config BASE.yaml --grid KEY=V1,V2 ...`: train every combination, then compare them.
+
+Each run is `lm.train` on the base config plus its grid values (one process, or a torchrun job with
+--nproc), one after another, into OUT/runs/<values>-<hash>/. The sweep is resumable: a run whose final
+checkpoint exists is skipped, and an interrupted run resumes from its newest checkpoint. At the end
+OUT/results.md and OUT/results.csv compare the runs (sorted by validation loss) and
+OUT/val_loss_vs_time.png plots validation loss against wall time. Other `--section.key=value` arguments
+override the base config for every run.
+"""
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lm import checkpoint as ckpt
+from lm.cli import run
+from lm.config import ConfigError, JobConfig, load_config
+from lm.models.factory import build_model
+from lm.plot import load_run, save_png, val_time_figure
+from lm.sweep.grid import SweepError, config_diff, expand, format_value, overrides, parse_grid, run_name
+from lm.sweep.table import RunResult, csv_text, markdown, read_result, write_atomic
+
+log = logging.getLogger("lm.sweep")
+
+
+@dataclass
+class Run:
+    name: str
+    settings: dict[str, object]
+    cfg: JobConfig
+    dir: Path
+
+    @property
+    def label(self) -> str:
+        """The grid values without the config hash, for legends."""
+        return self.name.rsplit("-", 1)[0]
+
+
+def resolved(cfg: JobConfig) -> dict:
+    """The config a run trains with, less train.out_dir (the one key that differs between equal runs)."""
+    values = cfg.to_dict()
+    del values["train"]["out_dir"]
+    return values
+
+
+def plan_runs(config: str, fixed: list[str], grid: dict[str, list[object]], combos: list[dict], out: Path) -> list[Run]:
+    """Each combination's config, checked before anything runs: a bad key or value names its grid key."""
+    for key, values in grid.items():
+        for value in values:
+            try:
+                load_config(config, [*fixed, f"--{key}={format_value(value)}"])
+            except ConfigError as err:
+                raise SweepError(f"--grid {key}={format_value(value)}: {err}") from None
+    runs = []
+    for combo in combos:
+        try:
+            cfg = load_config(config, [*fixed, *overrides(combo)])
+        except ConfigError as err:  # values fine alone that clash together (n_head=3 with d_model=128, say)
+            raise SweepError(f"--grid combination {' '.join(overrides(combo))}: {err}") from None
+        name = run_name(combo, resolved(cfg))
+        cfg.train.out_dir = str(out / "runs" / name)
+        runs.append(Run(name, combo, cfg, out / "runs" / name))
+    return runs
+
+
+def claim_sweep_dir(out: Path, base: dict, config: str, grid: dict, force: bool) -> None:
+    """Record the base config in OUT/sweep.json, refusing a directory that holds a sweep of another one."""
+    record = out / "sweep.json"
+    if record.is_file():
+        try:
+            previous = json.loads(record.read_text())["base"]
+        except (ValueError, KeyError, TypeError):
+            raise SweepError(f"{record}: not a sweep record (JSON with a 'base' config); is {out} a sweep "
+                             "directory?") from None
+        diff = config_diff(previous, base)
+        if diff and not force:
+            shown = "; ".join(diff[:4]) + ("; ..." if len(diff) > 4 else "")
+            raise SweepError(f"{out}: holds a sweep of another base config ({shown}); use another --out, or "
+                             "--force to add these runs beside the others (no run directory is reused)")
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(record, json.dumps({"config": config, "base": base, "grid": grid}, indent=1) + "\n")
+
+
+def finished(run: Run) -> bool:
+    """Whether the run's newest complete checkpoint is its last step."""
+    found = ckpt.complete_checkpoints(ckpt.checkpoint_root(run.dir))
+    return bool(found) and int(found[-1].name.removeprefix("step_")) >= run.cfg.train.steps
+
+
+def train_command(config: str, fixed: list[str], run: Run, nproc: int) -> list[str]:
+    launcher = [sys.executable, "-m", "lm.train"]
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                    "-m", "lm.train"]
+    return [*launcher, "--config", config, *fixed, *overrides(run.settings), f"--train.out_dir={run.dir}"]
+
+
+def launch(command: list[str], run: Run) -> str:
+    """Train one run, its output appended to <run dir>/train.log; returns its status for the table."""
+    run.dir.mkdir(parents=True, exist_ok=True)
+    log_path = run.dir / "train.log"
+    with open(log_path, "a") as out:
+        out.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
+        out.flush()
+        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
+    if code == 0:
+        return "finished"
+    errors = [line for line in log_path.read_text().splitlines() if line.startswith("error:")]
+    return f"failed (exit {code}{': ' + errors[-1].removeprefix('error: ') if errors else ''}; see {log_path})"
+
+
+def count_params(cfg: JobConfig) -> int:
+    with torch.device("meta"):  # shapes only: no memory, no time
+        return build_model(cfg.model).num_params()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lm.sweep", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+        epilog="example: python -m lm.sweep --config configs/demo.yaml --grid model.n_layer=2,4 optim.lr=3e-3,7e-3 "
+               "--train.steps=200 --out runs/sweep_demo")
+    parser.add_argument("--config", required=True, help="the base YAML config every run starts from")
+    parser.add_argument("--grid", nargs="+", action="extend", default=[], metavar="KEY=V1,V2",
+                        help="a config key and the values to try; runs cover every combination of the keys")
+    parser.add_argument("--random", type=int, metavar="N", help="train N combinations drawn at random instead of all")
+    parser.add_argument("--seed", type=int, default=0, help="--random: seed of the draw (default 0)")
+    parser.add_argument("--out", help="sweep directory (default runs/sweep_<config name>)")
+    parser.add_argument("--nproc", type=int, default=1, help="processes per run: >1 runs each as a torchrun job")
+    parser.add_argument("--force", action="store_true", help="add runs to a directory holding a sweep of another base config")
+    parser.add_argument("--dry-run", action="store_true", help="list the runs and exit without training")
+    args, fixed = parser.parse_known_args(argv)
+    for item in fixed:
+        if not item.startswith("--") or "." not in item.split("=", 1)[0]:
+            parser.error(f"unrecognized argument {item!r}; base-config overrides look like --section.key=value")
+    if args.nproc < 1:
+        parser.error(f"--nproc: must be at least 1, got {args.nproc}")
+    grid = parse_grid(args.grid)
+    base = load_config(args.config, fixed)
+    out = Path(args.out or f"runs/sweep_{Path(args.config).stem}")
+    runs = plan_runs(args.config, fixed, grid, expand(grid, args.random, args.seed), out)
+    if args.dry_run:
+        for i, r in enumerate(runs, 1):
+            print(f"[{i}/{len(runs)}] {r.dir}  {' '.join(overrides(r.settings))}"
+                  + ("  (finished)" if finished(r) else ""))
+        return 0
+    claim_sweep_dir(out, resolved(base), args.config, grid, args.force)
+
+    # every run reads the same shards: prepare them once (lm.prepare reuses data that is already there)
+    code = subprocess.run([sys.executable, "-m", "lm.prepare", "--config", args.config, *fixed]).returncode
+    if code:
+        raise SweepError(f"lm.prepare failed for the base config {args.config} (exit {code}; its error is above)")
+    statuses = {}
+    for i, r in enumerate(runs, 1):
+        if finished(r):
+            log.info("[%d/%d] %s: finished before, skipped", i, len(runs), r.name)
+            statuses[r.name] = "finished"
+            continue
+        log.info("[%d/%d] %s: training (log: %s)", i, len(runs), r.name, r.dir / "train.log")
+        statuses[r.name] = launch(train_command(args.config, fixed, r, args.nproc), r)
+        log.info("[%d/%d] %s: %s", i, len(runs), r.name, statuses[r.name])
+
+    results = [read_result(r.dir, r.settings, count_params(r.cfg), statuses[r.name]) for r in runs]
+    write_atomic(out / "results.md", markdown(results))
+    write_atomic(out / "results.csv", csv_text(results))
+    plotted = {r.label: load_run(r.dir) for r, res in zip(runs, results) if res.val_loss is not None}
+    save_png(val_time_figure(plotted), out / "val_loss_vs_time.png")
+    print(markdown(results))
+    print(f"wrote {out / 'results.md'}, {out / 'results.csv'} and {out / 'val_loss_vs_time.png'}")
+    failed = [r for r in results if r.status != "finished"]
+    if failed:
+        log.warning("%d of %d runs did not finish; run the same command again to resume them", len(failed), len(runs))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))

@@ -1,0 +1,140 @@
+"""lm.sweep end to end: real lm.train processes on the tiny corpus, a sweep killed and continued, bad input."""
+
+import csv
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lm.cli import run
+from lm.sweep.__main__ import main
+
+RUN_STEPS = 40
+
+
+@pytest.fixture
+def base_config(tiny_data_config, tiny_data_dir, tmp_path) -> Path:
+    """A tiny GPT on the shared tiny corpus; its data section matches the fixture, so lm.prepare reuses it."""
+    path = tmp_path / "base.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "block_size": 32},
+        "data": {"source": tiny_data_config.source, "dir": str(tiny_data_dir), "val_fraction": 0.1,
+                 "shard_tokens": 4096, "seq_len": 16},
+        "train": {"steps": RUN_STEPS, "batch_size": 4, "micro_batch_size": 4, "device": "cpu", "eval_every": 20,
+                  "eval_batches": 2},
+        "checkpoint": {"every": 2, "keep": 1},
+        "log": {"every": 10, "tensorboard": False, "sample_every": 0},
+    }))
+    return path
+
+
+def sweep_command(base: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "lm.sweep", "--config", str(base), "--grid", "optim.lr=3e-3,1e-2", "--out", str(out),
+            *extra]
+
+
+def launches(run_dir: Path) -> int:
+    """How many times the sweep started lm.train for this run (one header line per launch)."""
+    return sum(line.startswith("# ") for line in (run_dir / "train.log").read_text().splitlines())
+
+
+def test_a_killed_sweep_continues_where_it_stopped_and_a_finished_one_trains_nothing(base_config, tmp_path):
+    out = tmp_path / "sweep"
+    first = subprocess.Popen(sweep_command(base_config, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    # kill the sweep and its lm.train child (the whole session, as a lost machine would) once the second run
+    # has saved a checkpoint; the first run is finished by then
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and first.poll() is None:
+        second = sorted(out.glob("runs/*lr=0.01-*/checkpoints/step_*"))
+        if any(not p.name.endswith(".tmp") and (p / "manifest.json").is_file() for p in second):
+            break
+        time.sleep(0.01)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    run_a, run_b = sorted(out.glob("runs/*lr=0.003-*"))[0], sorted(out.glob("runs/*lr=0.01-*"))[0]
+    steps_b = [int(p.name.split("_")[1]) for p in (run_b / "checkpoints").glob("step_*") if p.name[5:].isdigit()]
+    assert (run_a / "checkpoints" / f"step_{RUN_STEPS:08d}").is_dir()
+    assert steps_b and max(steps_b) < RUN_STEPS, "the second run finished before the kill: the test proves nothing"
+    assert not (out / "results.md").exists()
+
+    again = subprocess.run(sweep_command(base_config, out), capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert launches(run_a) == 1 and launches(run_b) == 2
+    assert "resumed from" in (run_b / "train.log").read_text()
+    assert "finished before, skipped" in again.stdout
+    with open(out / "results.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [row["status"] for row in table] == ["finished", "finished"]
+    assert {row["optim.lr"] for row in table} == {"0.003", "0.01"}
+    val = [float(row["val loss"]) for row in table]
+    assert val == sorted(val) and all(0 < v < 11 for v in val)
+    for row in table:
+        assert int(row["tokens"]) == RUN_STEPS * 4 * 16 and float(row["wall time (s)"]) > 0
+        assert int(row["params"]) > 0 and int(float(row["tokens/s"])) > 0
+    assert (out / "results.md").read_text().count("| finished |") == 2
+    assert (out / "val_loss_vs_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    third = subprocess.run(sweep_command(base_config, out), capture_output=True, text=True)
+    assert third.returncode == 0 and third.stdout.count("finished before, skipped") == 2
+    assert launches(run_a) == 1 and launches(run_b) == 2
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--grid", "model.n_layr=1,2"], r"--grid model.n_layr=1: model.n_layr: unknown key; did you mean 'n_layer'"),
+    (["--grid", "model.n_layer=1,two"], r"--grid model.n_layer=two: model.n_layer: expected int, got str 'two'"),
+    (["--grid", "optim.lr=1e-3,fast"], r"--grid optim.lr=fast: optim.lr: expected float, got str 'fast'"),
+    (["--grid", "model.n_head=2,3"], r"--grid model.n_head=3: model.d_model: 32 is not divisible by model.n_head=3"),
+    ([], r"--grid: empty"),
+    (["--grid", "data.seq_len=8,16"], r"--grid data.seq_len: every run of a sweep has the same data"),
+    (["--grid", "optim.lr=1e-3,3e-3", "--random", "3"], r"--random: 3 runs asked for, but the grid has 2"),
+])
+def test_bad_grids_are_refused_before_any_run_starts(base_config, tmp_path, capsys, args, message):
+    import re
+
+    out = tmp_path / "sweep"
+    assert run(main, ["--config", str(base_config), "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+    assert not out.exists()
+
+
+def test_a_directory_of_another_base_config_is_refused_unless_forced(base_config, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    args = ["--config", str(base_config), "--grid", "optim.lr=3e-3", "--out", str(out), "--train.steps=2",
+            "--checkpoint.every=2", "--train.eval_every=2"]
+    assert run(main, args) == 0
+    before = tree_digest(out)
+    assert run(main, [*args, "--model.d_model=64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {out}: holds a sweep of another base config (model.d_model: 32 -> 64); use another "
+                   "--out, or --force to add these runs beside the others (no run directory is reused)"]
+    assert tree_digest(out) == before  # nothing written, nothing trained
+    assert run(main, [*args, "--model.d_model=64", "--force"]) == 0
+    runs = sorted(p.name for p in (out / "runs").iterdir())
+    assert len(runs) == 2 and all(name.startswith("lr=0.003-") for name in runs)
+    after = tree_digest(out)
+    assert all(after[path] == digest for path, digest in before.items() if path.startswith("runs/"))  # untouched
+    # the table compares this sweep's run only
+    assert (out / "results.md").read_text().count("| finished |") == 1
+
+
+def test_dry_run_lists_the_runs_and_writes_nothing(base_config, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert run(main, ["--config", str(base_config), "--grid", "model.n_layer=1,2", "optim.lr=1e-3,3e-3", "--out", str(out),
+                      "--dry-run"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 4 and lines[0].startswith(f"[1/4] {out}/runs/n_layer=1_lr=0.001-")
+    assert lines[3].endswith("--model.n_layer=2 --optim.lr=0.003")
+    assert not out.exists()
