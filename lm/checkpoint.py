@@ -40,7 +40,7 @@ from lm.hashing import sha256_file
 
 log = logging.getLogger(__name__)
 
-ARCH_NAMES = {"gpt": "a decoder-only GPT", "encdec": "an encoder-decoder"}
+ARCH_NAMES = {"gpt": "a decoder-only GPT", "encdec": "an encoder-decoder", "lstm": "an LSTM"}
 DEEPSPEED_TAG = "deepspeed"
 """Subdirectory (DeepSpeed's checkpoint tag) of a step directory holding a DeepSpeed engine's files."""
 UNIVERSAL_TAG = "deepspeed_universal"

@@ -1,10 +1,11 @@
 """`python -m lm.eval`: loss, perplexity and bits per byte of a checkpoint on val shards or a text file.
 
-The architecture comes from the checkpoint. A GPT scores long inputs with strided windows: every token
-is scored exactly once, and every window after the first keeps at least `seq_len - stride` tokens of
-context before the tokens it scores. An encoder-decoder is scored on its pretraining task: each window
-of seq_len + 1 tokens is span-corrupted exactly as the trainer's validation does (window k's noise drawn
-from (train.seed, k)), and the loss is over the target tokens (sentinels and masked spans).
+The architecture comes from the checkpoint. A decoder-only model (GPT or LSTM) scores long inputs with
+strided windows: every token is scored exactly once, and every window after the first keeps at least
+`seq_len - stride` tokens of context before the tokens it scores; an LSTM starts each window from a
+zero state, as it started each training window. An encoder-decoder is scored on its pretraining task:
+each window of seq_len + 1 tokens is span-corrupted exactly as the trainer's validation does (window k's
+noise drawn from (train.seed, k)), and the loss is over the target tokens (sentinels and masked spans).
 """
 
 import argparse

@@ -105,6 +105,9 @@ def hf_target(cfg: ModelConfig) -> str:
 
     The message lists the model keys in the way of an export and, per target, the values it needs.
     """
+    if cfg.arch == "lstm":  # it ignores the position, norm and MLP keys, so listing them would mislead
+        raise ExportError("cannot export to Hugging Face: model.arch=lstm is a recurrent model and the targets are "
+                          "transformers (GPT2LMHeadModel and LlamaForCausalLM need model.arch=gpt)")
     misses = {name: unmet(cfg, target) for name, target in TARGETS.items()}
     for name, missed in misses.items():
         if not missed:

@@ -1,8 +1,8 @@
 """`python -m lm.sample`: generate text from a checkpoint saved at any world size.
 
-A GPT continues the prompt. An encoder-decoder reads the prompt as its source: each `<mask>` in it
-becomes a sentinel whose span the decoder writes, and the output is the prompt with the spans filled
-in; a prompt without `<mask>` gets one at its end, so the model writes a continuation.
+A GPT or an LSTM continues the prompt. An encoder-decoder reads the prompt as its source: each `<mask>`
+in it becomes a sentinel whose span the decoder writes, and the output is the prompt with the spans
+filled in; a prompt without `<mask>` gets one at its end, so the model writes a continuation.
 """
 
 import argparse

@@ -120,6 +120,22 @@ def test_encdec_checkpoint_is_refused_from_its_config(trained_run, tmp_path, cap
     assert not out.exists()
 
 
+def test_lstm_checkpoint_is_refused_naming_the_architecture_alone(trained_run, tmp_path, capsys):
+    step = tmp_path / "lstm" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    source = resolve_checkpoint(trained_run)
+    shutil.copy(source / "state.json", step)
+    config = yaml.safe_load((source / "config.yaml").read_text())
+    config["model"]["arch"] = "lstm"
+    (step / "config.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "out"
+    assert run(main, ["--checkpoint", str(tmp_path / "lstm"), "--to", "hf", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["error: cannot export to Hugging Face: model.arch=lstm is a recurrent model and the targets "
+                     "are transformers (GPT2LMHeadModel and LlamaForCausalLM need model.arch=gpt)"]
+    assert not out.exists()
+
+
 def test_non_empty_out_needs_force_and_keeps_other_files(trained_run, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()

@@ -7,9 +7,11 @@ from torch.utils.checkpoint import checkpoint
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a GPT or an encoder-decoder, in order."""
+    """The repeated units, in order: a GPT's or an encoder-decoder's transformer blocks, an LSTM's layers."""
     if hasattr(model, "blocks"):
         return list(model.blocks)
+    if hasattr(model, "layers"):
+        return list(model.layers)
     return [*model.encoder, *model.decoder]
 
 

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from lm.checkpoint import DEEPSPEED_TAG, UNIVERSAL_TAG
-from lm.config import JobConfig
+from lm.config import ConfigError, JobConfig
 from lm.consolidate import load_consolidated_weights
 from lm.distributed.activation import checkpoint_blocks
 from lm.distributed.ddp import grad_sync, wrap_ddp
@@ -59,6 +59,25 @@ def autocast_for(cfg: JobConfig, device: torch.device) -> contextlib.AbstractCon
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
+def check_lstm_autocast(cfg: JobConfig, device: torch.device) -> None:
+    """Refuse bf16 autocast of an LSTM on a CPU whose oneDNN cannot run it, before the first step would.
+
+    CPU autocast hands nn.LSTM to oneDNN in bf16, which CPUs without bf16 support reject with an opaque
+    "could not create a primitive descriptor"; a one-unit LSTM tells which kind of CPU this is.
+    """
+    if cfg.model.arch != "lstm" or device.type != "cpu" or cfg.train.dtype != "bfloat16":  # auto is fp32 on CPU
+        return
+    with torch.device("meta"):  # uninitialised weights: the probe draws nothing from the RNG the run seeded
+        probe = nn.LSTM(1, 1)
+    probe.to_empty(device="cpu")
+    try:
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+            probe(torch.zeros(1, 1, 1))
+    except RuntimeError:
+        raise ConfigError("train.dtype: bfloat16 autocasts model.arch=lstm to bf16, which this CPU's LSTM kernel "
+                          "(oneDNN) cannot run; use train.dtype=float32 (or auto) on the CPU") from None
+
+
 class TorchEngine:
     """ddp (replicated model, DistributedDataParallel) or fsdp (FSDP2 fully_shard); DCP checkpoints."""
 
@@ -73,6 +92,7 @@ class TorchEngine:
             self.train_model = self.model  # fully_shard works in place; precision is its policy's
             self.autocast = contextlib.nullcontext()
         else:
+            check_lstm_autocast(cfg, env.device)
             self.model = build_model(cfg.model)
             if init_from is not None:
                 load_consolidated_weights(init_from, self.model)

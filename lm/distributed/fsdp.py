@@ -21,24 +21,26 @@ from lm.distributed.activation import checkpoint_blocks, model_blocks
 from lm.distributed.env import DistEnv
 from lm.models.factory import build_model
 
-_NORMAL_SIGNATURE = inspect.signature(torch.nn.init.normal_)
+# the random fills the models' init_weights use (normal_: GPT, encoder-decoder; uniform_: LSTM)
+_RANDOM_INITS = {init: inspect.signature(init) for init in (torch.nn.init.normal_, torch.nn.init.uniform_)}
 
 
 class FullTensorInit(TorchFunctionMode):
-    """Inside this mode, `nn.init.normal_` of a sharded parameter draws the whole tensor from the global
-    CPU generator and copies this rank's slice: every rank consumes the same random numbers, in the same
-    order, as an unsharded model would."""
+    """Inside this mode, `nn.init.normal_` or `nn.init.uniform_` of a sharded parameter draws the whole
+    tensor from the global CPU generator and copies this rank's slice: every rank consumes the same random
+    numbers, in the same order, as an unsharded model would."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not torch.nn.init.normal_:
+        if func not in _RANDOM_INITS:
             return func(*args, **kwargs)
-        bound = _NORMAL_SIGNATURE.bind(*args, **kwargs)
+        bound = _RANDOM_INITS[func].bind(*args, **kwargs)
         bound.apply_defaults()
-        param = bound.arguments["tensor"]
+        param = bound.arguments.pop("tensor")
         if not isinstance(param, DTensor):
             return func(*args, **kwargs)
-        full = torch.empty(param.shape, dtype=param.dtype).normal_(bound.arguments["mean"], bound.arguments["std"])
+        full = torch.empty(param.shape, dtype=param.dtype)
+        func(full, **bound.arguments)  # this mode is off inside its own handler: a plain draw
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         with torch.no_grad():
             param.to_local().copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])

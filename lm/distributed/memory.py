@@ -7,10 +7,8 @@ kernels (about 0.5-1 GiB per process), the caching allocator's fragmentation and
 DeepSpeed's communication buffers (DeepSpeed's `reduce_bucket_size` alone is 5e8 elements by default),
 temporaries inside kernels and the optimizer step, and the input batch. Plan with headroom.
 
-Parameters. N is counted exactly from `ModelConfig` (equal to `build_model(cfg).num_params(False)`):
-token embedding (padded vocabulary) and position tables, per block two norms, the fused q/k/v and
-output projections (grouped-query heads shrink k and v), the MLP (SwiGLU's first matrix is 2 x d_ff
-wide), cross-attention in encoder-decoder blocks, final norms, and the output head unless tied.
+Parameters. N is counted exactly from `ModelConfig` (`lm.distributed.param_count`, equal to
+`build_model(cfg).num_params(False)`).
 
 Model state, bytes per parameter, and what each engine shards over W devices (Rajbhandari et al.
 2020, "ZeRO", section 3, for the DeepSpeed rows). "bf16" is `train.dtype` bfloat16, or auto with a
@@ -32,8 +30,8 @@ round up (ceil(N / W) elements), as FSDP pads its shards.
 Gathered. FSDP and ZeRO-3 all-gather full parameters just in time. FSDP2 keeps the root unit (all
 parameters outside the blocks: embeddings, position tables, final norms, untied head) gathered
 through forward and backward, and prefetches the next block while computing one, so we count the
-root plus two blocks, each as a gathered 16-bit weight and its unsharded 16-bit gradient before the
-reduce-scatter (4 + 4 bytes in float32). ZeRO-3 is charged the same.
+root plus two blocks (an LSTM: two layers), each as a gathered 16-bit weight and its unsharded 16-bit
+gradient before the reduce-scatter (4 + 4 bytes in float32). ZeRO-3 is charged the same.
 
 `cpu_offload` moves state to host memory, reported apart: fsdp offloads its sharded parameters,
 gradients and optimizer state (16 / W bytes per parameter; the device keeps only the gathered units),
@@ -74,6 +72,16 @@ bytes for the padded vocabulary V: the model's logits (returned to the trainer),
 log-softmax output the loss saves, and at the start of backward the fp32 gradients of that
 log-softmax's output and input. For GPT-2 small (V = 50k, d_model 768) that is twice all its blocks.
 
+LSTM (`arch: lstm`), per layer: 8*c*t*h bytes, what PyTorch's unfused LSTM saves for backward: the
+layer's input c*t*h, and at every step the previous hidden state, the four gate activations, the
+previous cell state and the tanh of the new one. Outside the layers: the head's input c*t*h, a 1-byte
+dropout mask after the embedding and after every layer (dropout > 0), and the logits as above.
+Checkpointing keeps each checkpointed layer's input (r*t*h for the first, which reads the embedding,
+c*t*h for the others) plus one layer recomputed. This count is exact for the unfused kernel; the fused
+ones keep their own buffers instead: cuDNN a reserve space whose size it does not publish (not checked
+here: no GPU in the tests), the CPU's oneDNN kernel a workspace of 64 bytes per t*h in float32 (the
+tests turn it off), and CPU autocast keeps the cell states in fp32 (4 bytes more per t*h).
+
 Checked against the bytes autograd actually saves (tests/distributed/test_memory.py, on the CPU):
 within 2% per block. Not modelled: torch.compile, which fuses some saved tensors away; the CPU's
 unfused RMSNorm, which also saves its normalized output (CUDA's fused kernel does not).
@@ -83,10 +91,11 @@ from dataclasses import dataclass
 
 from lm.config import ENGINES, JobConfig
 from lm.data.span_corruption import corrupted_lengths
+from lm.distributed.param_count import block_params, num_params, root_params, unit_params
 from lm.models.config import ModelConfig
 
 __all__ = ["MemoryEstimate", "block_params", "checkpointed_blocks", "estimate_memory", "layer_activation_bytes",
-           "num_params"]
+           "lstm_layer_activation_bytes", "num_params"]
 
 GIB = 2 ** 30
 CUDA_CONTEXT_BYTES = GIB
@@ -95,52 +104,6 @@ CUDA_CONTEXT_BYTES = GIB
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
-
-# ---- parameter count --------------------------------------------------------------------------------
-
-def _linear(n_in: int, n_out: int, bias: bool) -> int:
-    return n_in * n_out + (n_out if bias else 0)
-
-
-def _norm(cfg: ModelConfig) -> int:
-    # LayerNorm has a bias only with cfg.bias; RMSNorm never has one
-    return cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
-
-
-def block_params(cfg: ModelConfig, cross: bool = False) -> int:
-    """Parameters of one block; `cross` adds the encoder-decoder's cross-attention sublayer."""
-    d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
-    attn = _linear(d, d + 2 * kv, cfg.bias) + _linear(d, d, cfg.bias)
-    mlp_in = 2 * cfg.ff_dim if cfg.mlp == "swiglu" else cfg.ff_dim  # SwiGLU stacks gate and up
-    mlp = _linear(d, mlp_in, cfg.bias) + _linear(cfg.ff_dim, d, cfg.bias)
-    n = 2 * _norm(cfg) + attn + mlp
-    if cross:
-        n += _norm(cfg) + _linear(d, d, cfg.bias) + _linear(d, 2 * kv, cfg.bias) + _linear(d, d, cfg.bias)
-    return n
-
-
-def _root_params(cfg: ModelConfig) -> int:
-    """Parameters outside the blocks: embeddings, position tables, final norms, untied output head."""
-    d, vocab = cfg.d_model, cfg.padded_vocab_size
-    stacks = 2 if cfg.arch == "encdec" else 1
-    n = vocab * d
-    if cfg.arch == "encdec" and not cfg.share_embeddings:
-        n += vocab * d
-    if cfg.pos == "learned":
-        n += stacks * cfg.block_size * d
-    if cfg.norm_position == "pre":  # post-norm blocks end in a norm, so the stacks have no final one
-        n += stacks * _norm(cfg)
-    if not cfg.tie_embeddings:
-        n += vocab * d
-    return n
-
-
-def num_params(cfg: ModelConfig) -> int:
-    """Every parameter of the model `cfg` describes, a tied head counted once."""
-    if cfg.arch == "encdec":
-        return _root_params(cfg) + cfg.n_layer * (block_params(cfg) + block_params(cfg, cross=True))
-    return _root_params(cfg) + cfg.n_layer * block_params(cfg)
 
 
 # ---- model state --------------------------------------------------------------------------------
@@ -178,8 +141,7 @@ def _states(engine: str, zero_stage: int, mixed: bool, world_size: int) -> list[
 
 def _gathered_units(cfg: ModelConfig) -> int:
     """Parameters unsharded at once under FSDP or ZeRO-3: the root unit and two blocks (one prefetched)."""
-    largest = block_params(cfg, cross=cfg.arch == "encdec")
-    return _root_params(cfg) + 2 * largest
+    return root_params(cfg) + 2 * unit_params(cfg)
 
 
 # ---- activations ------------------------------------------------------------------------------
@@ -211,6 +173,12 @@ def layer_activation_bytes(
     hidden = {"gelu": 2, "relu": 1, "swiglu": 4}[cfg.mlp]  # relu saves only its output, the next input
     n += residual_bytes * t * h + c * t * h + hidden * c * t * f + (t * h if drop else 0)
     return n
+
+
+def lstm_layer_activation_bytes(cfg: ModelConfig, batch: int, seq: int, act_bytes: int = 2) -> int:
+    """Bytes one LSTM layer saves for backward on `batch` sequences of `seq` tokens: its input and, per
+    step, the previous hidden state, four gates, the previous cell state and tanh of the new one."""
+    return 8 * act_bytes * batch * seq * cfg.d_model
 
 
 def _attention_bytes(cfg: ModelConfig, batch: int, q_len: int, kv_len: int, c: int, residual: int,
@@ -271,6 +239,15 @@ def _activation_bytes(cfg: JobConfig, c: int, residual: int, every: int, fused: 
     def tail(tokens: int) -> int:  # final norm and head input, embedding dropout mask
         return (final_norm + c + drop) * tokens * h
 
+    if model.arch == "lstm":
+        t = b * s
+        full = lstm_layer_activation_bytes(model, b, s, c)
+        k = checkpointed_blocks(n_layer, every)
+        layers = _stack_bytes(n_layer, k, full, c * t * h)
+        if k:  # one layer recomputed; the first checkpoint holds the embedding output, as wide as the residual
+            layers += full + (residual - c) * t * h
+        logits = t * vocab * (c + 12)
+        return layers + (c + drop * (n_layer + 1)) * t * h + logits, logits
     if model.arch == "gpt":
         t = b * s
         full = layer_activation_bytes(model, b, s, c, residual, fused)

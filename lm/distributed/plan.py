@@ -72,6 +72,9 @@ def plan_table(cfg: JobConfig, world_size: int, device_gib: float = 80.0) -> str
         )
     lines.append(f"ckpt: activation checkpointing every n-th block (0: none). activ includes logits. "
                  f"fits: GPU GiB x 1.1 + 1 GiB (CUDA context) <= {device_gib:g} GiB")
+    if m.arch == "lstm":
+        lines.append("lstm: activ counts what PyTorch's unfused LSTM saves (8 values per hidden unit, token and "
+                     "layer); cuDNN keeps a reserve space of unpublished size instead, so treat it as approximate")
     best = pick(rows, device_gib)
     if best is None:
         lines.append(f"pick: nothing fits {device_gib:g} GiB at this micro batch; lower train.micro_batch_size "

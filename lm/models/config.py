@@ -5,12 +5,15 @@ Lives beside the models (not in `lm.config`) so model files import only model co
 The defaults are GPT-2. A Llama-style decoder sets `pos: rope`, `norm: rmsnorm`, `mlp: swiglu`,
 `bias: false` and optionally `n_kv_head` (grouped-query attention). `arch: encdec` is the encoder-decoder
 of "Attention Is All You Need" (with `pos: sinusoidal`), trained by span corruption: its vocabulary is
-the tokenizer's plus `n_sentinels` sentinel ids plus one padding id.
+the tokenizer's plus `n_sentinels` sentinel ids plus one padding id. `arch: lstm` is the recurrent
+baseline: it reads vocab_size, block_size, n_layer, d_model (embedding and hidden width), dropout, bias and
+tie_embeddings, and ignores the attention, feed-forward, position and norm keys, so a transformer config
+turns into an LSTM by changing `arch` alone.
 """
 
 from dataclasses import dataclass
 
-ARCHS = ("gpt", "encdec")
+ARCHS = ("gpt", "encdec", "lstm")
 POSITIONS = ("learned", "sinusoidal", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu", "swiglu")
@@ -24,25 +27,25 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     arch: str = "gpt"
-    """Model family: gpt (decoder-only) or encdec (encoder-decoder, span-corruption pretraining)."""
+    """Model family: gpt (decoder-only), encdec (encoder-decoder, span corruption) or lstm (recurrent baseline)."""
     vocab_size: int = 50257
     """Tokenizer vocabulary size (the embedding is padded up to a multiple of 64)."""
     block_size: int = 1024
     """Longest sequence the model takes (for encdec: the longest source and the longest target)."""
     n_layer: int = 12
-    """Number of transformer blocks (for encdec: in the encoder, and as many in the decoder)."""
+    """Number of transformer blocks (encdec: in the encoder, and as many in the decoder; lstm: LSTM layers)."""
     n_head: int = 12
-    """Attention (query) heads per block."""
+    """Attention (query) heads per block (not lstm)."""
     n_kv_head: int = 0
     """Key/value heads (grouped-query attention); 0 means n_head, i.e. ordinary multi-head attention."""
     d_model: int = 768
-    """Residual stream width."""
+    """Residual stream width (lstm: embedding width and hidden size of every layer)."""
     d_ff: int = 0
     """Feed-forward hidden width; 0 means 4 * d_model (gelu, relu) or 8/3 * d_model rounded up to 64 (swiglu)."""
     dropout: float = 0.0
-    """Dropout on attention weights, residual branches and embeddings."""
+    """Dropout on attention weights, residual branches and embeddings (lstm: embeddings and each layer's output)."""
     bias: bool = True
-    """Biases in linear layers and LayerNorms, as in GPT-2; Llama has none."""
+    """Biases in linear layers and LayerNorms, as in GPT-2; Llama has none (lstm: the gates' biases)."""
     pos: str = "learned"
     """Positions: learned (GPT-2 table), sinusoidal (fixed, as in the original transformer) or rope (rotary, gpt only)."""
     rope_theta: float = 10000.0
@@ -73,6 +76,17 @@ class ModelConfig:
         for key in ("n_kv_head", "d_ff"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"model.{key}: must be >= 0 (0 picks the default), got {getattr(self, key)}")
+        if self.arch != "lstm":  # an LSTM has no heads: its d_model need not split into them
+            self._check_heads()
+        if self.arch == "encdec":
+            if self.pos == "rope":
+                raise ConfigError("model.pos: rope is for arch gpt; encdec takes sinusoidal (as in the paper) or learned")
+            if self.n_sentinels < 1:
+                raise ConfigError(f"model.n_sentinels: encdec needs at least 1 sentinel id, got {self.n_sentinels}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout: must be in [0, 1), got {self.dropout}")
+
+    def _check_heads(self) -> None:
         if self.d_model % self.n_head:
             raise ConfigError(
                 f"model.d_model: {self.d_model} is not divisible by model.n_head={self.n_head}"
@@ -84,13 +98,6 @@ class ModelConfig:
             )
         if self.pos == "rope" and self.head_dim % 2:
             raise ConfigError(f"model.pos: rope needs an even head size, got d_model/n_head = {self.head_dim}")
-        if self.arch == "encdec":
-            if self.pos == "rope":
-                raise ConfigError("model.pos: rope is for arch gpt; encdec takes sinusoidal (as in the paper) or learned")
-            if self.n_sentinels < 1:
-                raise ConfigError(f"model.n_sentinels: encdec needs at least 1 sentinel id, got {self.n_sentinels}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout: must be in [0, 1), got {self.dropout}")
 
     @property
     def kv_heads(self) -> int:

@@ -5,8 +5,11 @@ import torch.nn as nn
 from lm.models.config import ModelConfig
 from lm.models.encdec import EncoderDecoder
 from lm.models.gpt import GPT
+from lm.models.lstm import LSTMLM
+
+_MODELS = {"gpt": GPT, "encdec": EncoderDecoder, "lstm": LSTMLM}
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
-    """GPT for arch gpt, EncoderDecoder for arch encdec, initialised from the global torch RNG."""
-    return EncoderDecoder(cfg) if cfg.arch == "encdec" else GPT(cfg)
+    """GPT for arch gpt, EncoderDecoder for encdec, LSTMLM for lstm, initialised from the global torch RNG."""
+    return _MODELS[cfg.arch](cfg)

@@ -1,7 +1,9 @@
-"""Autoregressive sampling with a KV cache.
+"""Autoregressive sampling with a KV cache (or an LSTM's recurrent state).
 
-GPT: prefill the prompt into the cache once, then decode token by token (or, without a cache, run the
-whole sequence again for every token: the baseline the cache is measured against). Encoder-decoder:
+Decoder-only LMs (GPT, LSTM): prefill the prompt into the cache once, then decode token by token (or,
+without a cache, run the whole sequence again for every token: the baseline the cache is measured
+against). The LSTM's `new_cache` is its per-layer (h, c) state, fed and updated like a KV cache, so the
+same loop serves both. Encoder-decoder:
 encode the source once and project its cross-attention keys and values once, then decode token by
 token from the start id, the decoder's own keys and values cached.
 """
@@ -13,6 +15,10 @@ import torch.nn.functional as F
 
 from lm.models.encdec import EncoderDecoder
 from lm.models.gpt import GPT
+from lm.models.lstm import LSTMLM
+
+DecoderLM = GPT | LSTMLM
+"""The models `generate` and `generate_batch` sample from: `forward(idx, cache=, last_only=)`, `new_cache`."""
 
 
 def filter_logits(
@@ -59,7 +65,7 @@ def _next_token(
     return torch.multinomial(probs, num_samples=1, generator=generator)[:, 0]
 
 
-def _decode(model: GPT, idx: torch.Tensor, steps: int, vocab_size: int, use_cache: bool, temperature: float,
+def _decode(model: DecoderLM, idx: torch.Tensor, steps: int, vocab_size: int, use_cache: bool, temperature: float,
             top_k: int | None, top_p: float | None, generator: torch.Generator | None) -> Iterator[torch.Tensor]:
     """Yield `steps` next tokens (B,) after the prompts idx (B, T), each picked by `_next_token`.
 
@@ -85,7 +91,7 @@ def _decode(model: GPT, idx: torch.Tensor, steps: int, vocab_size: int, use_cach
             idx = torch.cat([idx, token[:, None]], dim=1)
 
 
-def _check_length(model: GPT, prompt_len: int, max_new_tokens: int, name: str) -> None:
+def _check_length(model: DecoderLM, prompt_len: int, max_new_tokens: int, name: str) -> None:
     if max_new_tokens < 0:
         raise ValueError(f"{name}: max_new_tokens must be >= 0, got {max_new_tokens}")
     if prompt_len + max(max_new_tokens - 1, 0) > model.cfg.block_size:
@@ -97,7 +103,7 @@ def _check_length(model: GPT, prompt_len: int, max_new_tokens: int, name: str) -
 
 @torch.no_grad()
 def generate(
-    model: GPT,
+    model: DecoderLM,
     prompt: list[int],
     max_new_tokens: int,
     temperature: float = 1.0,
@@ -116,8 +122,8 @@ def generate(
     seed None draws from the global torch RNG. The caller truncates a prompt that would not fit:
     prompt plus max_new_tokens may exceed model.block_size by one, since the last token is never fed back.
     """
-    if not isinstance(model, GPT):
-        raise TypeError(f"generate: takes a decoder-only GPT, got {type(model).__name__}; "
+    if not isinstance(model, (GPT, LSTMLM)):
+        raise TypeError(f"generate: takes a decoder-only model (GPT or LSTM), got {type(model).__name__}; "
                         "an encoder-decoder decodes with generate_seq2seq")
     if not prompt:
         raise ValueError("generate: prompt must hold at least one token")
@@ -145,7 +151,7 @@ def generate(
 
 @torch.no_grad()
 def generate_batch(
-    model: GPT,
+    model: DecoderLM,
     idx: torch.Tensor,
     max_new_tokens: int,
     temperature: float = 1.0,
@@ -190,7 +196,7 @@ def generate_seq2seq(
     """
     if not isinstance(model, EncoderDecoder):
         raise TypeError(f"generate_seq2seq: takes an encoder-decoder, got {type(model).__name__}; "
-                        "a decoder-only GPT samples with generate")
+                        "a decoder-only model (GPT or LSTM) samples with generate")
     cfg = model.cfg
     if not source:
         raise ValueError("generate_seq2seq: the source must hold at least one token")

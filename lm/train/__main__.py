@@ -45,8 +45,9 @@ def dry_run(cfg: JobConfig, world_size: int, device_gib: float) -> None:
     from lm.distributed.plan import plan_table
 
     m = cfg.model
-    print(f"model: {m.arch}, {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads "
-          f"({m.kv_heads} key/value), vocabulary {m.padded_vocab_size:,} (padded)")
+    heads = "" if m.arch == "lstm" else f", {m.n_head} heads ({m.kv_heads} key/value)"
+    print(f"model: {m.arch}, {m.n_layer} layers, d_model {m.d_model}{heads}, "
+          f"vocabulary {m.padded_vocab_size:,} (padded)")
     print(f"parameters: {num_params(m):,}")
     print(f"configured: parallel.engine={cfg.parallel.engine}"
           + (f" zero_stage={cfg.parallel.zero_stage}" if cfg.parallel.engine == "deepspeed" else "")

@@ -30,9 +30,11 @@ def flops_per_token(cfg: ModelConfig, num_params: int, seq_len: int) -> float:
 
     `num_params` excludes position embeddings (no matmul) but counts the tied output head. The
     attention term 12 * n_layer * d_model * seq_len covers QK^T and AV in forward and backward
-    (the PaLM appendix B estimate), counted for full rather than causal attention.
+    (the PaLM appendix B estimate), counted for full rather than causal attention. An LSTM has no
+    attention: every weight, its gates' and the head's, is used once per token, so 6 per parameter is all.
     """
-    return 6 * num_params + 12 * cfg.n_layer * cfg.d_model * seq_len
+    attention = 0 if cfg.arch == "lstm" else 12 * cfg.n_layer * cfg.d_model * seq_len
+    return 6 * num_params + attention
 
 
 def encdec_flops_per_token(model: torch.nn.Module, seq_len: int, source_len: int, target_len: int) -> float:

@@ -6,18 +6,18 @@ from lm.models.config import ModelConfig
 from lm.models.factory import build_model
 
 
-@pytest.mark.parametrize("arch", ["gpt", "encdec"])
+@pytest.mark.parametrize("arch", ["gpt", "encdec", "lstm"])
 @pytest.mark.parametrize("every", [1, 2])
 def test_activation_checkpointing_gives_the_same_gradients_as_none(arch, every):
     cfg = ModelConfig(arch=arch, vocab_size=100, block_size=16, n_layer=3, n_head=2, d_model=16, n_sentinels=3,
                       pos="sinusoidal" if arch == "encdec" else "learned")
-    batch = [torch.randint(0, 100, (2, 8)) for _ in range(2 if arch == "gpt" else 3)]
+    batch = [torch.randint(0, 100, (2, 8)) for _ in range(3 if arch == "encdec" else 2)]
     grads = []
     for wrap in (False, True):
         torch.manual_seed(0)
         model = build_model(cfg)
         if wrap:
-            blocks = 3 if arch == "gpt" else 6
+            blocks = 6 if arch == "encdec" else 3  # an LSTM's layers are its blocks
             assert checkpoint_blocks(model, every) == (blocks + every - 1) // every
         model(*batch)[1].backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})

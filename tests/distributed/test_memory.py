@@ -11,7 +11,8 @@ from lm.config import load_config
 from lm.data.objectives import build_objective
 from lm.distributed.activation import checkpoint_blocks
 from lm.distributed.memory import (
-    GIB, block_params, checkpointed_blocks, estimate_memory, layer_activation_bytes, num_params,
+    GIB, block_params, checkpointed_blocks, estimate_memory, layer_activation_bytes, lstm_layer_activation_bytes,
+    num_params,
 )
 from lm.distributed.plan import pick, plan_rows, plan_table
 from lm.models.factory import build_model
@@ -20,6 +21,7 @@ SMALL = ["--model.n_layer=2", "--model.n_head=4", "--model.d_model=64", "--model
 LLAMA = ["--model.pos=rope", "--model.norm=rmsnorm", "--model.mlp=swiglu", "--model.bias=false",
          "--model.n_kv_head=2", "--model.tie_embeddings=false"]
 ENCDEC = ["--model.arch=encdec", "--model.pos=sinusoidal", "--model.mlp=relu", "--model.n_sentinels=20"]
+LSTM = ["--model.arch=lstm"]
 
 
 def _cfg(*overrides: str, engine: str = "ddp", dtype: str = "bfloat16", micro: int = 3):
@@ -35,7 +37,9 @@ def _cfg(*overrides: str, engine: str = "ddp", dtype: str = "bfloat16", micro: i
     ENCDEC,                                                               # shared, tied embeddings
     [*ENCDEC, "--model.pos=learned", "--model.share_embeddings=false", "--model.tie_embeddings=false",
      "--model.norm_position=post", "--model.n_kv_head=1"],
-], ids=["gpt2", "llama-gqa", "post-norm", "encdec", "encdec-untied"])
+    LSTM,                                                                 # tied, no positions, no norms
+    [*LSTM, "--model.tie_embeddings=false", "--model.bias=false"],
+], ids=["gpt2", "llama-gqa", "post-norm", "encdec", "encdec-untied", "lstm", "lstm-untied-no-bias"])
 def test_parameter_count_equals_the_built_model(overrides):
     cfg = _cfg(*overrides).model
     assert num_params(cfg) == build_model(cfg).num_params(non_embedding=False)
@@ -201,6 +205,46 @@ def test_per_layer_activations_match_what_autograd_saves(arch, setup):
     predicted = [estimate_memory(c, 1).activations for c in cfgs]
     # two more layers (encdec: two encoder and two decoder layers): the logits and the rest cancel out
     assert (predicted[1] - predicted[0]) == pytest.approx(measured[1] - measured[0], rel=0.03)
+
+
+@pytest.mark.parametrize("setup", ["float32", "fsdp-bf16"])
+def test_lstm_layer_activations_match_what_the_unfused_lstm_saves(setup, monkeypatch):
+    # The CPU's oneDNN LSTM keeps a workspace of its own and CPU autocast keeps the cell states in fp32,
+    # so the check runs PyTorch's unfused LSTM, in float32 and with bf16 weights (as FSDP and ZeRO give it).
+    dtype = "float32" if setup == "float32" else "bfloat16"
+    cfgs = [_cfg(*LSTM, f"--model.n_layer={n}", "--train.device=cpu", engine="ddp" if setup == "float32" else "fsdp",
+                 dtype=dtype) for n in (2, 4)]
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    measured = [_saved_bytes(c, bf16_weights=setup == "fsdp-bf16", autocast=False) for c in cfgs]
+    predicted = [estimate_memory(c, 1).activations for c in cfgs]
+    assert predicted[1] - predicted[0] == pytest.approx(measured[1] - measured[0], rel=0.03)
+    c, t, h = (4 if setup == "float32" else 2), 3 * 40, 64
+    assert predicted[1] - predicted[0] == 2 * lstm_layer_activation_bytes(cfgs[0].model, 3, 40, c) == 2 * 8 * c * t * h
+
+
+def test_lstm_checkpointing_keeps_layer_inputs_and_one_layer():
+    layers, t, h = 6, 3 * 40, 64
+    cfg = _cfg(*LSTM, f"--model.n_layer={layers}")  # ddp autocast: the embedding output stays fp32
+    full = lstm_layer_activation_bytes(cfg.model, 3, 40, act_bytes=2)
+    none = estimate_memory(cfg, 1, activation_checkpointing=0)
+    every = estimate_memory(cfg, 1, activation_checkpointing=1)
+    outside = none.activations - layers * full
+    # six layer inputs (the first the fp32 embedding output, the others bf16) and one layer recomputed
+    assert every.activations - outside == 4 * t * h + 5 * 2 * t * h + full
+    vocab = cfg.model.padded_vocab_size
+    assert none.gathered == 0 and estimate_memory(cfg, 2, "fsdp").gathered == (
+        (vocab * 64 + 2 * (8 * 64 * 64 + 8 * 64)) * (2 + 2))  # the root (tied embedding) and two layers
+    assert "lstm: activ counts what PyTorch's unfused LSTM saves" in plan_table(cfg, 2)
+
+
+def test_dry_run_describes_an_lstm_without_heads(capsys):
+    from lm.train.__main__ import dry_run
+
+    cfg = _cfg(*LSTM)
+    dry_run(cfg, 2, 80.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "model: lstm, 2 layers, d_model 64, vocabulary 50,304 (padded)"
+    assert lines[1] == f"parameters: {50304 * 64 + 2 * (8 * 64 * 64 + 8 * 64):,}"
 
 
 def test_plan_table_lists_every_engine_and_picks_one():

@@ -197,5 +197,5 @@ def test_each_decoding_function_refuses_the_other_architecture() -> None:
     gpt = GPT(ModelConfig(vocab_size=100, block_size=16, n_layer=1, n_head=2, d_model=16))
     with pytest.raises(TypeError, match="generate_seq2seq: takes an encoder-decoder, got GPT"):
         generate_seq2seq(gpt, [1, 2], 3)
-    with pytest.raises(TypeError, match="generate: takes a decoder-only GPT, got EncoderDecoder"):
+    with pytest.raises(TypeError, match=r"generate: takes a decoder-only model \(GPT or LSTM\), got EncoderDecoder"):
         generate(EncoderDecoder(CFG), [1, 2], 3)

@@ -1,0 +1,169 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lm.distributed.param_count import num_params
+from lm.models.config import ConfigError, ModelConfig
+from lm.models.factory import build_model
+from lm.models.generate import generate, generate_batch
+from lm.models.lstm import LSTMLM
+
+
+def tiny_config(**overrides: object) -> ModelConfig:
+    fields = dict(arch="lstm", vocab_size=100, block_size=32, n_layer=2, d_model=32)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def tiny_model(seed: int = 0, **overrides: object) -> LSTMLM:
+    torch.manual_seed(seed)
+    return LSTMLM(tiny_config(**overrides)).eval()
+
+
+def test_factory_builds_stacked_single_layer_lstms() -> None:
+    model = build_model(tiny_config(n_layer=3))
+    assert isinstance(model, LSTMLM) and len(model.layers) == 3
+    for layer in model.layers:  # one nn.LSTM per layer: the unit FSDP shards and checkpointing recomputes
+        assert isinstance(layer, torch.nn.LSTM) and layer.num_layers == 1 and layer.batch_first
+        assert (layer.input_size, layer.hidden_size) == (32, 32)
+    with pytest.raises(ValueError, match="model.arch is 'gpt'"):
+        LSTMLM(ModelConfig(vocab_size=100, n_layer=1, n_head=2, d_model=32))
+
+
+def test_logits_cover_the_padded_vocabulary_and_loss_is_float32_cross_entropy() -> None:
+    model = tiny_model()
+    idx, targets = torch.randint(0, 100, (2, 10)), torch.randint(0, 100, (2, 10))
+    logits, loss = model(idx, targets)
+    assert logits.shape == (2, 10, 128)  # 100 rounded up to a multiple of 64
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert loss.item() == pytest.approx(F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item(), rel=1e-6)
+    assert abs(loss.item() - math.log(128)) < 0.1  # small initial logits: close to uniform over the rows
+    assert model(idx)[1] is None
+    last, _ = model(idx, last_only=True)
+    torch.testing.assert_close(last, logits[:, -1:], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="last_only is for sampling"):
+        model(idx, targets, last_only=True)
+
+
+def test_changing_a_future_token_never_changes_earlier_logits() -> None:
+    model = tiny_model()
+    idx = torch.randint(0, 100, (1, 12))
+    changed = idx.clone()
+    changed[0, 7] = (idx[0, 7] + 1) % 100
+    a, _ = model(idx)
+    b, _ = model(changed)
+    assert torch.equal(a[:, :7], b[:, :7])
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+def test_parameters_counted_by_hand_and_by_the_planner() -> None:
+    v, c = 128, 32
+    layer = 2 * 4 * c * c + 2 * 4 * c  # weight_ih, weight_hh (4c x c) and two 4c biases
+    tied = tiny_model()
+    assert tied.lm_head.weight is tied.wte.weight
+    assert tied.num_params() == tied.num_params(non_embedding=False) == v * c + 2 * layer
+    untied = tiny_model(tie_embeddings=False, bias=False)
+    assert untied.lm_head.weight is not untied.wte.weight
+    assert untied.num_params() == 2 * v * c + 2 * 2 * 4 * c * c
+    for model in (tied, untied):
+        assert num_params(model.cfg) == model.num_params(non_embedding=False)
+
+
+def test_init_draws_embedding_normal_and_lstm_weights_uniform() -> None:
+    model = tiny_model(d_model=64, vocab_size=5000)
+    assert model.wte.weight.std().item() == pytest.approx(0.02, rel=0.03)
+    bound = 1 / math.sqrt(64)
+    weights = torch.cat([p.flatten() for layer in model.layers for p in layer.parameters()])
+    assert weights.abs().max().item() <= bound
+    assert weights.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.03)  # std of U(-b, b)
+
+
+def test_meta_build_then_init_weights_matches_normal_build() -> None:
+    for cfg in (tiny_config(), tiny_config(tie_embeddings=False)):
+        torch.manual_seed(123)
+        reference = LSTMLM(cfg)
+        with torch.device("meta"):
+            model = LSTMLM(cfg)
+        assert model.layers[0].weight_ih_l0.is_meta
+        model.to_empty(device="cpu")
+        torch.manual_seed(123)
+        model.init_weights()
+        assert (model.lm_head.weight is model.wte.weight) == cfg.tie_embeddings
+        expected, actual = reference.state_dict(), model.state_dict()
+        assert actual.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(actual[name], tensor), name
+        idx = torch.randint(0, 100, (2, 6))
+        assert torch.equal(model(idx)[0], reference(idx)[0])  # nn.LSTM's flat weights follow to_empty
+
+
+def test_recurrent_state_in_pieces_gives_the_full_forward_logits() -> None:
+    model = tiny_model()
+    idx = torch.randint(0, 100, (2, 15))
+    full, _ = model(idx)
+    state = model.new_cache(batch_size=2, max_len=15)
+    assert len(state.layers) == 2 and state.layers[0][0].shape == (1, 2, 32) and state.length == 0
+    parts = [model(idx[:, a:b], cache=state)[0] for a, b in [(0, 5), (5, 9), (9, 10), (10, 15)]]
+    assert state.length == 15
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="recurrent state overflow: 16 positions exceed its max_len=15"):
+        model(idx[:, :1], cache=state)
+
+
+def test_sequence_longer_than_block_size_raises() -> None:
+    model = tiny_model()
+    with pytest.raises(ValueError, match="model.block_size=32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+    state = model.new_cache(batch_size=1, max_len=40)
+    model(torch.zeros(1, 30, dtype=torch.long), cache=state)
+    with pytest.raises(ValueError, match=r"33 tokens \(30 fed before \+ 3 new\) exceeds model.block_size=32"):
+        model(torch.zeros(1, 3, dtype=torch.long), cache=state)
+
+
+def test_greedy_decoding_with_the_state_equals_rerunning_the_sequence() -> None:
+    model = tiny_model()
+    prompts = torch.randint(0, 100, (3, 4), generator=torch.Generator().manual_seed(2))
+    cached = generate_batch(model, prompts, 20, temperature=0.0)
+    uncached = generate_batch(model, prompts, 20, temperature=0.0, use_cache=False)
+    assert cached.shape == (3, 20) and torch.equal(cached, uncached)
+    assert int(cached.max()) < 100  # padding rows of the embedding are never sampled
+    # the single-prompt sampler: the same tokens as its row of the batch, and a seed fixes sampled text
+    assert generate(model, prompts[1].tolist(), 20, temperature=0.0) == cached[1].tolist()
+    assert generate(model, [1, 2], 10, seed=4) == generate(model, [1, 2], 10, seed=4)
+
+
+def test_dropout_acts_in_training_only() -> None:
+    model = tiny_model(dropout=0.5)
+    idx = torch.randint(0, 100, (2, 8))
+    assert torch.equal(model(idx)[0], model(idx)[0])
+    model.train()
+    assert not torch.equal(model(idx)[0], model(idx)[0])
+
+
+def test_overfits_one_batch() -> None:
+    model = tiny_model()
+    model.train()
+    idx = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(1))
+    inputs, targets = idx[:, :-1], idx[:, 1:]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.0)
+    _, first_loss = model(inputs, targets)
+    for _ in range(80):
+        _, loss = model(inputs, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    _, last_loss = model(inputs, targets)
+    assert first_loss.item() > 4.0
+    assert last_loss.item() < first_loss.item() / 3  # 32 random next tokens, memorised
+
+
+def test_an_lstm_ignores_the_attention_keys_a_gpt_checks() -> None:
+    # d_model 30 does not split into the default 12 heads: an error for a GPT, no matter for an LSTM
+    with pytest.raises(ConfigError, match="model.d_model: 30 is not divisible by model.n_head=12"):
+        ModelConfig(arch="gpt", d_model=30)
+    cfg = ModelConfig(arch="lstm", vocab_size=100, block_size=16, n_layer=1, d_model=30, pos="rope", n_kv_head=5)
+    assert LSTMLM(cfg).num_params() == 128 * 30 + 8 * 30 * 30 + 8 * 30
+    with pytest.raises(ConfigError, match=r"model.arch: unknown value 'rnn'; expected one of \['gpt', 'encdec', 'lstm'\]"):
+        ModelConfig(arch="rnn")
