@@ -152,6 +152,24 @@ class TorchEngine:
     def train(self, mode: bool) -> None:
         self.model.train(mode)
 
+    @contextlib.contextmanager
+    def full_weights(self):
+        """Every parameter whole on every rank inside the block, so any method of the model runs (sampling
+        calls an encoder-decoder's encode and decode, which FSDP's forward hooks never see)."""
+        if self.name != "fsdp":
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for module in sharded:
+            module.unshard()
+        try:
+            yield
+        finally:
+            for module in sharded:
+                module.reshard()
+
     def save(self, directory: Path) -> None:
         """Collectively write model and optimizer as DCP shards into `directory`."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -213,6 +231,14 @@ class DeepSpeedEngine:
 
     def train(self, mode: bool) -> None:
         self.engine.train(mode)
+
+    def full_weights(self) -> contextlib.AbstractContextManager:
+        """Every parameter whole on every rank inside the block (ZeRO-3 gathers them; stages 1-2 hold them)."""
+        if self.cfg.parallel.zero_stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.model.parameters()))
 
     def save(self, directory: Path) -> None:
         self.engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG)

@@ -209,7 +209,8 @@ class Trainer:
 
     def log_sample(self) -> None:
         """Continue log.sample_prompt with the current weights; rank 0 logs the text (every rank samples)."""
-        with autocast_for(self.cfg, self.env.device):  # a bf16 FSDP forward meets a cache of the weights' dtype
+        # autocast: a bf16 FSDP forward meets a cache of the weights' dtype
+        with self.engine.full_weights(), autocast_for(self.cfg, self.env.device):
             text = sample_text(self.model, self.cfg, self.tokenizer, self.env.device)
         self.metrics.log_text("sample", self.step, text)
         if self.env.is_main:
