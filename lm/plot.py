@@ -151,6 +151,9 @@ def save_png(fig: Figure, path: str | Path) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format="png", dpi=fig.dpi)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's file is private; a plot should read like any other file
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
