@@ -138,3 +138,18 @@ def test_dry_run_lists_the_runs_and_writes_nothing(base_config, tmp_path, capsys
     assert len(lines) == 4 and lines[0].startswith(f"[1/4] {out}/runs/n_layer=1_lr=0.001-")
     assert lines[3].endswith("--model.n_layer=2 --optim.lr=0.003")
     assert not out.exists()
+
+
+def test_nproc_runs_each_combination_as_a_torchrun_job(base_config, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    args = ["--config", str(base_config), "--grid", "model.arch=gpt", "--out", str(out), "--nproc", "2",
+            "--train.steps=2", "--train.batch_size=4", "--train.micro_batch_size=2", "--checkpoint.every=2",
+            "--train.eval_every=2"]
+    assert run(main, args) == 0
+    (run_dir,) = (out / "runs").iterdir()
+    log = (run_dir / "train.log").read_text()
+    assert "-m torch.distributed.run --standalone --nproc_per_node=2 -m lm.train" in log.splitlines()[0]
+    assert "2 ranks on cpu" in log
+    with open(out / "results.csv") as f:
+        (row,) = csv.DictReader(f)
+    assert row["status"] == "finished" and int(row["tokens"]) == 2 * 4 * 16
