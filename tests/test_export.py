@@ -104,32 +104,32 @@ def test_unsupported_model_is_refused_in_one_line_before_out_exists(tiny_data_di
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
-def test_encdec_checkpoint_is_refused_from_its_config(trained_run, tmp_path, capsys):
-    """Refused from its config alone: the weights are not even read (this copy has none)."""
-    step = tmp_path / "encdec" / "checkpoints" / "step_00000004"
+def checkpoint_of_arch(trained_run, root, **model):
+    """A checkpoint directory whose config says another architecture; it holds no weights."""
+    step = root / "checkpoints" / "step_00000004"
     step.mkdir(parents=True)
     source = resolve_checkpoint(trained_run)
     shutil.copy(source / "state.json", step)
     config = yaml.safe_load((source / "config.yaml").read_text())
-    config["model"].update(arch="encdec", pos="sinusoidal")
+    config["model"].update(model)
     (step / "config.yaml").write_text(yaml.safe_dump(config))
+    return root
+
+
+def test_encdec_checkpoint_is_refused_from_its_config(trained_run, tmp_path, capsys):
+    """Refused from its config alone: the weights are not even read (this copy has none)."""
+    run_dir = checkpoint_of_arch(trained_run, tmp_path / "encdec", arch="encdec", pos="sinusoidal")
     out = tmp_path / "out"
-    assert run(main, ["--checkpoint", str(tmp_path / "encdec"), "--to", "hf", str(out)]) == 2
+    assert run(main, ["--checkpoint", str(run_dir), "--to", "hf", str(out)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "model.arch=encdec" in lines[0] and "needs model.arch=gpt" in lines[0]
     assert not out.exists()
 
 
 def test_lstm_checkpoint_is_refused_naming_the_architecture_alone(trained_run, tmp_path, capsys):
-    step = tmp_path / "lstm" / "checkpoints" / "step_00000004"
-    step.mkdir(parents=True)
-    source = resolve_checkpoint(trained_run)
-    shutil.copy(source / "state.json", step)
-    config = yaml.safe_load((source / "config.yaml").read_text())
-    config["model"]["arch"] = "lstm"
-    (step / "config.yaml").write_text(yaml.safe_dump(config))
+    run_dir = checkpoint_of_arch(trained_run, tmp_path / "lstm", arch="lstm")
     out = tmp_path / "out"
-    assert run(main, ["--checkpoint", str(tmp_path / "lstm"), "--to", "hf", str(out)]) == 2
+    assert run(main, ["--checkpoint", str(run_dir), "--to", "hf", str(out)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == ["error: cannot export to Hugging Face: model.arch=lstm is a recurrent model and the targets "
                      "are transformers (GPT2LMHeadModel and LlamaForCausalLM need model.arch=gpt)"]
