@@ -1,5 +1,6 @@
 """The training loop: one optimizer step per global batch, logging, validation and checkpoints."""
 
+import contextlib
 import logging
 import os
 import shutil
@@ -209,8 +210,11 @@ class Trainer:
 
     def log_sample(self) -> None:
         """Continue log.sample_prompt with the current weights; rank 0 logs the text (every rank samples)."""
-        # autocast: a bf16 FSDP forward meets a cache of the weights' dtype
-        with self.engine.full_weights(), autocast_for(self.cfg, self.env.device):
+        # A GPT or LSTM samples through forward, where FSDP and ZeRO-3 gather each block as in training; an
+        # encoder-decoder's encode and decode bypass those hooks, so its whole weights are gathered first.
+        # autocast: a bf16 FSDP forward meets a cache of the weights' dtype.
+        gathered = self.engine.full_weights() if self.cfg.model.arch == "encdec" else contextlib.nullcontext()
+        with gathered, autocast_for(self.cfg, self.env.device):
             text = sample_text(self.model, self.cfg, self.tokenizer, self.env.device)
         self.metrics.log_text("sample", self.step, text)
         if self.env.is_main:
