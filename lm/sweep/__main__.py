@@ -50,24 +50,30 @@ def resolved(cfg: JobConfig) -> dict:
     return values
 
 
-def plan_runs(config: str, fixed: list[str], grid: dict[str, list[object]], combos: list[dict], out: Path) -> list[Run]:
-    """Each combination's config, checked before anything runs: a bad key or value names its grid key."""
-    for key, values in grid.items():
-        for value in values:
-            try:
-                load_config(config, [*fixed, f"--{key}={format_value(value)}"])
-            except ConfigError as err:
-                raise SweepError(f"--grid {key}={format_value(value)}: {err}") from None
+def plan_runs(config: str, fixed: list[str], combos: list[dict], out: Path) -> list[Run]:
+    """Each combination's config, checked before anything runs; a bad one names the grid value to blame."""
     runs = []
     for combo in combos:
         try:
             cfg = load_config(config, [*fixed, *overrides(combo)])
-        except ConfigError as err:  # values fine alone that clash together (n_head=3 with d_model=128, say)
-            raise SweepError(f"--grid combination {' '.join(overrides(combo))}: {err}") from None
+        except ConfigError as err:
+            message = blame(config, fixed, combo) or f"--grid combination {' '.join(overrides(combo))}: {err}"
+            raise SweepError(message) from None
         name = run_name(combo, resolved(cfg))
         cfg.train.out_dir = str(out / "runs" / name)
         runs.append(Run(name, combo, cfg, out / "runs" / name))
     return runs
+
+
+def blame(config: str, fixed: list[str], combo: dict) -> str | None:
+    """The error of the first grid value that the base config refuses on its own (an unknown key, a wrong
+    type), or None when only the combination clashes (n_head=3 with d_model=128, say)."""
+    for key, value in combo.items():
+        try:
+            load_config(config, [*fixed, f"--{key}={format_value(value)}"])
+        except ConfigError as err:
+            return f"--grid {key}={format_value(value)}: {err}"
+    return None
 
 
 def claim_sweep_dir(out: Path, base: dict, config: str, grid: dict, force: bool) -> None:
@@ -144,7 +150,7 @@ def main(argv: list[str]) -> int:
     grid = parse_grid(args.grid)
     base = load_config(args.config, fixed)
     out = Path(args.out or f"runs/sweep_{Path(args.config).stem}")
-    runs = plan_runs(args.config, fixed, grid, expand(grid, args.random, args.seed), out)
+    runs = plan_runs(args.config, fixed, expand(grid, args.random, args.seed), out)
     if args.dry_run:
         for i, r in enumerate(runs, 1):
             print(f"[{i}/{len(runs)}] {r.dir}  {' '.join(overrides(r.settings))}"

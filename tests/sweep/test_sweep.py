@@ -96,6 +96,8 @@ def tree_digest(root: Path) -> dict[str, str]:
     (["--grid", "model.n_layer=1,two"], r"--grid model.n_layer=two: model.n_layer: expected int, got str 'two'"),
     (["--grid", "optim.lr=1e-3,fast"], r"--grid optim.lr=fast: optim.lr: expected float, got str 'fast'"),
     (["--grid", "model.n_head=2,3"], r"--grid model.n_head=3: model.d_model: 32 is not divisible by model.n_head=3"),
+    (["--grid", "model.d_model=34", "model.n_head=4"],
+     r"--grid combination --model.d_model=34 --model.n_head=4: model.d_model: 34 is not divisible by model.n_head=4"),
     ([], r"--grid: empty"),
     (["--grid", "data.seq_len=8,16"], r"--grid data.seq_len: every run of a sweep has the same data"),
     (["--grid", "optim.lr=1e-3,3e-3", "--random", "3"], r"--random: 3 runs asked for, but the grid has 2"),
@@ -153,3 +155,11 @@ def test_nproc_runs_each_combination_as_a_torchrun_job(base_config, tmp_path, ca
     with open(out / "results.csv") as f:
         (row,) = csv.DictReader(f)
     assert row["status"] == "finished" and int(row["tokens"]) == 2 * 4 * 16
+
+
+def test_a_value_the_base_refuses_alone_is_fine_in_a_combination_that_accepts_it(base_config, tmp_path, capsys):
+    # d_model 33 splits into no 2 heads, which only a transformer has: with arch lstm the run is valid
+    out = tmp_path / "sweep"
+    assert run(main, ["--config", str(base_config), "--grid", "model.arch=lstm", "model.d_model=33", "--out", str(out),
+                      "--dry-run"]) == 0
+    assert capsys.readouterr().out.strip().endswith("--model.arch=lstm --model.d_model=33")
