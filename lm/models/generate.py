@@ -3,9 +3,8 @@
 Decoder-only LMs (GPT, LSTM): prefill the prompt into the cache once, then decode token by token (or,
 without a cache, run the whole sequence again for every token: the baseline the cache is measured
 against). The LSTM's `new_cache` is its per-layer (h, c) state, fed and updated like a KV cache, so the
-same loop serves both. Encoder-decoder:
-encode the source once and project its cross-attention keys and values once, then decode token by
-token from the start id, the decoder's own keys and values cached.
+same loop serves both. Encoder-decoder: encode the source once and project its cross-attention keys
+and values once, then decode token by token from the start id, the decoder's own keys and values cached.
 """
 
 from collections.abc import Iterator

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lm.plot import load_run
-from lm.train.metrics import row_kind
+from lm.train.metrics import perplexity, row_kind
 
 
 @dataclass
@@ -70,7 +70,7 @@ def table_rows(results: list[RunResult], separators: bool = True) -> tuple[list[
 
 
 def _ppl(loss: float | None) -> float | None:
-    return None if loss is None else math.exp(loss) if loss < 700 else math.inf
+    return None if loss is None else perplexity(loss)
 
 
 def _num(value: float | None, fmt: str) -> str:

@@ -9,7 +9,7 @@ import torch
 from lm import eval as eval_tool, sample
 from lm.checkpoint import load_for_inference, load_model_weights
 from lm.cli import run
-from lm.config import ConfigError, load_config
+from lm.config import ConfigError
 from lm.consolidate import consolidate, tied_names
 from lm.distributed import init_distributed
 from lm.models.config import ModelConfig
@@ -17,20 +17,12 @@ from lm.models.lstm import LSTMLM
 from lm.train.metrics import flops_per_token
 from lm.train.trainer import Trainer
 
-TINY = [
-    "--model.arch=lstm", "--model.n_layer=2", "--model.d_model=32", "--model.block_size=32",
-    "--data.seq_len=16", "--train.batch_size=4", "--train.micro_batch_size=2", "--train.device=cpu",
-    "--train.eval_every=3", "--train.eval_batches=2", "--log.every=1", "--log.tensorboard=false",
-    "--checkpoint.every=3", "--checkpoint.keep=5", "--optim.lr=3e-3", "--schedule.warmup_steps=2",
-]
+from tests.train.test_trainer import train_losses, tiny_config as gpt_config
 
 
 def tiny_config(data_dir, out_dir, *extra):
-    return load_config(None, TINY + [f"--data.dir={data_dir}", f"--train.out_dir={out_dir}", *extra])
-
-
-def train_losses(history):
-    return {row["step"]: row["train/loss"] for row in history if "train/loss" in row}
+    """The trainer tests' tiny run, as an LSTM."""
+    return gpt_config(data_dir, out_dir, "--model.arch=lstm", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +77,7 @@ def test_resuming_an_lstm_checkpoint_as_a_gpt_is_refused(lstm_run, tiny_data_dir
     out, _, _ = lstm_run
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     shutil.copytree(out / "checkpoints/step_00000030", tmp_path / "run/checkpoints/step_00000030")
-    gpt = load_config(None, [arg for arg in TINY if arg != "--model.arch=lstm"]
-                      + [f"--data.dir={tiny_data_dir}", f"--train.out_dir={tmp_path / 'run'}", "--model.n_head=2"])
+    gpt = gpt_config(tiny_data_dir, tmp_path / "run")
     with pytest.raises(ConfigError, match=r"checkpoint is an LSTM \(model.arch=lstm\) but the config asks for a "
                                           r"decoder-only GPT \(model.arch=gpt\)"):
         Trainer(gpt, init_distributed("cpu"))
