@@ -25,7 +25,7 @@ from lm.config import ConfigError, JobConfig, load_config
 from lm.models.factory import build_model
 from lm.plot import load_run, save_png, val_time_figure
 from lm.sweep.grid import SweepError, config_diff, expand, format_value, overrides, parse_grid, run_name
-from lm.sweep.table import RunResult, csv_text, markdown, read_result, write_atomic
+from lm.sweep.table import csv_text, markdown, read_result, write_atomic
 
 log = logging.getLogger("lm.sweep")
 
