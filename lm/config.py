@@ -123,7 +123,7 @@ class TrainConfig:
     out_dir: str = "runs/default"
     """Run directory: resolved config, checkpoints and TensorBoard logs."""
     max_nonfinite_steps: int = 5
-    """Steps with a NaN/inf loss or gradient norm are skipped; this many in a row stop the run."""
+    """Steps with a NaN/inf loss or gradient norm are skipped; this many in a row stop the run (at the next log step)."""
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "micro_batch_size", "eval_every", "eval_batches", "max_nonfinite_steps"):

@@ -20,6 +20,7 @@ from lm.data.objectives import build_objective
 from lm.runtime import tune_cpu
 from lm.tokenizer import load_tokenizer
 from lm.train.faults import Faults, TrainingError
+from lm.train.nonfinite import SkippedSteps
 from lm.train.preemption import StopSignals
 from lm.train.metrics import MetricLogger, encdec_flops_per_token, flops_per_token, peak_flops, perplexity
 from lm.train.samples import sample_text
@@ -83,8 +84,7 @@ class Trainer:
             for key, (old, new) in changed_settings(resume_from, cfg).items():
                 log.info("config changed since the checkpoint: %s %r -> %r", key, old, new)
         self.faults = Faults.from_env()
-        self.nonfinite_in_a_row = 0
-        self.skipped_steps = 0
+        self.skipped = SkippedSteps(env.device)
 
         # counted on a meta-device twin: sharded engines (ZeRO-3, FSDP) hide the full shapes
         with torch.device("meta"):
@@ -144,7 +144,9 @@ class Trainer:
         self.fit_started = time.perf_counter()
         self.metrics.log_hparams(hparams(cfg, self.n_params), ["train/loss", "val/loss", "val/ppl", "perf/tokens_per_s"])
         window_start, window_steps = time.perf_counter(), 0
-        window_loss = torch.zeros((), device=env.device)  # summed on device; read once per log line
+        # summed on the device over the applied steps since the last log line, and read once per line
+        window_loss = torch.zeros((), device=env.device)
+        window_applied = torch.zeros((), device=env.device)
         with StopSignals() as signals:
             while self.step < cfg.train.steps:
                 lr = lr_at(self.step, cfg.optim.lr, cfg.schedule, cfg.train.steps)
@@ -152,25 +154,29 @@ class Trainer:
                 loss, grad_norm, applied = self._train_step()
                 self.step += 1
                 self.tokens_seen += tokens_per_step
-                self._count_nonfinite(applied, grad_norm)
+                self.skipped.add(applied)
                 window_steps += 1
-                if applied:  # a skipped step's NaN would poison the window's mean
-                    window_loss += loss
+                window_loss += torch.where(applied, loss, 0.0)  # a skipped step's NaN would poison the mean
+                window_applied += applied
                 last = self.step == cfg.train.steps
+                # read at log steps: the other engines skip a non-finite step on the device, so it can wait;
+                # DeepSpeed cannot skip one, and hands its norm over on the host anyway: read every step
+                if self.step % cfg.log.every == 0 or last or self.engine.name == "deepspeed":
+                    self._check_nonfinite()
                 if self.step % cfg.log.every == 0 or last:
                     # The mean over the steps since the last log line, and over ranks: one host sync per line.
-                    loss_value = env.all_reduce_mean(window_loss / max(window_steps, 1)).item()
+                    loss_value = env.all_reduce_mean(window_loss / window_applied.clamp(min=1)).item()
                     elapsed = time.perf_counter() - window_start
                     tok_s = window_steps * tokens_per_step / elapsed
                     flops_s = self.flops_per_token * tok_s / env.world_size
                     row = {
                         "train/loss": loss_value, "train/ppl": perplexity(loss_value), "train/lr": lr,
-                        "train/grad_norm": grad_norm.item(), "train/skipped_steps": self.skipped_steps,
+                        "train/grad_norm": grad_norm.item(), "train/skipped_steps": self.skipped.total,
                         "perf/tokens_per_s": tok_s, "perf/tflops_per_device": flops_s / 1e12,
                         "perf/mfu": flops_s / self.peak_flops if self.peak_flops else None,
                     }
                     perf = f"mfu {row['perf/mfu']:.1%}" if self.peak_flops else f"{flops_s / 1e12:.3f} TFLOP/s"
-                    skipped = f" | {self.skipped_steps} skipped" if self.skipped_steps else ""
+                    skipped = f" | {self.skipped.total} skipped" if self.skipped.total else ""
                     self.metrics.log(self.step, self.tokens_seen, self.elapsed_s(), row, (
                         f"step {{step}}/{cfg.train.steps} | loss {{train_loss:.4f}} | ppl {{train_ppl:.1f}} | "
                         f"lr {{train_lr:.2e}} | grad norm {{train_grad_norm:.3f}} | {{perf_tokens_per_s:,.0f}} tok/s | "
@@ -179,6 +185,7 @@ class Trainer:
                     history.append({"step": self.step, **row})
                     window_start, window_steps = time.perf_counter(), 0
                     window_loss.zero_()
+                    window_applied.zero_()
                 paused = time.perf_counter()
                 if self.step % cfg.train.eval_every == 0 or last:
                     val_loss = self.evaluate()
@@ -225,35 +232,34 @@ class Trainer:
         flag = torch.tensor(float(signals.requested is not None), device=self.env.device)
         return self.env.all_reduce_mean(flag).item() > 0
 
-    def _count_nonfinite(self, applied: bool, grad_norm: torch.Tensor) -> None:
-        """Count steps skipped for a NaN/inf loss or gradient norm; stop after too many in a row."""
-        if applied:
-            self.nonfinite_in_a_row = 0
-            return
-        self.skipped_steps += 1
-        self.nonfinite_in_a_row += 1
-        log.warning("step %d: gradient norm %s, optimizer step skipped (%d in a row)", self.step,
-                    grad_norm.item(), self.nonfinite_in_a_row)
+    def _check_nonfinite(self) -> None:
+        """Read the skipped-step counters (one host sync) and stop after too many non-finite steps in a row."""
+        new, longest = self.skipped.read()
+        if new:
+            log.warning("step %d: %d optimizer steps skipped since the last check for a NaN/inf loss or gradient "
+                        "norm (%d in all)", self.step, new, self.skipped.total)
         # DeepSpeed has already applied the step, so its weights may no longer be finite: stop at once
         limit = 1 if self.engine.name == "deepspeed" else self.cfg.train.max_nonfinite_steps
-        if self.nonfinite_in_a_row >= limit:
+        if longest >= limit:
             found = ckpt.complete_checkpoints(self.ckpt_root)
             last_good = found[-1] if found else "none (no checkpoint was saved)"
             raise TrainingError(
-                f"step {self.step}: {self.nonfinite_in_a_row} steps in a row with a non-finite loss or gradient "
+                f"step {self.step}: {longest} steps in a row with a non-finite loss or gradient "
                 f"norm (train.max_nonfinite_steps={self.cfg.train.max_nonfinite_steps}); the last good "
                 f"checkpoint is {last_good}. Lower optim.lr or raise optim.grad_clip, then resume from it"
             )
 
-    def _train_step(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """Forward/backward over this rank's micro-batches, clip, step. Returns (mean loss, grad norm) on
-        device and whether the optimizer step was applied (not skipped for a non-finite norm)."""
+    def _train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward/backward over this rank's micro-batches, clip, step. Returns the mean loss, the grad norm
+        and whether the optimizer step was applied (not skipped for a non-finite norm), all 0-dim tensors."""
         micro_batches = self.loader.next_batch()
         poison = self.faults.nan_at(self.step + 1, self.env.rank)
         loss_sum = torch.zeros((), device=self.env.device)
+        # a copy from pinned memory is asynchronous; from pageable memory non_blocking would still wait
+        pin = self.env.device.type == "cuda"
         for i, batch in enumerate(micro_batches):
             # (x, y) for the GPT, (src, tgt_in, tgt_out) for the encoder-decoder: the model's own arguments
-            batch = [t.to(self.env.device, non_blocking=True) for t in batch]
+            batch = [(t.pin_memory() if pin else t).to(self.env.device, non_blocking=True) for t in batch]
             loss_sum += self.engine.forward_backward(batch, last=i == len(micro_batches) - 1,
                                                      num_micro=len(micro_batches), poison=poison)
         grad_norm, applied = self.engine.optimizer_step()

@@ -78,6 +78,18 @@ def test_two_processes_match_one_and_resume(engine, tiny_data_dir, tmp_path):
         assert alone[step] == pytest.approx(two[step], rel=RESHARD_REL), step
 
 
+def test_a_nan_step_is_skipped_by_every_rank_under_fsdp(tiny_data_dir, tmp_path, monkeypatch):
+    # rank 0's loss at step 2 is NaN; the reduced gradients carry it to rank 1's shard, so a rank that
+    # stepped anyway would hold NaN weights and every later loss would be NaN
+    monkeypatch.setenv("LM_FAULT_NAN_STEPS", "2")
+    one = train(1, tmp_path / "one", tiny_data_dir, "--parallel.engine=fsdp", "--train.steps=4")
+    two = train(2, tmp_path / "two", tiny_data_dir, "--parallel.engine=fsdp", "--train.steps=4")
+    rows = [json.loads(line) for line in (tmp_path / "two/metrics.jsonl").read_text().splitlines()]
+    assert [r["train/skipped_steps"] for r in rows if "train/loss" in r] == [0, 1, 1, 1]
+    for step in (3, 4):
+        assert two[step] == pytest.approx(one[step], rel=SAME_BATCH_REL), step
+
+
 def test_activation_checkpointing_changes_no_loss_under_fsdp(tiny_data_dir, tmp_path):
     plain = train(2, tmp_path / "plain", tiny_data_dir, "--parallel.engine=fsdp", "--train.steps=3")
     recomputed = train(2, tmp_path / "ac", tiny_data_dir, "--parallel.engine=fsdp", "--train.steps=3",

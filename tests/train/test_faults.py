@@ -63,6 +63,16 @@ def test_too_many_nan_steps_in_a_row_stop_the_run_naming_the_last_good_checkpoin
         Trainer(cfg, init_distributed("cpu")).fit()
 
 
+def test_a_limit_reached_between_log_steps_stops_the_run_at_the_next_one(tiny_data_dir, tmp_path, monkeypatch,
+                                                                          caplog):
+    monkeypatch.setenv("LM_FAULT_NAN_STEPS", "2,3")
+    cfg = config(tiny_data_dir, tmp_path / "run", "--train.steps=8", "--log.every=4", "--train.max_nonfinite_steps=2")
+    with caplog.at_level(logging.WARNING, logger="lm.train"), pytest.raises(
+            TrainingError, match=r"step 4: 2 steps in a row with a non-finite .* the last good checkpoint is none"):
+        Trainer(cfg, init_distributed("cpu")).fit()
+    assert "step 4: 2 optimizer steps skipped since the last check" in caplog.text
+
+
 def test_weights_that_are_not_finite_are_never_saved(tiny_data_dir, tmp_path):
     trainer = Trainer(config(tiny_data_dir, tmp_path / "run", "--train.steps=2"), init_distributed("cpu"))
     trainer.fit()

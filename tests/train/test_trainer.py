@@ -97,7 +97,7 @@ def test_resume_modes(tiny_data_dir, tmp_path):
 def test_no_weight_decay_on_biases_norms_embeddings():
     cfg = load_config(None, ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=32"])
     model = GPT(cfg.model)
-    decay, no_decay = build_optimizer(model, cfg, torch.device("cpu")).param_groups
+    decay, no_decay = build_optimizer(model, cfg).param_groups
     names = {id(p): n for n, p in model.named_parameters()}
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(names[id(p)].endswith("weight") and p.dim() == 2 for p in decay["params"])

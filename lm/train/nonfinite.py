@@ -1,0 +1,37 @@
+"""The count of optimizer steps skipped for a NaN or inf loss or gradient norm, kept on the device.
+
+The engine decides each skip on the device (the fused AdamW's `found_inf`), so no training step waits
+for the host to read its gradient norm. These counters follow the skips with a few tensor ops per step
+and are read at log steps, where the trainer reads the loss anyway: a run of non-finite steps that
+reaches the limit stops training at the next read, not at the step itself.
+"""
+
+import torch
+
+
+class SkippedSteps:
+    """Skipped optimizer steps: in all, since the last read, and in a row."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.total = 0  # skipped up to the last read
+        zero = torch.zeros((), dtype=torch.long, device=device)
+        self._new = zero.clone()  # skipped since the last read
+        self._run = zero.clone()  # skipped in a row up to the latest step
+        self._longest = zero.clone()  # the longest run seen since the last read
+
+    def add(self, applied: torch.Tensor) -> None:
+        """Record one optimizer step; `applied` is its 0-dim bool tensor (False: skipped)."""
+        skipped = (~applied).to(self._new.device, torch.long)
+        self._new += skipped
+        self._run.mul_(skipped).add_(skipped)  # run + 1 after a skip, 0 after an applied step
+        torch.maximum(self._longest, self._run, out=self._longest)
+
+    def read(self) -> tuple[int, int]:
+        """Fold the steps since the last read into `total` (one host sync); returns how many of them were
+        skipped and the longest run of skipped steps in a row among them (counting a run that went on
+        from before)."""
+        new, longest = (int(v) for v in torch.stack([self._new, self._longest]).tolist())
+        self._new.zero_()
+        self._longest.copy_(self._run)  # a run still going on carries into the next read
+        self.total += new
+        return new, longest
