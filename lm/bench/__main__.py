@@ -41,11 +41,12 @@ def _train_cells(preset: str, mode: str, micro: int, cfg: JobConfig, row: dict, 
 
 
 def training(args, device, results: dict) -> None:
-    from lm.bench.training import bench_model
+    from lm.bench.training import bench_model, sdpa_kernel
 
     rows = []
     for preset in args.presets:
         cfg, micro = preset_config(preset, device)
+        print(f"  {preset}: scaled_dot_product_attention runs {sdpa_kernel(cfg, device, micro)}", file=sys.stderr)
         timing = dict(warmup=args.warmup, reps=args.reps)
         hf = bench_model(cfg, device, micro, hf=True, **timing)
         eager = bench_model(cfg, device, micro, **timing)

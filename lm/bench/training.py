@@ -11,6 +11,7 @@ from lm.config import JobConfig
 from lm.distributed.engine import autocast_for, build_engine, build_optimizer
 from lm.distributed.env import DistEnv
 from lm.export import hf_config, hf_state_dict
+from lm.models.block import Block
 from lm.models.gpt import GPT
 from lm.train.metrics import flops_per_token, peak_flops
 
@@ -59,7 +60,7 @@ def training_step(cfg: JobConfig, device: torch.device, micro_batch: int, compil
         del ours
     else:
         model, diff = ours.to(device), None
-    optimizer = build_optimizer(model, cfg, device)
+    optimizer = build_optimizer(model, cfg)
     autocast = autocast_for(cfg, device)
     step_model = torch.compile(model) if compiled else model
     x = random_batch(cfg, micro_batch, device)
@@ -102,6 +103,23 @@ def profile_step(cfg: JobConfig, device: torch.device, micro_batch: int, warmup:
             step()
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=sort, row_limit=rows)
+
+
+def sdpa_kernel(cfg: JobConfig, device: torch.device, micro_batch: int) -> str:
+    """The kernel that scaled_dot_product_attention picked for one training forward of a block (the
+    preset's batch, length, heads and precision), as torch.profiler names it: `flash_attention`,
+    `efficient_attention`, `cudnn_attention`, `flash_attention_for_cpu`, or `math` for the unfused fallback."""
+    from torch.profiler import ProfilerActivity, profile
+
+    block = Block(cfg.model, causal=True).to(device)
+    x = torch.randn(micro_batch, cfg.data.seq_len, cfg.model.d_model, device=device)  # (B, T, C)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, autocast_for(cfg, device):
+        block(x)
+    prefix = "aten::_scaled_dot_product_"
+    names = [event.key[len(prefix):] for event in prof.key_averages() if event.key.startswith(prefix)]
+    if not names:
+        raise RuntimeError("the profiler saw no scaled_dot_product_attention kernel in a block's forward")
+    return "math" if any(name.startswith("attention_math") for name in names) else names[0]
 
 
 def bench_engine(cfg: JobConfig, device: torch.device, micro_batch: int, warmup: int, reps: int) -> dict:

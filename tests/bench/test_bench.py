@@ -8,7 +8,7 @@ import torch.distributed as dist
 from lm.bench import __main__ as bench
 from lm.bench.data import bench_loader, bench_prepare
 from lm.bench.sampling import bench_sampling
-from lm.bench.training import bench_engine, bench_model, profile_step
+from lm.bench.training import bench_engine, bench_model, profile_step, sdpa_kernel
 from lm.cli import run
 from lm.config import load_config
 
@@ -35,6 +35,14 @@ def test_training_rows_time_our_model_and_transformers_on_the_same_weights():
 def test_profile_names_the_matmuls():
     table = profile_step(tiny(), CPU, 2, warmup=1, reps=1)
     assert "aten::mm" in table and "Self CPU" in table
+
+
+def test_sdpa_kernel_names_the_backend_that_runs():
+    from torch.nn.attention import SDPBackend, sdpa_kernel as allow_only
+
+    assert sdpa_kernel(tiny(), CPU, 2) == "flash_attention_for_cpu"
+    with allow_only(SDPBackend.MATH):
+        assert sdpa_kernel(tiny(), CPU, 2) == "math"
 
 
 @pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
