@@ -241,3 +241,16 @@ def test_deepspeed_local_zero2_run(tiny_data_dir, tmp_path):
     state = json.loads((out / "checkpoints/step_00000002/state.json").read_text())
     assert (state["world_size"], state.get("engine"), state.get("zero_stage")) == (2, "deepspeed", 2), text
     assert train_steps(out) == [1, 2], text
+
+
+def test_gpu_bench_script_saves_each_part_and_reports_a_failed_one(tmp_path):
+    out = tmp_path / "out"
+    script = ["bash", str(REPO / "launch/bench_gpu.sh"), str(out)]
+    env = script_env(tmp_path, PYTHON=sys.executable)
+    ok = subprocess.run([*script, "tests"], env=env, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    saved = (out / "tests.txt").read_text()
+    assert saved.startswith("== tests: ") and ("5 skipped" in saved or "5 passed" in saved)  # no GPU: skipped
+    bad = subprocess.run([*script, "tests", "nosuch"], env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "failed: nosuch (see" in bad.stderr
+    assert "unknown part 'nosuch'" in (out / "nosuch.txt").read_text()

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Every GPU measurement of docs/benchmarks.md, on one machine with a CUDA GPU, each part's output saved
+# under OUT (default runs/bench-gpu):
+#   tests     the CUDA-only tests (tests/gpu: no host sync in a step, a fused SDPA kernel, bf16 NCCL runs)
+#   training  lm.bench's training table (eager and compiled, against transformers) and its targets
+#   engines   lm.bench's table of each engine (ddp, fsdp, DeepSpeed ZeRO 1-3)
+#   sampling  lm.bench's sampling table (KV cache, no cache, transformers' generate)
+#   profile   torch.profiler's top CUDA ops of a gpt2-124m step, ours and transformers'
+#   train     40 real optimizer steps of configs/gpt2-124m.yaml (compiled, bf16) under torchrun, whose
+#             log lines report tokens/s and MFU
+# Usage: bash launch/bench_gpu.sh [OUT] [PART ...]   (all parts by default; exits 1 if any part failed)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-runs/bench-gpu}"
+shift || true
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(tests training engines sampling profile train)
+mkdir -p "$out"
+py="${PYTHON:-python}"  # PYTHON=python3 where that is the interpreter holding torch
+export PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}"
+
+part() {
+    case "$1" in
+        tests) "$py" -m pytest -q -rs tests/gpu ;;
+        training|engines|sampling) "$py" -m lm.bench --device cuda --sections "$1" ;;
+        profile) "$py" -m lm.bench --device cuda --profile --presets gpt2-124m --warmup 3 --reps 5 ;;
+        train) "$py" -m lm.prepare --config configs/gpt2-124m.yaml &&
+               "$py" -m torch.distributed.run --standalone --nproc_per_node=1 -m lm.train --config configs/gpt2-124m.yaml \
+                   --train.steps=40 --log.every=5 --train.eval_every=1000 --checkpoint.every=1000 \
+                   --log.sample_every=0 --train.out_dir="$out/gpt2-124m-run" --checkpoint.resume=never ;;
+        *) echo "bench_gpu.sh: unknown part '$1' (tests, training, engines, sampling, profile, train)" >&2; return 2 ;;
+    esac
+}
+
+failed=()
+{ nvidia-smi; "$py" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"; } \
+    > "$out/device.txt" 2>&1
+for p in "${parts[@]}"; do
+    echo "== $p: $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee "$out/$p.txt"
+    part "$p" 2>&1 | tee -a "$out/$p.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("$p")
+done
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "bench_gpu.sh: failed: ${failed[*]} (see $out/<part>.txt)" >&2
+    exit 1
+fi
