@@ -115,7 +115,7 @@ class TrainConfig:
     dtype: str = "auto"
     """Autocast dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32."""
     compile: bool = False
-    """Wrap the model in torch.compile."""
+    """torch.compile each transformer block (or LSTM layer) under ddp and fsdp; deepspeed runs eager."""
     eval_every: int = 100
     """Run validation every this many steps (and at the end)."""
     eval_batches: int = 20

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from lm.bench.common import median_seconds, peak_memory_gib, reset_peak_memory
 from lm.config import JobConfig
+from lm.distributed.activation import compile_blocks
 from lm.distributed.engine import autocast_for, build_engine, build_optimizer
 from lm.distributed.env import DistEnv
 from lm.export import hf_config, hf_state_dict
@@ -62,16 +63,17 @@ def training_step(cfg: JobConfig, device: torch.device, micro_batch: int, compil
         model, diff = ours.to(device), None
     optimizer = build_optimizer(model, cfg)
     autocast = autocast_for(cfg, device)
-    step_model = torch.compile(model) if compiled else model
+    if compiled:  # as the trainer compiles: block by block
+        compile_blocks(model)
     x = random_batch(cfg, micro_batch, device)
     inputs, targets = x[:, :-1], x[:, 1:]
 
     def step() -> None:
         with autocast:
             if hf:  # what a transformers user writes: the model shifts the labels and computes the loss
-                loss = step_model(input_ids=inputs, labels=inputs).loss
+                loss = model(input_ids=inputs, labels=inputs).loss
             else:
-                loss = step_model(inputs, targets)[1]
+                loss = model(inputs, targets)[1]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()

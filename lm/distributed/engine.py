@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from lm.checkpoint import DEEPSPEED_TAG, UNIVERSAL_TAG
 from lm.config import ConfigError, JobConfig
 from lm.consolidate import load_consolidated_weights
-from lm.distributed.activation import checkpoint_blocks
+from lm.distributed.activation import checkpoint_blocks, compile_blocks
 from lm.distributed.ddp import grad_sync, wrap_ddp
 from lm.distributed.env import DistEnv, ensure_process_group
 from lm.models.factory import build_model
@@ -99,8 +99,9 @@ class TorchEngine:
                 load_consolidated_weights(init_from, self.model)
             self.model.to(env.device)
             checkpoint_blocks(self.model, cfg.parallel.activation_checkpointing)
-            self.train_model = torch.compile(self.model) if cfg.train.compile else self.model
-            self.train_model = wrap_ddp(self.train_model, env)
+            if cfg.train.compile:
+                compile_blocks(self.model)
+            self.train_model = wrap_ddp(self.model, env)
             self.autocast = autocast_for(cfg, env.device)
         self.optimizer = build_optimizer(self.model, cfg)
 

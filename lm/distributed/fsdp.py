@@ -17,7 +17,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.overrides import TorchFunctionMode
 
 from lm.config import ConfigError, JobConfig
-from lm.distributed.activation import checkpoint_blocks, model_blocks
+from lm.distributed.activation import checkpoint_blocks, compile_blocks, model_blocks
 from lm.distributed.env import DistEnv
 from lm.models.factory import build_model
 
@@ -60,7 +60,7 @@ def build_fsdp_model(cfg: JobConfig, env: DistEnv) -> nn.Module:
     """The config's model, sharded with fully_shard per block and at the root, initialised per rank.
 
     Call after seeding the global RNG, as for an unsharded model. With train.compile each block is
-    compiled on its own (FSDP2's hooks sit between blocks, so whole-model compile would break on them).
+    compiled on its own (`compile_blocks`), as under ddp.
     """
     if cfg.parallel.cpu_offload and env.device.type != "cuda":
         raise ConfigError("parallel.cpu_offload: FSDP2 offloads a GPU run's shards to host memory; this run is "
@@ -71,9 +71,9 @@ def build_fsdp_model(cfg: JobConfig, env: DistEnv) -> nn.Module:
     options = {"mp_policy": mixed_precision(cfg, env.device)}
     if cfg.parallel.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
+    if cfg.train.compile:
+        compile_blocks(model)
     for block in model_blocks(model):
-        if cfg.train.compile:
-            block.compile()
         fully_shard(block, **options)
     fully_shard(model, **options)  # the embeddings, final norm and head: gathered once per forward
     model.to_empty(device="cpu" if cfg.parallel.cpu_offload else env.device)

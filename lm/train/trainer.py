@@ -219,9 +219,10 @@ class Trainer:
         """Continue log.sample_prompt with the current weights; rank 0 logs the text (every rank samples)."""
         # A GPT or LSTM samples through forward, where FSDP and ZeRO-3 gather each block as in training; an
         # encoder-decoder's encode and decode bypass those hooks, so its whole weights are gathered first.
-        # autocast: a bf16 FSDP forward meets a cache of the weights' dtype.
+        # autocast: a bf16 FSDP forward meets a cache of the weights' dtype. Eager: compiled blocks would
+        # compile again for every cache length.
         gathered = self.engine.full_weights() if self.cfg.model.arch == "encdec" else contextlib.nullcontext()
-        with gathered, autocast_for(self.cfg, self.env.device):
+        with gathered, autocast_for(self.cfg, self.env.device), torch.compiler.set_stance("force_eager"):
             text = sample_text(self.model, self.cfg, self.tokenizer, self.env.device)
         self.metrics.log_text("sample", self.step, text)
         if self.env.is_main:
