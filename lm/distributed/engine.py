@@ -5,6 +5,7 @@ accumulated, reduced, clipped and applied. The model code is the same under ever
 """
 
 import contextlib
+import logging
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from lm.distributed.ddp import grad_sync, wrap_ddp
 from lm.distributed.env import DistEnv, ensure_process_group
 from lm.models.factory import build_model
 
+log = logging.getLogger(__name__)
 
 
 def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.AdamW:
@@ -197,6 +199,8 @@ class DeepSpeedEngine:
         from lm.distributed.zero import initialize
 
         self.cfg, self.env = cfg, env
+        if cfg.train.compile:  # not wired up (nor tried) inside DeepSpeed's engine
+            log.warning("train.compile is not applied under parallel.engine=deepspeed; the model runs eager")
         self.model = build_model(cfg.model)
         if init_from is not None:
             load_consolidated_weights(init_from, self.model)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lm.checkpoint import CheckpointError, check_engine
 from lm.config import ConfigError, load_config
@@ -205,3 +206,22 @@ def test_fsdp_offload_on_a_cpu_run_is_refused_before_anything_is_written(tiny_da
         if dist.is_initialized():
             dist.destroy_process_group()
     assert not (tmp_path / "run").exists()
+
+
+def test_deepspeed_says_that_it_does_not_compile(caplog):
+    import logging
+
+    import torch.distributed as dist
+
+    from lm.distributed.engine import build_engine
+    from lm.distributed.env import DistEnv
+
+    cfg = load_config(None, [*TINY, "--parallel.engine=deepspeed", "--parallel.zero_stage=1", "--train.compile=true"])
+    env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="lm.distributed.engine"):
+            build_engine(cfg, env)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert "train.compile is not applied under parallel.engine=deepspeed; the model runs eager" in caplog.text
