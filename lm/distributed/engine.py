@@ -226,10 +226,10 @@ class DeepSpeedEngine:
 
     def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step already happened inside DeepSpeed's last micro-step, which (without fp16 loss
-        scaling) cannot skip it; report its gradient norm and whether it was finite (0-dim CPU tensors:
-        DeepSpeed hands the norm over as a Python float)."""
+        scaling) cannot skip it; report its gradient norm and whether it was finite, as 0-dim tensors on
+        the device like the other engines' (DeepSpeed hands the norm over as a Python float)."""
         norm = self.engine.get_global_grad_norm()
-        norm = torch.as_tensor(0.0 if norm is None else norm, dtype=torch.float32)
+        norm = torch.as_tensor(0.0 if norm is None else norm, dtype=torch.float32, device=self.env.device)
         return norm, torch.isfinite(norm)
 
     def parameters_finite(self) -> bool:

@@ -21,7 +21,7 @@ class SkippedSteps:
 
     def add(self, applied: torch.Tensor) -> None:
         """Record one optimizer step; `applied` is its 0-dim bool tensor (False: skipped)."""
-        skipped = (~applied).to(self._new.device, torch.long)
+        skipped = (~applied).long()
         self._new += skipped
         self._run.mul_(skipped).add_(skipped)  # run + 1 after a skip, 0 after an applied step
         torch.maximum(self._longest, self._run, out=self._longest)
