@@ -159,11 +159,12 @@ class Trainer:
                 window_loss += torch.where(applied, loss, 0.0)  # a skipped step's NaN would poison the mean
                 window_applied += applied
                 last = self.step == cfg.train.steps
+                log_step = self.step % cfg.log.every == 0 or last
                 # read at log steps: the other engines skip a non-finite step on the device, so it can wait;
-                # DeepSpeed cannot skip one, and hands its norm over on the host anyway: read every step
-                if self.step % cfg.log.every == 0 or last or self.engine.name == "deepspeed":
+                # DeepSpeed cannot skip one (and already waited for its norm, a Python float): every step
+                if log_step or self.engine.name == "deepspeed":
                     self._check_nonfinite()
-                if self.step % cfg.log.every == 0 or last:
+                if log_step:
                     # The mean over the steps since the last log line, and over ranks: one host sync per line.
                     loss_value = env.all_reduce_mean(window_loss / window_applied.clamp(min=1)).item()
                     elapsed = time.perf_counter() - window_start
