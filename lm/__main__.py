@@ -1,4 +1,4 @@
-"""The `lm` console script: `lm prepare | train | eval | sample | sweep | plot | bench | export | consolidate [ARGS]`, same as `python -m lm.<tool>`."""
+"""The `lm` console script: `lm TOOL [ARGS]` is `python -m lm.TOOL [ARGS]`, for every tool in TOOLS."""
 
 import importlib
 import sys
@@ -7,7 +7,7 @@ from lm.cli import run
 
 TOOLS = {
     "prepare": ("lm.prepare", "tokenize a corpus into memory-mapped token shards"),
-    "train": ("lm.train.__main__", "pretrain a model (use torchrun for several processes)"),
+    "train": ("lm.train", "pretrain a model (use torchrun for several processes)"),
     "eval": ("lm.eval", "loss, perplexity and bits per byte of a checkpoint"),
     "sample": ("lm.sample", "generate text from a checkpoint"),
     "sweep": ("lm.sweep.__main__", "train a grid of configs and compare them in a table and a plot"),

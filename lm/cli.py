@@ -1,10 +1,10 @@
-"""What every command-line tool shares: logging setup and turning known errors into one clear line."""
+"""What every command-line tool shares: logging setup and turning bad input into one clear line."""
 
 import logging
 import sys
 from collections.abc import Callable
 
-from lm.models.config import ConfigError
+from lm.errors import LMError
 
 
 def setup_logging() -> None:
@@ -17,21 +17,12 @@ def setup_logging() -> None:
     )
 
 
-def user_errors() -> tuple[type[Exception], ...]:
-    """Exceptions caused by the user's input: reported as `error: ...` without a traceback."""
-    from lm.checkpoint import CheckpointError
-    from lm.data.shards import DataError
-    from lm.tokenizer import TokenizerError
-    from lm.train.faults import TrainingError
-
-    return (ConfigError, CheckpointError, DataError, TokenizerError, TrainingError, FileNotFoundError)
-
-
 def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:
-    """Run a tool's `main(argv)`; a user error exits 2 with one line on stderr."""
+    """Run a tool's `main(argv)`; an error of bad input (`LMError`, or a file that is not there) exits 2
+    with one line on stderr."""
     setup_logging()
     try:
         return main(sys.argv[1:] if argv is None else argv) or 0
-    except user_errors() as err:
+    except (LMError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import tiktoken
 
-__all__ = ["TOKENIZERS", "TokenizerError", "load_tokenizer"]
+from lm.errors import TokenizerError
+
+__all__ = ["TOKENIZERS", "VOCAB_SIZES", "load_tokenizer"]
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +65,9 @@ _SPECS = {
     ),
 }
 TOKENIZERS = tuple(_SPECS)
-
-
-class TokenizerError(RuntimeError):
-    """No rank file for an encoding could be found or verified; the message says how to install one."""
+VOCAB_SIZES = {"gpt2": 50257, "cl100k_base": 100277}
+"""Ids each encoding can produce, its `n_vocab` (cl100k_base's top special id is 100276), known without
+loading the encoding: what a config's model.vocab_size must equal."""
 
 
 def _package_file(package: str, relative: str) -> Path | None:
@@ -113,7 +114,7 @@ def _pat_str(tiktoken_name: str) -> str:
     return _CL100K_PAT
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_tokenizer(name: str) -> tiktoken.Encoding:
     """The tiktoken encoding `name` ("gpt2" = r50k_base ids, or "cl100k_base"), loaded offline when possible.
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lm.config import DataConfig
+from lm.data.config import DataConfig
 from lm.data.corpora import clean_markdown, find_corpus
 from lm.data.prepare import prepare
 
@@ -47,8 +47,8 @@ def trained_run(tiny_data_dir, tmp_path_factory) -> Path:
     """A run directory holding a 2-layer, d=32 GPT trained for 4 steps on `tiny_data_dir` (block 32,
     seq_len 16), with its final checkpoint at step 4. Read-only, shared by the session."""
     from lm.config import load_config
-    from lm.distributed import init_distributed
-    from lm.train.trainer import Trainer
+    from lm.distributed.env import init_distributed
+    from lm.training.trainer import Trainer
 
     out = tmp_path_factory.mktemp("trained") / "run"
     cfg = load_config(None, [

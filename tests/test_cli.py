@@ -3,11 +3,12 @@ import sys
 
 import pytest
 
-from lm import eval as eval_tool, plot, prepare, sample
+from lm import eval as eval_tool
+from lm import plot, prepare, sample
+from lm import train as train_tool
 from lm.bench import __main__ as bench
-from lm.sweep import __main__ as sweep
 from lm.cli import run
-from lm.train import __main__ as train_tool
+from lm.sweep import __main__ as sweep
 
 
 @pytest.mark.parametrize("tool", [prepare, train_tool, eval_tool, sample, bench, sweep, plot])
@@ -46,4 +47,5 @@ def test_console_entry_point_runs_as_a_process():
         "'share_embeddings', 'tie_embeddings', 'vocab_size']"
     ]
     listing = subprocess.run([sys.executable, "-m", "lm", "--help"], capture_output=True, text=True, timeout=60)
-    assert listing.returncode == 0 and all(t in listing.stdout for t in ("prepare", "train", "eval", "sample", "sweep", "plot", "bench"))
+    assert listing.returncode == 0
+    assert all(t in listing.stdout for t in ("prepare", "train", "eval", "sample", "sweep", "plot", "bench"))

@@ -10,9 +10,13 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from lm.checkpoint import CheckpointError, load_for_inference, load_model_weights, resolve_checkpoint
+from lm.checkpoint.consolidated import consolidate, load_consolidated, read_consolidated_config
+from lm.checkpoint.loading import load_for_inference
+from lm.checkpoint.store import resolve_checkpoint
+from lm.checkpoint.weights import load_model_weights, tied_names
 from lm.config import JobConfig, load_config, save_config
-from lm.consolidate import consolidate, load_consolidated, main, read_consolidated_config, tied_names
+from lm.consolidate import main
+from lm.errors import CheckpointError
 from lm.models.factory import build_model
 
 TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32", "--data.seq_len=16"]

@@ -11,8 +11,9 @@ import pytest
 import torch
 import yaml
 
-import lm.export
-from lm.checkpoint import load_for_inference, resolve_checkpoint
+import lm.hf.export
+from lm.checkpoint.loading import load_for_inference
+from lm.checkpoint.store import resolve_checkpoint
 from lm.cli import run
 from lm.export import main
 from lm.tokenizer import load_tokenizer
@@ -25,8 +26,8 @@ HF_FILES = {"config.json", "generation_config.json", "model.safetensors",
 def train_run(data_dir: Path, out: Path, *model_flags: str) -> Path:
     """A run directory written by the real Trainer: a tiny model trained 2 steps, like `trained_run`."""
     from lm.config import load_config
-    from lm.distributed import init_distributed
-    from lm.train.trainer import Trainer
+    from lm.distributed.env import init_distributed
+    from lm.training.trainer import Trainer
 
     cfg = load_config(None, [
         "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32", *model_flags,
@@ -157,7 +158,7 @@ def test_a_failed_export_leaves_nothing(trained_run, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(lm.export, "write_hf_tokenizer", broken)
+    monkeypatch.setattr(lm.hf.export, "write_hf_tokenizer", broken)
     with pytest.raises(OSError, match="disk full"):
         run(main, ["--checkpoint", str(trained_run), "--to", "hf", str(tmp_path / "out")])
     assert list(tmp_path.iterdir()) == []

@@ -172,8 +172,8 @@ def test_slurm_script_runs_one_torchrun_per_node(tiny_data_dir, tmp_path):
     assert calls(tmp_path / "scontrol.calls") == [["show", "hostnames", "localhost"]]
     (srun,) = calls(tmp_path / "srun.calls")
     assert srun[:2] == ["--kill-on-bad-exit=1", "torchrun"]
-    assert {"--nnodes=1", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{env['MASTER_PORT']}",
-            "--rdzv_id=4242"} <= set(srun)
+    assert {"--nnodes=1", "--nproc_per_node=1", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=localhost:{env['MASTER_PORT']}", "--rdzv_id=4242"} <= set(srun)
     assert json.loads((out / "checkpoints/step_00000002/state.json").read_text())["world_size"] == 1
     assert train_steps(out) == [1, 2]
 
@@ -196,7 +196,8 @@ def test_slurm_script_outside_the_checkout(tmp_path):
     script, env = slurm_job(tmp_path, ["gpu07"], SLURM_SUBMIT_DIR=str(tmp_path))
     result = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert result.stderr.splitlines() == [f"error: submit from the repository root (no launch/activate.sh in {tmp_path})"]
+    expected = f"error: submit from the repository root (no launch/activate.sh in {tmp_path})"
+    assert result.stderr.splitlines() == [expected]
     assert calls(tmp_path / "srun.calls") == []
 
 
@@ -205,9 +206,9 @@ def test_deepspeed_hostfile_launch(tmp_path):
     hostfile.write_text("node0 slots=8\nnode1 slots=8\n")
     ssh = stub(tmp_path, "ssh", "echo 10.0.0.7")  # `ssh node0 hostname -I` gives the master address
     pdsh = stub(tmp_path, "pdsh")
-    result = subprocess.run(["bash", str(REPO / "launch/deepspeed.sh"), "--config", "c.yaml", "--parallel.engine=deepspeed"],
-                            cwd=tmp_path, env=script_env(tmp_path, HOSTFILE="hosts"), capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(["bash", str(REPO / "launch/deepspeed.sh"), "--config", "c.yaml",
+                             "--parallel.engine=deepspeed"], cwd=tmp_path,
+                            env=script_env(tmp_path, HOSTFILE="hosts"), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert [c[-1] for c in calls(ssh)] == ["hostname", "-I"]  # the reachability check, then the address
     (command,) = calls(pdsh)

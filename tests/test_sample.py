@@ -1,9 +1,8 @@
-import logging
 
 import pytest
 
 from lm.cli import run
-from lm.sample import fit_prompt, main
+from lm.sample import main
 
 
 def sample(trained_run, capsys, *args):
@@ -26,22 +25,14 @@ def test_prompt_file_and_greedy(trained_run, capsys, tmp_path):
     assert greedy == sample(trained_run, capsys, "--prompt", "KING:", "--temperature", "0", "--seed", "2")
 
 
-def test_long_prompt_keeps_its_tail(caplog):
-    with caplog.at_level(logging.WARNING):
-        assert fit_prompt(list(range(40)), max_new_tokens=8, block_size=32) == list(range(16, 40))
-    assert "keeping its last 24" in caplog.text
-    assert fit_prompt([1, 2], 8, 32) == [1, 2]
-    with pytest.raises(ValueError, match="--max-new-tokens: 32 leaves no room"):
-        fit_prompt([1], 32, 32)
-
-
 def test_long_prompt_cli(trained_run, capsys):
     out = sample(trained_run, capsys, "--prompt", "word " * 100)
     assert out.startswith("word word")
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--top-k", "0"], "--top-k: must be at least 1"), (["--max-new-tokens", "-1"], "--max-new-tokens: must be at least 1"),
+    (["--top-k", "0"], "--top-k: must be at least 1"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens: must be at least 1"),
     (["--top-p", "1.5"], "--top-p: must be in (0, 1]"), (["--temperature", "-1"], "--temperature: must be >= 0"),
 ])
 def test_bad_flags_are_usage_errors(trained_run, capsys, flags, message):

@@ -3,7 +3,8 @@ import tiktoken
 import tiktoken_ext.openai_public as openai_public
 
 import lm.tokenizer
-from lm.tokenizer import TokenizerError, load_tokenizer
+from lm.errors import TokenizerError
+from lm.tokenizer import load_tokenizer
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import torch
 from lm.bench.common import device_name, fmt, print_table
 from lm.cli import run
 from lm.config import JobConfig, load_config
-from lm.runtime import tune_cpu
+from lm.distributed.env import init_device
 
 PRESETS = ["demo", "gpt2-124m"]
 # sampling first: run after the training sections on the 2-core machine, its per-token times (ours and
@@ -187,9 +187,7 @@ def main(argv: list[str]) -> int:
     for flag in ("warmup", "reps", "reps_no_cache", "reps_data", "new_tokens"):
         if getattr(args, flag) < (0 if flag == "warmup" else 1):
             parser.error(f"--{flag.replace('_', '-')}: must be {'>= 0' if flag == 'warmup' else 'positive'}")
-    device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":
-        tune_cpu()
+    device = init_device(args.device, "--device")
     import transformers
 
     print(f"device: {device_name(device)} | {platform.processor() or platform.machine()} | torch {torch.__version__}"
@@ -200,7 +198,8 @@ def main(argv: list[str]) -> int:
         for preset in args.presets:
             cfg, micro = preset_config(preset, device)
             for hf in (False, True):
-                print(f"\n{preset}, {'transformers' if hf else 'ours'}: {args.reps} steps of {micro} x {cfg.data.seq_len}")
+                who = "transformers" if hf else "ours"
+                print(f"\n{preset}, {who}: {args.reps} steps of {micro} x {cfg.data.seq_len}")
                 print(profile_step(cfg, device, micro, args.warmup, args.reps, hf=hf))
         return 0
     results: dict[str, float] = {}

@@ -11,8 +11,8 @@ import numpy as np
 
 from lm.config import JobConfig
 from lm.data.loader import TokenLoader
-from lm.data.objectives import build_objective
 from lm.data.shards import ShardWriter, dtype_for_vocab, new_manifest, write_manifest
+from lm.training.objective import build_objective
 
 
 def bench_prepare(cfg: JobConfig, reps: int, repeat: int = 4) -> dict:
@@ -42,6 +42,6 @@ def bench_loader(cfg: JobConfig, micro_batch: int, steps: int) -> dict:
         start = time.perf_counter()
         delivered = 0
         for _ in range(steps):
-            delivered += sum(t.numel() * t.element_size() for batch in loader.next_batch() for t in batch)
+            delivered += sum(a.nbytes for batch in loader.next_batch() for a in batch)
         seconds = (time.perf_counter() - start) / steps
     return {"batches/s": 1 / seconds, "GB/s": delivered / steps / seconds / 1e9, "seconds/step": seconds}

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lm.config import DataConfig
+from lm.data.config import DataConfig
 from lm.data.corpora import find_corpus
 from lm.data.prepare import prepare
 from lm.tokenizer import load_tokenizer

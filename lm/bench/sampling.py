@@ -11,7 +11,7 @@ import torch
 
 from lm.bench.common import median_seconds_interleaved
 from lm.config import JobConfig
-from lm.export import export_hf
+from lm.hf.export import export_hf
 from lm.models.generate import generate_batch
 from lm.models.gpt import GPT
 from lm.tokenizer import load_tokenizer
@@ -22,7 +22,7 @@ def exported_hf_model(model: GPT, cfg: JobConfig, device: torch.device) -> torch
     from transformers import AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory() as tmp:
-        export_hf(model, cfg, load_tokenizer(cfg.data.tokenizer), Path(tmp))
+        export_hf(model, load_tokenizer(cfg.data.tokenizer), cfg.data.tokenizer, Path(tmp))
         hf = AutoModelForCausalLM.from_pretrained(tmp, local_files_only=True, attn_implementation="sdpa")
     hf.generation_config.eos_token_id = None  # never stop early: every row makes all its tokens
     return hf.to(device).eval()

@@ -9,12 +9,14 @@ import torch.nn as nn
 from lm.bench.common import median_seconds, peak_memory_gib, reset_peak_memory
 from lm.config import JobConfig
 from lm.distributed.activation import compile_blocks
-from lm.distributed.engine import autocast_for, build_engine, build_optimizer
 from lm.distributed.env import DistEnv
-from lm.export import hf_config, hf_state_dict
+from lm.distributed.optim import build_optimizer
+from lm.distributed.precision import autocast_for
+from lm.hf.mapping import hf_config, hf_state_dict
 from lm.models.block import Block
 from lm.models.gpt import GPT
-from lm.train.metrics import flops_per_token, peak_flops
+from lm.plan.flops import flops_per_token, peak_flops
+from lm.training.trainer import build_run_engine
 
 
 def random_batch(cfg: JobConfig, micro_batch: int, device: torch.device) -> torch.Tensor:
@@ -35,10 +37,8 @@ def hf_gpt2(model: GPT) -> nn.Module:
 
 
 def _row(cfg: JobConfig, device: torch.device, step_s: float, micro_batch: int, extra: dict) -> dict:
-    with torch.device("meta"):  # only the parameter count
-        shape_model = GPT(cfg.model)
     tok_s = micro_batch * cfg.data.seq_len / step_s
-    flops = flops_per_token(cfg.model, shape_model.num_params(), cfg.data.seq_len) * tok_s
+    flops = flops_per_token(cfg.model, cfg.data.seq_len) * tok_s
     peak = peak_flops(device)
     return {"ms/step": step_s * 1e3, "tokens/s": tok_s, "TFLOP/s": flops / 1e12,
             "MFU": flops / peak if peak else None, "peak GiB": peak_memory_gib(device), **extra}
@@ -61,7 +61,7 @@ def training_step(cfg: JobConfig, device: torch.device, micro_batch: int, compil
         del ours
     else:
         model, diff = ours.to(device), None
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg.optim)
     autocast = autocast_for(cfg, device)
     if compiled:  # as the trainer compiles: block by block
         compile_blocks(model)
@@ -128,8 +128,7 @@ def bench_engine(cfg: JobConfig, device: torch.device, micro_batch: int, warmup:
     """One optimizer step through the trainer's engine interface (forward_backward + optimizer_step) on a
     one-process group: the engine's own costs (wrappers, sharding, DeepSpeed's step) at world size 1."""
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=device)
-    torch.manual_seed(0)
-    engine = build_engine(cfg, env)
+    engine = build_run_engine(cfg, env, init_from=None, load_universal=False)
     x = random_batch(cfg, micro_batch, device)
     batch = [x[:, :-1], x[:, 1:]]
 

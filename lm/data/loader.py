@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from lm.data.objectives import NextToken, Objective
-from lm.data.shards import DataError, open_shard, read_manifest
+from lm.data.shards import open_shard, read_manifest
+from lm.errors import DataError
 
 __all__ = ["SplitWindows", "TokenLoader", "locate", "rank_slice", "sample_id_at", "sample_order", "val_batches"]
 
@@ -137,7 +137,7 @@ class TokenLoader:
             ids[i] = self._order[index]
         return ids
 
-    def next_batch(self) -> list[tuple[torch.Tensor, ...]]:
+    def next_batch(self) -> list[tuple[np.ndarray, ...]]:
         """This rank's `grad_accum` micro-batches for one optimizer step, each the objective's tuple
         (NextToken: x, y each (micro_batch, T) int64)."""
         positions = rank_slice(self.position, self.global_batch, self.rank, self.world_size)
@@ -154,7 +154,7 @@ class TokenLoader:
 def val_batches(
     windows: SplitWindows, micro_batch: int, rank: int, world: int, max_batches: int,
     objective: Objective | None = None,
-) -> Iterator[tuple[torch.Tensor, ...]]:
+) -> Iterator[tuple[np.ndarray, ...]]:
     """Validation batches of a split's windows in order, each the objective's tuple keyed by sample id
     (default NextToken: x, y each (micro_batch, T) int64).
 

@@ -2,32 +2,33 @@
 
 An objective is a callable `objective(rows, keys)`: `rows` (B, T + 1) int64 are windows of the token
 shards and `keys` (B,) int64 name the samples (the loader passes global loader positions for training
-and sample ids for validation). It returns the model's batch as a tuple of int64 tensors. Any
-randomness is a pure function of (seed, key), so a run resumed at any world size sees the same batch.
+and sample ids for validation). It returns the model's batch as a tuple of int64 arrays, the model's
+arguments in order; the trainer moves them to its device. Any randomness is a pure function of
+(seed, key), so a run resumed at any world size sees the same batch. Which objective trains which
+model is the trainer's choice (`lm.training.objective`): this package knows no model.
 """
 
 from typing import Protocol
 
 import numpy as np
-import torch
 
 from lm.data.span_corruption import corrupt_rows, corrupted_lengths, noise_masks, span_counts
-from lm.models.config import ConfigError, ModelConfig
+from lm.errors import ConfigError
 
-__all__ = ["NextToken", "Objective", "SpanCorruption", "build_objective"]
+__all__ = ["NextToken", "Objective", "SpanCorruption"]
 
 
 class Objective(Protocol):
-    def __call__(self, rows: np.ndarray, keys: np.ndarray) -> tuple[torch.Tensor, ...]: ...
+    def __call__(self, rows: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, ...]: ...
 
 
 class NextToken:
     """Decoder-only language modelling: inputs x and next-token targets y, each (B, T) int64."""
 
-    def __call__(self, rows: np.ndarray, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = torch.from_numpy(np.asarray(rows, dtype=np.int64))  # (B, T + 1)
+    def __call__(self, rows: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        batch = np.asarray(rows, dtype=np.int64)  # (B, T + 1)
         # copies, so that targets can be flattened with .view(-1) by the loss
-        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        return np.ascontiguousarray(batch[:, :-1]), np.ascontiguousarray(batch[:, 1:])
 
 
 class SpanCorruption:
@@ -53,24 +54,12 @@ class SpanCorruption:
         self.seed, self.sentinel_start, self.n_sentinels, self.pad_id = seed, sentinel_start, n_sentinels, pad_id
         self.window_len, self.noise_density, self.mean_span_length = window_len, noise_density, mean_span_length
 
-    @classmethod
-    def from_config(cls, model_cfg: ModelConfig, seq_len: int, seed: int) -> "SpanCorruption":
-        """The objective of an encdec model trained on windows of seq_len + 1 tokens."""
-        objective = cls(seed, model_cfg.sentinel_start, model_cfg.n_sentinels, model_cfg.pad_id, seq_len + 1)
-        longest = max(objective.lengths)
-        if longest > model_cfg.block_size:
-            raise ConfigError(
-                f"model.block_size: {model_cfg.block_size} is shorter than the corrupted windows of "
-                f"data.seq_len={seq_len} (source, target lengths {objective.lengths})"
-            )
-        return objective
-
     @property
     def lengths(self) -> tuple[int, int]:
         """(S, U): source and target length of every corrupted window."""
         return corrupted_lengths(self.window_len, self.noise_density, self.mean_span_length)
 
-    def __call__(self, rows: np.ndarray, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(self, rows: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         rows = np.asarray(rows, dtype=np.int64)
         keys = np.asarray(keys, dtype=np.int64)
         if rows.ndim != 2 or rows.shape[1] != self.window_len or keys.shape != rows.shape[:1]:
@@ -86,11 +75,4 @@ class SpanCorruption:
         tgt_in = np.empty_like(tgt_out)  # (B, U)
         tgt_in[:, 0] = self.pad_id
         tgt_in[:, 1:] = tgt_out[:, :-1]
-        return torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out)
-
-
-def build_objective(model_cfg: ModelConfig, seq_len: int, seed: int) -> Objective:
-    """The objective that trains `model_cfg.arch`: next-token prediction for gpt, span corruption for encdec."""
-    if model_cfg.arch == "encdec":
-        return SpanCorruption.from_config(model_cfg, seq_len, seed)
-    return NextToken()
+        return src, tgt_in, tgt_out

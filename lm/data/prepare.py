@@ -23,12 +23,20 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from lm.config import DataConfig
+from lm.data.config import DataConfig
 from lm.data.corpora import Corpus, find_corpus
 from lm.data.shards import (
-    FORMAT_VERSION, MANIFEST_NAME, DataError, ShardWriter, dtype_for_vocab, new_manifest, read_manifest,
-    verify_hashes, write_manifest,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    ShardWriter,
+    dtype_for_vocab,
+    new_manifest,
+    read_manifest,
+    verify_hashes,
+    write_manifest,
 )
+from lm.errors import DataError
+from lm.io import publish_dir
 from lm.tokenizer import load_tokenizer
 
 __all__ = ["is_val_document", "output_hash", "prepare"]
@@ -78,7 +86,7 @@ def prepare(cfg: DataConfig, force: bool = False) -> dict:
         splits = _tokenize(corpus, cfg, tmp, dtype_for_vocab(enc.n_vocab))
         manifest = new_manifest(cfg.tokenizer, enc.n_vocab, enc.eot_token, cfg.source, content_hash, splits)
         write_manifest(tmp, manifest)
-        _swap_in(tmp, out)
+        publish_dir(tmp, out)  # the old preparation is deleted only once the new one is in place
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     seconds = time.perf_counter() - start_time
@@ -126,15 +134,6 @@ def _check_splits(val_docs: int, documents: int, val_fraction: float) -> None:
         )
     if val_docs == documents:
         raise DataError(f"data.val_fraction={val_fraction} leaves no training documents out of {documents}")
-
-
-def _swap_in(new: Path, out: Path) -> None:
-    """Replace `out` by the complete directory `new` with renames, deleting the old one only after."""
-    old = out.with_name(f"{out.name}.old-{os.getpid()}")
-    if out.exists():
-        os.rename(out, old)
-    os.rename(new, out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _tokenize(corpus: Corpus, cfg: DataConfig, out: Path, dtype: np.dtype) -> dict:

@@ -9,19 +9,19 @@ A shard `<split>_<index:05d>.bin` is a 32-byte little-endian header followed by 
     16      8     token count (uint64)
     24      8     reserved, zero
 
-Files are written under `<name>.tmp` and renamed, so a reader never sees half a shard. The manifest lists
+Files are written under a temporary name and renamed (`lm.io`), so a reader never sees half a shard. The manifest lists
 each shard's token count (checked against the file size whenever data is opened) and the sha256 of the
 whole file (checked on request: `data.verify_hashes`, `python -m lm.prepare --verify`).
 """
 
 import json
-import os
 import struct
 from pathlib import Path
 
 import numpy as np
 
-from lm.hashing import sha256_file
+from lm.errors import DataError
+from lm.io import atomic_path, atomic_write_text, commit, sha256_file, temp_sibling
 
 __all__ = [
     "FORMAT_VERSION", "HEADER_BYTES", "MANIFEST_NAME", "DataError", "ShardWriter", "check_manifest",
@@ -36,10 +36,6 @@ HEADER_BYTES = _HEADER.size  # 32
 MANIFEST_NAME = "manifest.json"
 _DTYPES = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
 _PREPARE_HINT = "run `python -m lm.prepare` first"
-
-
-class DataError(ValueError):
-    """Input or prepared data is missing, malformed or inconsistent; the message names the file or key."""
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -63,11 +59,9 @@ def write_shard(path: str | Path, tokens: np.ndarray) -> None:
     path = Path(path)
     if tokens.ndim != 1 or tokens.size == 0:
         raise ValueError(f"{path}: a shard holds a non-empty 1-D token array, got shape {tokens.shape}")
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.write(_header(tokens.size, tokens.dtype))
         f.write(np.ascontiguousarray(tokens).astype(tokens.dtype.newbyteorder("<"), copy=False).tobytes())
-    os.replace(tmp, path)
 
 
 class ShardWriter:
@@ -83,6 +77,7 @@ class ShardWriter:
         self.dtype = np.dtype(dtype)
         self.shards: list[dict] = []  # [{"file": name, "tokens": n, "sha256": hex}] of finished shards
         self._file = None
+        self._tmp = Path()  # the open shard's temporary file, renamed when it is full
         self._count = 0  # tokens in the open shard
 
     def add(self, tokens: np.ndarray) -> None:
@@ -93,8 +88,8 @@ class ShardWriter:
         start = 0
         while start < tokens.size:
             if self._file is None:
-                name = shard_name(self.split, len(self.shards))
-                self._file = open(self.data_dir / (name + ".tmp"), "wb")
+                self._tmp = temp_sibling(self.data_dir / shard_name(self.split, len(self.shards)))
+                self._file = open(self._tmp, "wb")
                 self._file.write(bytes(HEADER_BYTES))  # placeholder until the count is known
             take = min(tokens.size - start, self.shard_tokens - self._count)
             self._file.write(tokens[start:start + take].astype(self.dtype.newbyteorder("<"), copy=False).tobytes())
@@ -108,10 +103,9 @@ class ShardWriter:
         self._file.seek(0)
         self._file.write(_header(self._count, self.dtype))
         self._file.close()
-        tmp = self.data_dir / (name + ".tmp")
         # read back from the page cache (~0.8 s per GiB), far cheaper than the tokenizing that made it
-        digest = sha256_file(tmp)
-        os.replace(tmp, self.data_dir / name)
+        digest = sha256_file(self._tmp)
+        commit(self._tmp, self.data_dir / name)
         self.shards.append({"file": name, "tokens": self._count, "sha256": digest})
         self._file, self._count = None, 0
 
@@ -166,10 +160,7 @@ def new_manifest(
 
 def write_manifest(data_dir: str | Path, manifest: dict) -> None:
     """Write manifest.json atomically."""
-    path = Path(data_dir) / MANIFEST_NAME
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(Path(data_dir) / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
 
 
 def read_manifest(data_dir: str | Path) -> dict:

@@ -1,11 +1,16 @@
-"""DistributedDataParallel, applied from outside the model."""
+"""DistributedDataParallel, applied from outside the model: every rank holds the whole model."""
 
 import contextlib
 
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from lm.config import JobConfig
+from lm.distributed.activation import checkpoint_blocks, compile_blocks
 from lm.distributed.env import DistEnv
+from lm.distributed.precision import autocast_for, check_lstm_autocast
+from lm.distributed.torch_engine import TorchEngine
+from lm.distributed.weights import WeightLoader, materialize
 
 
 def wrap_ddp(model: nn.Module, env: DistEnv) -> nn.Module:
@@ -22,3 +27,20 @@ def grad_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager
         return contextlib.nullcontext()
     return model.no_sync()
 
+
+class DDPEngine(TorchEngine):
+    """A replicated model under DistributedDataParallel, bf16 by autocast (`lm.config.use_bf16`)."""
+
+    name = "ddp"
+
+    def __init__(self, model: nn.Module, cfg: JobConfig, env: DistEnv, load_weights: WeightLoader | None) -> None:
+        check_lstm_autocast(cfg, env.device)
+        materialize(model, env.device, load_weights)
+        checkpoint_blocks(model, cfg.parallel.activation_checkpointing)
+        if cfg.train.compile:
+            compile_blocks(model)
+        super().__init__(model, wrap_ddp(model, env), cfg, env)
+        self.autocast = autocast_for(cfg, env.device)
+
+    def _sync(self, last: bool) -> contextlib.AbstractContextManager:
+        return grad_sync(self.train_model, sync=last)

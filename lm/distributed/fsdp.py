@@ -6,20 +6,22 @@ this rank's slice, one parameter at a time, so the weights equal those of an uns
 same seed at any world size, and no rank ever holds the whole model.
 """
 
+import contextlib
 import inspect
-from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.overrides import TorchFunctionMode
 
-from lm.config import ConfigError, JobConfig
+from lm.config import JobConfig, use_bf16
 from lm.distributed.activation import checkpoint_blocks, compile_blocks, model_blocks
 from lm.distributed.env import DistEnv
-from lm.models.factory import build_model
+from lm.distributed.torch_engine import TorchEngine
+from lm.distributed.weights import WeightLoader
+from lm.errors import ConfigError
 
 # the random fills the models' init_weights use (normal_: GPT, encoder-decoder; uniform_: LSTM)
 _RANDOM_INITS = {init: inspect.signature(init) for init in (torch.nn.init.normal_, torch.nn.init.uniform_)}
@@ -50,14 +52,14 @@ class FullTensorInit(TorchFunctionMode):
 def mixed_precision(cfg: JobConfig, device: torch.device) -> MixedPrecisionPolicy:
     """bf16 parameters in forward/backward with fp32 gradient reduction on CUDA (train.dtype auto or
     bfloat16); fp32 throughout on CPU or with train.dtype float32. The sharded master copy stays fp32."""
-    dtype = cfg.train.dtype
-    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
+    if use_bf16(cfg.train.dtype, device.type):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 
-def build_fsdp_model(cfg: JobConfig, env: DistEnv) -> nn.Module:
-    """The config's model, sharded with fully_shard per block and at the root, initialised per rank.
+def shard_model(model: nn.Module, cfg: JobConfig, env: DistEnv) -> nn.Module:
+    """`model` (built on the meta device) sharded in place with fully_shard per block and at the root, then
+    allocated and initialised per rank: every rank draws the whole model's numbers and keeps its slices.
 
     Call after seeding the global RNG, as for an unsharded model. With train.compile each block is
     compiled on its own (`compile_blocks`), as under ddp.
@@ -65,8 +67,6 @@ def build_fsdp_model(cfg: JobConfig, env: DistEnv) -> nn.Module:
     if cfg.parallel.cpu_offload and env.device.type != "cuda":
         raise ConfigError("parallel.cpu_offload: FSDP2 offloads a GPU run's shards to host memory; this run is "
                           "on the CPU already, so drop parallel.cpu_offload")
-    with torch.device("meta"):
-        model = build_model(cfg.model)
     checkpoint_blocks(model, cfg.parallel.activation_checkpointing)
     options = {"mp_policy": mixed_precision(cfg, env.device)}
     if cfg.parallel.cpu_offload:
@@ -82,16 +82,31 @@ def build_fsdp_model(cfg: JobConfig, env: DistEnv) -> nn.Module:
     return model
 
 
-def load_full_weights(model: nn.Module, path: Path) -> None:
-    """Load a consolidated safetensors file (every rank reads it whole) into the sharded model: each rank
-    keeps its slices of the full tensors."""
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+class FSDPEngine(TorchEngine):
+    """FSDP2: parameters, gradients and optimizer state sharded per block; bf16 by its mixed-precision
+    policy (no autocast)."""
 
-    from lm.consolidate import read_consolidated_config, tied_names
+    name = "fsdp"
 
-    read_consolidated_config(path)  # a readable lm file, or one clear error
-    weights = load_file(str(path), device="cpu")
-    for alias, name in tied_names(model).items():  # the tied head is stored once, under its embedding
-        weights.setdefault(alias, weights[name])
-    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+    def __init__(self, model: nn.Module, cfg: JobConfig, env: DistEnv, load_weights: WeightLoader | None) -> None:
+        shard_model(model, cfg, env)
+        if load_weights is not None:
+            load_weights(model)  # each rank keeps its slices of the full tensors
+        super().__init__(model, model, cfg, env)  # fully_shard works in place
+
+    def _sync(self, last: bool) -> contextlib.AbstractContextManager:
+        self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def full_weights(self):
+        """Every parameter whole on every rank inside the block, so any method of the model runs (sampling
+        calls an encoder-decoder's encode and decode, which FSDP's forward hooks never see)."""
+        sharded = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for module in sharded:
+            module.unshard()
+        try:
+            yield
+        finally:
+            for module in sharded:
+                module.reshard()

@@ -4,15 +4,28 @@
 work without it installed.
 """
 
+import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from lm.config import ConfigError, JobConfig
+from lm.config import JobConfig, use_bf16
+from lm.distributed.activation import checkpoint_blocks
 from lm.distributed.env import DistEnv
+from lm.distributed.optim import build_optimizer
+from lm.distributed.weights import WeightLoader, materialize
+from lm.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+DEEPSPEED_TAG = "deepspeed"
+"""Subdirectory (DeepSpeed's checkpoint tag) of a step directory holding a DeepSpeed engine's files."""
+UNIVERSAL_TAG = "deepspeed_universal"
+"""Its conversion to DeepSpeed's universal format, made when a run resumes at another world size or stage."""
 
 # keys of a user's DeepSpeed JSON that must agree with our config, and the config key that sets each
 _BATCH_KEYS = {
@@ -30,7 +43,7 @@ def deepspeed_config(cfg: JobConfig, world_size: int, device: torch.device, load
     too (passed in as objects), so the JSON may not name them.
     """
     accum = cfg.train.batch_size // (cfg.train.micro_batch_size * world_size)
-    bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and device.type == "cuda")
+    bf16 = use_bf16(cfg.train.dtype, device.type)
     zero: dict = {"stage": cfg.parallel.zero_stage}
     if cfg.parallel.cpu_offload:
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -98,3 +111,69 @@ def convert_to_universal(step_dir: Path, tag: str, out_tag: str) -> None:
         num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True,
     )
     ds_to_universal.main(args)
+
+
+class DeepSpeedEngine:
+    """DeepSpeed ZeRO stage 1-3 around our model and our AdamW; DeepSpeed's own checkpoints."""
+
+    name = "deepspeed"
+
+    def __init__(self, model: nn.Module, cfg: JobConfig, env: DistEnv, load_weights: WeightLoader | None,
+                 load_universal: bool = False) -> None:
+        self.cfg, self.env, self.load_universal = cfg, env, load_universal
+        if cfg.train.compile:  # not wired up (nor tried) inside DeepSpeed's engine
+            log.warning("train.compile is not applied under parallel.engine=deepspeed; the model runs eager")
+        # whole and final before initialize: DeepSpeed copies the weights into its fp32 master partitions
+        self.model = materialize(model, env.device, load_weights)
+        checkpoint_blocks(self.model, cfg.parallel.activation_checkpointing)
+        self.engine, self.optimizer = initialize(self.model, build_optimizer(self.model, cfg.optim), cfg, env,
+                                                 load_universal)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int,
+                         poison: bool = False) -> torch.Tensor:
+        """DeepSpeed divides the loss by its accumulation steps and steps the optimizer on the last one."""
+        _, loss = self.engine(*batch)
+        if poison:
+            loss = loss * float("nan")
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+    def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step already happened inside DeepSpeed's last micro-step, which (without fp16 loss
+        scaling) cannot skip it; report its gradient norm and whether it was finite, as 0-dim tensors on
+        the device like the other engines' (DeepSpeed hands the norm over as a Python float)."""
+        norm = self.engine.get_global_grad_norm()
+        norm = torch.as_tensor(0.0 if norm is None else norm, dtype=torch.float32, device=self.env.device)
+        return norm, torch.isfinite(norm)
+
+    def parameters_finite(self) -> bool:
+        """Whether this rank's partition of the fp32 master weights holds only finite values."""
+        return all(bool(torch.isfinite(p).all()) for group in self.optimizer.param_groups for p in group["params"])
+
+    def eval_loss(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        return self.engine(*batch)[1]
+
+    def train(self, mode: bool) -> None:
+        self.engine.train(mode)
+
+    def full_weights(self) -> contextlib.AbstractContextManager:
+        """Every parameter whole on every rank inside the block (ZeRO-3 gathers them; stages 1-2 hold them)."""
+        if self.cfg.parallel.zero_stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.model.parameters()))
+
+    def save(self, directory: Path) -> None:
+        self.engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG)
+
+    def load(self, directory: Path) -> None:
+        tag = UNIVERSAL_TAG if self.load_universal else DEEPSPEED_TAG
+        path, _ = self.engine.load_checkpoint(str(directory), tag=tag, load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"{directory / tag}: DeepSpeed found no checkpoint to load")

@@ -28,7 +28,8 @@ class Block(nn.Module):
         self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def _residual(self, x: torch.Tensor, norm: nn.Module, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def _residual(self, x: torch.Tensor, norm: nn.Module,
+                  sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         if self.post_norm:
             return norm(x + sublayer(x))
         return x + sublayer(norm(x))

@@ -13,15 +13,13 @@ turns into an LSTM by changing `arch` alone.
 
 from dataclasses import dataclass
 
+from lm.errors import ConfigError
+
 ARCHS = ("gpt", "encdec", "lstm")
 POSITIONS = ("learned", "sinusoidal", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu", "swiglu")
 NORM_POSITIONS = ("pre", "post")
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, of the wrong type, or out of range; the message names the key."""
 
 
 @dataclass
@@ -47,7 +45,7 @@ class ModelConfig:
     bias: bool = True
     """Biases in linear layers and LayerNorms, as in GPT-2; Llama has none (lstm: the gates' biases)."""
     pos: str = "learned"
-    """Positions: learned (GPT-2 table), sinusoidal (fixed, as in the original transformer) or rope (rotary, gpt only)."""
+    """Positions: learned (GPT-2 table), sinusoidal (fixed, as in the original transformer) or rope (rotary; gpt)."""
     rope_theta: float = 10000.0
     """Base of the rotary frequencies."""
     norm: str = "layernorm"
@@ -55,7 +53,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     """Epsilon of every norm."""
     norm_position: str = "pre"
-    """pre: norm before each sublayer, plus a final norm (GPT-2, stabler); post: norm after each residual add (original)."""
+    """pre: norm before each sublayer, and a final norm (GPT-2, stabler); post: after each residual add (original)."""
     mlp: str = "gelu"
     """Feed-forward: gelu (tanh approximation, GPT-2), relu (original transformer) or swiglu (Llama)."""
     tie_embeddings: bool = True
@@ -80,7 +78,8 @@ class ModelConfig:
             self._check_heads()
         if self.arch == "encdec":
             if self.pos == "rope":
-                raise ConfigError("model.pos: rope is for arch gpt; encdec takes sinusoidal (as in the paper) or learned")
+                raise ConfigError("model.pos: rope is for arch gpt; encdec takes sinusoidal (as in the paper) or "
+                                  "learned")
             if self.n_sentinels < 1:
                 raise ConfigError(f"model.n_sentinels: encdec needs at least 1 sentinel id, got {self.n_sentinels}")
         if not 0.0 <= self.dropout < 1.0:

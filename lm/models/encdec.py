@@ -82,14 +82,8 @@ class EncoderDecoder(nn.Module):
     def source_embedding(self) -> nn.Embedding:
         return self.tgt_embed if self.cfg.share_embeddings else self.src_embed
 
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count, tied or shared tensors counted once; `non_embedding` leaves out position tables."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding and self.cfg.pos == "learned":
-            n -= self.src_pos.weight.numel() + self.tgt_pos.weight.numel()
-        return n
-
-    def _embed(self, ids: torch.Tensor, table: nn.Embedding, pos_table: nn.Embedding | None, start: int) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, table: nn.Embedding, pos_table: nn.Embedding | None,
+               start: int) -> torch.Tensor:
         """ids (B, T) at positions start.. -> (B, T, C): scaled token embedding plus position encoding."""
         T = ids.size(1)
         if start + T > self.cfg.block_size:

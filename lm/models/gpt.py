@@ -89,16 +89,6 @@ class GPT(nn.Module):
         skip = {self.lm_head} if self.cfg.tie_embeddings else set()  # tied: drawn once, as the embedding
         init_weights_(self, residual_projections(self.blocks), skip, self.cfg.n_layer)
 
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count, a tied head counted once; `non_embedding` leaves out the position table.
-
-        The token embedding stays in because, tied, it is also the output layer (as in GPT-2's counts).
-        """
-        n = sum(p.numel() for p in self.parameters())  # parameters() yields a shared tensor once
-        if non_embedding and self.cfg.pos == "learned":
-            n -= self.wpe.weight.numel()
-        return n
-
     def new_cache(
         self,
         batch_size: int,

@@ -1,6 +1,7 @@
 """Key/value cache for incremental decoding.
 
-Each layer owns preallocated key and value tensors of shape (B, nkv, max_len, hs) (nkv: key/value heads) and a fill length.
+Each layer owns preallocated key and value tensors of shape (B, nkv, max_len, hs) (nkv: key/value heads)
+and a fill length.
 Appending writes into the preallocated storage in place, so decoding allocates nothing per token.
 """
 

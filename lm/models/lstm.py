@@ -88,11 +88,6 @@ class LSTMLM(nn.Module):
         if not self.cfg.tie_embeddings:
             nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.02)
 
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count, a tied head counted once. There is no position table, so `non_embedding`
-        changes nothing: the token embedding stays in, being also the output layer (as in the GPT)."""
-        return sum(p.numel() for p in self.parameters())  # parameters() yields a shared tensor once
-
     def new_cache(
         self,
         batch_size: int,

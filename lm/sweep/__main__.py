@@ -17,15 +17,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from lm import checkpoint as ckpt
+from lm.checkpoint.store import checkpoint_root, complete_checkpoints
 from lm.cli import run
-from lm.config import ConfigError, JobConfig, load_config
-from lm.models.factory import build_model
-from lm.plot import load_run, save_png, val_time_figure
-from lm.sweep.grid import SweepError, config_diff, expand, format_value, overrides, parse_grid, run_name
-from lm.sweep.table import csv_text, markdown, read_result, write_atomic
+from lm.config import JobConfig, config_diff, load_config
+from lm.errors import ConfigError, SweepError
+from lm.io import atomic_write_text
+from lm.plan.param_count import num_params
+from lm.report.figures import load_run, save_png, val_time_figure
+from lm.sweep.grid import expand, format_value, overrides, parse_grid, run_name
+from lm.sweep.table import csv_text, markdown, read_result
 
 log = logging.getLogger("lm.sweep")
 
@@ -85,18 +85,18 @@ def claim_sweep_dir(out: Path, base: dict, config: str, grid: dict, force: bool)
         except (ValueError, KeyError, TypeError):
             raise SweepError(f"{record}: not a sweep record (JSON with a 'base' config); is {out} a sweep "
                              "directory?") from None
-        diff = config_diff(previous, base)
+        diff = [f"{key}: {old!r} -> {new!r}" for key, (old, new) in config_diff(previous, base).items()]
         if diff and not force:
             shown = "; ".join(diff[:4]) + ("; ..." if len(diff) > 4 else "")
             raise SweepError(f"{out}: holds a sweep of another base config ({shown}); use another --out, or "
                              "--force to add these runs beside the others (no run directory is reused)")
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(record, json.dumps({"config": config, "base": base, "grid": grid}, indent=1) + "\n")
+    atomic_write_text(record, json.dumps({"config": config, "base": base, "grid": grid}, indent=1) + "\n")
 
 
 def finished(run: Run) -> bool:
     """Whether the run's newest complete checkpoint is its last step."""
-    found = ckpt.complete_checkpoints(ckpt.checkpoint_root(run.dir))
+    found = complete_checkpoints(checkpoint_root(run.dir))
     return bool(found) and int(found[-1].name.removeprefix("step_")) >= run.cfg.train.steps
 
 
@@ -122,11 +122,6 @@ def launch(command: list[str], run: Run) -> str:
     return f"failed (exit {code}{': ' + errors[-1].removeprefix('error: ') if errors else ''}; see {log_path})"
 
 
-def count_params(cfg: JobConfig) -> int:
-    with torch.device("meta"):  # shapes only: no memory, no time
-        return build_model(cfg.model).num_params()
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lm.sweep", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
@@ -139,7 +134,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="--random: seed of the draw (default 0)")
     parser.add_argument("--out", help="sweep directory (default runs/sweep_<config name>)")
     parser.add_argument("--nproc", type=int, default=1, help="processes per run: >1 runs each as a torchrun job")
-    parser.add_argument("--force", action="store_true", help="add runs to a directory holding a sweep of another base config")
+    parser.add_argument("--force", action="store_true",
+                        help="add runs to a directory holding a sweep of another base config")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and exit without training")
     args, fixed = parser.parse_known_args(argv)
     for item in fixed:
@@ -172,9 +168,10 @@ def main(argv: list[str]) -> int:
         statuses[r.name] = launch(train_command(args.config, fixed, r, args.nproc), r)
         log.info("[%d/%d] %s: %s", i, len(runs), r.name, statuses[r.name])
 
-    results = [read_result(r.dir, r.settings, count_params(r.cfg), statuses[r.name]) for r in runs]
-    write_atomic(out / "results.md", markdown(results))
-    write_atomic(out / "results.csv", csv_text(results))
+    results = [read_result(r.dir, r.settings, num_params(r.cfg.model, non_embedding=True), statuses[r.name])
+               for r in runs]
+    atomic_write_text(out / "results.md", markdown(results))
+    atomic_write_text(out / "results.csv", csv_text(results))
     plotted = {r.label: load_run(r.dir) for r, res in zip(runs, results) if res.val_loss is not None}
     save_png(val_time_figure(plotted), out / "val_loss_vs_time.png")
     print(markdown(results))

@@ -11,14 +11,10 @@ import random
 
 import yaml
 
-from lm.models.config import ConfigError
+from lm.errors import SweepError
 
 # each run must see the same data, seed and token budget; train.out_dir is the sweep's to set
 FIXED_KEYS = ("train.seed", "train.steps", "train.batch_size", "data.seq_len", "train.out_dir")
-
-
-class SweepError(ConfigError):
-    """A grid, a sweep directory or a run of a sweep is unusable; the message names it."""
 
 
 def parse_grid(items: list[str]) -> dict[str, list[object]]:
@@ -92,9 +88,3 @@ def run_name(combo: dict[str, object], resolved: dict) -> str:
     safe = "".join(c if c.isalnum() or c in "=._-" else "-" for c in label)
     return f"{safe}-{digest}"
 
-
-def config_diff(old: dict, new: dict) -> list[str]:
-    """`section.key: old -> new` for every key whose value differs between two resolved config dicts."""
-    return [f"{section}.{key}: {old.get(section, {}).get(key)!r} -> {value!r}"
-            for section, values in new.items() for key, value in values.items()
-            if old.get(section, {}).get(key) != value]

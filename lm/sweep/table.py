@@ -3,12 +3,11 @@
 import csv
 import io
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from lm.plot import load_run
-from lm.train.metrics import perplexity, row_kind
+from lm.report.figures import load_run
+from lm.report.metrics import perplexity, row_kind
 
 
 @dataclass
@@ -92,9 +91,3 @@ def csv_text(results: list[RunResult]) -> str:
     writer.writerows(rows)
     return buffer.getvalue()
 
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write the whole file or nothing: a sweep killed while writing leaves the previous table."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

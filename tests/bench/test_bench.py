@@ -38,7 +38,8 @@ def test_profile_names_the_matmuls():
 
 
 def test_sdpa_kernel_names_the_backend_that_runs():
-    from torch.nn.attention import SDPBackend, sdpa_kernel as allow_only
+    from torch.nn.attention import SDPBackend
+    from torch.nn.attention import sdpa_kernel as allow_only
 
     assert sdpa_kernel(tiny(), CPU, 2) == "flash_attention_for_cpu"
     with allow_only(SDPBackend.MATH):

@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from lm.data.corpora import clean_markdown, find_corpus, iter_documents
-from lm.data.shards import DataError
+from lm.errors import DataError
 
 PLAY = """# Hamlet
 

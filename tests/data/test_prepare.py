@@ -9,9 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from lm.cli import run
-from lm.config import DataConfig
+from lm.data.config import DataConfig
 from lm.data.prepare import is_val_document, prepare
-from lm.data.shards import DataError, open_shard
+from lm.data.shards import open_shard
+from lm.errors import DataError
 from lm.prepare import main
 from lm.tokenizer import load_tokenizer
 

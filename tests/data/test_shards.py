@@ -6,9 +6,20 @@ import numpy as np
 import pytest
 
 from lm.data.shards import (
-    HEADER_BYTES, DataError, ShardWriter, check_manifest, dtype_for_vocab, open_shard, read_header,
-    new_manifest, read_manifest, shard_name, verify_hashes, write_manifest, write_shard,
+    HEADER_BYTES,
+    ShardWriter,
+    check_manifest,
+    dtype_for_vocab,
+    new_manifest,
+    open_shard,
+    read_header,
+    read_manifest,
+    shard_name,
+    verify_hashes,
+    write_manifest,
+    write_shard,
 )
+from lm.errors import DataError
 
 
 def test_dtype_for_vocab():

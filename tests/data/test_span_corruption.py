@@ -4,7 +4,13 @@ import numpy as np
 import pytest
 
 from lm.data.span_corruption import (
-    corrupt, corrupt_rows, corrupted_lengths, noise_mask, noise_masks, reconstruct, span_counts,
+    corrupt,
+    corrupt_rows,
+    corrupted_lengths,
+    noise_mask,
+    noise_masks,
+    reconstruct,
+    span_counts,
 )
 
 S0 = 1000  # sentinel_start in these tests: every token id is below it

@@ -6,7 +6,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from lm.distributed import grad_sync, init_distributed, wrap_ddp
+from lm.distributed.ddp import grad_sync, wrap_ddp
+from lm.distributed.env import init_distributed
 
 
 def _free_port() -> int:

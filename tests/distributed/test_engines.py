@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from lm.checkpoint import CheckpointError, check_engine
-from lm.config import ConfigError, load_config
+from lm.checkpoint.resume import check_engine
+from lm.config import load_config
 from lm.distributed.zero import deepspeed_config
+from lm.errors import CheckpointError, ConfigError
 
 TINY = [
     "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
@@ -39,7 +40,8 @@ RESHARD_REL = 1e-3
 def train(nproc: int, out: Path, data_dir: Path, *extra: str) -> dict[int, float]:
     """Run lm.train on `nproc` processes (torchrun for 2) and return its logged train loss per step."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    cmd = [sys.executable, *launcher, "-m", "lm.train", *TINY, f"--data.dir={data_dir}", f"--train.out_dir={out}", *extra]
+    cmd = [sys.executable, *launcher, "-m", "lm.train", *TINY, f"--data.dir={data_dir}", f"--train.out_dir={out}",
+           *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve()))
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -129,8 +131,10 @@ def test_deepspeed_config_comes_from_ours_and_a_user_json_may_not_contradict_it(
     cfg = load_config(None, ["--parallel.engine=deepspeed", "--parallel.zero_stage=2", "--train.batch_size=32",
                              "--train.micro_batch_size=4", "--optim.grad_clip=0.5"])
     ds = deepspeed_config(cfg, 2, torch.device("cpu"))
-    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (32, 4, 4)
-    assert ds["zero_optimization"] == {"stage": 2} and ds["gradient_clipping"] == 0.5 and ds["bf16"] == {"enabled": False}
+    batch = (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"])
+    assert batch == (32, 4, 4)
+    assert ds["zero_optimization"] == {"stage": 2} and ds["gradient_clipping"] == 0.5
+    assert ds["bf16"] == {"enabled": False}
     assert deepspeed_config(cfg, 2, torch.device("cuda"))["bf16"] == {"enabled": True}
 
     user = tmp_path / "ds.json"
@@ -151,7 +155,8 @@ def test_deepspeed_config_comes_from_ours_and_a_user_json_may_not_contradict_it(
 
 @pytest.mark.parametrize("overrides, message", [
     (["--parallel.engine=megatron"], "parallel.engine: unknown engine 'megatron'"),
-    (["--parallel.engine=deepspeed", "--parallel.zero_stage=4"], "parallel.zero_stage: deepspeed takes ZeRO stage 1, 2 or 3, got 4"),
+    (["--parallel.engine=deepspeed", "--parallel.zero_stage=4"],
+     "parallel.zero_stage: deepspeed takes ZeRO stage 1, 2 or 3, got 4"),
     (["--parallel.engine=deepspeed"], "parallel.zero_stage: deepspeed takes ZeRO stage 1, 2 or 3, got 0"),
     (["--parallel.engine=fsdp", "--parallel.zero_stage=2"], "parallel.zero_stage: only the deepspeed engine has it"),
     (["--parallel.deepspeed_config=ds.json"], "parallel.deepspeed_config: only the deepspeed engine has it"),
@@ -193,8 +198,8 @@ def test_deepspeed_cpu_offload_trains_like_no_offload(tiny_data_dir, tmp_path):
 def test_fsdp_offload_on_a_cpu_run_is_refused_before_anything_is_written(tiny_data_dir, tmp_path):
     import torch.distributed as dist
 
-    from lm.distributed import init_distributed
-    from lm.train.trainer import Trainer
+    from lm.distributed.env import init_distributed
+    from lm.training.trainer import Trainer
 
     cfg = load_config(None, [*TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={tmp_path / 'run'}",
                              "--parallel.engine=fsdp", "--parallel.cpu_offload=true"])
@@ -218,3 +223,35 @@ def test_deepspeed_says_that_it_does_not_compile(tiny_data_dir, tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "train.compile is not applied under parallel.engine=deepspeed; the model runs eager" in result.stdout
+
+
+def test_an_engine_draws_the_weights_a_cpu_build_would_and_lets_a_loader_replace_them():
+    """The engine is handed a model built on the meta device; allocating and drawing it from the seeded RNG
+    gives the weights of a model built whole on the CPU, and `load_weights` then replaces them."""
+    import torch
+
+    from lm.distributed.engine import build_engine
+    from lm.distributed.env import DistEnv
+    from lm.models.factory import build_model
+
+    cfg = load_config(None, [*TINY, "--train.device=cpu"])
+    env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    torch.manual_seed(5)
+    reference = build_model(cfg.model)
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    engine = build_engine(model, cfg, env)
+    assert engine.model is model and model.lm_head.weight is model.wte.weight  # materialised and tied again
+    for (name, expected), actual in zip(reference.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(expected, actual), name
+
+    def zero_all(module: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for p in module.parameters():
+                p.zero_()
+
+    with torch.device("meta"):
+        other = build_model(cfg.model)
+    zeros = build_engine(other, cfg, env, load_weights=zero_all)
+    assert all(not p.any() for p in zeros.model.parameters())

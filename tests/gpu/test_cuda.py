@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from lm.bench.training import random_batch, sdpa_kernel
 from lm.config import load_config
-from lm.distributed.engine import build_engine
 from lm.distributed.env import DistEnv
-from lm.train.nonfinite import SkippedSteps
+from lm.training.nonfinite import SkippedSteps
+from lm.training.trainer import build_run_engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -38,7 +38,7 @@ def test_a_training_step_never_waits_for_the_host(engine):
 
 
 def sync_free_steps(cfg, device: torch.device) -> None:
-    built = build_engine(cfg, DistEnv(rank=0, local_rank=0, world_size=1, device=device))
+    built = build_run_engine(cfg, DistEnv(rank=0, local_rank=0, world_size=1, device=device), None, False)
     x = random_batch(cfg, 4, device)
     batch = [x[:, :-1], x[:, 1:]]
 

@@ -63,7 +63,7 @@ def test_self_attention_with_cache_in_chunks_equals_full() -> None:
     full = attn(x)
     cache = LayerKVCache(2, CFG.n_head, 16, CFG.head_dim)
     # prefill (is_causal), a multi-token append (explicit mask), a single-token decode (no mask)
-    chunks = [attn(x[:, :4], cache=cache), attn(x[:, 4:7], cache=cache), attn(x[:, 7:8], cache=cache), attn(x[:, 8:], cache=cache)]
+    chunks = [attn(x[:, a:b], cache=cache) for a, b in ((0, 4), (4, 7), (7, 8), (8, 10))]
     assert cache.length == 10
     torch.testing.assert_close(torch.cat(chunks, dim=1), full, rtol=0, atol=1e-5)
 

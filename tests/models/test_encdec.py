@@ -4,11 +4,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lm.models.config import ConfigError, ModelConfig
+from lm.errors import ConfigError
+from lm.models.config import ModelConfig
 from lm.models.encdec import EncoderDecoder, padding_mask
 from lm.models.factory import build_model
 from lm.models.generate import generate_seq2seq
 from lm.models.layers import sinusoidal_positions
+from lm.plan.param_count import num_params
 
 CFG = ModelConfig(arch="encdec", vocab_size=200, block_size=24, n_layer=2, n_head=4, d_model=32, pos="sinusoidal",
                   n_sentinels=5, norm_position="post", mlp="relu")
@@ -19,7 +21,8 @@ def randomised(model: nn.Module, seed: int = 0) -> nn.Module:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if p.dim() == 1 and p.numel() == model.cfg.d_model else 0.0))
+            gain = 1.0 if p.dim() == 1 and p.numel() == model.cfg.d_model else 0.0  # norm weights around 1
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + gain)
     return model.eval()
 
 
@@ -143,7 +146,8 @@ def test_generate_seq2seq_greedy_equals_recomputing_everything_each_step() -> No
 
 def test_source_longer_than_the_encoder_positions_is_refused() -> None:
     model = EncoderDecoder(CFG)
-    with pytest.raises(ValueError, match=r"source of 25 tokens is longer than the encoder's positions \(model.block_size=24\)"):
+    with pytest.raises(ValueError,
+                       match=r"source of 25 tokens is longer than the encoder's positions \(model.block_size=24\)"):
         model(torch.zeros(1, 25, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="source of 30 tokens"):
         generate_seq2seq(model, [1] * 30, 4)
@@ -165,8 +169,9 @@ def test_shared_or_separate_embeddings_and_tied_head(share: bool) -> None:
     assert model.lm_head.weight is model.tgt_embed.weight
     assert (model.source_embedding is model.tgt_embed) == share
     emb = CFG.padded_vocab_size * CFG.d_model
-    assert model.num_params() == sum(p.numel() for p in model.parameters())
-    assert sum(p.numel() for p in model.parameters()) - (0 if share else emb) == EncoderDecoder(CFG).num_params()
+    n = sum(p.numel() for p in model.parameters())  # a shared or tied tensor counted once
+    assert n - (0 if share else emb) == sum(p.numel() for p in EncoderDecoder(CFG).parameters())
+    assert n == num_params(model.cfg)
 
 
 def test_same_seed_same_weights_and_loss_falls_when_fitting_one_batch() -> None:

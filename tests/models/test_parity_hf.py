@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from lm.export import ExportError, gpt2_state_dict, hf_config, hf_state_dict, hf_target, llama_state_dict
+from lm.errors import ExportError
+from lm.hf.mapping import gpt2_state_dict, hf_config, hf_state_dict, hf_target, llama_state_dict
 from lm.models.config import ModelConfig
 from lm.models.gpt import GPT
 

@@ -1,7 +1,8 @@
 import pytest
 
 from lm.config import load_config
-from lm.sweep.grid import SweepError, config_diff, expand, overrides, parse_grid, run_name
+from lm.errors import SweepError
+from lm.sweep.grid import expand, overrides, parse_grid, run_name
 
 
 def test_values_are_read_as_yaml_scalars():
@@ -44,12 +45,6 @@ def test_run_names_show_the_values_and_differ_with_the_config():
     assert a.startswith("n_layer=2_lr=0.003-") and b.startswith("n_layer=2_lr=0.003-") and a != b
     assert a == run_name(combo, load_config(None, overrides(combo)).to_dict())  # stable: a rerun finds it
     assert "/" not in run_name({"log.sample_prompt": "a/b c"}, {})
-
-
-def test_config_diff_names_each_changed_key():
-    old, new = load_config(None, []).to_dict(), load_config(None, ["--model.d_model=384", "--optim.lr=1e-3"]).to_dict()
-    assert config_diff(old, new) == ["model.d_model: 768 -> 384", "optim.lr: 0.0006 -> 0.001"]
-    assert config_diff(old, old) == []
 
 
 @pytest.mark.parametrize("items, message", [

@@ -134,8 +134,8 @@ def test_a_directory_of_another_base_config_is_refused_unless_forced(base_config
 
 def test_dry_run_lists_the_runs_and_writes_nothing(base_config, tmp_path, capsys):
     out = tmp_path / "sweep"
-    assert run(main, ["--config", str(base_config), "--grid", "model.n_layer=1,2", "optim.lr=1e-3,3e-3", "--out", str(out),
-                      "--dry-run"]) == 0
+    assert run(main, ["--config", str(base_config), "--grid", "model.n_layer=1,2", "optim.lr=1e-3,3e-3",
+                      "--out", str(out), "--dry-run"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 4 and lines[0].startswith(f"[1/4] {out}/runs/n_layer=1_lr=0.001-")
     assert lines[3].endswith("--model.n_layer=2 --optim.lr=0.003")

@@ -1,0 +1,179 @@
+"""Resuming a run: which checkpoint (checkpoint.resume), whether it fits the config and the data, and
+loading it through the engine. A checkpoint is refused, with the command that gets around it, when its
+model, its engine family or (unless checkpoint.allow_data_change) its data differ from the run's."""
+
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from lm.checkpoint.consolidated import read_consolidated_config
+from lm.checkpoint.manifest import verify_checkpoint
+from lm.checkpoint.store import complete_checkpoints, read_config, read_state, restore_replaced
+from lm.config import JobConfig, config_diff
+from lm.distributed.engine import Engine
+from lm.distributed.env import DistEnv
+from lm.distributed.zero import DEEPSPEED_TAG, UNIVERSAL_TAG, convert_to_universal
+from lm.errors import CheckpointError, ConfigError
+from lm.io import publish_dir
+
+log = logging.getLogger("lm.checkpoint")
+
+ARCH_NAMES = {"gpt": "a decoder-only GPT", "encdec": "an encoder-decoder", "lstm": "an LSTM"}
+
+
+def find_resume(root: Path, mode: str, env: DistEnv) -> Path | None:
+    """The checkpoint a run resumes from under checkpoint.resume=`mode` (auto, never, required), or None
+    to start fresh: the newest one that verifies, corrupt ones skipped with a warning. Every rank calls it."""
+    found = complete_checkpoints(root)
+    if mode == "required" and not found:
+        raise CheckpointError(f"checkpoint.resume=required, but {root} holds no complete checkpoint")
+    if mode == "never" and found:
+        raise CheckpointError(
+            f"checkpoint.resume=never, but {root} already holds checkpoints that a new "
+            "run would overwrite; pick another train.out_dir or use checkpoint.resume=auto"
+        )
+    return latest_valid_checkpoint(root, env) if found and mode != "never" else None
+
+
+def check_resume(path: Path, cfg: JobConfig, manifest: dict, env: DistEnv) -> bool:
+    """Refuse a checkpoint that does not fit the run (model, data, engine family); True when the engine
+    must load the DeepSpeed checkpoint's universal form, which this makes if it is not there yet."""
+    check_compatible(path, cfg)
+    check_data(path, manifest, cfg)
+    load_universal = check_engine(path, cfg, env.world_size)
+    if load_universal:
+        ensure_universal(path, env)
+    return load_universal
+
+
+def latest_valid_checkpoint(root: Path, env: DistEnv | None = None) -> Path | None:
+    """The newest complete checkpoint under `root` that verifies, or None when there is none at all.
+
+    Each one skipped is logged with the reason; raises CheckpointError listing them when checkpoints
+    exist but none verifies. With `env`, every rank must call this: rank 0 verifies and broadcasts its
+    choice, so all ranks resume from the same checkpoint.
+    """
+    choice, error = None, None
+    if env is None or env.is_main:
+        if root.is_dir():
+            restore_replaced(root)
+        found = complete_checkpoints(root)
+        problems = []
+        for path in reversed(found):
+            try:
+                verify_checkpoint(path)
+            except CheckpointError as err:
+                log.warning("skipping checkpoint %s: %s", path, err)
+                problems.append(str(err))
+                continue
+            choice = path
+            break
+        if found and choice is None:
+            error = f"no usable checkpoint in {root}: " + "; ".join(problems)
+    if env is not None:
+        choice, error = env.broadcast_object((choice, error))
+    if error is not None:
+        raise CheckpointError(error)
+    return choice
+
+
+def check_engine(path: Path, cfg: JobConfig, world_size: int) -> bool:
+    """Refuse a checkpoint another engine family wrote; True when a DeepSpeed checkpoint must first be
+    converted to DeepSpeed's universal format (another world size or ZeRO stage)."""
+    state = read_state(path)
+    saved, wanted = state["engine"], cfg.parallel.engine
+    if (saved == "deepspeed") != (wanted == "deepspeed"):
+        raise CheckpointError(
+            f"{path}: written by the {saved} engine, and parallel.engine is {wanted}; engines other than "
+            f"ddp/fsdp cannot read each other's checkpoints. Consolidate it (python -m lm.consolidate "
+            f"--checkpoint {path} OUT.safetensors) and start a new run from its weights with "
+            f"checkpoint.init_from=OUT.safetensors, or resume with parallel.engine={saved}"
+        )
+    resharded = state["world_size"] != world_size or state.get("zero_stage") != cfg.parallel.zero_stage
+    return saved == "deepspeed" and resharded
+
+
+def ensure_universal(path: Path, env: DistEnv) -> None:
+    """Give a DeepSpeed checkpoint a universal twin (`deepspeed_universal/`), which loads at any world
+    size and ZeRO stage; rank 0 converts once, into a temporary directory renamed when complete."""
+    if env.is_main and not (path / UNIVERSAL_TAG).is_dir():
+        log.info("%s: converting the DeepSpeed checkpoint to a universal one for another world size or stage", path)
+        tmp_tag = UNIVERSAL_TAG + ".tmp"
+        shutil.rmtree(path / tmp_tag, ignore_errors=True)
+        convert_to_universal(path, DEEPSPEED_TAG, tmp_tag)
+        publish_dir(path / tmp_tag, path / UNIVERSAL_TAG)
+    env.barrier()
+
+
+def load_checkpoint(path: Path, engine: Engine, env: DistEnv) -> dict:
+    """Load model and optimizer through the engine (resharded to this world size) and this rank's RNG;
+    return state.json."""
+    state = read_state(path)
+    engine.load(path)
+    rng_file = path / f"rng_rank{env.rank}.pt"
+    if state["world_size"] == env.world_size and rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and env.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], env.device)
+    else:
+        log.warning("world size changed (%d -> %d): RNG states start fresh", state["world_size"], env.world_size)
+    return state
+
+
+def check_compatible(path: Path, cfg: JobConfig) -> None:
+    """Refuse to resume a checkpoint whose architecture or model shape differs from the current config.
+
+    Keys missing from an older checkpoint's config take their defaults, as they did when it was written.
+    """
+    saved, current = read_config(path).model.arch, cfg.model.arch
+    if saved != current:
+        raise ConfigError(f"{path}: checkpoint is {ARCH_NAMES[saved]} (model.arch={saved}) but the config asks "
+                          f"for {ARCH_NAMES[current]} (model.arch={current}); use another train.out_dir to start a "
+                          "new run")
+    if details := model_diff(read_config(path), cfg):
+        raise ConfigError(f"{path}: checkpoint has a different model shape ({details}); "
+                          "use another train.out_dir to start a new run")
+
+
+def model_diff(saved: JobConfig, current: JobConfig) -> str:
+    """The model keys whose values differ, `model.key: old -> new, ...` in key order; dropout (a training
+    setting that changes no weight) left out. Empty when the models have the same shape."""
+    diff = config_diff(saved.to_dict(), current.to_dict(), sections=("model",), ignore=("model.dropout",))
+    return ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in sorted(diff.items()))
+
+
+def data_identity(manifest: dict) -> dict:
+    """What state.json records of the prepared data a run trains on; `content_hash` fingerprints the
+    input files, tokenizer, split and shard size, so it changes whenever the shards' bytes would."""
+    return {"content_hash": manifest["content_hash"], "source": manifest["source"],
+            "train_tokens": manifest["splits"]["train"]["tokens"]}
+
+
+def check_data(path: Path, manifest: dict, cfg: JobConfig) -> None:
+    """Refuse to resume on data other than the checkpoint's unless checkpoint.allow_data_change is set.
+    Checkpoints from before state.json recorded its data are not checked."""
+    saved = read_state(path).get("data")
+    current = data_identity(manifest)
+    if saved is None or saved["content_hash"] == current["content_hash"]:
+        return
+    what = (f"{path} trained on {saved['source']!r} ({saved['train_tokens']:,} train tokens, content hash "
+            f"{saved['content_hash'][:12]}), but data.dir={cfg.data.dir!r} now holds {current['source']!r} "
+            f"({current['train_tokens']:,} train tokens, content hash {current['content_hash'][:12]})")
+    if not cfg.checkpoint.allow_data_change:
+        raise CheckpointError(f"{what}. Prepare the original data again, point data.dir at it, or set "
+                              "checkpoint.allow_data_change=true to go on with the new data")
+    log.warning("%s; going on with the new data (checkpoint.allow_data_change=true)", what)
+
+
+def check_init_from(path: Path, cfg: JobConfig) -> None:
+    """Refuse a consolidated file (checkpoint.init_from) whose model differs from the config's."""
+    if details := model_diff(read_consolidated_config(path), cfg):
+        raise ConfigError(f"checkpoint.init_from: {path} holds a different model ({details})")
+
+
+def changed_settings(checkpoint: Path, cfg: JobConfig) -> dict[str, tuple[object, object]]:
+    """Config keys outside `model` whose value differs from the checkpoint's: {"optim.lr": (old, new)}."""
+    return config_diff(read_config(checkpoint).to_dict(), cfg.to_dict(), ignore=("model",))

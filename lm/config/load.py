@@ -1,0 +1,168 @@
+"""Reading and writing job configs: defaults < a YAML file < `--section.key=value` overrides.
+
+Unknown keys, wrong types and impossible values raise `ConfigError` naming the key; `--help` lists every
+key with its type, default and one-line doc.
+"""
+
+import argparse
+import ast
+import dataclasses
+import difflib
+import inspect
+import typing
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from lm.config.job import JobConfig
+from lm.errors import ConfigError
+from lm.io import atomic_write_text
+
+
+def _coerce(key: str, value: object, kind: object) -> object:
+    """Check `value` against the annotation `kind`; ints are accepted where floats are expected."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif kind is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    name = getattr(kind, "__name__", str(kind))
+    raise ConfigError(f"{key}: expected {name}, got {type(value).__name__} {value!r}")
+
+
+def _build(cls: type, values: dict, prefix: str) -> object:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"{prefix}{key}: unknown key; {hint}expected one of {sorted(known)}")
+    kwargs = {}
+    for name, value in values.items():
+        kind = hints[name]
+        if dataclasses.is_dataclass(kind):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{prefix}{name}: expected a mapping of keys, got {value!r}")
+            kwargs[name] = _build(kind, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(f"{prefix}{name}", value, kind)
+    return cls(**kwargs)
+
+
+def _merge(base: dict, key: str, value: object) -> None:
+    section, _, leaf = key.partition(".")
+    if not leaf:
+        raise ConfigError(f"{key}: overrides take the form --section.key=value")
+    base.setdefault(section, {})
+    if not isinstance(base[section], dict):
+        raise ConfigError(f"{section}: expected a mapping of keys")
+    base[section][leaf] = value
+
+
+def _parse_yaml(text: str, origin: str | Path) -> dict:
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{origin}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{origin}: expected a mapping of sections at the top level")
+    return raw
+
+
+def config_from_yaml(text: str, origin: str | Path) -> JobConfig:
+    """The config a YAML text describes (a checkpoint's, say), validated like a file; errors name `origin`."""
+    return _build_job(_parse_yaml(text, origin))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Build a JobConfig from an optional YAML file and `section.key=value` override strings."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--config: no such file {str(path)!r}")
+        raw = _parse_yaml(path.read_text(), path)
+    for item in overrides or []:
+        key, eq, text = item.removeprefix("--").partition("=")
+        if not eq:
+            raise ConfigError(f"{item}: overrides take the form --section.key=value")
+        value = yaml.safe_load(text) if text else ""
+        # every key is a scalar, so text that YAML reads as a mapping or list ("KING: hi") is meant literally
+        _merge(raw, key, text if isinstance(value, (dict, list)) else value)
+    return _build_job(raw)
+
+
+def _build_job(raw: dict) -> JobConfig:
+    try:
+        return _build(JobConfig, raw, "")
+    except TypeError as err:  # a dataclass rejected its arguments in a way _build did not foresee
+        raise ConfigError(str(err)) from None
+
+
+def save_config(cfg: JobConfig, path: str | Path) -> None:
+    """Write the resolved config as YAML (atomically, so a crash never leaves half a file)."""
+    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def config_help() -> str:
+    """Every config key with its type, default and docstring, for `--help`."""
+    lines = []
+    for section in dataclasses.fields(JobConfig):
+        cls = typing.get_type_hints(JobConfig)[section.name]
+        docs = _field_docs(cls)
+        lines.append(f"{section.name}:")
+        for f in dataclasses.fields(cls):
+            kind = getattr(typing.get_type_hints(cls)[f.name], "__name__", "")
+            lines.append(f"  --{section.name}.{f.name}={f.default!r} ({kind}) {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Read the string literal that follows each field in the class body (its one-line doc)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)  # type: ignore[attr-defined]
+    return docs
+
+
+def parse_cli(
+    argv: list[str], description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None,
+    prog: str | None = None,
+) -> tuple[JobConfig, argparse.Namespace]:
+    """Parse `--config FILE` plus dotted overrides; `extra(parser)` may add tool-specific flags.
+
+    Returns (JobConfig, argparse.Namespace of the extra flags).
+    """
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog="config keys (override any with --section.key=value):\n" + config_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help="YAML config file (see configs/)")
+    if extra is not None:
+        extra(parser)
+    args, rest = parser.parse_known_args(argv)
+    overrides = []
+    for item in rest:
+        if not item.startswith("--") or "." not in item.split("=", 1)[0]:
+            parser.error(f"unrecognized argument {item!r}; config overrides look like --section.key=value")
+        overrides.append(item)
+    return load_config(args.config, overrides), args

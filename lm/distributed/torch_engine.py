@@ -1,0 +1,89 @@
+"""What the ddp and fsdp engines share: torch's own clipping and fused AdamW, and DCP checkpoints, which
+either engine writes and reads at any world size."""
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from lm.config import JobConfig
+from lm.distributed.env import DistEnv
+from lm.distributed.optim import build_optimizer
+
+
+class TorchEngine:
+    """The parts of an engine that plain torch provides; `DDPEngine` and `FSDPEngine` add the wrapping."""
+
+    name: str
+    autocast: contextlib.AbstractContextManager = contextlib.nullcontext()
+
+    def __init__(self, model: nn.Module, train_model: nn.Module, cfg: JobConfig, env: DistEnv) -> None:
+        self.model, self.train_model, self.cfg, self.env = model, train_model, cfg, env
+        self.optimizer = build_optimizer(model, cfg.optim)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """Reduce gradients only in the backward of the `last` micro-batch."""
+        raise NotImplementedError
+
+    def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int,
+                         poison: bool = False) -> torch.Tensor:
+        with self._sync(last), self.autocast:
+            _, loss = self.train_model(*batch)
+            if poison:
+                loss = loss * float("nan")
+            (loss / num_micro).backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip the global gradient norm and step, unless the norm is NaN or inf: then the step is
+        skipped. Clears gradients; returns the norm before clipping and whether the step was applied, as
+        0-dim tensors on the device (no host sync).
+
+        A NaN anywhere in any rank's loss or gradients reaches every rank's norm through the gradient
+        reduction, so all ranks skip together.
+        """
+        clip = self.cfg.optim.grad_clip or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if isinstance(norm, DTensor):  # sharded gradients: the norm is itself sharded until reduced
+            norm = norm.full_tensor()
+        applied = torch.isfinite(norm)
+        # The skip is decided on the device: the fused AdamW leaves weights, moments and step counts
+        # alone where found_inf is 1, so the host never waits for the norm before queuing the next step.
+        self.optimizer.found_inf = (~applied).float()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, applied
+
+    def parameters_finite(self) -> bool:
+        """Whether this rank's (shard of the) weights holds only finite values."""
+        return all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
+                   for p in self.model.parameters())
+
+    def eval_loss(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        with self.autocast:
+            return self.model(*batch)[1]
+
+    def train(self, mode: bool) -> None:
+        self.model.train(mode)
+
+    def full_weights(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def save(self, directory: Path) -> None:
+        """Collectively write model and optimizer as DCP shards into `directory`."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+
+    def load(self, directory: Path) -> None:
+        """Load model and optimizer, resharded to this world size and engine (DCP is the same for both)."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)

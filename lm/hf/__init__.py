@@ -1,0 +1,1 @@
+"""Hugging Face transformers: our models and tokenizers as its checkpoints, mapped exactly or refused."""

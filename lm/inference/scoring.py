@@ -1,0 +1,137 @@
+"""Scoring a model on token streams: loss (nats per token) of a decoder over strided windows, of an
+encoder-decoder on its span-corruption task, and the unigram baseline.
+
+A decoder-only model (GPT or LSTM) scores long inputs with strided windows: every token is scored exactly
+once, and every window after the first keeps at least `seq_len - stride` tokens of context before the
+tokens it scores; an LSTM starts each window from a zero state, as it started each training window. An
+encoder-decoder is scored on its pretraining task: each window of seq_len + 1 tokens is span-corrupted
+exactly as the trainer's validation does (window k's noise drawn from (train.seed, k)), and the loss is
+over the target tokens (sentinels and masked spans).
+"""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from lm.data.objectives import SpanCorruption
+from lm.data.shards import open_shard, read_manifest
+from lm.errors import DataError
+from lm.io import read_utf8
+
+__all__ = [
+    "eval_windows", "first_tokens", "score_span_corruption", "score_stream", "text_tokens", "unigram_entropy",
+    "val_streams",
+]
+
+
+def eval_windows(n_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
+    """Windows over a stream of `n_tokens` tokens, as (start, end, first_scored) triples.
+
+    The window's inputs are tokens[start:end] and its targets tokens[start+1:end+1]; only targets at
+    stream index >= first_scored are scored. Targets 1..n_tokens-1 are each scored exactly once.
+    """
+    if not 0 < stride <= seq_len:
+        raise ValueError(f"--stride: must be in [1, seq_len={seq_len}], got {stride}")
+    windows = []
+    scored = 0  # stream index of the last target scored so far
+    while scored < n_tokens - 1:
+        end = min(scored + (stride if scored else seq_len), n_tokens - 1)
+        windows.append((max(0, end - seq_len), end, scored + 1))
+        scored = end
+    return windows
+
+
+@torch.no_grad()
+def score_stream(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, stride: int,
+                 batch_size: int, device: torch.device, progress: tqdm | None = None) -> tuple[float, int]:
+    """Summed negative log-likelihood (nats) and number of targets scored over one token stream."""
+    windows = eval_windows(len(tokens), seq_len, stride)
+    nll, count = 0.0, 0
+    # Windows of equal length share a batch; only the first and last can be shorter than seq_len.
+    by_len: dict[int, list[tuple[int, int, int]]] = {}
+    for w in windows:
+        by_len.setdefault(w[1] - w[0], []).append(w)
+    for length, group in by_len.items():
+        for i in range(0, len(group), batch_size):
+            chunk = group[i:i + batch_size]
+            rows = np.stack([tokens[s:e + 1] for s, e, _ in chunk]).astype(np.int64)
+            x = torch.from_numpy(rows[:, :-1]).to(device)  # (B, T)
+            y = torch.from_numpy(rows[:, 1:]).to(device)  # (B, T)
+            logits, _ = model(x)
+            losses = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+            losses = losses.view(len(chunk), length)
+            # target j of a window sits at stream index start + 1 + j
+            first = torch.tensor([f - s - 1 for s, _, f in chunk], device=device)
+            mask = torch.arange(length, device=device)[None, :] >= first[:, None]
+            nll += losses[mask].double().sum().item()
+            count += int(mask.sum())
+            if progress is not None:
+                progress.update(int(mask.sum()))
+    return nll, count
+
+
+@torch.no_grad()
+def score_span_corruption(model: torch.nn.Module, streams: list[np.ndarray], objective: SpanCorruption,
+                          batch_size: int, device: torch.device, progress: tqdm | None = None) -> tuple[float, int]:
+    """Summed target NLL (nats) and target tokens scored, over every window of the streams.
+
+    Windows are cut like the loader's (window j of a stream starts at token j * seq_len and holds
+    seq_len + 1 tokens) and numbered across streams, so on the val shards window k is corrupted with the
+    key k, the sample id the trainer's validation uses.
+    """
+    length = objective.window_len
+    seq_len = length - 1
+    rows = [np.asarray(s[j * seq_len:j * seq_len + length]) for s in streams for j in range((len(s) - 1) // seq_len)]
+    nll, count = 0.0, 0
+    for i in range(0, len(rows), batch_size):
+        keys = np.arange(i, min(i + batch_size, len(rows)), dtype=np.int64)
+        batch = objective(np.stack(rows[i:i + batch_size]), keys)
+        src, tgt_in, tgt_out = (torch.from_numpy(t).to(device) for t in batch)
+        _, loss = model(src, tgt_in, tgt_out)
+        nll += loss.double().item() * tgt_out.numel()  # no padding in a full window: every target counts
+        count += tgt_out.numel()
+        if progress is not None:
+            progress.update(len(keys) * seq_len)
+    return nll, count
+
+
+def unigram_entropy(streams: list[np.ndarray]) -> float:
+    """Entropy (nats/token) of the streams' own token frequencies: the loss of the best model that
+    ignores context, a baseline a trained model must beat by a wide margin."""
+    counts = np.bincount(np.concatenate([np.asarray(s[1:]) for s in streams]).astype(np.int64))
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def text_tokens(path: Path, tokenizer) -> tuple[np.ndarray, int]:
+    """Tokens of a UTF-8 text file with an end-of-text token in front, so its first token is scored too;
+    and the file's size in bytes."""
+    text = read_utf8(path)
+    if not text:
+        raise DataError(f"{path}: the file is empty; expected UTF-8 text")
+    ids = [tokenizer.eot_token] + tokenizer.encode_ordinary(text)
+    return np.asarray(ids, dtype=np.int64), len(text.encode("utf-8"))
+
+
+def val_streams(data_dir: str | Path) -> list[np.ndarray]:
+    """The val split of prepared data, one memory-mapped token stream per shard."""
+    manifest = read_manifest(data_dir)
+    streams = [open_shard(Path(data_dir) / s["file"]) for s in manifest["splits"]["val"]["shards"]]
+    if not streams:
+        raise DataError(f"{data_dir}: the val split has no shards; prepare with data.val_fraction > 0")
+    return streams
+
+
+def first_tokens(streams: list[np.ndarray], max_tokens: int) -> list[np.ndarray]:
+    """The streams cut to their first `max_tokens` tokens in all (a stream left under 2 tokens, which
+    holds nothing to score, is dropped)."""
+    kept, left = [], max_tokens
+    for stream in streams:
+        if left < 2:
+            break
+        kept.append(stream[:left])
+        left -= len(kept[-1])
+    return kept

@@ -1,0 +1,82 @@
+"""`python -m lm.train`: pretrain a model, alone or under torchrun (one process per device)."""
+
+import argparse
+import os
+import sys
+
+from lm.cli import run
+from lm.config import JobConfig, parse_cli
+from lm.errors import ConfigError
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the parameter count and a per-device memory estimate for every engine, "
+                             "then exit without training (no process group, model, data or run directory)")
+    parser.add_argument("--nproc", type=_positive_int, default=None,
+                        help="--dry-run: devices to plan for (default: WORLD_SIZE, else 1)")
+    parser.add_argument("--gpu-gib", type=float, default=80.0,
+                        help="--dry-run: device memory in GiB that the 'fits' column checks against (default 80)")
+
+
+def _planned_world_size(nproc: int | None) -> int:
+    if nproc is not None:
+        return nproc
+    # Only a default for the plan: no process group exists, so DistEnv has nothing to say yet.
+    text = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise ConfigError(f"--nproc: not given, and WORLD_SIZE={text!r} is not a positive integer") from None
+
+
+def dry_run(cfg: JobConfig, world_size: int, device_gib: float) -> None:
+    """Print what the config would train and how much memory each engine needs per device."""
+    from lm.plan.param_count import num_params
+    from lm.plan.table import plan_table
+
+    m = cfg.model
+    heads = "" if m.arch == "lstm" else f", {m.n_head} heads ({m.kv_heads} key/value)"
+    print(f"model: {m.arch}, {m.n_layer} layers, d_model {m.d_model}{heads}, "
+          f"vocabulary {m.padded_vocab_size:,} (padded)")
+    print(f"parameters: {num_params(m):,}")
+    print(f"configured: parallel.engine={cfg.parallel.engine}"
+          + (f" zero_stage={cfg.parallel.zero_stage}" if cfg.parallel.engine == "deepspeed" else "")
+          + f" cpu_offload={cfg.parallel.cpu_offload} activation_checkpointing={cfg.parallel.activation_checkpointing}")
+    print(plan_table(cfg, world_size, device_gib))
+
+
+def main(argv: list[str]) -> int:
+    cfg, args = parse_cli(argv, "Pretrain a language model on prepared token shards. "
+                                "Run under torchrun for several processes.",
+                          extra=_flags, prog="python -m lm.train")
+    if not args.dry_run:
+        if args.nproc is not None:
+            raise ConfigError("--nproc: only --dry-run takes it; torchrun sets the world size of a real run")
+    else:
+        dry_run(cfg, _planned_world_size(args.nproc), args.gpu_gib)
+        return 0
+    # imported here so that --dry-run needs neither torch.distributed nor the trainer
+    from lm.distributed.env import init_distributed
+    from lm.training.trainer import Trainer
+
+    env = init_distributed(cfg.train.device)
+    try:
+        Trainer(cfg, env).fit()
+    finally:
+        env.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))

@@ -1,0 +1,110 @@
+"""The trainer's metrics: one logger with stdout, metrics.jsonl and TensorBoard behind it, and the window of
+steps each train line sums up."""
+
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from lm.config import JobConfig
+from lm.distributed.env import DistEnv
+from lm.report.metrics import METRICS_FILE
+
+log = logging.getLogger("lm.train")
+
+
+class MetricLogger:
+    """Writes scalars to stdout, <out_dir>/metrics.jsonl (its rows: `lm.report.metrics`) and optionally
+    TensorBoard; only rank 0 writes."""
+
+    def __init__(self, out_dir: str | Path, enabled: bool, tensorboard: bool) -> None:
+        self.enabled = enabled
+        self.writer = None
+        self.jsonl = open(Path(out_dir) / METRICS_FILE, "a") if enabled else None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(Path(out_dir) / "tb"))
+
+    def log(self, step: int, tokens: int, elapsed_s: float, metrics: dict[str, float], fmt: str) -> None:
+        """`metrics` keys are namespaced (`train/loss`); `fmt` is the stdout line's format string."""
+        if not self.enabled:
+            return
+        log.info(fmt.format(step=step, **{k.replace("/", "_"): v for k, v in metrics.items()}))
+        row = {"step": step, "tokens": tokens, "elapsed_s": round(elapsed_s, 3), **metrics}
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if value is not None:
+                    self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+
+    def log_hparams(self, hparams: dict[str, object], metric_keys: list[str]) -> None:
+        """Record the run's settings in TensorBoard's hparams view, beside this run's own scalars.
+
+        `SummaryWriter.add_hparams` would start a separate sub-run; writing the three hparams summaries to
+        this writer instead lets the view show `metric_keys` (scalars this run logs) next to the settings.
+        """
+        if self.writer is None:
+            return
+        from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+        for summary in hparams_summaries(hparams, {key: 0.0 for key in metric_keys}):
+            self.writer.file_writer.add_summary(summary)
+        self.writer.flush()
+
+    def log_text(self, tag: str, step: int, text: str) -> None:
+        """A text entry in TensorBoard's text view (a generated sample, say)."""
+        if self.writer is not None:
+            self.writer.add_text(tag, text, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+class TrainWindow:
+    """The steps since the last log line: their loss summed on the device over the applied steps (read once
+    per line: one host sync), and their wall time spent training (`paused` leaves the rest out)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss = torch.zeros((), device=device)
+        self.applied = torch.zeros((), device=device)
+        self.steps = 0
+        self.start = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, applied: torch.Tensor) -> None:
+        self.loss += torch.where(applied, loss, 0.0)  # a skipped step's NaN would poison the mean
+        self.applied += applied
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Evaluation, sampling and saving inside the block do not count as training time."""
+        paused = time.perf_counter()
+        yield
+        self.start += time.perf_counter() - paused
+
+    def read(self, env: DistEnv) -> tuple[float, int, float]:
+        """(mean loss over the window's applied steps and over ranks, steps, seconds); starts a new window."""
+        loss = env.all_reduce_mean(self.loss / self.applied.clamp(min=1)).item()
+        steps, seconds = self.steps, time.perf_counter() - self.start
+        self.loss.zero_()
+        self.applied.zero_()
+        self.steps, self.start = 0, time.perf_counter()
+        return loss, steps, seconds
+
+
+def hparams(cfg: JobConfig, n_params: int) -> dict[str, object]:
+    """The run's settings for TensorBoard's hparams view: every config key, dotted, and the parameter count."""
+    flat: dict[str, object] = {"params": n_params}
+    for section, values in cfg.to_dict().items():
+        flat.update({f"{section}.{key}": value for key, value in values.items()})
+    return flat

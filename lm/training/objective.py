@@ -1,0 +1,20 @@
+"""Which objective trains which model: the one place that joins a model config to a data objective."""
+
+from lm.data.objectives import NextToken, Objective, SpanCorruption
+from lm.errors import ConfigError
+from lm.models.config import ModelConfig
+
+
+def build_objective(model: ModelConfig, seq_len: int, seed: int) -> Objective:
+    """Next-token prediction for a GPT or LSTM; span corruption of windows of seq_len + 1 tokens for an
+    encoder-decoder, with the sentinel and padding ids of its vocabulary. Refuses, before any weights
+    exist, windows whose corrupted source or target is longer than the model's positions."""
+    if model.arch != "encdec":
+        return NextToken()
+    objective = SpanCorruption(seed, model.sentinel_start, model.n_sentinels, model.pad_id, seq_len + 1)
+    if max(objective.lengths) > model.block_size:
+        raise ConfigError(
+            f"model.block_size: {model.block_size} is shorter than the corrupted windows of "
+            f"data.seq_len={seq_len} (source, target lengths {objective.lengths})"
+        )
+    return objective

@@ -1,0 +1,235 @@
+"""The training loop: one optimizer step per global batch, logging, validation and checkpoints.
+
+A run is put together in a fixed order: the data is checked and opened (`lm.training.data`), the
+checkpoint to resume from is chosen and checked (`lm.checkpoint.resume`), the model is built on the meta
+device and handed to the engine, which allocates, draws and wraps it (`lm.distributed.engine`), and the
+checkpoint layer loads a resumed run's state into that engine.
+"""
+
+import functools
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from lm.checkpoint.consolidated import load_consolidated_weights
+from lm.checkpoint.resume import (
+    changed_settings,
+    check_init_from,
+    check_resume,
+    data_identity,
+    find_resume,
+    load_checkpoint,
+)
+from lm.checkpoint.store import checkpoint_root
+from lm.config import JobConfig, save_config
+from lm.distributed.engine import Engine, build_engine
+from lm.distributed.env import DistEnv
+from lm.errors import TrainingError
+from lm.models.factory import build_model
+from lm.plan.flops import flops_per_token, peak_flops
+from lm.plan.param_count import num_params
+from lm.report.metrics import perplexity
+from lm.tokenizer import load_tokenizer
+from lm.training.data import open_training_data, to_device
+from lm.training.evaluate import evaluate
+from lm.training.faults import Faults
+from lm.training.logger import MetricLogger, TrainWindow, hparams
+from lm.training.nonfinite import SkippedSteps
+from lm.training.preemption import StopSignals
+from lm.training.samples import periodic_sample
+from lm.training.save import last_good, probe_output_dir, save_run
+from lm.training.schedule import lr_at
+
+log = logging.getLogger("lm.train")
+
+
+def build_run_engine(cfg: JobConfig, env: DistEnv, init_from: Path | None, load_universal: bool) -> Engine:
+    """The model of `cfg` built on the meta device and handed to the engine, which draws its weights from
+    train.seed (the same on every engine and world size) or, for a new run with checkpoint.init_from,
+    loads them from that consolidated file."""
+    torch.manual_seed(cfg.train.seed)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    load = functools.partial(load_consolidated_weights, init_from) if init_from is not None else None
+    return build_engine(model, cfg, env, load, load_universal)
+
+
+class Trainer:
+    """Owns the model, optimizer, loader and run directory of one training job."""
+
+    def __init__(self, cfg: JobConfig, env: DistEnv) -> None:
+        self.cfg, self.env = cfg, env
+        self.data = open_training_data(cfg, env)
+        self.out_dir = Path(cfg.train.out_dir)
+        self.ckpt_root = checkpoint_root(self.out_dir)
+        resume_from = find_resume(self.ckpt_root, cfg.checkpoint.resume, env)
+        load_universal = resume_from is not None and check_resume(resume_from, cfg, self.data.manifest, env)
+        init_from = Path(cfg.checkpoint.init_from) if resume_from is None and cfg.checkpoint.init_from else None
+        if init_from is not None:
+            check_init_from(init_from, cfg)
+        self.engine = build_run_engine(cfg, env, init_from, load_universal)
+        self.model = self.engine.model
+        self.loader = self.data.loader
+        self.step, self.tokens_seen = 0, 0
+        self.elapsed_before = 0.0  # wall seconds trained by earlier processes of this run (before a resume)
+        self.fit_started: float | None = None
+        if resume_from is not None:
+            self._resume(resume_from)
+        self.faults = Faults.from_env()
+        self.skipped = SkippedSteps(env.device)
+        self.n_params = num_params(cfg.model, non_embedding=True)
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak_flops = peak_flops(env.device)
+        if env.is_main:
+            probe_output_dir(self.out_dir, checkpoint_bytes=12 * self.n_params)
+            save_config(cfg, self.out_dir / "config.yaml")
+            log.info("model: %.2fM parameters (non-embedding), %d ranks on %s, engine %s",
+                     self.n_params / 1e6, env.world_size, env.device, self.engine.name)
+        self.metrics = MetricLogger(self.out_dir, env.is_main, cfg.log.tensorboard)
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.log.sample_every else None
+
+    def _resume(self, path: Path) -> None:
+        """Load the engine's state, this rank's RNG and the run's counters from the checkpoint `path`."""
+        state = load_checkpoint(path, self.engine, self.env)
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.elapsed_before = state.get("elapsed_s", 0.0)  # absent in checkpoints from before it was kept
+        self.loader.load_state_dict({"position": state["position"]})
+        log.info("resumed from %s at step %d", path, self.step)
+        for key, (old, new) in changed_settings(path, self.cfg).items():
+            log.info("config changed since the checkpoint: %s %r -> %r", key, old, new)
+
+    def fit(self) -> list[dict]:
+        """Train to `train.steps` (or until SIGTERM/SIGINT: then save and return); returns the logged
+        metrics, one dict per log step."""
+        cfg = self.cfg
+        history: list[dict] = []
+        if self.step >= cfg.train.steps:
+            log.info("%s is already at step %d of train.steps=%d: nothing to train", self.out_dir, self.step,
+                     cfg.train.steps)
+        self.fit_started = time.perf_counter()
+        self.metrics.log_hparams(hparams(cfg, self.n_params),
+                                 ["train/loss", "val/loss", "val/ppl", "perf/tokens_per_s"])
+        window = TrainWindow(self.env.device)
+        with StopSignals() as signals:
+            while self.step < cfg.train.steps:
+                lr = lr_at(self.step, cfg.optim.lr, cfg.schedule, cfg.train.steps)
+                self.engine.set_lr(lr)
+                loss, grad_norm, applied = self._train_step()
+                self.step += 1
+                self.tokens_seen += cfg.train.batch_size * cfg.data.seq_len
+                self.skipped.add(applied)
+                window.add(loss, applied)
+                last = self.step == cfg.train.steps
+                log_step = self.step % cfg.log.every == 0 or last
+                # read at log steps: the other engines skip a non-finite step on the device, so it can wait;
+                # DeepSpeed cannot skip one (and already waited for its norm, a Python float): every step
+                if log_step or self.engine.name == "deepspeed":
+                    self._check_nonfinite()
+                if log_step:
+                    history.append(self._log_train(window, lr, grad_norm))
+                with window.paused():
+                    stop = self._after_step(last, signals, history)
+                if stop:
+                    break
+        self.metrics.close()
+        return history
+
+    def _after_step(self, last: bool, signals: StopSignals, history: list[dict]) -> bool:
+        """Evaluate, sample and save when due; whether the run stops here for a signal (saved first)."""
+        cfg = self.cfg
+        if self.step % cfg.train.eval_every == 0 or last:
+            val_loss = evaluate(self.engine, self.data, cfg, self.env)
+            val = {"val/loss": val_loss, "val/ppl": perplexity(val_loss)}
+            self.metrics.log(self.step, self.tokens_seen, self.elapsed_s(), val,
+                             "step {step} | val loss {val_loss:.4f} | val ppl {val_ppl:.2f}")
+            history.append({"step": self.step, **val})
+        if cfg.log.sample_every and (self.step % cfg.log.sample_every == 0 or last):
+            self.log_sample()
+        saved = self.step % cfg.checkpoint.every == 0 or last
+        if saved:
+            self.save()
+        self.faults.maybe_kill(self.step, self.env.rank)
+        # every rank must stop at the same step, though a signal may reach only some of them; they agree at
+        # log steps only, so the step itself stays free of this collective and host sync
+        if last or self.step % cfg.log.every or not self._stop_agreed(signals):
+            return False
+        if not saved:
+            self.save()
+        log.warning("stopped at step %d by %s; checkpoint saved, the same command resumes",
+                    self.step, signals.requested or "a signal to another rank")
+        return True
+
+    def _log_train(self, window: TrainWindow, lr: float, grad_norm: torch.Tensor) -> dict:
+        """One train line: the window's mean loss, its throughput and MFU; returns the row logged."""
+        loss, steps, seconds = window.read(self.env)
+        tok_s = steps * self.cfg.train.batch_size * self.cfg.data.seq_len / seconds
+        flops_s = self.flops_per_token * tok_s / self.env.world_size
+        row = {
+            "train/loss": loss, "train/ppl": perplexity(loss), "train/lr": lr,
+            "train/grad_norm": grad_norm.item(), "train/skipped_steps": self.skipped.total,
+            "perf/tokens_per_s": tok_s, "perf/tflops_per_device": flops_s / 1e12,
+            "perf/mfu": flops_s / self.peak_flops if self.peak_flops else None,
+        }
+        perf = f"mfu {row['perf/mfu']:.1%}" if self.peak_flops else f"{flops_s / 1e12:.3f} TFLOP/s"
+        skipped = f" | {self.skipped.total} skipped" if self.skipped.total else ""
+        self.metrics.log(self.step, self.tokens_seen, self.elapsed_s(), row, (
+            f"step {{step}}/{self.cfg.train.steps} | loss {{train_loss:.4f}} | ppl {{train_ppl:.1f}} | "
+            f"lr {{train_lr:.2e}} | grad norm {{train_grad_norm:.3f}} | {{perf_tokens_per_s:,.0f}} tok/s | "
+            f"{perf}{skipped}"
+        ))
+        return {"step": self.step, **row}
+
+    def elapsed_s(self) -> float:
+        """Wall seconds this run has trained, over every process that resumed it (evaluations included)."""
+        return self.elapsed_before + (time.perf_counter() - self.fit_started if self.fit_started else 0.0)
+
+    def log_sample(self) -> None:
+        """Continue log.sample_prompt with the current weights; rank 0 logs the text (every rank samples)."""
+        text = periodic_sample(self.engine, self.cfg, self.tokenizer, self.env)
+        self.metrics.log_text("sample", self.step, text)
+        if self.env.is_main:
+            log.info("step %d | sample: %r", self.step, text)
+
+    def _stop_agreed(self, signals: StopSignals) -> bool:
+        """Whether any rank received a stop signal (a collective: every rank must call it at the same step)."""
+        flag = torch.tensor(float(signals.requested is not None), device=self.env.device)
+        return self.env.all_reduce_mean(flag).item() > 0
+
+    def _check_nonfinite(self) -> None:
+        """Read the skipped-step counters (one host sync) and stop after too many non-finite steps in a row."""
+        new, longest = self.skipped.read()
+        if new:
+            log.warning("step %d: %d optimizer steps skipped since the last check for a NaN/inf loss or gradient "
+                        "norm (%d in all)", self.step, new, self.skipped.total)
+        # DeepSpeed has already applied the step, so its weights may no longer be finite: stop at once
+        limit = 1 if self.engine.name == "deepspeed" else self.cfg.train.max_nonfinite_steps
+        if longest >= limit:
+            raise TrainingError(
+                f"step {self.step}: {longest} steps in a row with a non-finite loss or gradient "
+                f"norm (train.max_nonfinite_steps={self.cfg.train.max_nonfinite_steps}); the last good "
+                f"checkpoint is {last_good(self.ckpt_root)}. Lower optim.lr or raise optim.grad_clip, then "
+                "resume from it"
+            )
+
+    def _train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward/backward over this rank's micro-batches, clip, step. Returns the mean loss, the grad norm
+        and whether the optimizer step was applied (not skipped for a non-finite norm), all 0-dim tensors."""
+        micro_batches = self.loader.next_batch()
+        poison = self.faults.nan_at(self.step + 1, self.env.rank)
+        loss_sum = torch.zeros((), device=self.env.device)
+        for i, batch in enumerate(micro_batches):
+            # (x, y) for the GPT, (src, tgt_in, tgt_out) for the encoder-decoder: the model's own arguments
+            loss_sum += self.engine.forward_backward(to_device(batch, self.env.device),
+                                                     last=i == len(micro_batches) - 1,
+                                                     num_micro=len(micro_batches), poison=poison)
+        grad_norm, applied = self.engine.optimizer_step()
+        return loss_sum / len(micro_batches), grad_norm, applied
+
+    def save(self) -> Path:
+        """Checkpoint the run (a collective; see `save_run`)."""
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed_s(),
+                 **self.loader.state_dict(), "data": data_identity(self.data.manifest)}
+        self.faults.arm_save(self.engine, self.step, self.env.rank)
+        return save_run(self.engine, self.ckpt_root, state, self.cfg, self.env)

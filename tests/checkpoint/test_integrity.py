@@ -1,0 +1,244 @@
+"""Crash-safe checkpoints: manifests, verification, fallback to the previous checkpoint, retention, and
+saves killed (SIGKILL, in a real subprocess) at each point of the save."""
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from lm.checkpoint.loading import load_for_inference
+from lm.checkpoint.manifest import MANIFEST, verify_checkpoint
+from lm.checkpoint.resume import latest_valid_checkpoint, load_checkpoint
+from lm.checkpoint.store import checkpoint_root, complete_checkpoints, save_checkpoint
+from lm.distributed.env import init_distributed
+from lm.errors import CheckpointError
+from tests.checkpoint.test_store import setup
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def state(step: int) -> dict:
+    return {"step": step, "tokens_seen": 8 * step, "position": step}
+
+
+def train_one_more(engine) -> None:
+    engine.forward_backward([torch.ones(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)], True, 1)
+    engine.optimizer_step()
+
+
+def save_two(root: Path) -> tuple[Path, Path]:
+    cfg, engine = setup()
+    env = init_distributed("cpu")
+    first = save_checkpoint(root, 1, engine, state(1), cfg, env, keep=2)
+    train_one_more(engine)
+    return first, save_checkpoint(root, 2, engine, state(2), cfg, env, keep=2)
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_manifest_lists_every_file_with_size_and_sha256(tmp_path):
+    for step_dir in save_two(tmp_path):
+        files = json.loads((step_dir / MANIFEST).read_text())["files"]
+        on_disk = {p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file()}
+        # state.json is written after the manifest: its presence marks the checkpoint complete
+        assert set(files) == on_disk - {MANIFEST, "state.json"}
+        assert {".metadata", "__0_0.distcp", "rng_rank0.pt", "config.yaml"} <= set(files)
+        for rel, entry in files.items():
+            data = (step_dir / rel).read_bytes()
+            assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        verify_checkpoint(step_dir)
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (truncate, r"[\d,]+ bytes, manifest says [\d,]+ \(truncated\)"),
+    (flip_byte, r"sha256 differs from the manifest \(corrupt\)"),
+])
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, caplog, damage, problem):
+    first, second = save_two(tmp_path)
+    damage(second / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match=f"^{tmp_path}/step_00000002/__0_0.distcp: " + problem):
+        verify_checkpoint(second)
+    with caplog.at_level(logging.WARNING, logger="lm.checkpoint"):
+        assert latest_valid_checkpoint(tmp_path) == first
+    assert "step_00000002/__0_0.distcp" in caplog.text
+    _, other = setup(seed=1)
+    assert load_checkpoint(first, other, init_distributed("cpu"))["step"] == 1
+
+
+def test_the_only_checkpoint_damaged_is_refused_with_the_file(tmp_path):
+    cfg, engine = setup()
+    only = save_checkpoint(tmp_path, 3, engine, state(3), cfg, init_distributed("cpu"), keep=1)
+    flip_byte(only / "__0_0.distcp")
+    with pytest.raises(CheckpointError,
+                       match=f"no usable checkpoint in {tmp_path}: {tmp_path}/step_00000003/__0_0.distcp: "
+                             "sha256 differs"):
+        latest_valid_checkpoint(tmp_path)
+    assert latest_valid_checkpoint(tmp_path / "empty") is None
+
+
+def test_missing_extra_and_unverified_files(tmp_path, caplog):
+    first, second = save_two(tmp_path)
+    (second / "notes.txt").write_text("not in the manifest: ignored")
+    verify_checkpoint(second)
+    (second / "rng_rank0.pt").unlink()
+    with pytest.raises(CheckpointError, match=f"^{tmp_path}/step_00000002/rng_rank0.pt: missing$"):
+        verify_checkpoint(second)
+    (first / MANIFEST).unlink()  # a checkpoint from before manifests: accepted as it is
+    with caplog.at_level(logging.DEBUG, logger="lm.checkpoint"):
+        assert latest_valid_checkpoint(tmp_path) == first
+    assert "not verified" in caplog.text
+
+
+def test_load_for_inference_names_the_corrupt_file(tmp_path):
+    cfg, engine = setup()
+    save_checkpoint(checkpoint_root(tmp_path), 1, engine, state(1), cfg, init_distributed("cpu"), keep=1)
+    truncate(checkpoint_root(tmp_path) / "step_00000001" / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match=r"step_00000001/__0_0.distcp: .*\(truncated\)"):
+        load_for_inference(tmp_path, torch.device("cpu"))
+
+
+def test_retention_never_deletes_the_checkpoint_just_written(tmp_path):
+    cfg, engine = setup()
+    env = init_distributed("cpu")
+    names = lambda: [p.name for p in complete_checkpoints(tmp_path)]  # noqa: E731
+    save_checkpoint(tmp_path, 2, engine, state(2), cfg, env, keep=1)
+    save_checkpoint(tmp_path, 2, engine, state(2), cfg, env, keep=1)  # the same step again replaces it
+    assert names() == ["step_00000002"]
+    verify_checkpoint(tmp_path / "step_00000002")
+    # a newer step left by a run that later resumed from an earlier checkpoint ranks below both
+    save_checkpoint(tmp_path, 9, engine, state(9), cfg, env, keep=3)
+    save_checkpoint(tmp_path, 4, engine, state(4), cfg, env, keep=2)
+    assert names() == ["step_00000002", "step_00000004"]
+    save_checkpoint(tmp_path, 9, engine, state(9), cfg, env, keep=3)
+    save_checkpoint(tmp_path, 5, engine, state(5), cfg, env, keep=1)
+    assert names() == ["step_00000005"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000005"]
+
+
+# Saves step 1 (keep=1), trains one more step and saves step 2, killing itself with SIGKILL at the point
+# named in argv[1]. "replace" saves step 2 fully first and is killed while a second save of step 2 replaces
+# it. Before each save it writes the model weights it is saving, for the parent to compare.
+KILLED_SAVE = """
+import os, shutil, signal, sys
+from pathlib import Path
+
+import torch
+
+import lm.checkpoint.store as store
+from lm.distributed.env import init_distributed
+from tests.checkpoint.test_integrity import setup, state, train_one_more
+
+point, root = sys.argv[1], Path(sys.argv[2])
+cfg, engine = setup()
+env = init_distributed("cpu")
+
+def save(step):
+    torch.save(engine.model.state_dict(), root.parent / f"weights_{step}.pt")
+    store.save_checkpoint(root, step, engine, state(step), cfg, env, keep=1)
+
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def then_die(fn):
+    def wrapped(*args, **kwargs):
+        fn(*args, **kwargs)
+        die()
+    return wrapped
+
+save(1)
+train_one_more(engine)
+if point == "replace":
+    save(2)
+    train_one_more(engine)
+    real_rename = Path.rename
+    def rename(self, target):
+        if self.name == "step_00000002.tmp":  # the old step_00000002 is already moved aside
+            die()
+        return real_rename(self, target)
+    Path.rename = rename
+    store.save_checkpoint(root, 2, engine, state(2), cfg, env, keep=1)
+if point == "engine":
+    engine.save = then_die(engine.save)
+elif point == "rng":
+    store.save_config = die
+elif point == "manifest":
+    store.write_manifest = then_die(store.write_manifest)
+elif point == "rename":
+    store.publish_dir = die
+elif point == "prune":
+    real_rmtree = shutil.rmtree
+    def rmtree(path, *args, **kwargs):
+        if str(path).endswith(".deleting"):
+            (Path(path) / "__0_0.distcp").unlink()
+            die()
+        real_rmtree(path, *args, **kwargs)
+    shutil.rmtree = rmtree
+save(2)
+"""
+
+
+@pytest.mark.parametrize("point, survivor", [
+    ("engine", 1),    # after the engine's DCP files
+    ("rng", 1),       # after every rank's RNG file
+    ("manifest", 1),  # after manifest.json, before state.json
+    ("rename", 1),    # after state.json, before the rename
+    ("replace", 2),   # between moving the old step 2 aside and renaming the new one into place
+    ("prune", 2),     # half-way through deleting step 1
+])
+def test_a_save_killed_at_any_point_leaves_a_valid_checkpoint(tmp_path, point, survivor):
+    root = tmp_path / "checkpoints"
+    done = subprocess.run([sys.executable, "-c", KILLED_SAVE, point, str(root)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    path = latest_valid_checkpoint(root)
+    assert path.name == f"step_{survivor:08d}"
+    assert complete_checkpoints(root) == [path]  # nothing half-written or half-deleted looks complete
+    cfg, fresh = setup(seed=1)
+    env = init_distributed("cpu")
+    assert load_checkpoint(path, fresh, env) == {**state(survivor), "world_size": 1, "engine": "ddp"}
+    expected = torch.load(tmp_path / f"weights_{survivor}.pt", weights_only=True)
+    for name, tensor in fresh.model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    # the next save clears whatever the killed one left behind
+    save_checkpoint(root, 3, fresh, state(3), cfg, env, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == sorted({path.name, "step_00000003"})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _choose(rank: int, port: int, root: str, out: dict) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = init_distributed("cpu")
+    out[rank] = latest_valid_checkpoint(Path(root), env).name
+    env.close()
+
+
+def test_all_ranks_take_the_checkpoint_rank_0_verified(tmp_path):
+    _, second = save_two(tmp_path)
+    flip_byte(second / ".metadata")
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_choose, args=(_free_port(), str(tmp_path), out), nprocs=2, join=True)
+        assert dict(out) == {0: "step_00000001", 1: "step_00000001"}

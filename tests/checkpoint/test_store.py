@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from lm.checkpoint.resume import check_compatible, load_checkpoint
+from lm.checkpoint.store import checkpoint_root, complete_checkpoints, resolve_checkpoint, save_checkpoint
+from lm.config import load_config
+from lm.distributed.env import init_distributed
+from lm.errors import CheckpointError, ConfigError
+from lm.training.trainer import build_run_engine
+
+TINY = ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=16", "--model.block_size=16", "--data.seq_len=8"]
+
+
+def setup(seed=0):
+    """A ddp engine (one process) after one optimizer step, so AdamW has state to save."""
+    cfg = load_config(None, [*TINY, f"--train.seed={seed}"])
+    engine = build_run_engine(cfg, init_distributed("cpu"), init_from=None, load_universal=False)
+    engine.forward_backward([torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long)], True, 1)
+    engine.optimizer_step()
+    return cfg, engine
+
+
+def test_save_keeps_the_newest_and_ignores_incomplete(tmp_path):
+    cfg, engine = setup()
+    env = init_distributed("cpu")
+    root = checkpoint_root(tmp_path)
+    for step in (1, 2, 3):
+        save_checkpoint(root, step, engine, {"step": step, "tokens_seen": 0, "position": step}, cfg, env, keep=2)
+    (root / "step_00000009.tmp").mkdir()  # a save that crashed half-way
+    (root / "step_00000008").mkdir()  # a directory without state.json is not complete either
+    assert [p.name for p in complete_checkpoints(root)] == ["step_00000002", "step_00000003"]
+    assert resolve_checkpoint(tmp_path).name == "step_00000003"  # run dir
+    assert resolve_checkpoint(root).name == "step_00000003"  # checkpoints dir
+    assert resolve_checkpoint(root / "step_00000002").name == "step_00000002"  # one step
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        resolve_checkpoint(tmp_path / "elsewhere")
+
+
+def test_load_restores_model_optimizer_and_rng(tmp_path):
+    cfg, engine = setup(seed=0)
+    env = init_distributed("cpu")
+    torch.manual_seed(123)
+    path = save_checkpoint(tmp_path, 5, engine, {"step": 5, "tokens_seen": 40, "position": 7}, cfg, env, keep=1)
+    expected_draw = torch.rand(3)
+    _, other = setup(seed=1)
+    state = load_checkpoint(path, other, env)
+    assert state == {"step": 5, "tokens_seen": 40, "position": 7, "world_size": 1, "engine": "ddp"}
+    assert torch.equal(torch.rand(3), expected_draw)
+    for a, b in zip(engine.model.state_dict().values(), other.model.state_dict().values()):
+        assert torch.equal(a, b)
+    assert torch.equal(engine.optimizer.state_dict()["state"][0]["exp_avg"],
+                       other.optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+def test_model_shape_change_is_refused_with_the_keys(tmp_path):
+    cfg, engine = setup()
+    path = save_checkpoint(tmp_path, 1, engine, {"step": 1, "tokens_seen": 0, "position": 0}, cfg,
+                           init_distributed("cpu"), keep=1)
+    check_compatible(path, load_config(None, TINY + ["--model.dropout=0.1", "--optim.lr=1e-3"]))
+    with pytest.raises(ConfigError, match=r"model.n_layer: 1 -> 2.*another train.out_dir"):
+        check_compatible(path, load_config(None, TINY + ["--model.n_layer=2"]))

@@ -1,0 +1,98 @@
+import pytest
+import yaml
+
+from lm.config import JobConfig, load_config, parse_cli, save_config
+from lm.errors import ConfigError
+
+
+def test_defaults_then_yaml_then_overrides(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("model:\n  n_layer: 3\n  d_model: 64\n  n_head: 4\ntrain:\n  steps: 10\n")
+    cfg = load_config(path, ["--model.n_layer=5", "--optim.lr=1e-3", "--log.tensorboard=false"])
+    assert cfg.model.n_layer == 5  # the command line wins over the file
+    assert cfg.model.d_model == 64 and cfg.train.steps == 10  # the file wins over defaults
+    assert cfg.optim.lr == 1e-3 and isinstance(cfg.optim.lr, float)
+    assert cfg.log.tensorboard is False
+    assert cfg.data.tokenizer == "gpt2"  # untouched default
+
+
+def test_int_accepted_for_float():
+    assert load_config(None, ["--optim.lr=1"]).optim.lr == 1.0
+
+
+def test_text_that_reads_as_a_yaml_mapping_is_taken_literally():
+    assert load_config(None, ["--log.sample_prompt=KING: hi"]).log.sample_prompt == "KING: hi"
+    assert load_config(None, ["--log.sample_prompt=[a, b]"]).log.sample_prompt == "[a, b]"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--model.n_layr=2", "model.n_layr: unknown key"),
+        ("--modle.n_layer=2", "modle: unknown key"),
+        ("--model.n_layer=two", "model.n_layer: expected int, got str"),
+        ("--model.n_layer=2.5", "model.n_layer: expected int, got float"),
+        ("--log.tensorboard=1", "log.tensorboard: expected bool, got int"),
+        ("--model.dropout=true", "model.dropout: expected float, got bool"),
+        ("--model.n_head=5", "model.d_model: 768 is not divisible by model.n_head=5"),
+        ("--model.n_layer=0", "model.n_layer: must be positive"),
+        ("--data.seq_len=2048", "data.seq_len: 2048 exceeds model.block_size=1024"),
+        ("--data.tokenizer=bpe", "data.tokenizer: unknown tokenizer 'bpe'"),
+        ("--model.vocab_size=50304", "model.vocab_size: 50304 does not match tokenizer 'gpt2'"),
+        ("--train.micro_batch_size=5", "train.batch_size: 32 is not a multiple of train.micro_batch_size=5"),
+        ("--train.device=tpu", "train.device: expected auto, cpu or cuda"),
+        ("--checkpoint.resume=maybe", "checkpoint.resume: expected auto, never or required"),
+        ("--optim.beta2=1.5", "optim.beta2: must be in [0, 1)"),
+        ("--log.sample_every=-1", "log.sample_every: must be >= 0"),
+        ("--log.sample_tokens=0", "log.sample_tokens: must be positive"),
+        ("--model.n_layer=a: b", "model.n_layer: expected int, got str 'a: b'"),
+        ("--model=3", "model: overrides take the form"),
+        ("--model.n_layer", "overrides take the form --section.key=value"),
+    ],
+)
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+
+
+def test_bad_yaml_files(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("model: 3\n")
+    with pytest.raises(ConfigError, match="model: expected a mapping"):
+        load_config(scalar)
+
+
+def test_save_round_trip(tmp_path):
+    cfg = load_config(None, ["--model.n_layer=2", "--data.source=a.txt,b.txt"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]["n_layer"] == 2
+
+
+def test_cli_lists_every_key_in_help(capsys):
+    with pytest.raises(SystemExit):
+        parse_cli(["--help"], "test tool")
+    out = capsys.readouterr().out
+    for section in JobConfig.__dataclass_fields__:
+        assert f"--{section}." in out
+    assert "--train.micro_batch_size=8 (int) Sequences per rank per forward/backward" in out
+
+
+def test_cli_rejects_stray_arguments():
+    with pytest.raises(SystemExit):
+        parse_cli(["steps=3"], "test tool")
+
+
+def test_presets_load():
+    demo = load_config("configs/demo.yaml")
+    big = load_config("configs/gpt2-124m.yaml")
+    assert demo.train.device == "cpu" and demo.model.d_model == 128
+    assert (big.model.n_layer, big.model.n_head, big.model.d_model, big.model.block_size) == (12, 12, 768, 1024)
+    assert big.train.dtype == "bfloat16" and big.data.seq_len == 1024

@@ -1,0 +1,60 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lm.inference.scoring import eval_windows, score_stream, unigram_entropy
+from lm.models.config import ModelConfig
+from lm.models.gpt import GPT
+
+
+@pytest.mark.parametrize("n, seq_len, stride", [(2, 4, 2), (10, 4, 4), (11, 4, 1), (50, 8, 3), (7, 16, 8)])
+def test_every_target_scored_exactly_once(n, seq_len, stride):
+    scored = []
+    for start, end, first in eval_windows(n, seq_len, stride):
+        assert 0 <= start < first <= end < n and end - start <= seq_len
+        targets = range(start + 1, end + 1)
+        scored += [j for j in targets if j >= first]
+        if start > 0:  # later windows keep at least seq_len - stride tokens of context
+            assert first - 1 - start >= seq_len - stride
+    assert scored == list(range(1, n))
+
+
+class Uniform(torch.nn.Module):
+    """Equal logits over `vocab` ids: every token costs ln(vocab) nats, so perplexity is vocab."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab = vocab
+
+    def forward(self, idx):
+        return torch.zeros(*idx.shape, self.vocab), None
+
+
+def test_uniform_model_perplexity_is_vocab_size():
+    tokens = np.arange(37) % 10
+    nll, count = score_stream(Uniform(10), tokens, seq_len=8, stride=3, batch_size=4, device=torch.device("cpu"))
+    assert count == 36
+    assert math.exp(nll / count) == pytest.approx(10.0, rel=1e-6)  # float32 log-softmax
+
+
+def test_perplexity_equals_exp_mean_nll_by_hand():
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=100, block_size=16, n_layer=2, n_head=2, d_model=16)).eval()
+    tokens = np.random.default_rng(0).integers(0, 100, 12)
+    nll, count = score_stream(model, tokens, seq_len=16, stride=8, batch_size=2, device=torch.device("cpu"))
+    x = torch.as_tensor(tokens[:-1])[None]
+    y = torch.as_tensor(tokens[1:])
+    logp = torch.log_softmax(model(x)[0][0].double(), dim=-1)
+    by_hand = -logp[torch.arange(11), y].mean().item()
+    assert count == 11
+    assert nll / count == pytest.approx(by_hand, abs=1e-6)
+    assert math.exp(nll / count) == pytest.approx(math.exp(F.cross_entropy(model(x)[0][0], y).item()), rel=1e-5)
+
+
+def test_unigram_entropy_by_hand():
+    # the first token of each stream is context only, as in scoring
+    assert unigram_entropy([np.array([5, 0, 0]), np.array([9, 1, 1])]) == pytest.approx(math.log(2))
+    assert unigram_entropy([np.array([3, 7, 7, 7])]) == 0.0

@@ -1,0 +1,316 @@
+import contextlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from lm.config import load_config
+from lm.distributed.activation import checkpoint_blocks
+from lm.models.factory import build_model
+from lm.plan.memory import (
+    GIB,
+    checkpointed_blocks,
+    estimate_memory,
+    layer_activation_bytes,
+    lstm_layer_activation_bytes,
+)
+from lm.plan.param_count import block_params, num_params
+from lm.plan.table import pick, plan_rows, plan_table
+from lm.training.objective import build_objective
+
+SMALL = ["--model.n_layer=2", "--model.n_head=4", "--model.d_model=64", "--model.block_size=64", "--data.seq_len=40"]
+LLAMA = ["--model.pos=rope", "--model.norm=rmsnorm", "--model.mlp=swiglu", "--model.bias=false",
+         "--model.n_kv_head=2", "--model.tie_embeddings=false"]
+ENCDEC = ["--model.arch=encdec", "--model.pos=sinusoidal", "--model.mlp=relu", "--model.n_sentinels=20"]
+LSTM = ["--model.arch=lstm"]
+
+
+def _cfg(*overrides: str, engine: str = "ddp", dtype: str = "bfloat16", micro: int = 3):
+    extra = [f"--parallel.engine={engine}"] + (["--parallel.zero_stage=1"] if engine == "deepspeed" else [])
+    return load_config(None, [*SMALL, f"--train.dtype={dtype}", f"--train.micro_batch_size={micro}",
+                              f"--train.batch_size={micro}", *extra, *overrides])
+
+
+@pytest.mark.parametrize("overrides", [
+    [],                                                                   # GPT-2
+    LLAMA,                                                                # grouped-query, SwiGLU, untied head
+    ["--model.norm_position=post", "--model.bias=false", "--model.d_ff=96"],
+    ENCDEC,                                                               # shared, tied embeddings
+    [*ENCDEC, "--model.pos=learned", "--model.share_embeddings=false", "--model.tie_embeddings=false",
+     "--model.norm_position=post", "--model.n_kv_head=1"],
+    LSTM,                                                                 # tied, no positions, no norms
+    [*LSTM, "--model.tie_embeddings=false", "--model.bias=false"],
+], ids=["gpt2", "llama-gqa", "post-norm", "encdec", "encdec-untied", "lstm", "lstm-untied-no-bias"])
+def test_parameter_count_equals_the_built_model(overrides):
+    cfg = _cfg(*overrides).model
+    assert num_params(cfg) == sum(p.numel() for p in build_model(cfg).parameters())
+
+
+@pytest.mark.parametrize("preset, expected", [
+    ("gpt2-124m", 124_475_904), ("gpt-1.3b", 1_315_819_520), ("llama-7b", 7_297_830_912),
+])
+def test_presets_count_their_parameters(preset, expected):
+    cfg = load_config(f"configs/{preset}.yaml").model
+    with torch.device("meta"):  # shapes only: a 7B model in CPU memory would take 29 GB
+        model = build_model(cfg)
+    assert num_params(cfg) == sum(p.numel() for p in model.parameters()) == expected
+
+
+def test_a_llama_block_has_the_published_size():
+    # Llama 2 7B: 4 attention matrices of 4096^2 and 3 SwiGLU matrices of 4096 x 11008, two RMSNorm gains
+    cfg = load_config("configs/llama-7b.yaml").model
+    assert block_params(cfg) == 4 * 4096 ** 2 + 3 * 4096 * 11008 + 2 * 4096
+
+
+@pytest.mark.parametrize("world", [1, 3, 8, 64])
+def test_sharding_arithmetic(world):
+    cfg = _cfg(*LLAMA)
+    n = num_params(cfg.model)
+    shard = -(-n // world)  # ceil: shards are padded to equal size
+
+    zero3 = estimate_memory(cfg, world, "deepspeed", 3)
+    assert zero3.parameters == shard * (2 + 4)  # bf16 weights and the fp32 master, both sharded
+    assert zero3.gradients == shard * 2 and zero3.optimizer == shard * 8
+    zero2 = estimate_memory(cfg, world, "deepspeed", 2)
+    assert zero2.parameters == n * 2 + shard * 4 and zero2.gradients == shard * 2
+    zero1 = estimate_memory(cfg, world, "deepspeed", 1)
+    assert zero1.gradients == n * 2 and zero1.optimizer == shard * 8
+    fsdp = estimate_memory(cfg, world, "fsdp")
+    assert (fsdp.parameters, fsdp.gradients, fsdp.optimizer) == (shard * 4, shard * 4, shard * 8)
+    assert fsdp.gathered > 0 and zero3.gathered == fsdp.gathered and zero2.gathered == 0
+    fp32 = estimate_memory(_cfg(*LLAMA, dtype="float32"), world, "deepspeed", 3)
+    assert (fp32.parameters, fp32.gradients, fp32.optimizer) == (shard * 4, shard * 4, shard * 8)
+
+
+def test_ddp_replicates_whatever_the_world_size():
+    cfg = _cfg()
+    n = num_params(cfg.model)
+    rows = [estimate_memory(cfg, world, "ddp") for world in (2, 8, 512)]
+    assert len({(r.parameters, r.gradients, r.optimizer, r.total) for r in rows}) == 1
+    assert rows[0].parameters == n * (4 + 2) and rows[0].gradients == n * (4 + 4) and rows[0].optimizer == n * 8
+    alone = estimate_memory(cfg, 1, "ddp")  # one process is not wrapped in DDP: no gradient buckets
+    assert alone.gradients == n * 4
+    fp32 = estimate_memory(_cfg(dtype="float32"), 8, "ddp")
+    assert fp32.parameters == n * 4
+
+
+def test_cpu_offload_moves_state_to_the_host():
+    cfg = _cfg()
+    world = 4
+    shard = -(-num_params(cfg.model) // world)
+    fsdp = estimate_memory(cfg, world, "fsdp", cpu_offload=True)
+    assert (fsdp.parameters, fsdp.gradients, fsdp.optimizer, fsdp.host) == (0, 0, 0, shard * 16)
+    zero = estimate_memory(cfg, world, "deepspeed", 2, cpu_offload=True)
+    on_device = estimate_memory(cfg, world, "deepspeed", 2)
+    assert zero.optimizer == 0 and zero.host == shard * (4 + 8 + 4)  # master, moments, fp32 gradient partition
+    assert zero.parameters == on_device.parameters - shard * 4 and zero.total < on_device.total
+    with pytest.raises(ValueError, match="ddp"):
+        estimate_memory(cfg, world, "ddp", cpu_offload=True)
+
+
+def test_activation_checkpointing_keeps_block_inputs_and_one_block():
+    layers, b, s, h = 6, 3, 40, 64
+    cfg = _cfg(f"--model.n_layer={layers}", engine="fsdp")  # bf16 weights: a 2-byte residual stream
+    full = layer_activation_bytes(cfg.model, b, s, act_bytes=2, residual_bytes=2)
+    none = estimate_memory(cfg, 8, activation_checkpointing=0)
+    every = estimate_memory(cfg, 8, activation_checkpointing=1)
+    t, heads = b * s, 4
+    assert full == 32 * t * h + 4 * b * heads * s  # GPT-2's block in bf16 with fused attention (module docstring)
+    outside = none.activations - layers * full  # final norm, head input, logits
+    assert none.activations == every.activations_no_checkpointing
+    # every block checkpointed: 6 block inputs of 2*t*h bytes plus one block recomputed, instead of 6 blocks
+    assert every.activations - outside == layers * 2 * t * h + full
+    blocks_none, blocks_every = none.activations - outside, every.activations - outside
+    assert blocks_none / blocks_every == pytest.approx(6 * 32 / (6 * 2 + 32), rel=0.01)  # 4.4x fewer bytes
+    # every 4th of 6 blocks: blocks 0 and 4 keep their inputs, the other 4 everything
+    fourth = estimate_memory(cfg, 8, activation_checkpointing=4)
+    assert fourth.activations - outside == 2 * 2 * b * s * h + 4 * full + full
+    # under ddp's autocast the weights, and so the residual stream and its checkpoints, are fp32
+    ddp = estimate_memory(_cfg(f"--model.n_layer={layers}"), 8, activation_checkpointing=1)
+    ddp_full = layer_activation_bytes(cfg.model, b, s, act_bytes=2, residual_bytes=4)
+    ddp_outside = ddp.activations_no_checkpointing - layers * ddp_full
+    assert ddp.activations - ddp_outside == layers * 4 * b * s * h + ddp_full
+
+
+@pytest.mark.parametrize("n_blocks, every, start, expected", [
+    (12, 1, 0, 12), (12, 0, 0, 0), (6, 4, 0, 2), (7, 3, 0, 3), (4, 3, 4, 1), (4, 2, 4, 2),
+])
+def test_checkpointed_blocks_are_every_nth_from_the_first(n_blocks, every, start, expected):
+    # lm.distributed.activation checkpoints model_blocks(model)[::every]: encoder blocks first, then decoder
+    assert checkpointed_blocks(n_blocks, every, start) == expected
+    assert expected == sum(1 for i in range(start, start + n_blocks) if every and i % every == 0)
+
+
+@pytest.mark.parametrize("arch", [[], ENCDEC], ids=["gpt", "encdec"])
+@pytest.mark.parametrize("layers, every", [(6, 1), (6, 4), (7, 3), (5, 2), (3, 0)])
+def test_checkpointed_blocks_agree_with_the_checkpointing_wrapper(arch, layers, every):
+    cfg = _cfg(*arch, f"--model.n_layer={layers}").model
+    with torch.device("meta"):
+        model = build_model(cfg)
+    stacks = 2 if cfg.arch == "encdec" else 1
+    counted = sum(checkpointed_blocks(layers, every, start=i * layers) for i in range(stacks))
+    assert counted == checkpoint_blocks(model, every)
+
+
+def test_korthikanti_count_for_a_gpt3_layer():
+    # Korthikanti et al. 2022, eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer, 16-bit, with dropout, unfused attention
+    cfg = load_config(None, ["--model.n_layer=1", "--model.n_head=16", "--model.d_model=1024",
+                             "--model.block_size=2048", "--model.dropout=0.1"]).model
+    b, s, h, a = 2, 2048, 1024, 16
+    got = layer_activation_bytes(cfg, b, s, act_bytes=2, residual_bytes=2, fused_attention=False)
+    assert got == s * b * h * 34 + 5 * a * s * s * b
+
+
+def test_logits_take_their_logits_log_softmax_and_both_gradients():
+    cfg = _cfg(micro=5)
+    t, vocab = 5 * 40, cfg.model.padded_vocab_size
+    assert estimate_memory(cfg, 1).logits == t * vocab * (2 + 4 + 4 + 4)
+    assert estimate_memory(_cfg(micro=5, dtype="float32"), 1).logits == t * vocab * (4 + 4 + 4 + 4)
+
+
+def _saved_bytes(cfg, bf16_weights: bool, autocast: bool) -> int:
+    """Bytes of the distinct activation storages autograd saves in one forward pass on the CPU; the model's
+    parameters and autocast's bf16 weight copies (model state, not activations) are left out."""
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    if bf16_weights:
+        model = model.to(torch.bfloat16)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape)[::-1] for p in model.parameters()}
+    rows = np.random.default_rng(0).integers(0, 50000, (cfg.train.micro_batch_size, cfg.data.seq_len + 1))
+    batch = build_objective(cfg.model, cfg.data.seq_len, 0)(rows, np.arange(len(rows)))
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        weight_copy = t.dtype == torch.bfloat16 and t.dim() <= 2 and tuple(t.shape) in shapes
+        if storage.data_ptr() not in weights and not weight_copy:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
+        model(*map(torch.from_numpy, batch))
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("arch", [[], ["--model.pos=rope", "--model.mlp=swiglu", "--model.bias=false",
+                                       "--model.n_kv_head=2"], ENCDEC], ids=["gpt2", "llama-layernorm", "encdec"])
+@pytest.mark.parametrize("setup", ["float32", "ddp-autocast", "fsdp-bf16"])
+def test_per_layer_activations_match_what_autograd_saves(arch, setup):
+    # RMSNorm is left out: on the CPU it runs unfused and also saves its output, unlike CUDA's fused kernel
+    engine, dtype = {"float32": ("ddp", "float32"), "ddp-autocast": ("ddp", "bfloat16"),
+                     "fsdp-bf16": ("fsdp", "bfloat16")}[setup]
+    cfgs = [_cfg(*arch, f"--model.n_layer={n}", "--train.device=cpu", engine=engine, dtype=dtype) for n in (2, 4)]
+    measured = [_saved_bytes(c, bf16_weights=setup == "fsdp-bf16", autocast=setup == "ddp-autocast") for c in cfgs]
+    predicted = [estimate_memory(c, 1).activations for c in cfgs]
+    # two more layers (encdec: two encoder and two decoder layers): the logits and the rest cancel out
+    assert (predicted[1] - predicted[0]) == pytest.approx(measured[1] - measured[0], rel=0.03)
+
+
+@pytest.mark.parametrize("setup", ["float32", "fsdp-bf16"])
+def test_lstm_layer_activations_match_what_the_unfused_lstm_saves(setup, monkeypatch):
+    # The CPU's oneDNN LSTM keeps a workspace of its own and CPU autocast keeps the cell states in fp32,
+    # so the check runs PyTorch's unfused LSTM, in float32 and with bf16 weights (as FSDP and ZeRO give it).
+    dtype = "float32" if setup == "float32" else "bfloat16"
+    cfgs = [_cfg(*LSTM, f"--model.n_layer={n}", "--train.device=cpu", engine="ddp" if setup == "float32" else "fsdp",
+                 dtype=dtype) for n in (2, 4)]
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    measured = [_saved_bytes(c, bf16_weights=setup == "fsdp-bf16", autocast=False) for c in cfgs]
+    predicted = [estimate_memory(c, 1).activations for c in cfgs]
+    assert predicted[1] - predicted[0] == pytest.approx(measured[1] - measured[0], rel=0.03)
+    c, t, h = (4 if setup == "float32" else 2), 3 * 40, 64
+    assert predicted[1] - predicted[0] == 2 * lstm_layer_activation_bytes(cfgs[0].model, 3, 40, c) == 2 * 8 * c * t * h
+
+
+def test_lstm_checkpointing_keeps_layer_inputs_and_one_layer():
+    layers, t, h = 6, 3 * 40, 64
+    cfg = _cfg(*LSTM, f"--model.n_layer={layers}")  # ddp autocast: the embedding output stays fp32
+    full = lstm_layer_activation_bytes(cfg.model, 3, 40, act_bytes=2)
+    none = estimate_memory(cfg, 1, activation_checkpointing=0)
+    every = estimate_memory(cfg, 1, activation_checkpointing=1)
+    outside = none.activations - layers * full
+    # six layer inputs (the first the fp32 embedding output, the others bf16) and one layer recomputed
+    assert every.activations - outside == 4 * t * h + 5 * 2 * t * h + full
+    vocab = cfg.model.padded_vocab_size
+    assert none.gathered == 0 and estimate_memory(cfg, 2, "fsdp").gathered == (
+        (vocab * 64 + 2 * (8 * 64 * 64 + 8 * 64)) * (2 + 2))  # the root (tied embedding) and two layers
+    assert "lstm: activ counts what PyTorch's unfused LSTM saves" in plan_table(cfg, 2)
+
+
+def test_dry_run_describes_an_lstm_without_heads(capsys):
+    from lm.train import dry_run
+
+    cfg = _cfg(*LSTM)
+    dry_run(cfg, 2, 80.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "model: lstm, 2 layers, d_model 64, vocabulary 50,304 (padded)"
+    assert lines[1] == f"parameters: {50304 * 64 + 2 * (8 * 64 * 64 + 8 * 64):,}"
+
+
+def test_plan_table_lists_every_engine_and_picks_one():
+    cfg = load_config("configs/llama-7b.yaml")
+    table = plan_table(cfg, 8)
+    for label in ("ddp", "fsdp", "deepspeed ZeRO-1", "deepspeed ZeRO-2", "deepspeed ZeRO-3"):
+        assert sum(line.startswith(label + " ") for line in table.splitlines()) >= 2
+    assert "pick: fsdp, no activation checkpointing" in table
+    rows = plan_rows(cfg, 1)
+    assert pick(rows, 80).cpu_offload and pick(rows, 8) is None  # a 7B model on one 80 GiB GPU needs the host
+    assert "nothing fits" in plan_table(cfg, 1, device_gib=8)
+    assert estimate_memory(cfg, 8, "ddp").total > 80 * GIB
+    encdec = plan_table(load_config("configs/demo-encdec.yaml"), 2)
+    assert "float32" in encdec and "pick: ddp" in encdec
+
+
+def test_bad_arguments_are_refused():
+    cfg = _cfg()
+    with pytest.raises(ValueError, match="world_size"):
+        estimate_memory(cfg, 0)
+    with pytest.raises(ValueError, match="zero_stage"):
+        estimate_memory(cfg, 2, "deepspeed")
+    with pytest.raises(ValueError, match="zero_stage"):
+        estimate_memory(cfg, 2, "fsdp", 2)
+    with pytest.raises(ValueError, match="unknown engine"):
+        estimate_memory(cfg, 2, "megatron")
+
+
+def _train(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lm.train", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def test_dry_run_prints_the_plan_and_touches_nothing(tmp_path):
+    out_dir, data_dir = tmp_path / "run", tmp_path / "no-data"
+    result = _train("--config", "configs/llama-7b.yaml", "--dry-run", "--nproc", "8",
+                    f"--train.out_dir={out_dir}", f"--data.dir={data_dir}")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "parameters: 7,297,830,912" in lines
+    assert "world size 8" in result.stdout
+    for label in ("ddp", "fsdp", "deepspeed ZeRO-1", "deepspeed ZeRO-2", "deepspeed ZeRO-3"):
+        assert any(line.startswith(label + " ") for line in lines), label
+    assert not out_dir.exists() and not data_dir.exists()
+    assert "torch.distributed" not in result.stderr  # no process group was started
+
+
+def test_dry_run_takes_the_world_size_from_the_environment(tmp_path):
+    result = _train("--config", "configs/gpt2-124m.yaml", "--dry-run", f"--train.out_dir={tmp_path / 'run'}",
+                    env={"WORLD_SIZE": "4"})
+    assert result.returncode == 0, result.stderr
+    assert "world size 4," in result.stdout
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dry-run", "--nproc", "0"], "argument --nproc: expected a positive integer, got 0"),
+    (["--dry-run", "--nproc", "two"], "argument --nproc: expected a positive integer, got 'two'"),
+    (["--nproc", "2"], "error: --nproc: only --dry-run takes it"),
+])
+def test_bad_nproc_is_a_usage_error(args, message, tmp_path):
+    result = _train("--config", "configs/gpt2-124m.yaml", f"--train.out_dir={tmp_path / 'run'}", *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,81 @@
+import hashlib
+import os
+import stat
+
+import pytest
+
+from lm.errors import DataError
+from lm.io import atomic_path, atomic_write_text, merge_dir, publish_dir, read_utf8, sha256_file
+
+
+def test_sha256_file_streams_the_whole_file(tmp_path):
+    data = os.urandom(3 * (1 << 20) + 17)  # several read chunks and a partial one
+    (tmp_path / "blob").write_bytes(data)
+    assert sha256_file(tmp_path / "blob") == hashlib.sha256(data).hexdigest()
+
+
+def _ordinary_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def test_atomic_write_replaces_the_file_with_ordinary_permissions(tmp_path):
+    path = tmp_path / "sub" / "out.txt"
+    atomic_write_text(path, "first")
+    atomic_write_text(path, "second")
+    assert path.read_text() == "second"
+    assert stat.S_IMODE(path.stat().st_mode) == _ordinary_mode()
+    assert [p.name for p in path.parent.iterdir()] == ["out.txt"]
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "out.bin"
+    path.write_bytes(b"good")
+    with pytest.raises(OSError, match="disk full"), atomic_path(path) as tmp:
+        tmp.write_bytes(b"half")
+        raise OSError("disk full")
+    assert path.read_bytes() == b"good"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
+
+
+def test_a_private_file_is_published_readable(tmp_path):
+    # safetensors and mkstemp create 0600 files; what we publish must not stay private
+    path = tmp_path / "weights"
+    with atomic_path(path) as tmp:
+        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY, 0o600)
+        os.close(fd)
+    assert stat.S_IMODE(path.stat().st_mode) == _ordinary_mode()
+
+
+def test_publish_dir_replaces_a_directory_whole(tmp_path):
+    final, staging = tmp_path / "final", tmp_path / "staging"
+    final.mkdir()
+    (final / "old").write_text("old")
+    staging.mkdir()
+    (staging / "new").write_text("new")
+    publish_dir(staging, final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    assert [p.name for p in final.iterdir()] == ["new"]
+
+
+def test_merge_dir_keeps_the_files_it_does_not_replace(tmp_path):
+    final, staging = tmp_path / "final", tmp_path / "staging"
+    final.mkdir()
+    (final / "mine").write_text("mine")
+    (final / "shared").write_text("old")
+    staging.mkdir()
+    (staging / "shared").write_text("new")
+    merge_dir(staging, final)
+    assert not staging.exists()
+    assert {p.name: p.read_text() for p in final.iterdir()} == {"mine": "mine", "shared": "new"}
+
+
+def test_read_utf8_names_the_file_and_the_bad_byte(tmp_path):
+    (tmp_path / "ok.txt").write_text("héllo", encoding="utf-8")
+    assert read_utf8(tmp_path / "ok.txt") == "héllo"
+    (tmp_path / "bad.txt").write_bytes(b"abc\xffdef")
+    with pytest.raises(DataError, match=r"bad.txt: not UTF-8: byte 0xff at offset 3"):
+        read_utf8(tmp_path / "bad.txt")
+    with pytest.raises(DataError, match=r"none.txt: cannot read: No such file or directory"):
+        read_utf8(tmp_path / "none.txt")

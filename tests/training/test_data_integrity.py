@@ -1,0 +1,85 @@
+"""Data integrity at training start: shard checksums on request, and a dataset that changed under a run."""
+
+import dataclasses
+import json
+import logging
+import shutil
+import subprocess
+
+import pytest
+
+from lm.checkpoint.store import complete_checkpoints
+from lm.data.prepare import prepare
+from lm.data.shards import HEADER_BYTES
+from lm.distributed.env import init_distributed
+from lm.errors import CheckpointError, DataError
+from lm.training.trainer import Trainer
+from tests.training.test_faults import config, run_env, train_cmd
+
+
+def flip_byte(path, offset):
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+@pytest.fixture
+def flipped_data(tiny_data_dir, tmp_path):
+    """A copy of the tiny data whose second train shard has one token byte flipped (size unchanged)."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data_dir, data)
+    flip_byte(data / "train_00001.bin", HEADER_BYTES + 101)
+    return data
+
+
+def test_a_flipped_byte_in_a_data_shard_is_named_when_hashes_are_checked(flipped_data, tmp_path):
+    with pytest.raises(DataError, match=r"train_00001.bin: sha256 differs from manifest.json"):
+        Trainer(config(flipped_data, tmp_path / "run", "--data.verify_hashes=true"), init_distributed("cpu"))
+    assert not (tmp_path / "run").exists()  # refused before the run directory was made
+
+
+def test_both_ranks_refuse_a_flipped_data_shard_together(flipped_data, tmp_path):
+    # rank 0 hashes and broadcasts its finding: rank 1 must fail too, not wait in a collective
+    result = subprocess.run(train_cmd(2, flipped_data, tmp_path / "run", "--data.verify_hashes=true",
+                                      "--train.steps=2"),
+                            env=run_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert result.stderr.count("error: ") == 2 * 2, result.stderr  # 2 ranks x (first try + the one restart)
+    assert "train_00001.bin: sha256 differs from manifest.json" in result.stderr
+
+
+def test_intact_shards_pass_the_check(tiny_data_dir, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="lm.train"):
+        Trainer(config(tiny_data_dir, tmp_path / "run", "--data.verify_hashes=true"), init_distributed("cpu"))
+    assert "every shard matches its sha256 in the manifest" in caplog.text
+
+
+@pytest.fixture
+def other_data(tiny_data_config, tiny_corpus_dir, tmp_path):
+    """The first ten Macbeth scenes prepared like the tiny data: another dataset, same tokenizer."""
+    cfg = dataclasses.replace(tiny_data_config, source=str(tiny_corpus_dir / "scene_0*.txt"),
+                              dir=str(tmp_path / "other"))
+    prepare(cfg)
+    return tmp_path / "other"
+
+
+def test_a_dataset_that_changed_under_a_run_is_refused_on_resume(tiny_data_dir, other_data, tmp_path, caplog):
+    run = tmp_path / "run"
+    Trainer(config(tiny_data_dir, run, "--train.steps=2"), init_distributed("cpu")).fit()
+    state = json.loads((complete_checkpoints(run / "checkpoints")[-1] / "state.json").read_text())
+    assert state["data"]["train_tokens"] == 25_450
+    with pytest.raises(CheckpointError, match=r"step_00000002 trained on .*\*.txt' \(25,450 train tokens, content "
+                                              r"hash [0-9a-f]{12}\), but data.dir=.*other' now holds .*scene_0\*.txt'"
+                                              r".*or set checkpoint.allow_data_change=true"):
+        Trainer(config(other_data, run, "--train.steps=4"), init_distributed("cpu"))
+    # the same data in another directory is the same dataset
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny_data_dir, moved)
+    assert Trainer(config(moved, run, "--train.steps=4"), init_distributed("cpu")).step == 2
+    # said explicitly, the run goes on with the new data, and its next checkpoint records that data
+    with caplog.at_level(logging.WARNING, logger="lm.checkpoint"):
+        Trainer(config(other_data, run, "--train.steps=4", "--checkpoint.allow_data_change=true"),
+                init_distributed("cpu")).fit()
+    assert "going on with the new data (checkpoint.allow_data_change=true)" in caplog.text
+    state = json.loads((complete_checkpoints(run / "checkpoints")[-1] / "state.json").read_text())
+    assert state["step"] == 4 and state["data"]["source"].endswith("scene_0*.txt")

@@ -1,0 +1,166 @@
+"""Faults during training: NaN steps, preemption signals, a rank killed under torchrun, unwritable output."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lm.checkpoint.store import complete_checkpoints
+from lm.checkpoint.weights import load_model_weights
+from lm.config import load_config
+from lm.distributed.env import init_distributed
+from lm.errors import CheckpointError, TrainingError
+from lm.models.factory import build_model
+from lm.training.trainer import Trainer
+
+TINY = [
+    "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
+    "--data.seq_len=16", "--train.batch_size=4", "--train.micro_batch_size=2", "--train.device=cpu",
+    "--train.eval_every=1000", "--train.eval_batches=2", "--log.every=1", "--log.tensorboard=false",
+    "--optim.lr=3e-3", "--schedule.warmup_steps=2",
+]
+
+
+def config(data_dir, out_dir, *extra):
+    return load_config(None, [*TINY, f"--data.dir={data_dir}", f"--train.out_dir={out_dir}", *extra])
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    cfg = load_config(run_dir / "config.yaml")
+    model = build_model(cfg.model)
+    load_model_weights(complete_checkpoints(run_dir / "checkpoints")[-1], model)
+    return model.state_dict()
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = final_weights(a), final_weights(b)
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def test_a_nan_step_is_skipped_and_counted(tiny_data_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LM_FAULT_NAN_STEPS", "2")
+    history = Trainer(config(tiny_data_dir, tmp_path / "run", "--train.steps=4"), init_distributed("cpu")).fit()
+    rows = {r["step"]: r for r in history if "train/loss" in r}
+    assert [rows[s]["train/skipped_steps"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in rows.values())
+    assert all(torch.isfinite(w).all() for w in final_weights(tmp_path / "run").values())
+
+
+def test_too_many_nan_steps_in_a_row_stop_the_run_naming_the_last_good_checkpoint(tiny_data_dir, tmp_path,
+                                                                                   monkeypatch):
+    monkeypatch.setenv("LM_FAULT_NAN_STEPS", "3,4,5")
+    cfg = config(tiny_data_dir, tmp_path / "run", "--train.steps=8", "--checkpoint.every=2",
+                 "--train.max_nonfinite_steps=3")
+    with pytest.raises(TrainingError, match=r"step 5: 3 steps in a row with a non-finite loss or gradient norm .*"
+                                            r"the last good checkpoint is .*step_00000004"):
+        Trainer(cfg, init_distributed("cpu")).fit()
+
+
+def test_a_limit_reached_between_log_steps_stops_the_run_at_the_next_one(tiny_data_dir, tmp_path, monkeypatch,
+                                                                          caplog):
+    monkeypatch.setenv("LM_FAULT_NAN_STEPS", "2,3")
+    cfg = config(tiny_data_dir, tmp_path / "run", "--train.steps=8", "--log.every=4", "--train.max_nonfinite_steps=2")
+    with caplog.at_level(logging.WARNING, logger="lm.train"), pytest.raises(
+            TrainingError, match=r"step 4: 2 steps in a row with a non-finite .* the last good checkpoint is none"):
+        Trainer(cfg, init_distributed("cpu")).fit()
+    assert "step 4: 2 optimizer steps skipped since the last check" in caplog.text
+
+
+def test_weights_that_are_not_finite_are_never_saved(tiny_data_dir, tmp_path):
+    trainer = Trainer(config(tiny_data_dir, tmp_path / "run", "--train.steps=2"), init_distributed("cpu"))
+    trainer.fit()
+    with torch.no_grad():
+        next(trainer.model.parameters())[0, 0] = float("nan")
+    with pytest.raises(TrainingError, match="the weights hold NaN or inf values and are not saved"):
+        trainer.save()
+    assert [p.name for p in complete_checkpoints(tmp_path / "run/checkpoints")] == ["step_00000002"]
+
+
+def test_an_unwritable_output_directory_is_found_before_training(tiny_data_dir, tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(CheckpointError, match="train.out_dir: cannot write to .*file/run"):
+        Trainer(config(tiny_data_dir, tmp_path / "file" / "run"), init_distributed("cpu"))
+
+
+def test_changed_settings_are_accepted_and_logged_on_resume(tiny_data_dir, tmp_path, caplog):
+    Trainer(config(tiny_data_dir, tmp_path / "run", "--train.steps=2"), init_distributed("cpu")).fit()
+    with caplog.at_level(logging.INFO, logger="lm.train"):
+        trainer = Trainer(config(tiny_data_dir, tmp_path / "run", "--train.steps=3", "--optim.lr=1e-3"),
+                          init_distributed("cpu"))
+    assert trainer.step == 2
+    assert "config changed since the checkpoint: optim.lr 0.003 -> 0.001" in caplog.text
+    assert "config changed since the checkpoint: train.steps 2 -> 3" in caplog.text
+
+
+def train_cmd(nproc: int, data_dir: Path, out: Path, *extra: str) -> list[str]:
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--max-restarts=1"] \
+        if nproc > 1 else []
+    return [sys.executable, *launcher, "-m", "lm.train", *TINY, f"--data.dir={data_dir}", f"--train.out_dir={out}",
+            *extra]
+
+
+def run_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+
+
+def test_sigterm_saves_exits_0_and_the_resumed_run_equals_an_uninterrupted_one(tiny_data_dir, tmp_path):
+    # the schedule's length is fixed, so a run cut short follows the same learning rates as a long one
+    steps = ["--train.steps=400", "--checkpoint.every=1000", "--schedule.decay_steps=400"]
+    proc = subprocess.Popen(train_cmd(1, tiny_data_dir, tmp_path / "stopped", *steps), env=run_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "stopped/metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and proc.poll() is None, "training did not start"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    stopped_at = json.loads((tmp_path / "stopped/checkpoints" / complete_checkpoints(
+        tmp_path / "stopped/checkpoints")[-1].name / "state.json").read_text())["step"]
+    assert 3 <= stopped_at < 400 and f"stopped at step {stopped_at} by SIGTERM" in output
+    # resume the stopped run to step stopped_at + 3, and compare with a run that never stopped
+    target = [f"--train.steps={stopped_at + 3}", "--checkpoint.every=1000", "--schedule.decay_steps=400"]
+    for out in ("stopped", "straight"):
+        result = subprocess.run(train_cmd(1, tiny_data_dir, tmp_path / out, *target),
+                                env=run_env(), capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+    assert_same_weights(tmp_path / "stopped", tmp_path / "straight")
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_a_killed_rank_restarts_the_group_which_finishes_like_an_uninterrupted_run(engine, tiny_data_dir, tmp_path):
+    extra = ["--train.steps=8", "--checkpoint.every=2", f"--parallel.engine={engine}", "--train.batch_size=8"]
+    killed = subprocess.run(train_cmd(2, tiny_data_dir, tmp_path / "killed", *extra),
+                            env=run_env(LM_FAULT_KILL="1:5"), capture_output=True, text=True, timeout=300)
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    assert "resumed from" in killed.stdout and "step_00000004 at step 4" in killed.stdout
+    straight = subprocess.run(train_cmd(2, tiny_data_dir, tmp_path / "straight", *extra), env=run_env(),
+                              capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    assert_same_weights(tmp_path / "killed", tmp_path / "straight")
+
+
+def test_a_rank_killed_during_a_save_restarts_from_the_previous_checkpoint(tiny_data_dir, tmp_path):
+    # rank 1 dies right after writing its shard of step 6, while rank 0 waits for it: step_00000006.tmp is
+    # left half-written, and the restarted group must resume from step 4 and still end like a straight run
+    extra = ["--train.steps=8", "--checkpoint.every=2", "--train.batch_size=8"]
+    killed = subprocess.run(train_cmd(2, tiny_data_dir, tmp_path / "killed", *extra),
+                            env=run_env(LM_FAULT_KILL_SAVE="1:6"), capture_output=True, text=True, timeout=300)
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    assert "step_00000004 at step 4" in killed.stdout
+    assert [p.name for p in complete_checkpoints(tmp_path / "killed/checkpoints")] == [
+        "step_00000004", "step_00000006", "step_00000008"]
+    assert not list((tmp_path / "killed/checkpoints").glob("*.tmp"))
+    straight = subprocess.run(train_cmd(2, tiny_data_dir, tmp_path / "straight", *extra), env=run_env(),
+                              capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    assert_same_weights(tmp_path / "killed", tmp_path / "straight")

@@ -1,0 +1,206 @@
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from lm import eval as eval_tool
+from lm import sample
+from lm.checkpoint.store import complete_checkpoints
+from lm.checkpoint.weights import load_model_weights
+from lm.cli import run
+from lm.config import load_config
+from lm.distributed.env import init_distributed
+from lm.distributed.optim import build_optimizer
+from lm.errors import CheckpointError
+from lm.models.gpt import GPT
+from lm.training.trainer import Trainer
+
+TINY = [
+    "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
+    "--data.seq_len=16", "--train.batch_size=4", "--train.micro_batch_size=2", "--train.device=cpu",
+    "--train.eval_every=3", "--train.eval_batches=2", "--log.every=1", "--log.tensorboard=false",
+    "--checkpoint.every=3", "--checkpoint.keep=5", "--optim.lr=3e-3", "--schedule.warmup_steps=2",
+]
+
+
+def tiny_config(data_dir, out_dir, *extra):
+    return load_config(None, TINY + [f"--data.dir={data_dir}", f"--train.out_dir={out_dir}", *extra])
+
+
+def train_losses(history):
+    return {row["step"]: row["train/loss"] for row in history if "train/loss" in row}
+
+
+def check_resume_is_bit_for_bit(config, tmp_path, build) -> None:
+    """A 6-step run, and a second run started from its step-3 checkpoint, retrace steps 4..6 exactly:
+    the same losses and, built by `build(model_cfg)`, the same final weights. `config(out_dir, *extra)`."""
+    env = init_distributed("cpu")
+    full = Trainer(config(tmp_path / "full", "--train.steps=6"), env).fit()
+    resumed_dir = tmp_path / "resumed" / "checkpoints"
+    resumed_dir.mkdir(parents=True)
+    shutil.copytree(tmp_path / "full/checkpoints/step_00000003", resumed_dir / "step_00000003")
+    trainer = Trainer(config(tmp_path / "resumed", "--train.steps=6"), env)
+    assert trainer.step == 3 and trainer.loader.state_dict()["position"] == 12
+    resumed = trainer.fit()
+    assert sorted(train_losses(resumed)) == [4, 5, 6]
+    # the wall-time count goes on from the checkpoint's instead of restarting at zero
+    before = json.loads((resumed_dir / "step_00000003/state.json").read_text())["elapsed_s"]
+    rows = [json.loads(line) for line in (tmp_path / "resumed/metrics.jsonl").read_text().splitlines()]
+    assert before > 0 and rows[0]["elapsed_s"] > before
+    for step, loss in train_losses(resumed).items():
+        assert loss == train_losses(full)[step]
+    model_cfg = config(tmp_path / "x").model
+    a, b = build(model_cfg), build(model_cfg)
+    load_model_weights(tmp_path / "full/checkpoints/step_00000006", a)
+    load_model_weights(tmp_path / "resumed/checkpoints/step_00000006", b)
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(pa, pb), name
+
+
+def test_resume_continues_bit_for_bit(tiny_data_dir, tmp_path):
+    check_resume_is_bit_for_bit(functools.partial(tiny_config, tiny_data_dir), tmp_path, GPT)
+
+
+def test_run_directory_contents(tiny_data_dir, tmp_path):
+    out = tmp_path / "run"
+    history = Trainer(tiny_config(tiny_data_dir, out, "--train.steps=4", "--checkpoint.keep=1"),
+                      init_distributed("cpu")).fit()
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step_00000004"]  # keep=1
+    assert load_config(out / "config.yaml").train.steps == 4
+    assert load_config(out / "checkpoints/step_00000004/config.yaml").train.steps == 4
+    state = json.loads((out / "checkpoints/step_00000004/state.json").read_text())
+    manifest = json.loads((tiny_data_dir / "manifest.json").read_text())
+    data = {"content_hash": manifest["content_hash"], "source": manifest["source"], "train_tokens": 25_450}
+    elapsed = state.pop("elapsed_s")
+    assert state == {"step": 4, "tokens_seen": 4 * 4 * 16, "position": 16, "data": data, "world_size": 1,
+                     "engine": "ddp"}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4]
+    assert [r["tokens"] for r in rows if "train/loss" in r] == [64, 128, 192, 256]
+    times = [r["elapsed_s"] for r in rows]
+    assert times == sorted(times) and 0 < times[-1] <= elapsed
+    assert [r["step"] for r in rows if "val/loss" in r] == [3, 4]
+    assert rows[0]["train/ppl"] == pytest.approx(2.718281828 ** rows[0]["train/loss"], rel=1e-6)
+    assert history[-1]["val/loss"] == rows[-1]["val/loss"]
+
+
+def test_resume_modes(tiny_data_dir, tmp_path):
+    env = init_distributed("cpu")
+    with pytest.raises(CheckpointError, match="checkpoint.resume=required, but .* holds no complete checkpoint"):
+        Trainer(tiny_config(tiny_data_dir, tmp_path / "run", "--checkpoint.resume=required"), env)
+    Trainer(tiny_config(tiny_data_dir, tmp_path / "run", "--train.steps=3"), env).fit()
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    with pytest.raises(CheckpointError, match="checkpoint.resume=never, but .* already holds checkpoints"):
+        Trainer(tiny_config(tiny_data_dir, tmp_path / "run", "--checkpoint.resume=never"), env)
+    with pytest.raises(Exception, match="model.d_model: 32 -> 64"):
+        Trainer(tiny_config(tiny_data_dir, tmp_path / "run", "--model.d_model=64"), env)
+    assert before == {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+
+
+def test_no_weight_decay_on_biases_norms_embeddings():
+    cfg = load_config(None, ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=32"])
+    model = GPT(cfg.model)
+    decay, no_decay = build_optimizer(model, cfg.optim).param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(names[id(p)].endswith("weight") and p.dim() == 2 for p in decay["params"])
+    assert {names[id(p)] for p in no_decay["params"]} >= {"wte.weight", "wpe.weight", "ln_f.weight"}
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_two_process_torchrun_loss_falls(tiny_data_dir, tmp_path, capsys):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "lm.train", *TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}",
+           "--train.steps=24", "--train.batch_size=8", "--train.eval_every=12", "--checkpoint.every=12",
+           "--optim.lr=1e-2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert len(losses) == 24
+    assert sum(losses[-4:]) / 4 < 0.75 * sum(losses[:4]) / 4
+    assert "step 24/24 | loss" in result.stdout and "val ppl" in result.stdout
+    # each rank wrote its own shard, and no wrapper prefix leaked into the saved names
+    step_dir = out / "checkpoints/step_00000024"
+    assert {p.name for p in step_dir.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    keys = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata.keys()
+    assert "model.wte.weight" in keys
+    assert not [k for k in keys if "module." in k or "_orig_mod" in k]
+    assert json.loads((step_dir / "state.json").read_text())["world_size"] == 2
+    # a checkpoint written by 2 ranks loads whole on one process, for sampling and evaluation
+    assert run(sample.main, ["--checkpoint", str(out), "--max-new-tokens", "5", "--prompt", "KING:"]) == 0
+    assert run(eval_tool.main, ["--checkpoint", str(out), "--max-tokens", "100"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("KING:") and "tokens scored: 99" in printed
+
+
+def test_tensorboard_receives_the_logged_scalars(tiny_data_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb_run"
+    Trainer(tiny_config(tiny_data_dir, out, "--train.steps=2", "--log.tensorboard=true"), init_distributed("cpu")).fit()
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    expected = {"train/loss", "train/ppl", "train/lr", "train/grad_norm", "perf/tokens_per_s", "val/loss", "val/ppl"}
+    assert expected <= tags
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert events.Scalars("val/loss")[0].value == pytest.approx(rows[-1]["val/loss"], rel=1e-6)
+
+
+def test_compiled_training_matches_eager_and_saves_bare_names(tiny_data_dir, tmp_path):
+    env = init_distributed("cpu")
+    eager = Trainer(tiny_config(tiny_data_dir, tmp_path / "eager", "--train.steps=2"), env).fit()
+    trainer = Trainer(tiny_config(tiny_data_dir, tmp_path / "compiled", "--train.steps=2", "--train.compile=true"), env)
+    assert all(block._compiled_call_impl is not None for block in trainer.model.blocks)  # really compiled
+    compiled = trainer.fit()
+    for step, loss in train_losses(eager).items():
+        assert train_losses(compiled)[step] == pytest.approx(loss, rel=1e-4)
+    reader = dcp.FileSystemReader(str(tmp_path / "compiled/checkpoints/step_00000002"))
+    keys = reader.read_metadata().state_dict_metadata
+    assert "model.wte.weight" in keys and not [k for k in keys if "_orig_mod" in k]
+
+
+def tensorboard_events(tb_dir):
+    """(step, tag, plugin, summary value) of every plugin summary in a run's TensorBoard event files."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    return [(event.step, value.tag, value.metadata.plugin_data.plugin_name, value)
+            for path in sorted(tb_dir.glob("events.out.tfevents.*")) for event in EventFileLoader(str(path)).Load()
+            for value in event.summary.value]
+
+
+def test_tensorboard_holds_the_hparams_and_the_periodic_samples(tiny_data_dir, tmp_path):
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    from lm.tokenizer import load_tokenizer
+    from lm.training.samples import sample_text
+
+    out = tmp_path / "tb_run"
+    cfg = tiny_config(tiny_data_dir, out, "--train.steps=4", "--log.tensorboard=true", "--log.sample_every=2",
+                      "--log.sample_prompt=KING: the", "--log.sample_tokens=6")
+    trainer = Trainer(cfg, init_distributed("cpu"))
+    trainer.fit()
+    events = tensorboard_events(out / "tb")
+    start = [v for _, tag, plugin, v in events if tag == "_hparams_/session_start_info"]
+    assert len(start) == 1 and all(plugin == "hparams" for _, tag, plugin, _ in events if tag.startswith("_hparams_"))
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(start[0].metadata.plugin_data.content)
+    values = hparams.session_start_info.hparams
+    assert values["model.n_layer"].number_value == 2 and values["optim.lr"].number_value == pytest.approx(3e-3)
+    assert values["model.arch"].string_value == "gpt" and values["params"].number_value == trainer.n_params
+    samples = {step: v.tensor.string_val[0].decode() for step, tag, plugin, v in events if plugin == "text"}
+    assert sorted(samples) == [2, 4] and all(text.startswith("KING: the") for text in samples.values())
+    # the step-4 text is what the final weights write for the fixed prompt and seed
+    model = GPT(cfg.model)
+    load_model_weights(out / "checkpoints/step_00000004", model)
+    assert samples[4] == sample_text(model, cfg, load_tokenizer("gpt2"), torch.device("cpu"))
+    assert len(samples[4]) > len("KING: the")
