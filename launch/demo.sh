@@ -7,6 +7,6 @@ cd "$(dirname "$0")/.."
 . launch/activate.sh
 
 python -m lm.prepare --config configs/demo.yaml
-torchrun --standalone --nproc_per_node=2 -m lm.train --config configs/demo.yaml "$@"
+bash launch/torchrun.sh --standalone --nproc_per_node=2 -m lm.train --config configs/demo.yaml "$@"
 python -m lm.eval --checkpoint runs/demo --stride 128 --batch-size 16
 python -m lm.sample --checkpoint runs/demo --prompt "ROMEO:" --max-new-tokens 100 --seed 1

@@ -31,5 +31,5 @@ if [ -n "${NODE_RANK:-}" ]; then
 else
   rdzv=(--rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$port")
 fi
-exec torchrun --nnodes="$NNODES" --nproc_per_node="$nproc" "${rdzv[@]}" --rdzv_id="${RUN_ID:-lm}" \
+exec bash launch/torchrun.sh --nnodes="$NNODES" --nproc_per_node="$nproc" "${rdzv[@]}" --rdzv_id="${RUN_ID:-lm}" \
   --max-restarts="${MAX_RESTARTS:-0}" -m lm.train "$@"

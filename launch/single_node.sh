@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . launch/activate.sh
 nproc="${NPROC_PER_NODE:-$(python -c 'import torch; print(torch.cuda.device_count() or 2)')}"
-exec torchrun --standalone --nproc_per_node="$nproc" -m lm.train "$@"
+exec bash launch/torchrun.sh --standalone --nproc_per_node="$nproc" -m lm.train "$@"

@@ -1,6 +1,8 @@
 """What every command-line tool shares: logging setup and turning bad input into one clear line."""
 
+import argparse
 import logging
+import math
 import sys
 from collections.abc import Callable
 
@@ -26,3 +28,25 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
     except (LMError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a count: 0 or less is refused (it would not mean "the default")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """argparse type of a float setting: nan and inf are refused (they pass every range check)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value

@@ -12,7 +12,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lm.checkpoint.loading import load_for_inference
-from lm.cli import run
+from lm.cli import positive_int, run
 from lm.config import JobConfig
 from lm.data.objectives import SpanCorruption
 from lm.distributed.env import init_device
@@ -36,10 +36,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="run directory, its checkpoints/ or one step_XXXXXXXX directory")
     parser.add_argument("--text", type=Path, help="score this UTF-8 text file instead of the val shards")
     parser.add_argument("--data-dir", help="shard directory (default: the checkpoint's data.dir)")
-    parser.add_argument("--seq-len", type=int, help="window length (default: the checkpoint's data.seq_len)")
-    parser.add_argument("--stride", type=int, help="new tokens scored per window (default: seq_len // 2)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, help="read at most this many tokens, from the start of the data")
+    parser.add_argument("--seq-len", type=positive_int, help="window length (default: the checkpoint's data.seq_len)")
+    parser.add_argument("--stride", type=positive_int, help="new tokens scored per window (default: seq_len // 2)")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--max-tokens", type=positive_int,
+                        help="read at most this many tokens, from the start of the data")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     return parser
 
@@ -47,17 +48,15 @@ def _parser() -> argparse.ArgumentParser:
 def _windows(args: argparse.Namespace, cfg: JobConfig, parser: argparse.ArgumentParser
              ) -> tuple[int, int | None, SpanCorruption | None]:
     """(window length, stride, objective): a stride for a decoder, the span corruption for an encoder-decoder."""
-    seq_len = args.seq_len or cfg.data.seq_len
+    seq_len = args.seq_len if args.seq_len is not None else cfg.data.seq_len
     if cfg.model.arch == "encdec":
         if args.stride is not None:
             parser.error("--stride: applies to decoder-only checkpoints; an encoder-decoder is scored on "
                          "non-overlapping span-corrupted windows")
-        if seq_len <= 0:
-            parser.error(f"--seq-len: must be positive, got {seq_len}")
         return seq_len, None, build_objective(cfg.model, seq_len, cfg.train.seed)
     if not 0 < seq_len <= cfg.model.block_size:
         parser.error(f"--seq-len: must be in [1, {cfg.model.block_size}] (the model's block_size), got {seq_len}")
-    stride = args.stride or max(1, seq_len // 2)
+    stride = args.stride if args.stride is not None else max(1, seq_len // 2)
     if not 0 < stride <= seq_len:
         parser.error(f"--stride: must be in [1, {seq_len}] (the window length), got {stride}")
     return seq_len, stride, None
@@ -71,8 +70,8 @@ def _streams(args: argparse.Namespace, cfg: JobConfig) -> tuple[list[np.ndarray]
         streams, source = [tokens], str(args.text)
     else:
         data_dir = args.data_dir or cfg.data.dir
-        streams, source = val_streams(data_dir), f"{data_dir} (val)"
-    if args.max_tokens:
+        streams, source = val_streams(data_dir, cfg.model.vocab_size), f"{data_dir} (val)"
+    if args.max_tokens is not None:
         streams = first_tokens(streams, args.max_tokens)
     return streams, source, n_bytes
 

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from lm.checkpoint.loading import load_for_inference
-from lm.cli import run
+from lm.cli import finite_float, positive_int, run
 from lm.distributed.env import init_device
 from lm.inference.prompts import encdec_source, fill_masks, fit_prompt
 from lm.io import read_utf8
@@ -23,11 +23,11 @@ def main(argv: list[str]) -> int:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", default="", help="prompt text (default: empty, start from end-of-text)")
     source.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
-    parser.add_argument("--top-k", type=int, default=200)
-    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
-    parser.add_argument("--num-samples", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=200)
+    parser.add_argument("--temperature", type=finite_float, default=0.8, help="0 means greedy")
+    parser.add_argument("--top-k", type=positive_int, default=200)
+    parser.add_argument("--top-p", type=finite_float, default=None, help="nucleus sampling threshold in (0, 1]")
+    parser.add_argument("--num-samples", type=positive_int, default=1)
     parser.add_argument("--seed", type=int, default=1337, help="same seed, same text")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     args = parser.parse_args(argv)
@@ -35,9 +35,6 @@ def main(argv: list[str]) -> int:
         parser.error(f"--top-p: must be in (0, 1], got {args.top_p}")
     if args.temperature < 0:
         parser.error(f"--temperature: must be >= 0, got {args.temperature}")
-    for flag in ("top_k", "max_new_tokens", "num_samples"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")
 
     device = init_device(args.device, "--device")
     model, cfg, step_dir = load_for_inference(args.checkpoint, device)

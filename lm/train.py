@@ -4,28 +4,18 @@ import argparse
 import os
 import sys
 
-from lm.cli import run
+from lm.cli import finite_float, positive_int, run
 from lm.config import JobConfig, parse_cli
 from lm.errors import ConfigError
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="print the parameter count and a per-device memory estimate for every engine, "
                              "then exit without training (no process group, model, data or run directory)")
-    parser.add_argument("--nproc", type=_positive_int, default=None,
+    parser.add_argument("--nproc", type=positive_int, default=None,
                         help="--dry-run: devices to plan for (default: WORLD_SIZE, else 1)")
-    parser.add_argument("--gpu-gib", type=float, default=80.0,
+    parser.add_argument("--gpu-gib", type=finite_float, default=80.0,
                         help="--dry-run: device memory in GiB that the 'fits' column checks against (default 80)")
 
 
@@ -35,7 +25,7 @@ def _planned_world_size(nproc: int | None) -> int:
     # Only a default for the plan: no process group exists, so DistEnv has nothing to say yet.
     text = os.environ.get("WORLD_SIZE", "1")
     try:
-        return _positive_int(text)
+        return positive_int(text)
     except argparse.ArgumentTypeError:
         raise ConfigError(f"--nproc: not given, and WORLD_SIZE={text!r} is not a positive integer") from None
 
@@ -68,13 +58,17 @@ def main(argv: list[str]) -> int:
         return 0
     # imported here so that --dry-run needs neither torch.distributed nor the trainer
     from lm.distributed.env import init_distributed
+    from lm.training.preemption import StopSignals
     from lm.training.trainer import Trainer
 
-    env = init_distributed(cfg.train.device)
-    try:
-        Trainer(cfg, env).fit()
-    finally:
-        env.close()
+    # from the start: a scheduler's SIGTERM during setup (joining the group, building, loading) is kept and
+    # honoured at the first log step, not lost
+    with StopSignals() as signals:
+        env = init_distributed(cfg.train.device)
+        try:
+            Trainer(cfg, env).fit(signals)
+        finally:
+            env.close()
     return 0
 
 

@@ -16,10 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from lm.cli import run
 from lm.data.shards import HEADER_BYTES
+from lm.training.run_dir import RunLock
 
 TOOLS = {
     "train": "lm.train", "prepare": "lm.prepare", "eval": "lm.eval", "sample": "lm.sample",
@@ -50,6 +53,7 @@ def workspace(tiny_data_dir, trained_run, tmp_path_factory) -> Path:
     (ws / "bad.yaml").write_text("model: [n_layer: 2\n")
     (ws / "list.yaml").write_text("- model\n- data\n")
     (ws / "binary.txt").write_bytes(b"text \xff\xfe then bytes")
+    (ws / "twice.yaml").write_text("optim:\n  lr: 1.0e-3\n  lr: 2.0e-3\n")
     return ws
 
 
@@ -75,6 +79,27 @@ def truncate(path: Path, size: int) -> None:
 
 def edit_json(path: Path, **changes) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def replace_text(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+
+
+def set_token(path: Path, position: int, value: int) -> None:
+    tokens = np.memmap(path, dtype="<u2", mode="r+", offset=HEADER_BYTES)
+    tokens[position] = value
+    tokens.flush()
+
+
+HELD: list[RunLock] = []  # locks the cases' setups take stay held until the test process ends
+
+
+def hold(run_dir: Path) -> None:
+    """Another run's hold on `run_dir` (an OS lock, as a live trainer has it)."""
+    HELD.append(RunLock(run_dir))
+    HELD[-1].acquire()
 
 
 @dataclass
@@ -129,6 +154,22 @@ CASES = [
     Case("config: init_from missing", "train",
          train("--checkpoint.init_from={ws}/none.safetensors", out="{ws}/new_run"),
          r"{ws}/none.safetensors: no such file"),
+    Case("config: learning rate not a number", "train", train("--optim.lr=nan"),
+         r"optim.lr: must be a finite number, got 'nan'"),
+    Case("config: learning rate infinite", "train", train("--optim.lr=inf"),
+         r"optim.lr: must be a finite number, got 'inf'"),
+    Case("config: a key given twice in the file", "train", ["--config", "{ws}/twice.yaml", *train()],
+         r"{ws}/twice.yaml: key 'lr' is given twice \(lines 2 and 3\); keep one"),
+    Case("config: cuda asked for on a machine without one", "train", train("--train.device=cuda"),
+         r"train.device: cuda asked for, but torch sees no CUDA device; use cpu \(or auto\)"),
+    Case("config: the run inside its data", "train", train(out="{ws}/data/run"),
+         r"train.out_dir: '{ws}/data/run' is inside data.dir '{ws}/data'; preparing the data again replaces"),
+    Case("config: the data inside its run", "train", train(data="{ws}/run/data"),
+         r"data.dir: '{ws}/run/data' is inside train.out_dir '{ws}/run'",
+         lambda ws: shutil.copytree(ws / "data", ws / "run/data")),
+    Case("config: the run directory held by another run", "train", train(),
+         r"train.out_dir: {ws}/run is in use by another run \(pid \d+ on .*, since .*\); wait for it",
+         lambda ws: hold(ws / "run")),
     Case("config: init_from of another shape", "train",
          train("--checkpoint.init_from={ws}/weights.safetensors", "--model.d_model=64", out="{ws}/new_run"),
          r"checkpoint.init_from: {ws}/weights.safetensors holds a different model \(model.d_model: 32 -> 64\)"),
@@ -166,6 +207,14 @@ CASES = [
     Case("data: prepare over a run directory", "prepare",
          ["--data.source={ws}/corpus/*.txt", "--data.val_fraction=0.5", "--data.dir={ws}/run"],
          r"data.dir: '{ws}/run' holds files but no manifest.json, so lm.prepare did not make it"),
+    Case("data: prepare over a data directory that holds a run", "prepare",
+         ["--data.source={ws}/corpus/*.txt", "--data.val_fraction=0.5", "--data.dir={ws}/data", "--force"],
+         r"data.dir: '{ws}/data' holds run, which lm.prepare did not write; preparing replaces the whole directory",
+         lambda ws: shutil.copytree(ws / "run", ws / "data/run")),
+    Case("data: token ids beyond the vocabulary, for eval", "eval",
+         ["--checkpoint", "{ws}/run", "--data-dir", "{ws}/data"],
+         r"{ws}/data/val_00001.bin: token 65535 at position 10 is not below the vocabulary size 50257",
+         lambda ws: set_token(ws / "data/val_00001.bin", 10, 65535)),
     Case("data: verify a flipped shard", "prepare", ["--data.dir={ws}/data", "--verify"],
          r"{ws}/data/val_00001.bin: sha256 differs from manifest.json",
          lambda ws: flip_byte(ws / "data/val_00001.bin", HEADER_BYTES)),
@@ -186,6 +235,13 @@ CASES = [
     Case("checkpoint: a file missing, for consolidate", "consolidate",
          ["--checkpoint", "{ws}/run", "{ws}/out.safetensors"],
          r"step_00000004/rng_rank0.pt: missing", lambda ws: (checkpoint(ws) / "rng_rank0.pt").unlink()),
+    Case("checkpoint: manifest deleted, for resume", "train", train(),
+         r"no usable checkpoint in {ws}/run/checkpoints: {ws}/run/checkpoints/step_00000004: no manifest.json, so "
+         r"its files cannot be checked .* checkpoint.allow_unverified=true",
+         lambda ws: (checkpoint(ws) / "manifest.json").unlink()),
+    Case("checkpoint: loader position edited in state.json", "train", train(),
+         r"step_00000004/state.json: sha256 differs from the manifest",
+         lambda ws: replace_text(checkpoint(ws) / "state.json", '"position": 16', '"position": 12')),
     Case("checkpoint: no checkpoint at the path", "eval", ["--checkpoint", "{ws}/corpus"],
          r"{ws}/corpus: no complete checkpoint"),
     # command line of the tools
@@ -198,6 +254,18 @@ CASES = [
     Case("cli: eval stride beyond the window", "eval",
          ["--checkpoint", "{ws}/run", "--data-dir", "{ws}/data", "--stride", "99"],
          r"python -m lm.eval: error: --stride: must be in \[1, 16\] \(the window length\), got 99"),
+    Case("cli: eval batch size 0", "eval", ["--checkpoint", "{ws}/run", "--batch-size", "0"],
+         r"python -m lm.eval: error: argument --batch-size: expected a positive integer, got 0"),
+    Case("cli: eval batch size -1", "eval", ["--checkpoint", "{ws}/run", "--batch-size", "-1"],
+         r"python -m lm.eval: error: argument --batch-size: expected a positive integer, got -1"),
+    Case("cli: eval stride 0", "eval", ["--checkpoint", "{ws}/run", "--stride", "0"],
+         r"python -m lm.eval: error: argument --stride: expected a positive integer, got 0"),
+    Case("cli: eval max-tokens 0", "eval", ["--checkpoint", "{ws}/run", "--max-tokens", "0"],
+         r"python -m lm.eval: error: argument --max-tokens: expected a positive integer, got 0"),
+    Case("cli: eval on cuda where there is none", "eval", ["--checkpoint", "{ws}/run", "--device", "cuda"],
+         r"error: --device: cuda asked for, but torch sees no CUDA device"),
+    Case("cli: sample on cuda where there is none", "sample", ["--checkpoint", "{ws}/run", "--device", "cuda"],
+         r"error: --device: cuda asked for, but torch sees no CUDA device"),
     Case("cli: eval a non-UTF-8 text", "eval", ["--checkpoint", "{ws}/run", "--text", "{ws}/binary.txt"],
          r"{ws}/binary.txt: not UTF-8: byte 0xff at offset 5"),
     Case("cli: sample top-p out of range", "sample", ["--checkpoint", "{ws}/run", "--top-p", "2"],
@@ -220,6 +288,7 @@ def test_the_table_covers_every_area():
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_refused_by_name_and_changes_no_file(case, workspace, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a GPU machine too runs the CPU cases
     ws = tmp_path / "ws"
     shutil.copytree(workspace, ws)
     if case.setup is not None:

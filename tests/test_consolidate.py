@@ -2,6 +2,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,9 @@ def test_cli_refuses_an_existing_output_unless_forced(trained_run, tmp_path, cap
     assert load_file(out).keys() == first.keys()
     assert all(torch.equal(tensor, first[name]) for name, tensor in load_file(out).items())
     assert sorted(p.name for p in out.parent.iterdir()) == ["model.safetensors"]  # no temporary file left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask  # readable like any file, not safetensors' 0600
     with pytest.raises(SystemExit):
         main(["--checkpoint", str(trained_run), str(tmp_path / "model.pt")])
     assert "must be a .safetensors file" in capsys.readouterr().err

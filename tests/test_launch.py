@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,39 @@ def test_multi_node_command_lines(tmp_path):
                       "-m", "lm.train", "--config", "c.yaml"]
 
 
+@pytest.mark.parametrize("target", ["script", "every process"])
+def test_sigterm_to_a_launched_run_saves_and_every_process_exits_0(target, tiny_data_dir, tmp_path):
+    """Preemption: SIGTERM to the launch script alone (it forwards it to the workers), or as Slurm's --signal
+    does it, to every process of the job (script, torchrun and workers). The workers train to the next log
+    step, save and exit 0; torchrun, which does not handle SIGTERM under launch/torchrun.sh, exits 0 after
+    them, and so does the script."""
+    out = tmp_path / "run"
+    log = tmp_path / "run.log"
+    proc = run_script(["launch/single_node.sh", *TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}",
+                       "--train.steps=400", "--train.eval_every=1000", "--checkpoint.every=1000"],
+                      script_env(tmp_path, NPROC_PER_NODE="2"), log)
+    deadline = time.monotonic() + 180
+    while not ((out / "metrics.jsonl").exists() and len(train_steps(out)) >= 3):
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+        time.sleep(0.05)
+    # single_node.sh became launch/torchrun.sh (exec), whose one child is torchrun
+    torchrun = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    workers = subprocess.run(["pgrep", "-P", torchrun[0]], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2
+    if target == "script":
+        os.kill(proc.pid, signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGTERM)
+        for pid in workers:
+            os.kill(int(pid), signal.SIGTERM)
+    code, = wait_all([proc], timeout=180)
+    text = log.read_text()
+    assert code == 0, text
+    assert "Traceback" not in text and "SignalException" not in text
+    saved = json.loads((sorted((out / "checkpoints").iterdir())[-1] / "state.json").read_text())["step"]
+    assert 3 <= saved < 400 and f"stopped at step {saved} by SIGTERM" in text
+
+
 def test_single_node_uses_every_gpu_or_two_cpu_processes(tmp_path):
     import torch
 
@@ -171,7 +205,7 @@ def test_slurm_script_runs_one_torchrun_per_node(tiny_data_dir, tmp_path):
     assert code == 0, log.read_text()
     assert calls(tmp_path / "scontrol.calls") == [["show", "hostnames", "localhost"]]
     (srun,) = calls(tmp_path / "srun.calls")
-    assert srun[:2] == ["--kill-on-bad-exit=1", "torchrun"]
+    assert srun[:3] == ["--kill-on-bad-exit=1", "bash", "launch/torchrun.sh"]
     assert {"--nnodes=1", "--nproc_per_node=1", "--rdzv_backend=c10d",
             f"--rdzv_endpoint=localhost:{env['MASTER_PORT']}", "--rdzv_id=4242"} <= set(srun)
     assert json.loads((out / "checkpoints/step_00000002/state.json").read_text())["world_size"] == 1

@@ -31,8 +31,8 @@ def test_long_prompt_cli(trained_run, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--top-k", "0"], "--top-k: must be at least 1"),
-    (["--max-new-tokens", "-1"], "--max-new-tokens: must be at least 1"),
+    (["--top-k", "0"], "argument --top-k: expected a positive integer, got 0"),
+    (["--max-new-tokens", "-1"], "argument --max-new-tokens: expected a positive integer, got -1"),
     (["--top-p", "1.5"], "--top-p: must be in (0, 1]"), (["--temperature", "-1"], "--temperature: must be >= 0"),
 ])
 def test_bad_flags_are_usage_errors(trained_run, capsys, flags, message):

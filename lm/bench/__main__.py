@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from lm.bench.common import device_name, fmt, print_table
-from lm.cli import run
+from lm.cli import positive_int, run
 from lm.config import JobConfig, load_config
 from lm.distributed.env import init_device
 
@@ -175,18 +175,18 @@ def main(argv: list[str]) -> int:
                         choices=["ddp", "fsdp", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (the median is reported)")
-    parser.add_argument("--reps-no-cache", type=int, default=1, help="timed repetitions of sampling without cache")
-    parser.add_argument("--reps-data", type=int, default=3, help="timed repetitions of data preparation")
+    parser.add_argument("--reps", type=positive_int, default=5, help="timed repetitions (the median is reported)")
+    parser.add_argument("--reps-no-cache", type=positive_int, default=1,
+                        help="timed repetitions of sampling without cache")
+    parser.add_argument("--reps-data", type=positive_int, default=3, help="timed repetitions of data preparation")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile rows")
-    parser.add_argument("--new-tokens", type=int, default=256, help="tokens per sequence in the sampling rows")
+    parser.add_argument("--new-tokens", type=positive_int, default=256, help="tokens per sequence in the sampling rows")
     parser.add_argument("--sampling-preset", default="demo", choices=PRESETS)
     parser.add_argument("--profile", action="store_true",
                         help="instead: torch.profiler's top ops of a training step, ours and transformers', per preset")
     args = parser.parse_args(argv)
-    for flag in ("warmup", "reps", "reps_no_cache", "reps_data", "new_tokens"):
-        if getattr(args, flag) < (0 if flag == "warmup" else 1):
-            parser.error(f"--{flag.replace('_', '-')}: must be {'>= 0' if flag == 'warmup' else 'positive'}")
+    if args.warmup < 0:
+        parser.error(f"--warmup: must be >= 0, got {args.warmup}")
     device = init_device(args.device, "--device")
     import transformers
 

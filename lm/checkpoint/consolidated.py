@@ -53,7 +53,7 @@ def consolidate(checkpoint: str | Path, out: str | Path, force: bool = False) ->
     if problem := output_problem(out, force):
         raise CheckpointError(problem)
     step_dir = resolve_checkpoint(checkpoint)
-    verify_checkpoint(step_dir)
+    verify_checkpoint(step_dir, require_manifest=False)
     state = read_state(step_dir)
     cfg = read_config(step_dir)
     model = build_model(cfg.model)

@@ -25,7 +25,7 @@ def load_for_inference(path: str | Path, device: torch.device) -> tuple[nn.Modul
         model, cfg = load_consolidated(path, device)
         return model, cfg, path
     step_dir = resolve_checkpoint(path)
-    verify_checkpoint(step_dir)
+    verify_checkpoint(step_dir, require_manifest=False)
     cfg = read_config(step_dir)
     model = build_model(cfg.model)
     load_checkpoint_weights(step_dir, model)

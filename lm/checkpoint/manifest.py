@@ -1,6 +1,8 @@
-"""A checkpoint's manifest.json: the size and sha256 of every file, written last and checked before use.
+"""A checkpoint's manifest.json: the size and sha256 of every file (state.json included), written last
+and checked before use.
 
-Checkpoints written before manifest.json existed are accepted without verification.
+A checkpoint without one (written before manifests existed, or with it deleted) cannot be checked: resume
+refuses it unless checkpoint.allow_unverified is set, and the tools that read weights warn.
 """
 
 import json
@@ -25,9 +27,10 @@ def write_manifest(step_dir: Path) -> None:
     (step_dir / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
 
-def verify_checkpoint(step_dir: Path) -> None:
+def verify_checkpoint(step_dir: Path, require_manifest: bool = True) -> None:
     """Check every file of a complete checkpoint against its manifest: all sizes first (cheap), then all
-    sha256 sums. Raises CheckpointError naming the first bad file; files not in the manifest are ignored."""
+    sha256 sums. Raises CheckpointError naming the first bad file; files not in the manifest are ignored.
+    Without a manifest: CheckpointError, or with `require_manifest=False` a warning."""
     try:
         json.loads((step_dir / "state.json").read_text())
     except FileNotFoundError:
@@ -35,7 +38,11 @@ def verify_checkpoint(step_dir: Path) -> None:
     except ValueError:
         raise CheckpointError(f"{step_dir}/state.json: not valid JSON (corrupt)") from None
     if not (step_dir / MANIFEST).is_file():
-        log.debug("%s: no %s (written before checkpoints had one); not verified", step_dir, MANIFEST)
+        if require_manifest:
+            raise CheckpointError(f"{step_dir}: no {MANIFEST}, so its files cannot be checked (written before "
+                                  "checkpoints had one, or it was deleted); set checkpoint.allow_unverified=true "
+                                  "to resume from it unchecked")
+        log.warning("%s: no %s; its files are read unchecked", step_dir, MANIFEST)
         return
     try:
         files = {rel: (int(e["size"]), str(e["sha256"]))

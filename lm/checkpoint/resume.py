@@ -23,9 +23,10 @@ log = logging.getLogger("lm.checkpoint")
 ARCH_NAMES = {"gpt": "a decoder-only GPT", "encdec": "an encoder-decoder", "lstm": "an LSTM"}
 
 
-def find_resume(root: Path, mode: str, env: DistEnv) -> Path | None:
+def find_resume(root: Path, mode: str, env: DistEnv, allow_unverified: bool = False) -> Path | None:
     """The checkpoint a run resumes from under checkpoint.resume=`mode` (auto, never, required), or None
-    to start fresh: the newest one that verifies, corrupt ones skipped with a warning. Every rank calls it."""
+    to start fresh: the newest one that verifies, corrupt ones skipped with a warning (and ones without a
+    manifest, unless `allow_unverified`). Every rank calls it."""
     found = complete_checkpoints(root)
     if mode == "required" and not found:
         raise CheckpointError(f"checkpoint.resume=required, but {root} holds no complete checkpoint")
@@ -34,7 +35,7 @@ def find_resume(root: Path, mode: str, env: DistEnv) -> Path | None:
             f"checkpoint.resume=never, but {root} already holds checkpoints that a new "
             "run would overwrite; pick another train.out_dir or use checkpoint.resume=auto"
         )
-    return latest_valid_checkpoint(root, env) if found and mode != "never" else None
+    return latest_valid_checkpoint(root, env, allow_unverified) if found and mode != "never" else None
 
 
 def check_resume(path: Path, cfg: JobConfig, manifest: dict, env: DistEnv) -> bool:
@@ -48,7 +49,7 @@ def check_resume(path: Path, cfg: JobConfig, manifest: dict, env: DistEnv) -> bo
     return load_universal
 
 
-def latest_valid_checkpoint(root: Path, env: DistEnv | None = None) -> Path | None:
+def latest_valid_checkpoint(root: Path, env: DistEnv | None = None, allow_unverified: bool = False) -> Path | None:
     """The newest complete checkpoint under `root` that verifies, or None when there is none at all.
 
     Each one skipped is logged with the reason; raises CheckpointError listing them when checkpoints
@@ -63,7 +64,7 @@ def latest_valid_checkpoint(root: Path, env: DistEnv | None = None) -> Path | No
         problems = []
         for path in reversed(found):
             try:
-                verify_checkpoint(path)
+                verify_checkpoint(path, require_manifest=not allow_unverified)
             except CheckpointError as err:
                 log.warning("skipping checkpoint %s: %s", path, err)
                 problems.append(str(err))

@@ -25,10 +25,12 @@ import json
 import logging
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from lm.checkpoint.manifest import write_manifest
 from lm.config import JobConfig, load_config, save_config
@@ -93,7 +95,12 @@ def save_checkpoint(root: Path, step: int, engine: Engine, state: dict, cfg: Job
                     keep: int) -> Path:
     """Collectively write one checkpoint; every rank must call this. Returns the final directory.
 
-    Retention then keeps `keep` complete checkpoints, always including this one."""
+    Retention then keeps `keep` complete checkpoints, always including this one. A save that fails on any
+    rank, with any exception (a full disk's OSError, DCP's CheckpointException), fails on every rank with
+    one CheckpointError that names the previous checkpoint: the half-written `.tmp` is removed, so a full
+    disk is not left full, and the previous checkpoints are untouched.
+    """
+    start = time.perf_counter()
     final = root / f"step_{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
     if env.is_main:
@@ -101,24 +108,69 @@ def save_checkpoint(root: Path, step: int, engine: Engine, state: dict, cfg: Job
         _clean_leftovers(root)
         tmp.mkdir()
     env.barrier()
-    engine.save(tmp)
+    _agree(_attempt(_write_rank_files, tmp, engine, env), tmp, root, step, env)
+    error = _attempt(_finish, tmp, final, state, cfg, env) if env.is_main else None
+    _agree(error, tmp, root, step, env)
+    if env.is_main:
+        _prune(root, final, keep)
+        log.info("saved checkpoint %s in %.1f s", final, time.perf_counter() - start)
+    env.barrier()
+    return final
+
+
+def _write_rank_files(tmp: Path, engine: Engine, env: DistEnv) -> None:
+    engine.save(tmp)  # collective: DCP raises the same CheckpointException on every rank
     rng = {"cpu": torch.get_rng_state()}
     if env.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(env.device)
     torch.save(rng, tmp / f"rng_rank{env.rank}.pt")
-    env.barrier()
+
+
+def _finish(tmp: Path, final: Path, state: dict, cfg: JobConfig, env: DistEnv) -> None:
+    """Rank 0, once every rank's files are written: config, state.json, then the manifest over all of them,
+    and the rename into place (a same-step checkpoint, of a run resumed from an earlier one, replaced last)."""
+    save_config(cfg, tmp / "config.yaml")
+    meta = {"world_size": env.world_size, "engine": cfg.parallel.engine}
+    if cfg.parallel.engine == "deepspeed":
+        meta["zero_stage"] = cfg.parallel.zero_stage
+    (tmp / "state.json").write_text(json.dumps({**state, **meta}, indent=2))
+    write_manifest(tmp)
+    publish_dir(tmp, final)
+
+
+def _attempt(fn, *args) -> BaseException | None:
+    """Run `fn(*args)`; the exception it raised, or None. DCP's CheckpointException is a BaseException."""
+    try:
+        fn(*args)
+    except (Exception, dcp.CheckpointException) as err:
+        return err
+    return None
+
+
+def _agree(error: BaseException | None, tmp: Path, root: Path, step: int, env: DistEnv) -> None:
+    """A collective: when the save failed on any rank, rank 0 removes the half-written checkpoint and
+    every rank raises the same CheckpointError naming the checkpoint that is still good."""
+    if not env.any_rank(error is not None):
+        return
     if env.is_main:
-        save_config(cfg, tmp / "config.yaml")
-        write_manifest(tmp)
-        meta = {"world_size": env.world_size, "engine": cfg.parallel.engine}
-        if cfg.parallel.engine == "deepspeed":
-            meta["zero_stage"] = cfg.parallel.zero_stage
-        (tmp / "state.json").write_text(json.dumps({**state, **meta}, indent=2))
-        publish_dir(tmp, final)  # a same-step checkpoint (a run resumed from an earlier one) is replaced last
-        _prune(root, final, keep)
-        log.info("saved checkpoint %s", final)
-    env.barrier()
-    return final
+        shutil.rmtree(tmp, ignore_errors=True)
+    found = complete_checkpoints(root)
+    reason = describe_failure(error) if error is not None else "on another rank"
+    # a full disk often shows only as a writer's odd error (torch.save's "unexpected pos"): say what is free
+    free = shutil.disk_usage(root).free / 2**20
+    raise CheckpointError(f"{root}: saving step {step} failed ({reason}; {free:,.0f} MiB free there); the "
+                          f"previous checkpoint {found[-1] if found else '(none)'} is intact") from error
+
+
+def describe_failure(err: BaseException) -> str:
+    """One line for an exception of a checkpoint write or read; for DCP's, which holds every rank's error
+    with its traceback, the first rank's error alone."""
+    if isinstance(err, dcp.CheckpointException):
+        err = next(iter(err.failures.values()))[0]
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    detail = str(err).strip()
+    return f"{type(err).__name__}{': ' + detail if detail else ''}"
 
 
 def _remove(path: Path) -> None:

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from lm.checkpoint.store import read_state
+from lm.checkpoint.store import describe_failure, read_state
 from lm.distributed.zero import DEEPSPEED_TAG
 from lm.errors import CheckpointError
 
@@ -89,10 +89,6 @@ def load_checkpoint_weights(step_dir: Path, model: nn.Module) -> None:
             raise CheckpointError(f"{step_dir}: unknown engine {engine!r} in state.json")
     except CheckpointError:
         raise
-    # a missing or corrupt file, or weights that do not fit the config; DCP's own exception is a
-    # BaseException holding each rank's error with its traceback: report the first error alone
+    # a missing or corrupt file, or weights that do not fit the config
     except (Exception, dcp.CheckpointException) as err:
-        cause = next(iter(err.failures.values()))[0] if isinstance(err, dcp.CheckpointException) else err
-        detail = str(cause).strip()
-        raise CheckpointError(f"{step_dir}: cannot read the {engine} checkpoint: {type(cause).__name__}"
-                              f"{': ' + detail if detail else ''}") from err
+        raise CheckpointError(f"{step_dir}: cannot read the {engine} checkpoint: {describe_failure(err)}") from err

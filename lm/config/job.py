@@ -140,6 +140,8 @@ class CheckpointConfig:
     """auto (newest complete checkpoint if any), never, or required (fail without one)."""
     init_from: str = ""
     """A consolidated .safetensors (lm.consolidate) whose weights start a new run; optimizer and data start fresh."""
+    allow_unverified: bool = False
+    """Resume from a checkpoint that has no manifest.json (an older lm's), whose files cannot be checked."""
     allow_data_change: bool = False
     """Resume though data.dir now holds other data than the checkpoint trained on (its loader position carries over)."""
 

@@ -9,6 +9,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,8 @@ from lm.io import atomic_write_text
 
 
 def _coerce(key: str, value: object, kind: object) -> object:
-    """Check `value` against the annotation `kind`; ints are accepted where floats are expected."""
+    """Check `value` against the annotation `kind`; ints are accepted where floats are expected, and a float
+    must be finite (no setting means anything by nan or inf, and they pass every range check)."""
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -29,18 +31,28 @@ def _coerce(key: str, value: object, kind: object) -> object:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
+        number = _float(value)
+        if number is not None and not math.isfinite(number):
+            raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+        if number is not None:
+            return number
     elif kind is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
     name = getattr(kind, "__name__", str(kind))
     raise ConfigError(f"{key}: expected {name}, got {type(value).__name__} {value!r}")
+
+
+def _float(value: object) -> float | None:
+    """A number as a float; text too, since YAML 1.1 reads 1e-3 (no dot) and nan as strings."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
 
 
 def _build(cls: type, values: dict, prefix: str) -> object:
@@ -73,9 +85,33 @@ def _merge(base: dict, key: str, value: object) -> None:
     base[section][leaf] = value
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: object, first: int, again: int) -> None:
+        super().__init__(key)
+        self.key, self.first, self.again = key, first, again
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error: YAML keeps the last
+    value silently, so a typo'd copy of a section would quietly replace the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        lines: dict[object, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in lines:
+                raise _DuplicateKey(key, lines[key], line)
+            lines[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def _parse_yaml(text: str, origin: str | Path) -> dict:
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+    except _DuplicateKey as dup:
+        raise ConfigError(f"{origin}: key {dup.key!r} is given twice (lines {dup.first} and {dup.again}); "
+                          "keep one") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{origin}: not valid YAML: {err}") from None
     if not isinstance(raw, dict):

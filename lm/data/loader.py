@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from lm.data.objectives import NextToken, Objective
-from lm.data.shards import open_shard, read_manifest
+from lm.data.shards import check_token_ids, open_shard, read_manifest
 from lm.errors import DataError
 
 __all__ = ["SplitWindows", "TokenLoader", "locate", "rank_slice", "sample_id_at", "sample_order", "val_batches"]
@@ -67,7 +67,9 @@ class SplitWindows:
                 + ("; prepare with data.val_fraction > 0" if split == "val" else "")
             )
         self.data_dir, self.split, self.seq_len = Path(data_dir), split, seq_len
-        self.shards = [open_shard(Path(data_dir) / e["file"]) for e in entries]
+        self.vocab_size = int(manifest["vocab_size"])
+        self.files = [e["file"] for e in entries]
+        self.shards = [open_shard(Path(data_dir) / name) for name in self.files]
         counts = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
         self.cum_counts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # (num_shards + 1,)
         self.num_samples = int(self.cum_counts[-1])
@@ -79,12 +81,20 @@ class SplitWindows:
             )
 
     def read_rows(self, sample_ids: np.ndarray) -> np.ndarray:
-        """The windows of the samples `sample_ids` (B,): (B, T + 1) int64."""
+        """The windows of the samples `sample_ids` (B,): (B, T + 1) int64.
+
+        Every id is checked against the manifest's vocabulary size here, where the window is read (one max
+        over the batch, ~1 us a window: docs/benchmarks.md), so that a shard damaged after it was prepared
+        stops the run with its name instead of an index error deep in the embedding."""
         shard, window = locate(np.asarray(sample_ids, dtype=np.int64), self.cum_counts)
         t = self.seq_len
         rows = np.empty((len(shard), t + 1), dtype=np.int64)  # (B, T + 1)
         for i, (k, j) in enumerate(zip(shard.tolist(), window.tolist())):
             rows[i] = self.shards[k][j * t:j * t + t + 1]
+        if rows.size and rows.max() >= self.vocab_size:
+            i = int(np.argmax(rows.max(axis=1) >= self.vocab_size))
+            k = int(shard[i])
+            check_token_ids(rows[i], self.vocab_size, self.data_dir / self.files[k], start=int(window[i]) * t)
         return rows
 
 

@@ -30,6 +30,7 @@ from lm.data.shards import (
     MANIFEST_NAME,
     ShardWriter,
     dtype_for_vocab,
+    is_prepared_file,
     new_manifest,
     read_manifest,
     verify_hashes,
@@ -113,13 +114,23 @@ def _reusable(out: Path, content_hash: str, check_hashes: bool) -> dict | None:
 
 
 def _check_replaceable(out: Path) -> None:
-    """Refuse to replace a directory that lm.prepare did not make: its files would be deleted."""
+    """Refuse to replace a directory that holds anything lm.prepare did not write: preparing replaces the
+    directory whole, so a run directory (checkpoints) or any other file inside it would be deleted."""
     if out.exists() and not out.is_dir():
         raise DataError(f"data.dir: {str(out)!r} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
+    if not out.is_dir():
+        return
+    if any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
         raise DataError(
             f"data.dir: {str(out)!r} holds files but no {MANIFEST_NAME}, so lm.prepare did not make it; "
             "choose an empty or new directory"
+        )
+    others = sorted(p.name for p in out.iterdir() if not (p.is_file() and is_prepared_file(p.name)))
+    if others:
+        shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+        raise DataError(
+            f"data.dir: {str(out)!r} holds {shown}, which lm.prepare did not write; preparing replaces the "
+            "whole directory and would delete them, so move them out (a run's train.out_dir belongs elsewhere)"
         )
 
 

@@ -15,6 +15,7 @@ whole file (checked on request: `data.verify_hashes`, `python -m lm.prepare --ve
 """
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -24,9 +25,9 @@ from lm.errors import DataError
 from lm.io import atomic_path, atomic_write_text, commit, sha256_file, temp_sibling
 
 __all__ = [
-    "FORMAT_VERSION", "HEADER_BYTES", "MANIFEST_NAME", "DataError", "ShardWriter", "check_manifest",
-    "dtype_for_vocab", "new_manifest", "open_shard", "read_header", "read_manifest", "shard_name", "verify_hashes",
-    "write_manifest", "write_shard",
+    "FORMAT_VERSION", "HEADER_BYTES", "MANIFEST_NAME", "ShardWriter", "check_manifest", "check_token_ids",
+    "dtype_for_vocab", "is_prepared_file", "new_manifest", "open_shard", "read_header", "read_manifest",
+    "shard_name", "verify_hashes", "write_manifest", "write_shard",
 ]
 
 MAGIC = b"LMTOKENS"
@@ -46,6 +47,11 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
 def shard_name(split: str, index: int) -> str:
     """File name of shard `index` of `split`, e.g. train_00003.bin."""
     return f"{split}_{index:05d}.bin"
+
+
+def is_prepared_file(name: str) -> bool:
+    """Whether `name` is a file lm.prepare writes into a data directory: manifest.json or a shard."""
+    return name == MANIFEST_NAME or re.fullmatch(r"(train|val)_\d{5}\.bin", name) is not None
 
 
 def _header(count: int, dtype: np.dtype) -> bytes:
@@ -161,6 +167,20 @@ def new_manifest(
 def write_manifest(data_dir: str | Path, manifest: dict) -> None:
     """Write manifest.json atomically."""
     atomic_write_text(Path(data_dir) / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, origin: str | Path, start: int = 0) -> None:
+    """DataError naming `origin` and the position of the first id in `tokens` (read from `origin` at
+    token offset `start`) that is not below `vocab_size`: such an id would index past the embedding, so a
+    shard damaged after it was prepared stops with its name instead of an index error inside the model."""
+    bad = np.flatnonzero(np.asarray(tokens) >= vocab_size)
+    if bad.size:
+        at = int(bad[0])
+        raise DataError(
+            f"{origin}: token {int(tokens[at])} at position {start + at:,} is not below the vocabulary size "
+            f"{vocab_size} (the file changed since it was prepared); check it with `python -m lm.prepare "
+            "--verify` and prepare it again with --force"
+        )
 
 
 def read_manifest(data_dir: str | Path) -> dict:

@@ -46,6 +46,13 @@ class DistEnv:
             value /= self.world_size
         return value
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is true on any rank: a collective, so every rank reaches the same decision."""
+        value = torch.tensor(float(flag), device=self.device)
+        if self.is_distributed:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
     def broadcast_object(self, obj: object) -> object:
         """Rank 0's value of `obj` on every rank, so all ranks take the same decision."""
         if not self.is_distributed:

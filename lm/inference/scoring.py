@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from lm.data.objectives import SpanCorruption
-from lm.data.shards import open_shard, read_manifest
+from lm.data.shards import check_token_ids, open_shard, read_manifest
 from lm.errors import DataError
 from lm.io import read_utf8
 
@@ -116,12 +116,17 @@ def text_tokens(path: Path, tokenizer) -> tuple[np.ndarray, int]:
     return np.asarray(ids, dtype=np.int64), len(text.encode("utf-8"))
 
 
-def val_streams(data_dir: str | Path) -> list[np.ndarray]:
-    """The val split of prepared data, one memory-mapped token stream per shard."""
+def val_streams(data_dir: str | Path, vocab_size: int) -> list[np.ndarray]:
+    """The val split of prepared data, one memory-mapped token stream per shard, each checked to hold only
+    ids below `vocab_size` (scoring reads every token anyway, so one pass more costs little)."""
     manifest = read_manifest(data_dir)
-    streams = [open_shard(Path(data_dir) / s["file"]) for s in manifest["splits"]["val"]["shards"]]
-    if not streams:
+    files = [Path(data_dir) / s["file"] for s in manifest["splits"]["val"]["shards"]]
+    if not files:
         raise DataError(f"{data_dir}: the val split has no shards; prepare with data.val_fraction > 0")
+    streams = [open_shard(path) for path in files]
+    for path, stream in zip(files, streams):
+        if stream.max() >= vocab_size:
+            check_token_ids(stream, vocab_size, path)
     return streams
 
 

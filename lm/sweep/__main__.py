@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lm.checkpoint.store import checkpoint_root, complete_checkpoints
-from lm.cli import run
+from lm.cli import positive_int, run
 from lm.config import JobConfig, config_diff, load_config
 from lm.errors import ConfigError, SweepError
 from lm.io import atomic_write_text
@@ -130,10 +130,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", required=True, help="the base YAML config every run starts from")
     parser.add_argument("--grid", nargs="+", action="extend", default=[], metavar="KEY=V1,V2",
                         help="a config key and the values to try; runs cover every combination of the keys")
-    parser.add_argument("--random", type=int, metavar="N", help="train N combinations drawn at random instead of all")
+    parser.add_argument("--random", type=positive_int, metavar="N",
+                        help="train N combinations drawn at random instead of all")
     parser.add_argument("--seed", type=int, default=0, help="--random: seed of the draw (default 0)")
     parser.add_argument("--out", help="sweep directory (default runs/sweep_<config name>)")
-    parser.add_argument("--nproc", type=int, default=1, help="processes per run: >1 runs each as a torchrun job")
+    parser.add_argument("--nproc", type=positive_int, default=1,
+                        help="processes per run: >1 runs each as a torchrun job")
     parser.add_argument("--force", action="store_true",
                         help="add runs to a directory holding a sweep of another base config")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and exit without training")
@@ -141,8 +143,6 @@ def main(argv: list[str]) -> int:
     for item in fixed:
         if not item.startswith("--") or "." not in item.split("=", 1)[0]:
             parser.error(f"unrecognized argument {item!r}; base-config overrides look like --section.key=value")
-    if args.nproc < 1:
-        parser.error(f"--nproc: must be at least 1, got {args.nproc}")
     grid = parse_grid(args.grid)
     base = load_config(args.config, fixed)
     out = Path(args.out or f"runs/sweep_{Path(args.config).stem}")

@@ -1,7 +1,9 @@
 """Graceful stop on SIGTERM or SIGINT (what Slurm and most schedulers send before preempting a job).
 
 The first signal only sets a flag: the trainer trains on to its next log step, writes a checkpoint and
-exits 0. A second signal restores the default handler and re-delivers itself, so the process ends at once.
+exits 0. A second SIGINT (Ctrl-C again) restores the default handler and re-delivers itself, so the
+process ends at once. SIGTERM is one request however often it comes: a scheduler signals every process of
+a job, and a launcher that also forwards the signal it got must not turn the stop into a kill.
 """
 
 import logging
@@ -23,13 +25,15 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        if self.requested is not None:  # the second one: stop now, the way the signal normally would
+        if self.requested is not None and signum == signal.SIGTERM:
+            return  # the same request again
+        if self.requested is not None:  # a second Ctrl-C: stop now, the way the signal normally would
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
             return
         self.requested = name
         log.warning("%s received: training to the next log step, saving a checkpoint, then exiting "
-                    "(send it again to exit at once)", name)
+                    "(Ctrl-C or SIGINT to exit at once)", name)
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():  # Python only lets the main thread handle signals

@@ -5,8 +5,6 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
 from lm.checkpoint.store import complete_checkpoints, save_checkpoint
 from lm.config import JobConfig
 from lm.distributed.engine import Engine
@@ -21,22 +19,17 @@ def last_good(root: Path) -> str:
 
 
 def save_run(engine: Engine, root: Path, state: dict, cfg: JobConfig, env: DistEnv) -> Path:
-    """Checkpoint the run (a collective); refuses weights that are no longer finite, and reports a failed
-    write (a full disk, say) with the previous checkpoint named, which the failed save leaves intact."""
-    flag = torch.tensor(float(not engine.parameters_finite()), device=env.device)
-    if env.all_reduce_mean(flag).item() > 0:
+    """Checkpoint the run (a collective), unless the weights are no longer finite: those are never saved.
+    A failed write is one CheckpointError naming the intact previous checkpoint (`save_checkpoint`)."""
+    if env.any_rank(not engine.parameters_finite()):
         raise TrainingError(f"step {state['step']}: the weights hold NaN or inf values and are not saved; the "
                             f"last good checkpoint is {last_good(root)}")
-    try:
-        return save_checkpoint(root, state["step"], engine, state, cfg, env, cfg.checkpoint.keep)
-    except OSError as err:
-        raise CheckpointError(f"{root}: saving step {state['step']} failed ({err.strerror or err}); the previous "
-                              f"checkpoint {last_good(root)} is intact") from None
+    return save_checkpoint(root, state["step"], engine, state, cfg, env, cfg.checkpoint.keep)
 
 
 def probe_output_dir(out_dir: Path, checkpoint_bytes: int) -> None:
     """Fail before training, not at the first save, when train.out_dir cannot be written or lacks the space
-    for about one checkpoint (`checkpoint_bytes`: weights plus AdamW's two moments, 12 bytes a parameter)."""
+    for one checkpoint (`checkpoint_bytes`, `lm.plan.disk`)."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = out_dir / ".write_probe"

@@ -28,6 +28,7 @@ from lm.distributed.engine import Engine, build_engine
 from lm.distributed.env import DistEnv
 from lm.errors import TrainingError
 from lm.models.factory import build_model
+from lm.plan.disk import checkpoint_bytes
 from lm.plan.flops import flops_per_token, peak_flops
 from lm.plan.param_count import num_params
 from lm.report.metrics import perplexity
@@ -38,6 +39,7 @@ from lm.training.faults import Faults
 from lm.training.logger import MetricLogger, TrainWindow, hparams
 from lm.training.nonfinite import SkippedSteps
 from lm.training.preemption import StopSignals
+from lm.training.run_dir import check_run_paths, lock_run_dir
 from lm.training.samples import periodic_sample
 from lm.training.save import last_good, probe_output_dir, save_run
 from lm.training.schedule import lr_at
@@ -61,10 +63,22 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
+        check_run_paths(cfg)
         self.data = open_training_data(cfg, env)
         self.out_dir = Path(cfg.train.out_dir)
         self.ckpt_root = checkpoint_root(self.out_dir)
-        resume_from = find_resume(self.ckpt_root, cfg.checkpoint.resume, env)
+        # held until fit() ends; released at once if setting up fails, so a refused run leaves no trace
+        self.lock = lock_run_dir(self.out_dir, env)
+        try:
+            self._set_up()
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _set_up(self) -> None:
+        """Everything that reads the run directory, under its lock: resume, engine, counters, config."""
+        cfg, env = self.cfg, self.env
+        resume_from = find_resume(self.ckpt_root, cfg.checkpoint.resume, env, cfg.checkpoint.allow_unverified)
         load_universal = resume_from is not None and check_resume(resume_from, cfg, self.data.manifest, env)
         init_from = Path(cfg.checkpoint.init_from) if resume_from is None and cfg.checkpoint.init_from else None
         if init_from is not None:
@@ -82,12 +96,12 @@ class Trainer:
         self.n_params = num_params(cfg.model, non_embedding=True)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops = peak_flops(env.device)
-        if env.is_main:
-            probe_output_dir(self.out_dir, checkpoint_bytes=12 * self.n_params)
+        if env.is_main and self.step < cfg.train.steps:  # a finished run is left as it is
+            probe_output_dir(self.out_dir, checkpoint_bytes(cfg))
             save_config(cfg, self.out_dir / "config.yaml")
+        if env.is_main:
             log.info("model: %.2fM parameters (non-embedding), %d ranks on %s, engine %s",
                      self.n_params / 1e6, env.world_size, env.device, self.engine.name)
-        self.metrics = MetricLogger(self.out_dir, env.is_main, cfg.log.tensorboard)
         self.tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.log.sample_every else None
 
     def _resume(self, path: Path) -> None:
@@ -100,39 +114,50 @@ class Trainer:
         for key, (old, new) in changed_settings(path, self.cfg).items():
             log.info("config changed since the checkpoint: %s %r -> %r", key, old, new)
 
-    def fit(self) -> list[dict]:
+    def fit(self, signals: StopSignals | None = None) -> list[dict]:
         """Train to `train.steps` (or until SIGTERM/SIGINT: then save and return); returns the logged
-        metrics, one dict per log step."""
+        metrics, one dict per log step. `signals`: stop requests caught since before the trainer was built
+        (lm.train's), else fit catches its own. The run directory's lock is released when it returns or fails."""
+        try:
+            if signals is not None:
+                return self._fit(signals)
+            with StopSignals() as own:
+                return self._fit(own)
+        finally:
+            self.lock.release()
+
+    def _fit(self, signals: StopSignals) -> list[dict]:
         cfg = self.cfg
         history: list[dict] = []
         if self.step >= cfg.train.steps:
             log.info("%s is already at step %d of train.steps=%d: nothing to train", self.out_dir, self.step,
                      cfg.train.steps)
+            return history
+        self.metrics = MetricLogger(self.out_dir, self.env.is_main, cfg.log.tensorboard)
         self.fit_started = time.perf_counter()
         self.metrics.log_hparams(hparams(cfg, self.n_params),
                                  ["train/loss", "val/loss", "val/ppl", "perf/tokens_per_s"])
         window = TrainWindow(self.env.device)
-        with StopSignals() as signals:
-            while self.step < cfg.train.steps:
-                lr = lr_at(self.step, cfg.optim.lr, cfg.schedule, cfg.train.steps)
-                self.engine.set_lr(lr)
-                loss, grad_norm, applied = self._train_step()
-                self.step += 1
-                self.tokens_seen += cfg.train.batch_size * cfg.data.seq_len
-                self.skipped.add(applied)
-                window.add(loss, applied)
-                last = self.step == cfg.train.steps
-                log_step = self.step % cfg.log.every == 0 or last
-                # read at log steps: the other engines skip a non-finite step on the device, so it can wait;
-                # DeepSpeed cannot skip one (and already waited for its norm, a Python float): every step
-                if log_step or self.engine.name == "deepspeed":
-                    self._check_nonfinite()
-                if log_step:
-                    history.append(self._log_train(window, lr, grad_norm))
-                with window.paused():
-                    stop = self._after_step(last, signals, history)
-                if stop:
-                    break
+        while self.step < cfg.train.steps:
+            lr = lr_at(self.step, cfg.optim.lr, cfg.schedule, cfg.train.steps)
+            self.engine.set_lr(lr)
+            loss, grad_norm, applied = self._train_step()
+            self.step += 1
+            self.tokens_seen += cfg.train.batch_size * cfg.data.seq_len
+            self.skipped.add(applied)
+            window.add(loss, applied)
+            last = self.step == cfg.train.steps
+            log_step = self.step % cfg.log.every == 0 or last
+            # read at log steps: the other engines skip a non-finite step on the device, so it can wait;
+            # DeepSpeed cannot skip one (and already waited for its norm, a Python float): every step
+            if log_step or self.engine.name == "deepspeed":
+                self._check_nonfinite()
+            if log_step:
+                history.append(self._log_train(window, lr, grad_norm))
+            with window.paused():
+                stop = self._after_step(last, signals, history)
+            if stop:
+                break
         self.metrics.close()
         return history
 
@@ -194,8 +219,7 @@ class Trainer:
 
     def _stop_agreed(self, signals: StopSignals) -> bool:
         """Whether any rank received a stop signal (a collective: every rank must call it at the same step)."""
-        flag = torch.tensor(float(signals.requested is not None), device=self.env.device)
-        return self.env.all_reduce_mean(flag).item() > 0
+        return self.env.any_rank(signals.requested is not None)
 
     def _check_nonfinite(self) -> None:
         """Read the skipped-step counters (one host sync) and stop after too many non-finite steps in a row."""

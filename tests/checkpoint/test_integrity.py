@@ -57,9 +57,9 @@ def test_manifest_lists_every_file_with_size_and_sha256(tmp_path):
     for step_dir in save_two(tmp_path):
         files = json.loads((step_dir / MANIFEST).read_text())["files"]
         on_disk = {p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file()}
-        # state.json is written after the manifest: its presence marks the checkpoint complete
-        assert set(files) == on_disk - {MANIFEST, "state.json"}
-        assert {".metadata", "__0_0.distcp", "rng_rank0.pt", "config.yaml"} <= set(files)
+        # state.json too: an edited step or loader position is caught like a damaged shard
+        assert set(files) == on_disk - {MANIFEST}
+        assert {".metadata", "__0_0.distcp", "rng_rank0.pt", "config.yaml", "state.json"} <= set(files)
         for rel, entry in files.items():
             data = (step_dir / rel).read_bytes()
             assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -100,10 +100,21 @@ def test_missing_extra_and_unverified_files(tmp_path, caplog):
     (second / "rng_rank0.pt").unlink()
     with pytest.raises(CheckpointError, match=f"^{tmp_path}/step_00000002/rng_rank0.pt: missing$"):
         verify_checkpoint(second)
-    (first / MANIFEST).unlink()  # a checkpoint from before manifests: accepted as it is
-    with caplog.at_level(logging.DEBUG, logger="lm.checkpoint"):
-        assert latest_valid_checkpoint(tmp_path) == first
-    assert "not verified" in caplog.text
+    (first / MANIFEST).unlink()  # deleted, or a checkpoint from before manifests: nothing can be checked
+    with pytest.raises(CheckpointError, match=r"step_00000001: no manifest.json, so its files cannot be checked.*"
+                                              r"checkpoint.allow_unverified=true"):
+        latest_valid_checkpoint(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="lm.checkpoint"):  # unless the run says to go on unchecked
+        assert latest_valid_checkpoint(tmp_path, allow_unverified=True) == first
+    assert "step_00000001: no manifest.json; its files are read unchecked" in caplog.text
+
+
+def test_an_edited_state_json_is_caught_by_the_manifest(tmp_path):
+    _, second = save_two(tmp_path)
+    state_file = second / "state.json"
+    state_file.write_text(state_file.read_text().replace('"position": 2', '"position": 3'))
+    with pytest.raises(CheckpointError, match=r"step_00000002/state.json: sha256 differs from the manifest"):
+        verify_checkpoint(second)
 
 
 def test_load_for_inference_names_the_corrupt_file(tmp_path):

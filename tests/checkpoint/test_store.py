@@ -59,3 +59,31 @@ def test_model_shape_change_is_refused_with_the_keys(tmp_path):
     check_compatible(path, load_config(None, TINY + ["--model.dropout=0.1", "--optim.lr=1e-3"]))
     with pytest.raises(ConfigError, match=r"model.n_layer: 1 -> 2.*another train.out_dir"):
         check_compatible(path, load_config(None, TINY + ["--model.n_layer=2"]))
+
+
+@pytest.mark.parametrize("failure", [
+    OSError(28, "No space left on device"),
+    RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
+    "dcp",
+])
+def test_any_failed_save_removes_its_own_tmp_and_names_the_intact_previous_checkpoint(tmp_path, failure):
+    import torch.distributed.checkpoint as dcp
+
+    cfg, engine = setup()
+    env = init_distributed("cpu")
+    root = checkpoint_root(tmp_path)
+    save_checkpoint(root, 1, engine, {"step": 1, "tokens_seen": 0, "position": 1}, cfg, env, keep=2)
+    if failure == "dcp":  # DCP's own exception, a BaseException holding each rank's error
+        failure = dcp.CheckpointException("save failed", {0: (OSError(28, "No space left on device"), None)})
+    save = engine.save
+
+    def save_half_then_fail(directory):
+        save(directory)  # the shard is written, as far as the disk allowed
+        raise failure
+
+    engine.save = save_half_then_fail
+    with pytest.raises(CheckpointError, match=rf"saving step 2 failed \(.*; [\d,]+ MiB free there\); the previous "
+                                              rf"checkpoint {root}/step_00000001 is intact"):
+        save_checkpoint(root, 2, engine, {"step": 2, "tokens_seen": 0, "position": 2}, cfg, env, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]  # nothing half-written stays
+    assert resolve_checkpoint(root).name == "step_00000001"

@@ -189,3 +189,11 @@ def test_verify_hashes_refuses_a_manifest_without_checksums(tmp_path):
     del manifest["splits"]["train"]["shards"][0]["sha256"]
     with pytest.raises(DataError, match=r"no sha256 for train_00000.bin .* with --force to add them"):
         verify_hashes(data, manifest)
+
+
+def test_token_ids_are_checked_against_the_vocabulary(tmp_path):
+    from lm.data.shards import check_token_ids
+
+    check_token_ids(np.array([0, 5, 9]), 10, tmp_path / "a.bin")
+    with pytest.raises(DataError, match=r"a.bin: token 12 at position 1,003 is not below the vocabulary size 10"):
+        check_token_ids(np.array([0, 5, 12, 99]), 10, tmp_path / "a.bin", start=1001)

@@ -3,9 +3,12 @@
 import dataclasses
 import json
 import logging
+import re
 import shutil
 import subprocess
+import sys
 
+import numpy as np
 import pytest
 
 from lm.checkpoint.store import complete_checkpoints
@@ -14,7 +17,7 @@ from lm.data.shards import HEADER_BYTES
 from lm.distributed.env import init_distributed
 from lm.errors import CheckpointError, DataError
 from lm.training.trainer import Trainer
-from tests.training.test_faults import config, run_env, train_cmd
+from tests.training.test_faults import TINY, config, run_env, train_cmd
 
 
 def flip_byte(path, offset):
@@ -83,3 +86,23 @@ def test_a_dataset_that_changed_under_a_run_is_refused_on_resume(tiny_data_dir, 
     assert "going on with the new data (checkpoint.allow_data_change=true)" in caplog.text
     state = json.loads((complete_checkpoints(run / "checkpoints")[-1] / "state.json").read_text())
     assert state["step"] == 4 and state["data"]["source"].endswith("scene_0*.txt")
+
+
+def test_token_ids_beyond_the_vocabulary_stop_training_naming_the_shard(tiny_data_dir, tmp_path):
+    """Bytes flipped after preparing (data.verify_hashes off, the default) into ids the embedding does not
+    have: the window that holds one stops the run with the file and position, not an IndexError."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data_dir, data)
+    for shard in sorted(data.glob("train_*.bin")):  # every 50th token: the first batch meets one
+        tokens = np.memmap(shard, dtype="<u2", mode="r+", offset=HEADER_BYTES)
+        tokens[::50] = 65535
+        tokens.flush()
+    result = subprocess.run([sys.executable, "-m", "lm.train", *TINY, f"--data.dir={data}",
+                             f"--train.out_dir={tmp_path / 'run'}", "--train.steps=4"], env=run_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert re.fullmatch(rf"error: {data}/train_\d{{5}}.bin: token 65535 at position [\d,]+ is not below the "
+                        r"vocabulary size 50257 \(the file changed since it was prepared\); check it with `python -m "
+                        r"lm.prepare --verify` and prepare it again with --force", line), line
+    assert not complete_checkpoints(tmp_path / "run/checkpoints")

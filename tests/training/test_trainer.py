@@ -204,3 +204,20 @@ def test_tensorboard_holds_the_hparams_and_the_periodic_samples(tiny_data_dir, t
     load_model_weights(out / "checkpoints/step_00000004", model)
     assert samples[4] == sample_text(model, cfg, load_tokenizer("gpt2"), torch.device("cpu"))
     assert len(samples[4]) > len("KING: the")
+
+
+def test_a_finished_run_run_again_trains_nothing_and_writes_nothing(trained_run, tmp_path):
+    import hashlib
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    cfg = load_config(run_dir / "config.yaml", [f"--train.out_dir={run_dir}", "--log.tensorboard=true",
+                                                "--log.every=1"])  # settings that would rewrite config.yaml
+
+    def digest() -> dict[str, str]:
+        return {p.relative_to(run_dir).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+                for p in sorted(run_dir.rglob("*"))}
+
+    before = digest()
+    assert Trainer(cfg, init_distributed("cpu")).fit() == []
+    assert digest() == before

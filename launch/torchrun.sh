@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# torchrun for a run that a scheduler may stop: arguments go to torchrun. The other launch scripts start
+# their torchrun through this one.
+#
+# A SIGTERM (what Slurm and most schedulers send before preempting or at the time limit) reaches the
+# workers and not torchrun: each worker trains on to its next log step, saves a checkpoint and exits 0,
+# and then so do torchrun and this script. torchrun starts with SIGTERM ignored and does not handle it
+# (its --signals-to-handle, here PET_SIGNALS_TO_HANDLE), because it would end with exit 1 and a traceback
+# and kill the workers after its shutdown timeout; this script forwards a SIGTERM sent to it to the workers. Signalling
+# every process of the job at once, as Slurm's --signal does, is fine too: a worker takes several SIGTERMs
+# as one request. Ctrl-C (SIGINT) goes to torchrun, which forwards it: the workers save and exit, torchrun
+# exits 1; LM_STOP_GRACE (default 600) is how many seconds torchrun then gives them before SIGKILL.
+set -euo pipefail
+trap '' TERM
+export PET_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT" PET_SHUTDOWN_TIMEOUT="${LM_STOP_GRACE:-600}"
+torchrun "$@" &
+launcher=$!
+trap 'pkill -TERM -P "$launcher" || true' TERM  # torchrun's children are the workers
+while :; do
+  status=0
+  wait "$launcher" || status=$?
+  kill -0 "$launcher" 2>/dev/null || exit "$status"  # wait also returns when a trapped signal arrives
+done

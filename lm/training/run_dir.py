@@ -1,0 +1,117 @@
+"""The run directory (train.out_dir): kept apart from the data it trains on, and used by one run at a time.
+
+The lock is an OS lock (`fcntl.flock`) on `<out_dir>/.lock`, taken by rank 0 before the run reads or writes
+anything there and held until it ends. The kernel drops it when the holding process dies, however it dies
+(kill -9 included), so a crashed run never leaves a stale lock behind: a lock file that nobody holds is
+simply taken over. While a run holds it (also workers that outlive a killed torchrun), a second run on the
+same directory stops with an error naming the holder's pid, host and start time. flock is local to a
+machine, and on NFS it holds across machines only where the mount supports it (NFSv4 does).
+"""
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from lm.config import JobConfig
+from lm.distributed.env import DistEnv
+from lm.errors import CheckpointError, ConfigError
+
+LOCK = ".lock"
+
+
+def check_run_paths(cfg: JobConfig) -> None:
+    """Refuse a run directory inside the data directory, or the data inside the run directory (by resolved
+    path): `lm.prepare --force` replaces data.dir whole, which would take a run's checkpoints with it."""
+    out, data = Path(cfg.train.out_dir).resolve(), Path(cfg.data.dir).resolve()
+    if out == data or data in out.parents:
+        raise ConfigError(f"train.out_dir: {cfg.train.out_dir!r} is inside data.dir {cfg.data.dir!r}; preparing "
+                          "the data again replaces that directory and the run's checkpoints with it: put the run "
+                          "elsewhere")
+    if out in data.parents:
+        raise ConfigError(f"data.dir: {cfg.data.dir!r} is inside train.out_dir {cfg.train.out_dir!r}; keep "
+                          "prepared data out of the run directory")
+
+
+class RunLock:
+    """Rank 0's hold on a run directory for the life of a run; `release` lets go (idempotent)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.path = out_dir / LOCK
+        self._file = None
+        self._made_dir = False
+
+    def acquire(self) -> None:
+        """Take the lock or raise CheckpointError naming the run that holds it."""
+        self._made_dir = not self.out_dir.exists()
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            while self._file is None:
+                handle = open(self.path, "a+")
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    handle.seek(0)
+                    holder = handle.read().strip()
+                    handle.close()
+                    raise CheckpointError(
+                        f"train.out_dir: {self.out_dir} is in use by another run ({_describe(holder)}); wait for "
+                        "it to end or stop it, or give this run another train.out_dir"
+                    ) from None
+                # a holder that released and unlinked the file between our open and our lock: lock the new one
+                if os.fstat(handle.fileno()).st_ino != _inode(self.path):
+                    handle.close()
+                    continue
+                handle.seek(0)
+                handle.truncate()
+                handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                         "since": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+                handle.flush()
+                self._file = handle
+        except OSError as err:
+            raise CheckpointError(f"train.out_dir: cannot write to {self.out_dir}: {err.strerror or err}") from None
+
+    def release(self) -> None:
+        """Remove the lock file and let go; a run directory this lock created and left empty goes too, so
+        a run refused before it wrote anything leaves no trace."""
+        if self._file is None:
+            return
+        self.path.unlink(missing_ok=True)
+        self._file.close()  # closing drops the flock
+        self._file = None
+        if self._made_dir and not any(self.out_dir.iterdir()):
+            self.out_dir.rmdir()
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
+def _describe(holder: str) -> str:
+    try:
+        info = json.loads(holder)
+        return f"pid {info['pid']} on {info['host']}, since {info['since']}"
+    except (ValueError, KeyError, TypeError):
+        return "a process that is starting"
+
+
+def lock_run_dir(out_dir: Path, env: DistEnv) -> RunLock:
+    """Rank 0 takes the run directory's lock; every rank raises the same error when it is held elsewhere.
+    A collective: every rank calls it."""
+    lock = RunLock(out_dir)
+    error = None
+    if env.is_main:
+        try:
+            lock.acquire()
+        except CheckpointError as err:
+            error = str(err)
+    error = env.broadcast_object(error)
+    if error is not None:
+        raise CheckpointError(error)
+    return lock

@@ -1,0 +1,32 @@
+import numpy as np
+import pytest
+import torch
+
+from lm.checkpoint.store import save_checkpoint
+from lm.config import load_config
+from lm.distributed.env import init_distributed
+from lm.plan.disk import checkpoint_bytes
+from lm.training.objective import build_objective
+from lm.training.trainer import build_run_engine
+
+SMALL = ["--model.n_layer=2", "--model.n_head=2", "--model.d_model=64", "--model.block_size=32", "--data.seq_len=16"]
+
+
+@pytest.mark.parametrize("overrides", [
+    [],                                                                                          # GPT-2, tied head
+    ["--model.pos=rope", "--model.norm=rmsnorm", "--model.mlp=swiglu", "--model.bias=false",
+     "--model.tie_embeddings=false"],                                                            # Llama, untied
+    ["--model.arch=encdec", "--model.pos=sinusoidal", "--model.n_sentinels=8"],                 # shared and tied
+    ["--model.arch=lstm"],
+], ids=["gpt2", "llama-untied", "encdec", "lstm"])
+def test_the_estimate_covers_what_a_save_writes_and_not_much_more(tmp_path, overrides):
+    cfg = load_config(None, [*SMALL, *overrides])
+    env = init_distributed("cpu")
+    engine = build_run_engine(cfg, env, init_from=None, load_universal=False)
+    rows = np.random.default_rng(0).integers(0, 1000, (2, cfg.data.seq_len + 1))
+    batch = build_objective(cfg.model, cfg.data.seq_len, 0)(rows, np.arange(2))
+    engine.forward_backward([torch.from_numpy(a) for a in batch], last=True, num_micro=1)
+    engine.optimizer_step()  # AdamW's moments exist from the first step on
+    step_dir = save_checkpoint(tmp_path, 1, engine, {"step": 1, "tokens_seen": 0, "position": 0}, cfg, env, keep=1)
+    written = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
+    assert written <= checkpoint_bytes(cfg) <= 1.03 * written + 2.5 * 2**20

@@ -1,0 +1,105 @@
+"""The run directory: apart from the data, and one run at a time (an OS lock held by rank 0)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lm.config import load_config
+from lm.errors import CheckpointError, ConfigError
+from lm.training.run_dir import LOCK, RunLock, check_run_paths
+from tests.training.test_faults import TINY, run_env
+
+
+@pytest.mark.parametrize("data, out, message", [
+    ("d", "d", r"train.out_dir: '.*d' is inside data.dir"),
+    ("d", "d/run", r"train.out_dir: '.*d/run' is inside data.dir"),
+    ("d", "d/../d/./run", r"train.out_dir: .* is inside data.dir"),  # by resolved path
+    ("r/data", "r", r"data.dir: '.*r/data' is inside train.out_dir"),
+])
+def test_a_run_inside_its_data_or_data_inside_its_run_is_refused(tmp_path, data, out, message):
+    cfg = load_config(None, [f"--data.dir={tmp_path / data}", f"--train.out_dir={tmp_path / out}"])
+    with pytest.raises(ConfigError, match=message):
+        check_run_paths(cfg)
+
+
+def test_side_by_side_is_fine(tmp_path):
+    check_run_paths(load_config(None, [f"--data.dir={tmp_path}/data", f"--train.out_dir={tmp_path}/data_run"]))
+
+
+def test_a_held_lock_names_its_holder_and_a_released_one_is_taken_over(tmp_path):
+    out = tmp_path / "run"
+    first = RunLock(out)
+    first.acquire()
+    holder = json.loads((out / LOCK).read_text())
+    assert holder["pid"] == os.getpid()
+    with pytest.raises(CheckpointError, match=rf"train.out_dir: {out} is in use by another run \(pid {os.getpid()} "
+                                              rf"on {holder['host']}, since .*\); wait for it"):
+        RunLock(out).acquire()  # flock is per open file: the same process is refused too
+    first.release()
+    assert not out.exists()  # made by the lock and left empty: removed, so a refused run leaves no trace
+    second = RunLock(out)
+    second.acquire()
+    second.release()
+
+
+def test_a_lock_file_left_by_a_dead_process_is_taken_over(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    # a holder killed with SIGKILL leaves its file behind, but the kernel released its flock
+    (out / LOCK).write_text(json.dumps({"pid": 1, "host": "elsewhere", "since": "yesterday"}))
+    lock = RunLock(out)
+    lock.acquire()
+    assert json.loads((out / LOCK).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert out.is_dir() and not (out / LOCK).exists()  # a directory it did not make stays
+
+
+def wait_for_steps(metrics: Path, n: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= n):
+        assert time.monotonic() < deadline and proc.poll() is None, "training did not start"
+        time.sleep(0.05)
+
+
+def test_workers_left_by_a_killed_torchrun_keep_the_directory_from_a_second_run(tiny_data_dir, tmp_path):
+    out = tmp_path / "run"
+    args = [*TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}", "--train.steps=400",
+            "--checkpoint.every=2"]
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                 "-m", "lm.train", *args], env=run_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    workers = []
+    try:
+        wait_for_steps(out / "metrics.jsonl", 3, launcher)
+        workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                                                  text=True).stdout.split()]
+        launcher.kill()  # kill -9 of the launcher alone: its workers, in sessions of their own, train on
+        launcher.wait()
+        holder = json.loads((out / LOCK).read_text())["pid"]
+        assert holder in workers
+        second = subprocess.run([sys.executable, "-m", "lm.train", *args], env=run_env(), capture_output=True,
+                                text=True, timeout=120)
+        assert second.returncode == 2
+        assert second.stderr.strip().splitlines() == [
+            f"error: train.out_dir: {out} is in use by another run (pid {holder} on "
+            f"{json.loads((out / LOCK).read_text())['host']}, since "
+            f"{json.loads((out / LOCK).read_text())['since']}); wait for it to end or stop it, or give this run "
+            "another train.out_dir"]
+    finally:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    time.sleep(0.5)
+    # the workers are gone (killed, as a lost machine would be): the next run takes over and resumes
+    third = subprocess.run([sys.executable, "-m", "lm.train", *args[:-2], "--train.steps=6", "--checkpoint.every=2"],
+                           env=run_env(), capture_output=True, text=True, timeout=180)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert "resumed from" in third.stdout and not (out / LOCK).exists()
