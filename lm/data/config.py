@@ -2,10 +2,36 @@
 the windows training reads. Lives beside the data code (as ModelConfig beside the models), so that
 preparing data imports nothing above this package."""
 
-from dataclasses import dataclass
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from lm.errors import ConfigError
 from lm.tokenizer import VOCAB_SIZES
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+@dataclass
+class MixtureSource:
+    """One prepared dataset of a mixture (`data.mixture`) and its share of the training samples."""
+
+    dir: str = ""
+    """Directory holding the source's prepared shards and manifest.json (made by lm.prepare)."""
+    weight: float = 1.0
+    """Relative share of training samples drawn from this source (the weights are normalised to sum to 1)."""
+    name: str = ""
+    """Name in the metrics (val/<name>/loss, data/<name>/tokens); default: the directory's last part."""
+
+    def __post_init__(self) -> None:
+        if not self.dir.strip():
+            raise ConfigError("dir: each mixture source names a prepared data directory, e.g. {dir: data/kjv}")
+        if self.weight < 0:
+            raise ConfigError(f"weight: must be >= 0, got {self.weight}")
+        self.name = self.name or Path(self.dir).name
+        if not _NAME.fullmatch(self.name):
+            raise ConfigError(f"name: {self.name!r} cannot name metrics; use letters, digits, '_', '.' and '-'")
 
 
 @dataclass
@@ -28,6 +54,10 @@ class DataConfig:
     """Tokens per training sample (each sample reads seq_len + 1 tokens)."""
     verify_hashes: bool = False
     """Check each shard's sha256 against manifest.json when training starts and when lm.prepare reuses data."""
+    mixture: list[MixtureSource] = field(default_factory=list)
+    """Train on several prepared directories, a list of {dir, weight, name}; empty: train on data.dir alone."""
+    document_mask: bool = False
+    """Attention stays inside each document of a packed window, whose positions restart at the document's start."""
 
     def __post_init__(self) -> None:
         if self.tokenizer not in VOCAB_SIZES:
@@ -41,3 +71,19 @@ class DataConfig:
                 raise ConfigError(f"data.{key}: must be positive, got {getattr(self, key)}")
         if not self.source.strip():
             raise ConfigError("data.source: must name a corpus or files, got an empty string")
+        self._check_mixture()
+
+    def _check_mixture(self) -> None:
+        if self.mixture and math.fsum(s.weight for s in self.mixture) <= 0:
+            raise ConfigError("data.mixture: the weights sum to 0; give at least one source a positive weight")
+        names: dict[str, str] = {}
+        for source in self.mixture:
+            if source.name in names:
+                raise ConfigError(f"data.mixture: {names[source.name]!r} and {source.dir!r} share the name "
+                                  f"{source.name!r}; give one of them another `name`")
+            names[source.name] = source.dir
+
+    @property
+    def sources(self) -> list[MixtureSource]:
+        """What training draws from: the mixture's sources, or data.dir alone with weight 1."""
+        return self.mixture or [MixtureSource(dir=self.dir)]

@@ -11,21 +11,17 @@ Training samples are keyed by their global position and validation samples by th
 objective's randomness (span corruption's noise) is the same for a position whatever the world size.
 """
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from lm.data.mixture import MixtureDraws, sample_order
 from lm.data.objectives import NextToken, Objective
 from lm.data.shards import check_token_ids, open_shard, read_manifest
 from lm.errors import DataError
 
-__all__ = ["SplitWindows", "TokenLoader", "locate", "rank_slice", "sample_id_at", "sample_order", "val_batches"]
-
-
-def sample_order(seed: int, epoch: int, num_samples: int) -> np.ndarray:
-    """The order in which epoch `epoch` visits the samples: a permutation of 0..num_samples-1, (N,) int64."""
-    return np.random.default_rng([seed, epoch]).permutation(num_samples)
+__all__ = ["SplitWindows", "TokenLoader", "locate", "rank_slice", "sample_id_at", "val_batches"]
 
 
 def sample_id_at(position: int, seed: int, num_samples: int) -> int:
@@ -105,29 +101,41 @@ class TokenLoader:
     contiguous equal chunks per rank, and each rank's chunk into micro-batches. The union over ranks
     is the same set of samples for any world size, so a run can resume on a different number of ranks.
     `objective` (default NextToken) makes each micro-batch from its windows and their global positions.
+    `data_dir` is one prepared directory, or the directories of a mixture with one weight each in `weights`:
+    then each position's source is drawn by `lm.data.mixture`, as a function of (seed, position) too.
     """
 
     def __init__(
-        self, data_dir: str | Path, split: str, seq_len: int, seed: int, rank: int, world_size: int,
-        global_batch: int, micro_batch: int, objective: Objective | None = None,
+        self, data_dir: str | Path | Sequence[str | Path], split: str, seq_len: int, seed: int, rank: int,
+        world_size: int, global_batch: int, micro_batch: int, objective: Objective | None = None,
+        weights: Sequence[float] | None = None,
     ) -> None:
         if global_batch % (world_size * micro_batch):
             raise ValueError(
                 f"train.batch_size: {global_batch} is not a multiple of train.micro_batch_size "
                 f"({micro_batch}) x world size ({world_size})"
             )
-        self.windows = SplitWindows(data_dir, split, seq_len)
+        dirs = [data_dir] if isinstance(data_dir, (str, Path)) else list(data_dir)
+        weights = [1.0] if weights is None else list(weights)
+        if len(weights) != len(dirs):
+            raise ValueError(f"{len(dirs)} data directories but {len(weights)} weights")
+        self.sources = [SplitWindows(d, split, seq_len) for d in dirs]
+        self.draws = MixtureDraws(weights, [w.num_samples for w in self.sources], seed)
         self.objective = objective if objective is not None else NextToken()
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.grad_accum = global_batch // (world_size * micro_batch)
         self.position = 0
-        self._order_epoch = -1
-        self._order = np.empty(0, dtype=np.int64)  # sample_order of epoch _order_epoch, cached
+
+    @property
+    def windows(self) -> SplitWindows:
+        """The one source's windows (a loader over one directory)."""
+        (windows,) = self.sources
+        return windows
 
     @property
     def num_samples(self) -> int:
-        """Samples (windows) in one epoch of the split."""
+        """Samples (windows) in one epoch of the split (a loader over one directory)."""
         return self.windows.num_samples
 
     def state_dict(self) -> dict:
@@ -136,29 +144,35 @@ class TokenLoader:
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
 
+    def draws_per_source(self) -> np.ndarray:
+        """Samples each source has served since the start of training, (S,) int64."""
+        return self.draws.draws_before(self.position)
+
     def sample_ids(self, positions: range) -> np.ndarray:
-        """Sample ids at consecutive global positions (n,), possibly across an epoch boundary."""
-        ids = np.empty(len(positions), dtype=np.int64)
-        for i, position in enumerate(positions):
-            epoch, index = divmod(position, self.num_samples)
-            if epoch != self._order_epoch:  # positions only grow, so one cached epoch suffices
-                self._order = sample_order(self.seed, epoch, self.num_samples)
-                self._order_epoch = epoch
-            ids[i] = self._order[index]
-        return ids
+        """Sample ids at consecutive global positions (n,) of a loader over one directory."""
+        return self.draws.locate(positions)[1]
+
+    def read(self, source: np.ndarray, window: np.ndarray) -> np.ndarray:
+        """The windows (B, T + 1) int64 of the samples `window` (B,) of the sources `source` (B,)."""
+        if len(self.sources) == 1:
+            return self.sources[0].read_rows(window)
+        rows = np.empty((len(window), self.sources[0].seq_len + 1), dtype=np.int64)  # (B, T + 1)
+        for s in np.unique(source).tolist():
+            mine = source == s
+            rows[mine] = self.sources[s].read_rows(window[mine])
+        return rows
 
     def next_batch(self) -> list[tuple[np.ndarray, ...]]:
         """This rank's `grad_accum` micro-batches for one optimizer step, each the objective's tuple
         (NextToken: x, y each (micro_batch, T) int64)."""
         positions = rank_slice(self.position, self.global_batch, self.rank, self.world_size)
-        ids = self.sample_ids(positions)
+        source, window = self.draws.locate(positions)
         # keyed by position, not sample id: a sample seen again in a later epoch gets fresh noise
         keys = np.arange(positions.start, positions.stop, dtype=np.int64)
         self.position += self.global_batch
-        return [
-            self.objective(self.windows.read_rows(ids[i:i + self.micro_batch]), keys[i:i + self.micro_batch])
-            for i in range(0, len(ids), self.micro_batch)
-        ]
+        b = self.micro_batch
+        return [self.objective(self.read(source[i:i + b], window[i:i + b]), keys[i:i + b])
+                for i in range(0, len(keys), b)]
 
 
 def val_batches(

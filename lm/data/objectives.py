@@ -15,20 +15,41 @@ import numpy as np
 from lm.data.span_corruption import corrupt_rows, corrupted_lengths, noise_masks, span_counts
 from lm.errors import ConfigError
 
-__all__ = ["NextToken", "Objective", "SpanCorruption"]
+__all__ = ["NextToken", "Objective", "SpanCorruption", "document_positions"]
 
 
 class Objective(Protocol):
     def __call__(self, rows: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, ...]: ...
 
 
-class NextToken:
-    """Decoder-only language modelling: inputs x and next-token targets y, each (B, T) int64."""
+def document_positions(x: np.ndarray, eot: int) -> np.ndarray:
+    """Each input token's position inside its document, (B, T) int64, for inputs x (B, T).
 
-    def __call__(self, rows: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    An end-of-text token opens the document after it, as its first position: preparation puts one after
+    every document (and nowhere else), so a document run alone is [eot, t_1, ..., t_n] with targets
+    [t_1, ..., t_n, eot], and its first token is predicted from the end-of-text token alone. The window's
+    first token opens a document too (the rest of one that began in an earlier window).
+    """
+    t = np.arange(x.shape[1], dtype=np.int64)  # (T,)
+    starts = np.where((x == eot) | (t == 0), t, 0)  # (B, T): the index of each document's first token
+    return t - np.maximum.accumulate(starts, axis=1)
+
+
+class NextToken:
+    """Decoder-only language modelling: inputs x and next-token targets y, each (B, T) int64, and with
+    `document_eot` (data.document_mask) the positions of x inside their documents (B, T) int64, from
+    which the model keeps attention inside each document (`document_positions`)."""
+
+    def __init__(self, document_eot: int | None = None) -> None:
+        self.document_eot = document_eot
+
+    def __call__(self, rows: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, ...]:
         batch = np.asarray(rows, dtype=np.int64)  # (B, T + 1)
         # copies, so that targets can be flattened with .view(-1) by the loss
-        return np.ascontiguousarray(batch[:, :-1]), np.ascontiguousarray(batch[:, 1:])
+        x, y = np.ascontiguousarray(batch[:, :-1]), np.ascontiguousarray(batch[:, 1:])
+        if self.document_eot is None:
+            return x, y
+        return x, y, document_positions(x, self.document_eot)
 
 
 class SpanCorruption:

@@ -105,6 +105,9 @@ def _reusable(out: Path, content_hash: str, check_hashes: bool) -> dict | None:
         manifest = read_manifest(out)
         if manifest.get("content_hash") != content_hash:
             return None
+        if "document_boundaries" not in manifest:  # an older lm's: the same shards, but no boundaries recorded
+            log.info("rebuilding %s to record its document boundaries", out)
+            return None
         if check_hashes or any("sha256" not in e for split in SPLITS for e in manifest["splits"][split]["shards"]):
             verify_hashes(out, manifest)
     except DataError as err:

@@ -26,7 +26,7 @@ from lm.io import atomic_path, atomic_write_text, commit, sha256_file, temp_sibl
 
 __all__ = [
     "FORMAT_VERSION", "HEADER_BYTES", "MANIFEST_NAME", "ShardWriter", "check_manifest", "check_token_ids",
-    "dtype_for_vocab", "is_prepared_file", "new_manifest", "open_shard", "read_header", "read_manifest",
+    "document_eot", "dtype_for_vocab", "is_prepared_file", "new_manifest", "open_shard", "read_header", "read_manifest",
     "shard_name", "verify_hashes", "write_manifest", "write_shard",
 ]
 
@@ -156,11 +156,14 @@ def open_shard(path: str | Path) -> np.memmap:
 def new_manifest(
     tokenizer: str, vocab_size: int, eot_id: int, source: str, content_hash: str, splits: dict[str, dict]
 ) -> dict:
-    """The manifest.json contents; `splits` maps train/val to {"documents", "tokens", "shards"}."""
+    """The manifest.json contents; `splits` maps train/val to {"documents", "tokens", "shards"}.
+    `document_boundaries: "eot"` records that every document is followed by the end-of-text token and that
+    the token occurs nowhere else (text is encoded as ordinary text), so a window's document boundaries are
+    where it holds that token (data.document_mask)."""
     return {
         "format_version": FORMAT_VERSION, "tokenizer": tokenizer, "vocab_size": vocab_size,
-        "dtype": dtype_for_vocab(vocab_size).name, "eot_id": eot_id, "source": source,
-        "content_hash": content_hash, "splits": splits,
+        "dtype": dtype_for_vocab(vocab_size).name, "eot_id": eot_id, "document_boundaries": "eot",
+        "source": source, "content_hash": content_hash, "splits": splits,
     }
 
 
@@ -226,6 +229,17 @@ def verify_hashes(data_dir: str | Path, manifest: dict) -> None:
             if sha256_file(shard) != entry["sha256"]:
                 raise DataError(f"{shard}: sha256 differs from {MANIFEST_NAME} (the file changed or is corrupt "
                                 f"since it was prepared); {_PREPARE_HINT} with --force")
+
+
+def document_eot(manifest: dict, data_dir: str | Path) -> int:
+    """The token that separates documents in `data_dir`'s shards; DataError if its manifest does not say
+    (prepared by an lm from before boundaries were recorded)."""
+    if manifest.get("document_boundaries") != "eot":
+        raise DataError(
+            f"{Path(data_dir) / MANIFEST_NAME}: records no document boundaries (prepared by an older lm), which "
+            "data.document_mask needs; run the same `python -m lm.prepare` command again to rebuild it"
+        )
+    return int(manifest["eot_id"])
 
 
 def check_manifest(manifest: dict, tokenizer: str, vocab_size: int, data_dir: str | Path) -> None:

@@ -63,6 +63,18 @@ def _series(rows: list[dict], kind: str, x_key: str, y_key: str) -> tuple[list, 
     return [x for x, _ in points], [y for _, y in points]
 
 
+_SOURCE_MARKERS = ("s", "^", "v", "D")
+
+
+def mixture_sources(rows: list[dict]) -> list[str]:
+    """The sources of a mixture run, in logged order: the <name> of its val/<name>/loss keys."""
+    names: dict[str, None] = {}
+    for row in rows:
+        names |= {key[4:-5]: None for key in row if key.startswith("val/") and key.endswith("/loss")
+                  and key.count("/") == 2}
+    return list(names)
+
+
 def _new_figure(width: float, height: float) -> Figure:
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
@@ -73,8 +85,9 @@ def curves_figure(runs: dict[str, list[dict]]) -> Figure:
     """Loss and perplexity by step and by tokens (2x2 axes) for `runs` ({label: rows}).
 
     Each run draws one colour: a `"<label> train"` line and a `"<label> val"` line with markers, each only
-    where the run has rows of that kind. Rows need `step` and `tokens` (see `load_run`). Perplexity is
-    the logged `*/ppl`, on a log scale since it spans orders of magnitude early in training.
+    where the run has rows of that kind, and for a mixture a dotted `"<label> val <source>"` line per source.
+    Rows need `step` and `tokens` (see `load_run`). Perplexity is the logged `*/ppl`, on a log scale since
+    it spans orders of magnitude early in training.
     """
     fig = _new_figure(12, 8)
     axes = fig.subplots(2, 2)
@@ -89,6 +102,10 @@ def curves_figure(runs: dict[str, list[dict]]) -> Figure:
                 if x:
                     ax.plot(x, y, color=f"C{i % 10}", label=f"{label} {kind}",
                             **({"marker": "o", "linestyle": "--", "markersize": 4} if kind == "val" else {}))
+            for j, name in enumerate(mixture_sources(rows)):  # a mixture's val split of each source
+                x, y = _series(rows, "val", x_key, f"val/{name}/{metric}")
+                ax.plot(x, y, color=f"C{i % 10}", label=f"{label} val {name}", marker=_SOURCE_MARKERS[j % 4],
+                        linestyle=":", markersize=4)
         ax.set_xlabel("tokens trained" if x_key == "tokens" else "step")
         ax.set_ylabel(y_label)
         ax.set_title(f"{y_label.split(' ')[0]} by {x_key}")

@@ -106,5 +106,7 @@ def hparams(cfg: JobConfig, n_params: int) -> dict[str, object]:
     """The run's settings for TensorBoard's hparams view: every config key, dotted, and the parameter count."""
     flat: dict[str, object] = {"params": n_params}
     for section, values in cfg.to_dict().items():
-        flat.update({f"{section}.{key}": value for key, value in values.items()})
+        # TensorBoard takes scalars and text only: a list (data.mixture) is shown as its text
+        flat.update({f"{section}.{key}": str(value) if isinstance(value, list) else value
+                     for key, value in values.items()})
     return flat

@@ -23,16 +23,20 @@ LOCK = ".lock"
 
 
 def check_run_paths(cfg: JobConfig) -> None:
-    """Refuse a run directory inside the data directory, or the data inside the run directory (by resolved
-    path): `lm.prepare --force` replaces data.dir whole, which would take a run's checkpoints with it."""
-    out, data = Path(cfg.train.out_dir).resolve(), Path(cfg.data.dir).resolve()
-    if out == data or data in out.parents:
-        raise ConfigError(f"train.out_dir: {cfg.train.out_dir!r} is inside data.dir {cfg.data.dir!r}; preparing "
-                          "the data again replaces that directory and the run's checkpoints with it: put the run "
-                          "elsewhere")
-    if out in data.parents:
-        raise ConfigError(f"data.dir: {cfg.data.dir!r} is inside train.out_dir {cfg.train.out_dir!r}; keep "
-                          "prepared data out of the run directory")
+    """Refuse a run directory inside a data directory (data.dir or a mixture's), or data inside the run
+    directory (by resolved path): `lm.prepare --force` replaces a data directory whole, which would take a
+    run's checkpoints with it."""
+    out = Path(cfg.train.out_dir).resolve()
+    for source in cfg.data.sources:
+        key = "data.mixture" if cfg.data.mixture else "data.dir"
+        data = Path(source.dir).resolve()
+        if out == data or data in out.parents:
+            raise ConfigError(f"train.out_dir: {cfg.train.out_dir!r} is inside {key} {source.dir!r}; preparing "
+                              "the data again replaces that directory and the run's checkpoints with it: put the "
+                              "run elsewhere")
+        if out in data.parents:
+            raise ConfigError(f"{key}: {source.dir!r} is inside train.out_dir {cfg.train.out_dir!r}; keep "
+                              "prepared data out of the run directory")
 
 
 class RunLock:

@@ -14,14 +14,7 @@ from pathlib import Path
 import torch
 
 from lm.checkpoint.consolidated import load_consolidated_weights
-from lm.checkpoint.resume import (
-    changed_settings,
-    check_init_from,
-    check_resume,
-    data_identity,
-    find_resume,
-    load_checkpoint,
-)
+from lm.checkpoint.resume import changed_settings, check_init_from, check_resume, find_resume, load_checkpoint
 from lm.checkpoint.store import checkpoint_root
 from lm.config import JobConfig, save_config
 from lm.distributed.engine import Engine, build_engine
@@ -79,7 +72,7 @@ class Trainer:
         """Everything that reads the run directory, under its lock: resume, engine, counters, config."""
         cfg, env = self.cfg, self.env
         resume_from = find_resume(self.ckpt_root, cfg.checkpoint.resume, env, cfg.checkpoint.allow_unverified)
-        load_universal = resume_from is not None and check_resume(resume_from, cfg, self.data.manifest, env)
+        load_universal = resume_from is not None and check_resume(resume_from, cfg, self.data.identity(), env)
         init_from = Path(cfg.checkpoint.init_from) if resume_from is None and cfg.checkpoint.init_from else None
         if init_from is not None:
             check_init_from(init_from, cfg)
@@ -165,10 +158,11 @@ class Trainer:
         """Evaluate, sample and save when due; whether the run stops here for a signal (saved first)."""
         cfg = self.cfg
         if self.step % cfg.train.eval_every == 0 or last:
-            val_loss = evaluate(self.engine, self.data, cfg, self.env)
-            val = {"val/loss": val_loss, "val/ppl": perplexity(val_loss)}
+            val = evaluate(self.engine, self.data, cfg, self.env)
+            per_source = "".join(f" | {s.name} {val[f'val/{s.name}/loss']:.4f}"
+                                 for s in self.data.sources if self.data.is_mixture)
             self.metrics.log(self.step, self.tokens_seen, self.elapsed_s(), val,
-                             "step {step} | val loss {val_loss:.4f} | val ppl {val_ppl:.2f}")
+                             "step {step} | val loss {val_loss:.4f} | val ppl {val_ppl:.2f}" + per_source)
             history.append({"step": self.step, **val})
         if cfg.log.sample_every and (self.step % cfg.log.sample_every == 0 or last):
             self.log_sample()
@@ -197,6 +191,11 @@ class Trainer:
             "perf/tokens_per_s": tok_s, "perf/tflops_per_device": flops_s / 1e12,
             "perf/mfu": flops_s / self.peak_flops if self.peak_flops else None,
         }
+        if self.data.is_mixture:  # tokens each source has served, and the epochs they make of its windows
+            draws = self.loader.draws_per_source()
+            for source, n, windows in zip(self.data.sources, draws.tolist(), self.loader.sources):
+                row |= {f"data/{source.name}/tokens": n * self.cfg.data.seq_len,
+                        f"data/{source.name}/epochs": n / windows.num_samples}
         perf = f"mfu {row['perf/mfu']:.1%}" if self.peak_flops else f"{flops_s / 1e12:.3f} TFLOP/s"
         skipped = f" | {self.skipped.total} skipped" if self.skipped.total else ""
         self.metrics.log(self.step, self.tokens_seen, self.elapsed_s(), row, (
@@ -254,6 +253,6 @@ class Trainer:
     def save(self) -> Path:
         """Checkpoint the run (a collective; see `save_run`)."""
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed_s(),
-                 **self.loader.state_dict(), "data": data_identity(self.data.manifest)}
+                 **self.loader.state_dict(), "data": self.data.identity()}
         self.faults.arm_save(self.engine, self.step, self.env.rank)
         return save_run(self.engine, self.ckpt_root, state, self.cfg, self.env)

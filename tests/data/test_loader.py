@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from lm.data.loader import SplitWindows, TokenLoader, locate, rank_slice, sample_id_at, sample_order, val_batches
+from lm.data.loader import SplitWindows, TokenLoader, locate, rank_slice, sample_id_at, val_batches
+from lm.data.mixture import sample_order
 from lm.data.objectives import SpanCorruption
 from lm.data.shards import new_manifest, write_manifest, write_shard
 from lm.errors import DataError

@@ -61,6 +61,7 @@ def test_prepare_text_files(tmp_path):
     data = tmp_path / "data"
     assert {k: v for k, v in manifest.items() if k != "splits"} == {
         "format_version": 1, "tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16", "eot_id": 50256,
+        "document_boundaries": "eot",
         "source": cfg.source, "content_hash": manifest["content_hash"],
     }
     assert json.loads((data / "manifest.json").read_text()) == manifest

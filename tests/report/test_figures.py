@@ -77,6 +77,19 @@ def test_lines_hold_the_logged_values_by_step_and_by_tokens(tmp_path):
     assert list(lines_by_label(ppl_step)["r val"].get_ydata()) == pytest.approx([math.exp(5.5), math.exp(3.5)])
 
 
+def test_a_mixture_run_draws_each_source_val_line_beside_the_weighted_one():
+    rows = [{"step": 10, "tokens": 640, "train/loss": 6.0, "train/ppl": math.exp(6.0)}]
+    for step, (a, b) in ((10, (5.0, 4.0)), (20, (4.5, 3.0))):
+        rows.append({"step": step, "tokens": step * 64, "val/loss": 0.75 * a + 0.25 * b, "val/ppl": 1.0,
+                     "val/plays/loss": a, "val/plays/ppl": math.exp(a), "val/kjv/loss": b, "val/kjv/ppl": math.exp(b)})
+    assert figures.mixture_sources(rows) == ["plays", "kjv"]
+    loss_step, _, ppl_step, _ = figures.curves_figure({"r": rows}).axes
+    lines = lines_by_label(loss_step)
+    assert sorted(lines) == ["r train", "r val", "r val kjv", "r val plays"]
+    assert list(lines["r val kjv"].get_ydata()) == [4.0, 3.0] and lines["r val kjv"].get_linestyle() == ":"
+    assert list(lines_by_label(ppl_step)["r val plays"].get_ydata()) == [math.exp(5.0), math.exp(4.5)]
+
+
 def test_png_has_the_signature_and_the_figure_pixel_size(tmp_path):
     fig = figures.curves_figure({"r": log_run(tmp_path / "r", [10, 20], [20])})
     width, height = fig.get_size_inches() * fig.dpi
