@@ -17,8 +17,8 @@ VARIANTS = {
 }
 
 # Two rows of a 20-token window with different boundaries. Row 0 starts mid-document (its first piece
-# restarts at 0), then holds documents of 5, 4 and 4 tokens; row 1 holds 3, 9, 1 and 7.
-DOC_LENGTHS = [[7, 5, 4, 4], [3, 9, 1, 7]]
+# restarts at 0), then holds documents of 5, 2 and 6 tokens; row 1 holds 3, 9, 1 and 7.
+DOC_LENGTHS = [[7, 5, 2, 6], [3, 9, 1, 7]]
 T = 20
 
 
