@@ -20,7 +20,11 @@ from lm.distributed.env import init_device
 PRESETS = ["demo", "gpt2-124m"]
 # sampling first: run after the training sections on the 2-core machine, its per-token times (ours and
 # transformers' alike) came out 1.3-2x slower than in a fresh process
-SECTIONS = ["sampling", "data", "training", "engines"]
+SECTIONS = ["sampling", "data", "training", "engines", "docmask"]
+# docmask is asked for by name: it compares attention paths, not us against transformers
+DEFAULT_SECTIONS = ["sampling", "data", "training", "engines"]
+# (batch, seq_len) of the docmask rows: the demo's training window, and a long one at a small batch
+DOCMASK_SHAPES = [(4, 128), (2, 1024)]
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
@@ -131,6 +135,30 @@ def data(args, device, results: dict) -> None:
                 ["preset", "batch x seq", "batches/s", "GB/s", "ms/batch", "train ms/step", "share of step"], rows)
 
 
+def docmask(args, device, results: dict) -> None:
+    from lm.bench.docmask import bench_attention, bench_model_paths
+
+    cfg, _ = preset_config("demo", device)
+    model_rows, attention_rows = [], []
+    for batch, seq_len in DOCMASK_SHAPES:
+        shape = f"{batch} x {seq_len}"
+        ms = bench_model_paths(cfg, device, batch, seq_len, args.warmup, args.reps)
+        model_rows.append([shape, f"{ms['is_causal']:.1f}", f"{ms['mask']:.1f}", f"{ms['mask'] / ms['is_causal']:.2f}"])
+        row = bench_attention(cfg, device, batch, seq_len, args.warmup, args.reps, flex=args.compile)
+        for what in ("forward", "forward + backward"):
+            ms = row[what]
+            attention_rows.append([shape, what, f"{ms['is_causal']:.2f}", f"{ms['mask']:.2f}",
+                                   fmt(ms.get("flex"), ".2f"), f"{row['mask build']:.2f}",
+                                   fmt(row.get("block mask build"), ".2f"), fmt(row.get("max |flex - mask|"), ".1e")])
+    print_table("docmask: demo model forward + backward (ms), SDPA is_causal vs the boolean document mask; "
+                "documents of 1 to T/2 tokens", ["batch x seq", "is_causal", "document mask", "mask / is_causal"],
+                model_rows)
+    print_table(f"docmask: attention alone (ms), {cfg.model.n_head} heads x {cfg.model.head_dim}; flex_attention "
+                "compiled, with a document block mask; max |flex - mask|: outputs (and q grads) in fp32",
+                ["batch x seq", "pass", "SDPA is_causal", "SDPA mask", "flex", "mask build", "block mask build",
+                 "max |flex - mask|"], attention_rows)
+
+
 # (device type, result key, what, target, kind): "ratio" and "min share" must reach the target, "max share"
 # must stay below it. The speed issue's targets: on a CPU against transformers and a one-process loop, on
 # an H100 half of the dense bf16 peak.
@@ -168,7 +196,8 @@ def target_rows(results: dict[str, float], device: torch.device) -> list[list[st
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m lm.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sections", nargs="+", default=SECTIONS, choices=SECTIONS)
+    parser.add_argument("--sections", nargs="+", default=DEFAULT_SECTIONS, choices=SECTIONS,
+                        help=f"default: {' '.join(DEFAULT_SECTIONS)}")
     parser.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
     parser.add_argument("--engines", nargs="+", default=["ddp", "fsdp", "deepspeed-zero1", "deepspeed-zero2",
                                                         "deepspeed-zero3"],
@@ -179,7 +208,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--reps-no-cache", type=positive_int, default=1,
                         help="timed repetitions of sampling without cache")
     parser.add_argument("--reps-data", type=positive_int, default=3, help="timed repetitions of data preparation")
-    parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile rows")
+    parser.add_argument("--no-compile", dest="compile", action="store_false",
+                        help="skip the torch.compile rows (and docmask's flex_attention)")
     parser.add_argument("--new-tokens", type=positive_int, default=256, help="tokens per sequence in the sampling rows")
     parser.add_argument("--sampling-preset", default="demo", choices=PRESETS)
     parser.add_argument("--profile", action="store_true",

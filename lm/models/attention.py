@@ -43,6 +43,20 @@ def causal_mask(num_queries: int, start: int, device: torch.device | None = None
     return key_pos[None, :] <= query_pos[:, None]
 
 
+def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
+    """Boolean mask (B, 1, T, T) for windows packed from several documents: True where query i may attend to
+    key j, i.e. j <= i and both tokens belong to the same document.
+
+    positions: (B, T) int, each token's position inside its own document; a document starts wherever it is 0,
+    so the document id of token t is the number of zeros in positions[:, :t + 1]. The mask broadcasts over heads.
+    """
+    T = positions.size(-1)
+    doc = (positions == 0).cumsum(dim=-1)  # (B, T)
+    same_doc = doc[:, :, None] == doc[:, None, :]  # (B, T, T): [b, query, key]
+    causal = causal_mask(T, 0, positions.device)  # (T, T)
+    return (same_doc & causal)[:, None]  # (B, 1, T, T)
+
+
 def key_padding_mask(keep: torch.Tensor | None) -> torch.Tensor | None:
     """(B, S) bool, True for real tokens -> (B, 1, 1, S), broadcast over heads and queries; None stays None."""
     return None if keep is None else keep[:, None, None, :]
@@ -73,9 +87,10 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         """x: (B, T, C) -> (B, T, C).
 
-        rope: (cos, sin) of the T positions, each (T, hs), or None without rotary positions. With a
-        cache (causal only), x holds the T positions after those already cached. mask: key padding,
-        (B, 1, 1, T) bool (non-causal only), or None when nothing is padded.
+        rope: (cos, sin) of the T positions, each (T, hs) or (B, T, hs), or None without rotary positions.
+        With a cache (causal only), x holds the T positions after those already cached. mask: bool, for a
+        non-causal layer the key padding (B, 1, 1, T); for a causal one (no cache) the whole mask, causal
+        triangle included, e.g. `document_causal_mask` (B, 1, T, T); None for plain causal or no padding.
         """
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -89,7 +104,7 @@ class SelfAttention(nn.Module):
             k, v = cache.append(k, v)  # (B, nkv, start + T, hs)
 
         dropout_p = self.dropout if self.training else 0.0
-        if not self.causal:
+        if not self.causal or mask is not None:
             y = attend(q, k, v, mask=mask, dropout_p=dropout_p)
         elif start == 0:
             y = attend(q, k, v, is_causal=True, dropout_p=dropout_p)

@@ -44,7 +44,8 @@ class Block(nn.Module):
         memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         memory_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x: (B, T, C) -> (B, T, C). mask pads the block's own keys (encoder). A cross-attention block
+        """x: (B, T, C) -> (B, T, C). mask pads the block's own keys (encoder), or is a decoder's whole
+        self-attention mask, causal triangle included (packed documents, no cache). A cross-attention block
         attends to the encoder output `memory` (B, S, C), or to its keys and values `memory_kv`
         (B, nkv, S, hs) when the caller projected them once for many decoding steps; memory_mask is
         the memory's padding."""

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lm.models.attention import document_causal_mask
 from lm.models.block import Block
 from lm.models.config import ModelConfig
 from lm.models.kv_cache import KVCache
@@ -51,6 +52,17 @@ def residual_projections(blocks: nn.ModuleList) -> set[nn.Module]:
         if hasattr(block, "cross"):
             found.add(block.cross.proj)
     return found
+
+
+def check_positions(positions: torch.Tensor, idx: torch.Tensor, cache: KVCache | None, last_only: bool) -> None:
+    """Reject per-document `positions` where they cannot apply: they must match idx (B, T), and they describe
+    one whole packed window, which neither a cache nor last-position sampling (both extend one sequence) has."""
+    if positions.shape != idx.shape:
+        raise ValueError(f"GPT.forward: positions has shape {tuple(positions.shape)}; it must match idx, "
+                         f"{tuple(idx.shape)}")
+    if cache is not None or last_only:
+        raise ValueError("GPT.forward: positions (packed documents) are for training and scoring whole windows; "
+                         "they cannot be combined with a KV cache or last_only")
 
 
 class GPT(nn.Module):
@@ -101,12 +113,16 @@ class GPT(nn.Module):
         return KVCache(cfg.n_layer, batch_size, cfg.kv_heads, max_len, cfg.head_dim, device, dtype)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
-        last_only: bool = False,
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+        cache: KVCache | None = None, last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits for every position and, given targets, the mean cross-entropy loss.
 
-        idx, targets: (B, T) token ids. With a cache, idx holds the T tokens after the cache.length
+        idx, targets: (B, T) token ids. `positions` (B, T) int, for windows packed from several documents:
+        each token's position inside its own document, 0 where a document starts. Attention then stays
+        inside each document (`document_causal_mask`) and position encodings restart at every document,
+        so each document's logits are those it gets alone; without it, tokens sit at 0..T-1 and attend
+        causally across the whole window. With a cache, idx holds the T tokens after the cache.length
         already cached, and their keys and values are appended to it. `last_only` (sampling, no targets)
         runs the output head on the last position alone: logits (B, 1, padded_vocab_size).
         Returns logits (B, T, padded_vocab_size) and a float32 scalar loss, or None without targets.
@@ -120,7 +136,14 @@ class GPT(nn.Module):
                 f"model.block_size={cfg.block_size}"
             )
 
-        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
+        mask = None
+        if positions is None:
+            pos = torch.arange(start, start + T, device=idx.device)  # (T,)
+        else:
+            check_positions(positions, idx, cache, last_only)
+            pos = positions  # (B, T)
+            # built once here rather than in every block: all layers share it
+            mask = document_causal_mask(positions)  # (B, 1, T, T)
         x = self.wte(idx)  # (B, T, C)
         rope = None
         if cfg.pos == "learned":
@@ -128,10 +151,10 @@ class GPT(nn.Module):
         elif cfg.pos == "sinusoidal":
             x = x + sinusoidal_positions(pos, cfg.d_model).to(x.dtype)
         else:
-            rope = rope_angles(pos, cfg.head_dim, cfg.rope_theta)  # each (T, hs)
+            rope = rope_angles(pos, cfg.head_dim, cfg.rope_theta)  # each (T, hs) or (B, T, hs)
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, None if cache is None else cache[i])
+            x = block(x, rope, None if cache is None else cache[i], mask)
         if last_only:
             if targets is not None:
                 raise ValueError("GPT.forward: last_only is for sampling; the loss needs every position's logits")

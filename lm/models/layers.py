@@ -48,31 +48,37 @@ class MLP(nn.Module):
 def sinusoidal_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
     """Fixed position encodings of Vaswani et al.: PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(...).
 
-    positions: (T,) int; returns (T, d_model) float32.
+    positions: int, any shape, e.g. (T,) or (B, T); returns (*positions.shape, d_model) float32.
     """
     inv_freq = torch.exp(torch.arange(0, d_model, 2, device=positions.device, dtype=torch.float32)
                          * (-math.log(10000.0) / d_model))  # (ceil(d/2),)
-    angles = positions.float()[:, None] * inv_freq[None, :]  # (T, ceil(d/2))
-    pe = torch.empty(len(positions), d_model, device=positions.device)
-    pe[:, 0::2] = angles.sin()
-    pe[:, 1::2] = angles.cos()[:, : d_model // 2]
+    angles = positions.float()[..., None] * inv_freq  # (..., ceil(d/2))
+    pe = torch.empty(*positions.shape, d_model, device=positions.device)
+    pe[..., 0::2] = angles.sin()
+    pe[..., 1::2] = angles.cos()[..., : d_model // 2]
     return pe
 
 
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, each (T, head_dim) float32, for `positions` (T,).
+    """cos and sin of the rotary angles, each (*positions.shape, head_dim) float32, for int `positions` of
+    any shape: (T,) for one shared sequence, (B, T) for per-row positions (packed documents).
 
     Channel pairs (j, j + head_dim/2) rotate together by position * theta^(-2j/head_dim): the
     "half split" layout of GPT-NeoX and Hugging Face's Llama, so their weights need no permutation.
     """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, head_dim / 2)
-    angles = torch.cat([freqs, freqs], dim=-1)  # (T, head_dim)
+    freqs = positions.float()[..., None] * inv_freq  # (..., head_dim / 2)
+    angles = torch.cat([freqs, freqs], dim=-1)  # (..., head_dim)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate queries or keys x (B, nh, T, hs) by the angles of their positions (cos, sin: (T, hs))."""
+    """Rotate queries or keys x (B, nh, T, hs) by the angles of their positions.
+
+    cos, sin: (T, hs), shared by every row, or (B, T, hs), one set of positions per row.
+    """
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hs): the same angles for every head
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)  # (B, nh, T, hs): each pair (a, b) -> (-b, a)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)

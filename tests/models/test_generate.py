@@ -124,7 +124,7 @@ def test_padding_rows_are_never_sampled(monkeypatch: pytest.MonkeyPatch) -> None
     real_forward = model.forward
 
     def forward_favouring_padding(idx, targets=None, cache=None, last_only=False):
-        logits, loss = real_forward(idx, targets, cache, last_only)
+        logits, loss = real_forward(idx, targets, cache=cache, last_only=last_only)
         logits[..., model.cfg.vocab_size :] = 100.0
         return logits, loss
 
