@@ -92,8 +92,11 @@ def main(argv: list[str]) -> int:
         if objective is not None:
             nll, count = score_span_corruption(model, streams, objective, args.batch_size, device, bar)
         else:
+            # a model trained with document masking is scored so too: each window attends within its documents
+            eot = load_tokenizer(cfg.data.tokenizer).eot_token if cfg.data.document_mask else None
             for stream in streams:
-                scored = score_stream(model, np.asarray(stream), seq_len, stride, args.batch_size, device, bar)
+                scored = score_stream(model, np.asarray(stream), seq_len, stride, args.batch_size, device, bar,
+                                      document_eot=eot)
                 nll, count = nll + scored[0], count + scored[1]
     if count == 0:
         raise DataError(f"{source}: nothing to score (fewer than {seq_len + 1 if objective else 2} tokens)")
@@ -103,7 +106,8 @@ def main(argv: list[str]) -> int:
         print(f"data: {source} | span corruption of windows of {seq_len + 1} tokens (source {s}, target {t})")
         print(f"target tokens scored: {count:,}")
     else:
-        print(f"data: {source} | window {seq_len}, stride {stride}")
+        masked = " | attention within documents (data.document_mask)" if cfg.data.document_mask else ""
+        print(f"data: {source} | window {seq_len}, stride {stride}{masked}")
         print(f"tokens scored: {count:,}")
     _print_loss(nll, count, n_bytes, streams if objective is None else None)
     return 0

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from lm.data.objectives import SpanCorruption
+from lm.data.objectives import SpanCorruption, document_positions
 from lm.data.shards import check_token_ids, open_shard, read_manifest
 from lm.errors import DataError
 from lm.io import read_utf8
@@ -46,8 +46,11 @@ def eval_windows(n_tokens: int, seq_len: int, stride: int) -> list[tuple[int, in
 
 @torch.no_grad()
 def score_stream(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, stride: int,
-                 batch_size: int, device: torch.device, progress: tqdm | None = None) -> tuple[float, int]:
-    """Summed negative log-likelihood (nats) and number of targets scored over one token stream."""
+                 batch_size: int, device: torch.device, progress: tqdm | None = None,
+                 document_eot: int | None = None) -> tuple[float, int]:
+    """Summed negative log-likelihood (nats) and number of targets scored over one token stream.
+    With `document_eot` (a model trained with data.document_mask) each window attends within its documents,
+    as in training (`lm.data.objectives.document_positions`)."""
     windows = eval_windows(len(tokens), seq_len, stride)
     nll, count = 0.0, 0
     # Windows of equal length share a batch; only the first and last can be shorter than seq_len.
@@ -60,7 +63,11 @@ def score_stream(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, strid
             rows = np.stack([tokens[s:e + 1] for s, e, _ in chunk]).astype(np.int64)
             x = torch.from_numpy(rows[:, :-1]).to(device)  # (B, T)
             y = torch.from_numpy(rows[:, 1:]).to(device)  # (B, T)
-            logits, _ = model(x)
+            if document_eot is None:
+                logits, _ = model(x)
+            else:
+                positions = torch.from_numpy(document_positions(rows[:, :-1], document_eot)).to(device)  # (B, T)
+                logits, _ = model(x, None, positions)
             losses = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
             losses = losses.view(len(chunk), length)
             # target j of a window sits at stream index start + 1 + j

@@ -58,3 +58,19 @@ def test_unigram_entropy_by_hand():
     # the first token of each stream is context only, as in scoring
     assert unigram_entropy([np.array([5, 0, 0]), np.array([9, 1, 1])]) == pytest.approx(math.log(2))
     assert unigram_entropy([np.array([3, 7, 7, 7])]) == 0.0
+
+
+def test_a_document_masked_stream_scores_as_its_documents_one_by_one():
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=100, block_size=32, n_layer=2, n_head=2, d_model=32, dropout=0.0)).eval()
+    eot, rng = 99, np.random.default_rng(0)
+    docs = [rng.integers(0, 99, n) for n in (5, 9, 3)]
+    # each document opens with the end-of-text token that closed the one before, and is closed by one
+    stream = np.concatenate([[eot], *[np.append(d, eot) for d in docs]])  # (21,)
+    cpu = torch.device("cpu")
+    packed, count = score_stream(model, stream, seq_len=20, stride=20, batch_size=1, device=cpu, document_eot=eot)
+    alone = [score_stream(model, np.concatenate([[eot], d, [eot]]), 20, 20, 1, cpu) for d in docs]
+    assert count == sum(n for _, n in alone) == 20
+    assert packed == pytest.approx(sum(nll for nll, _ in alone), rel=1e-5)
+    unmasked, _ = score_stream(model, stream, seq_len=20, stride=20, batch_size=1, device=cpu)
+    assert abs(unmasked - packed) > 1e-3  # without the mask, later documents see earlier ones
