@@ -43,8 +43,9 @@ def split_pieces(chunks: Iterable[str], separator: str, max_chars: int) -> Itera
 
     `separator` "" makes the whole text one document; `BLANK_LINES` splits at each run of blank lines;
     any other string splits at each occurrence of itself, which is dropped. Documents that are empty or
-    whitespace only are skipped, except the one document of a file. The text held back never exceeds
-    `max_chars` plus one chunk: past that, a document is yielded in pieces.
+    whitespace only are skipped, except the one document of a file. Once `max_chars` characters are held
+    back, the document so far is yielded as a piece, so at most `max_chars` plus one chunk are held (more
+    only for whitespace that a run of blank lines could still take).
     """
     rest, started = "", False  # started: a piece of the document in `rest` was yielded already
     for chunk in chunks:
