@@ -33,7 +33,7 @@ _HASH_CHUNK = 1 << 20
 TEXT_CHUNK = 1 << 18
 """Bytes of a text file read at a time, and characters of a document held before it is yielded in pieces.
 Small, because up to 2 pieces per tokenizer thread are in flight, each with its tokens: preparing one
-100 MB document peaked at 255 MiB with 4 MiB, at 81 MiB with 256 KiB, as fast (docs/benchmarks.md)."""
+100 MB document peaked at 255 MiB with 4 MiB, at 71 MiB with 256 KiB, and ran faster (docs/benchmarks.md)."""
 
 _HEADING = re.compile(r"^#{1,6}[ \t]+", re.M)
 _SPEAKER = re.compile(r"^\*\*(.+?)\*\*[ \t]*$", re.M)
