@@ -6,6 +6,7 @@ a temporary name and renamed into place (`publish_dir`); one it replaces waits u
 until the new one is in place, so at every moment one complete copy exists.
 """
 
+import codecs
 import contextlib
 import hashlib
 import os
@@ -102,10 +103,7 @@ def decode_utf8(data: bytes, origin: str | Path) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise DataError(
-            f"{origin}: not UTF-8: byte 0x{data[err.start]:02x} at offset {err.start} cannot be decoded "
-            f"({err.reason}); convert the file to UTF-8"
-        ) from None
+        raise _not_utf8(origin, err, 0) from None
 
 
 def read_utf8(path: str | Path) -> str:
@@ -115,3 +113,39 @@ def read_utf8(path: str | Path) -> str:
     except OSError as err:
         raise DataError(f"{path}: cannot read: {err.strerror or err}") from None
     return decode_utf8(data, path)
+
+
+def read_utf8_chunks(path: str | Path, chunk_bytes: int) -> Iterator[str]:
+    """The text of a UTF-8 file as consecutive non-empty strings decoded from about `chunk_bytes` bytes
+    each, so a file larger than memory can be read; DataError as `read_utf8` gives, with the bad byte's
+    offset in the file."""
+    try:
+        f = open(path, "rb")
+    except OSError as err:
+        raise DataError(f"{path}: cannot read: {err.strerror or err}") from None
+    with f:
+        offset = 0  # of data[0] in the file
+        pending = b""  # the start of a character the last chunk cut in two
+        while True:
+            try:
+                chunk = f.read(chunk_bytes)
+            except OSError as err:
+                raise DataError(f"{path}: cannot read: {err.strerror or err}") from None
+            data = pending + chunk
+            try:
+                text, used = codecs.utf_8_decode(data, "strict", not chunk)
+            except UnicodeDecodeError as err:
+                raise _not_utf8(path, err, offset) from None
+            if text:
+                yield text
+            if not chunk:
+                return
+            pending, offset = data[used:], offset + used
+
+
+def _not_utf8(origin: str | Path, err: UnicodeDecodeError, offset: int) -> DataError:
+    """The one message for undecodable bytes; `offset` is where `err.object` starts in `origin`."""
+    return DataError(
+        f"{origin}: not UTF-8: byte 0x{err.object[err.start]:02x} at offset {offset + err.start} cannot be "
+        f"decoded ({err.reason}); convert the file to UTF-8"
+    )

@@ -5,7 +5,7 @@ import stat
 import pytest
 
 from lm.errors import DataError
-from lm.io import atomic_path, atomic_write_text, merge_dir, publish_dir, read_utf8, sha256_file
+from lm.io import atomic_path, atomic_write_text, merge_dir, publish_dir, read_utf8, read_utf8_chunks, sha256_file
 
 
 def test_sha256_file_streams_the_whole_file(tmp_path):
@@ -79,3 +79,29 @@ def test_read_utf8_names_the_file_and_the_bad_byte(tmp_path):
         read_utf8(tmp_path / "bad.txt")
     with pytest.raises(DataError, match=r"none.txt: cannot read: No such file or directory"):
         read_utf8(tmp_path / "none.txt")
+
+
+def test_read_utf8_chunks_decodes_characters_cut_by_chunks(tmp_path):
+    text = "héllo wörld, 日本語 🙂\n" * 50
+    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
+    for size in (1, 2, 3, 5, 1 << 20):
+        chunks = list(read_utf8_chunks(tmp_path / "a.txt", size))
+        assert "".join(chunks) == text and all(chunks)
+    assert len(list(read_utf8_chunks(tmp_path / "a.txt", 7))) > 100
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"abc\xffdef", r"bad.txt: not UTF-8: byte 0xff at offset 3 cannot be decoded \(invalid start byte\)"),
+    ("é".encode() * 40 + b"\xc3\x28" + b"x" * 40, r"bad.txt: not UTF-8: byte 0xc3 at offset 80 cannot be decoded"),
+    (b"ok \xe6\x97", r"bad.txt: not UTF-8: byte 0xe6 at offset 3 cannot be decoded \(unexpected end of data\)"),
+])
+def test_read_utf8_chunks_gives_read_utf8s_error(tmp_path, data, message):
+    (tmp_path / "bad.txt").write_bytes(data)
+    with pytest.raises(DataError, match=message) as whole:
+        read_utf8(tmp_path / "bad.txt")
+    for size in (1, 3, 16, 1 << 20):
+        with pytest.raises(DataError) as chunked:
+            list(read_utf8_chunks(tmp_path / "bad.txt", size))
+        assert str(chunked.value) == str(whole.value)
+    with pytest.raises(DataError, match=r"none.txt: cannot read: No such file or directory"):
+        list(read_utf8_chunks(tmp_path / "none.txt", 4))

@@ -40,6 +40,10 @@ class DataConfig:
     """Built-in corpus name (shakespeare), or comma-separated paths/globs of .txt/.md/.json/.jsonl/.parquet files."""
     text_column: str = "text"
     """Column holding the text in json/jsonl/parquet files."""
+    document_separator: str = ""
+    """What splits a .txt/.md file into documents: "" none (one document per file); "\\n\\n" any run of blank
+    lines (lines holding only whitespace); any other string itself, dropped. Empty or blank documents are
+    skipped. Rows of json/jsonl/parquet files and the built-in corpus's plays are one document each."""
     tokenizer: str = "gpt2"
     """tiktoken encoding: gpt2 (r50k_base ids) or cl100k_base."""
     dir: str = "data/shakespeare"
@@ -69,6 +73,12 @@ class DataConfig:
         for key in ("shard_tokens", "num_workers", "seq_len"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"data.{key}: must be positive, got {getattr(self, key)}")
+        if re.search(r"\\[nrtf]", self.document_separator):
+            raise ConfigError(
+                f"data.document_separator: {self.document_separator!r} holds a backslash escape as two "
+                "characters; for a newline, form feed or tab write it in YAML double quotes, e.g. "
+                "--data.document_separator='\"\\n\\n\"'"
+            )
         if not self.source.strip():
             raise ConfigError("data.source: must name a corpus or files, got an empty string")
         self._check_mixture()

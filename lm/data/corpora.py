@@ -1,8 +1,9 @@
 """Where documents come from: the built-in Shakespeare corpus or local text, JSON and Parquet files.
 
 A source string names the built-in corpus or lists comma-separated paths/globs. `find_corpus` resolves
-and checks it up front; `Corpus.documents` then streams one str per document, so a corpus larger than
-memory works, and `Corpus.content_hash` fingerprints the input so unchanged data is not re-prepared.
+and checks it up front; `Corpus.pieces` then streams the documents in pieces (text files are read in
+chunks), so a corpus, a file or a document larger than memory works, and `Corpus.content_hash`
+fingerprints the input so unchanged data is not re-prepared.
 """
 
 import glob
@@ -15,10 +16,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from lm.data.pieces import Piece, split_pieces
 from lm.errors import DataError
-from lm.io import read_utf8
+from lm.io import read_utf8, read_utf8_chunks
 
-__all__ = ["BUILTIN_CORPORA", "Corpus", "clean_markdown", "find_corpus", "iter_documents"]
+__all__ = ["BUILTIN_CORPORA", "TEXT_CHUNK", "Corpus", "clean_markdown", "find_corpus", "iter_documents"]
 
 BUILTIN_CORPORA = ("shakespeare",)
 _TEXT_SUFFIXES = (".txt", ".md")
@@ -28,6 +30,10 @@ _SUFFIXES = ", ".join(_TEXT_SUFFIXES + tuple(_ROW_FORMATS))
 # so data prepared with the old cleaning is rebuilt.
 _CLEANING_VERSION = 1
 _HASH_CHUNK = 1 << 20
+TEXT_CHUNK = 1 << 18
+"""Bytes of a text file read at a time, and characters of a document held before it is yielded in pieces.
+Small, because up to 2 pieces per tokenizer thread are in flight, each with its tokens: preparing one
+100 MB document peaked at 255 MiB with 4 MiB, at 71 MiB with 256 KiB, and ran faster (docs/benchmarks.md)."""
 
 _HEADING = re.compile(r"^#{1,6}[ \t]+", re.M)
 _SPEAKER = re.compile(r"^\*\*(.+?)\*\*[ \t]*$", re.M)
@@ -62,11 +68,14 @@ class Corpus:
     """Directory the file names in the content hash are relative to (so moving a corpus keeps its hash)."""
     builtin: str | None = None
     """Name of the built-in corpus, whose Markdown is cleaned; None for user files, read verbatim."""
+    separator: str = ""
+    """What splits a user .txt/.md file into documents (`data.document_separator`); "" for none."""
 
     @property
     def num_documents(self) -> int | None:
-        """Document count when known without reading (one per text file); None when rows must be counted."""
-        if any(f.suffix in _ROW_FORMATS for f in self.files):
+        """Document count when known without reading (one per text file); None when rows or separators must
+        be counted."""
+        if self.separator or any(f.suffix in _ROW_FORMATS for f in self.files):
             return None
         return len(self.files)
 
@@ -84,24 +93,36 @@ class Corpus:
                     h.update(chunk)
         return h.hexdigest()
 
-    def documents(self, text_column: str) -> Iterator[str]:
-        """Stream the documents: one per .txt/.md file, one per row of .json/.jsonl/.parquet files."""
+    def pieces(self, text_column: str) -> Iterator[Piece]:
+        """Stream the documents in pieces: a row of .json/.jsonl/.parquet files or a play of the built-in
+        corpus is one piece; a .txt/.md file, read `TEXT_CHUNK` bytes at a time, is one document or is
+        split at `separator`, each document in as many pieces as its size needs (see lm.data.pieces)."""
         for path in self.files:
             if path.suffix in _ROW_FORMATS:
-                yield from _row_texts(path, _ROW_FORMATS[path.suffix], text_column)
+                yield from (Piece(text, True) for text in _row_texts(path, _ROW_FORMATS[path.suffix], text_column))
             elif self.builtin is not None:
-                yield clean_markdown(read_utf8(path))
+                yield Piece(clean_markdown(read_utf8(path)), True)  # a play is small, and cleaned whole
             else:
-                yield read_utf8(path)
+                yield from split_pieces(read_utf8_chunks(path, TEXT_CHUNK), self.separator, TEXT_CHUNK)
+
+    def documents(self, text_column: str) -> Iterator[str]:
+        """Stream the documents, each whole (so each must fit in memory; preparing streams `pieces`)."""
+        parts: list[str] = []
+        for piece in self.pieces(text_column):
+            parts.append(piece.text)
+            if piece.ends_document:
+                yield "".join(parts)
+                parts = []
 
 
-def iter_documents(source: str, text_column: str) -> Iterator[str]:
+def iter_documents(source: str, text_column: str, separator: str = "") -> Iterator[str]:
     """Stream the documents of `source` (see `find_corpus`) as str."""
-    return find_corpus(source).documents(text_column)
+    return find_corpus(source, separator).documents(text_column)
 
 
-def find_corpus(source: str) -> Corpus:
-    """Resolve `source`: a built-in corpus name, or comma-separated paths/globs of local files.
+def find_corpus(source: str, separator: str = "") -> Corpus:
+    """Resolve `source`: a built-in corpus name, or comma-separated paths/globs of local files whose
+    .txt/.md files `separator` splits into documents ("" for one document per file).
 
     Raises DataError for an unknown name, a pattern matching no files, an unsupported extension or
     an empty file, before anything is read.
@@ -131,7 +152,7 @@ def find_corpus(source: str) -> Corpus:
         if path.stat().st_size == 0:
             raise DataError(f"{path}: empty file; expected at least one document")
     root = Path(os.path.commonpath([p.parent for p in files]))
-    return Corpus(files=tuple(files), root=root)
+    return Corpus(files=tuple(files), root=root, separator=separator)
 
 
 def _shakespeare() -> Corpus:

@@ -1,10 +1,10 @@
 """Tokenize a corpus into train/val shards plus manifest.json, reusing the output when nothing changed.
 
-Documents stream through: corpus -> batches of documents -> tokenizer threads -> ShardWriter, so
-memory stays bounded however large the corpus. Threads, not processes: tiktoken releases the GIL while
-it encodes, so threads tokenize in parallel without copying text and tokens between processes. The
-output is built in a sibling directory and swapped in only when complete, so a crash or a bad input
-never harms shards that were already good.
+Documents stream through in pieces: corpus -> batches of pieces -> tokenizer threads -> ShardWriter, so
+memory stays bounded however large the corpus, a file or a document. Threads, not processes: tiktoken
+releases the GIL while it encodes, so threads tokenize in parallel without copying text and tokens
+between processes. The output is built in a sibling directory and swapped in only when complete, so a
+crash or a bad input never harms shards that were already good.
 """
 
 import collections
@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from lm.data.config import DataConfig
 from lm.data.corpora import Corpus, find_corpus
+from lm.data.pieces import Piece
 from lm.data.shards import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -45,7 +46,7 @@ __all__ = ["is_val_document", "output_hash", "prepare"]
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val")
-_BATCH_DOCS = 256  # documents per task: few enough to balance the threads and bound memory
+_BATCH_PIECES = 256  # pieces per task: few enough to balance the threads and bound memory
 _BATCH_CHARS = 1 << 17  # ~30k tokens, ~15 ms of one core: the last task barely delays the end
 
 
@@ -60,6 +61,8 @@ def output_hash(input_hash: str, cfg: DataConfig) -> str:
         "input": input_hash, "tokenizer": cfg.tokenizer, "val_fraction": cfg.val_fraction,
         "shard_tokens": cfg.shard_tokens, "format_version": FORMAT_VERSION,
     }
+    if cfg.document_separator:  # absent when unset, so data prepared before the key existed stays current
+        key["document_separator"] = cfg.document_separator
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
@@ -67,7 +70,7 @@ def prepare(cfg: DataConfig, force: bool = False) -> dict:
     """Prepare `cfg.source` into `cfg.dir` (unless an intact, identical preparation is there) and
     return its manifest. Raises DataError for bad input before `cfg.dir` changes."""
     start_time = time.perf_counter()
-    corpus = find_corpus(cfg.source)
+    corpus = find_corpus(cfg.source, cfg.document_separator)
     enc = load_tokenizer(cfg.tokenizer)
     content_hash = output_hash(corpus.content_hash(cfg.text_column), cfg)
     out = Path(cfg.dir)
@@ -155,7 +158,7 @@ def _tokenize(corpus: Corpus, cfg: DataConfig, out: Path, dtype: np.dtype) -> di
     writers = {split: ShardWriter(out, split, cfg.shard_tokens, dtype) for split in SPLITS}
     docs = dict.fromkeys(SPLITS, 0)
     encode = functools.partial(_encode_batch, tokenizer=cfg.tokenizer, val_fraction=cfg.val_fraction, dtype=dtype)
-    batches = _batches(corpus.documents(cfg.text_column))
+    batches = _batches(corpus.pieces(cfg.text_column))
     with tqdm(total=corpus.num_documents, unit="doc", desc="tokenizing", disable=None) as bar:
         for (train, val), (num_train, num_val) in _ordered_map(encode, batches, cfg.num_workers):
             writers["train"].add(train)
@@ -171,38 +174,41 @@ def _tokenize(corpus: Corpus, cfg: DataConfig, out: Path, dtype: np.dtype) -> di
     return splits
 
 
-def _batches(documents: Iterable[str]) -> Iterator[tuple[int, list[str]]]:
-    """Group documents into (index of the first, texts) tasks of bounded size."""
-    batch: list[str] = []
+def _batches(pieces: Iterable[Piece]) -> Iterator[tuple[int, list[Piece]]]:
+    """Group pieces into (index of the document the first belongs to, pieces) tasks of bounded size."""
+    batch: list[Piece] = []
     chars = 0
     start = 0
-    for text in documents:
-        batch.append(text)
-        chars += len(text)
-        if len(batch) == _BATCH_DOCS or chars >= _BATCH_CHARS:
+    for piece in pieces:
+        batch.append(piece)
+        chars += len(piece.text)
+        if len(batch) == _BATCH_PIECES or chars >= _BATCH_CHARS:
             yield start, batch
-            start += len(batch)
+            start += sum(p.ends_document for p in batch)
             batch, chars = [], 0
     if batch:
         yield start, batch
 
 
 def _encode_batch(
-    task: tuple[int, list[str]], tokenizer: str, val_fraction: float, dtype: np.dtype
+    task: tuple[int, list[Piece]], tokenizer: str, val_fraction: float, dtype: np.dtype
 ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[int, int]]:
-    """Tokenize one batch; returns ((train tokens, val tokens), (train docs, val docs)), each document
-    followed by the end-of-text token."""
-    start, texts = task
+    """Tokenize one batch; returns ((train tokens, val tokens), (train docs, val docs)), each document's
+    last piece followed by the end-of-text token and counted as its document."""
+    document, pieces = task
     enc = load_tokenizer(tokenizer)  # cached
     eot = np.array([enc.eot_token], dtype=np.uint32)
     parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
     counts = {False: 0, True: 0}
-    for i, text in enumerate(texts):
-        is_val = is_val_document(start + i, val_fraction)
+    for text, ends_document in pieces:
+        is_val = is_val_document(document, val_fraction)
         # Ordinary text only (no special tokens allowed): a corpus may contain the characters
         # "<|endoftext|>", which are text, not EOT. encode_to_numpy is encode_ordinary without a list of ints.
-        parts[is_val] += [enc.encode_to_numpy(text, disallowed_special=()), eot]
-        counts[is_val] += 1
+        parts[is_val].append(enc.encode_to_numpy(text, disallowed_special=()))
+        if ends_document:
+            parts[is_val].append(eot)
+            counts[is_val] += 1
+            document += 1
     tokens = tuple(np.concatenate(parts[v]).astype(dtype) if parts[v] else np.empty(0, dtype) for v in (False, True))
     return tokens, (counts[False], counts[True])
 

@@ -43,6 +43,7 @@ def test_text_that_reads_as_a_yaml_mapping_is_taken_literally():
         ("--train.device=tpu", "train.device: expected auto, cpu or cuda"),
         ("--checkpoint.resume=maybe", "checkpoint.resume: expected auto, never or required"),
         ("--optim.beta2=1.5", "optim.beta2: must be in [0, 1)"),
+        ("--data.document_separator=\\n\\n", "data.document_separator: '\\\\n\\\\n' holds a backslash escape"),
         ("--log.sample_every=-1", "log.sample_every: must be >= 0"),
         ("--log.sample_tokens=0", "log.sample_tokens: must be positive"),
         ("--model.n_layer=a: b", "model.n_layer: expected int, got str 'a: b'"),
@@ -70,7 +71,8 @@ def test_bad_yaml_files(tmp_path):
 
 
 def test_save_round_trip(tmp_path):
-    cfg = load_config(None, ["--model.n_layer=2", "--data.source=a.txt,b.txt"])
+    cfg = load_config(None, ["--model.n_layer=2", "--data.source=a.txt,b.txt", '--data.document_separator="\\n\\n"'])
+    assert cfg.data.document_separator == "\n\n"  # YAML reads escapes in double quotes
     save_config(cfg, tmp_path / "config.yaml")
     assert load_config(tmp_path / "config.yaml") == cfg
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]["n_layer"] == 2

@@ -81,6 +81,17 @@ def test_text_files_are_documents_in_pattern_then_name_order(tmp_path):
     assert list(corpus.documents("text")) == ["zed", "ay **bold**", "bee"]
 
 
+def test_document_separator_splits_text_files_only(tmp_path):
+    (tmp_path / "a.txt").write_text("one\n\n\ntwo\n \nthree\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "four\n\nstill four"}) + "\n")
+    source = f"{tmp_path}/a.txt,{tmp_path}/b.jsonl"
+    assert list(iter_documents(source, "text")) == ["one\n\n\ntwo\n \nthree\n", "four\n\nstill four"]
+    assert list(iter_documents(source, "text", "\n\n")) == ["one\n", "two\n", "three\n", "four\n\nstill four"]
+    assert find_corpus(str(tmp_path / "a.txt"), "\n\n").num_documents is None  # known only once read
+    shakespeare = find_corpus("shakespeare", "\n\n")
+    assert shakespeare.num_documents == 38 and shakespeare == find_corpus("shakespeare")  # one document a play
+
+
 def test_row_files(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"body": "one", "id": 1}) + "\n" + json.dumps({"body": "two"}) + "\n")
     (tmp_path / "b.json").write_text(json.dumps([{"body": "three"}]))

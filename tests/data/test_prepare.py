@@ -9,7 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from lm.cli import run
+from lm.data import corpora
+from lm.data import prepare as prepare_module
 from lm.data.config import DataConfig
+from lm.data.corpora import find_corpus
 from lm.data.prepare import is_val_document, prepare
 from lm.data.shards import open_shard
 from lm.errors import DataError
@@ -230,3 +233,68 @@ def test_cli(tmp_path, capsys):
         main(["--help"])
     assert exit_.value.code == 0
     assert "--force" in capsys.readouterr().out
+
+
+def test_text_read_in_small_chunks_gives_identical_shards(tmp_path, monkeypatch):
+    plays = [doc for _, doc in zip(range(3), find_corpus("shakespeare").documents("text"))]
+    source = write_txt(tmp_path / "in", plays)
+    cfg = config(tmp_path, source, val_fraction=0.34, shard_tokens=50_000, num_workers=2)
+    whole = prepare(cfg)
+    monkeypatch.setattr(corpora, "TEXT_CHUNK", 1000)  # each play, ~100 kB, in ~100 pieces
+    monkeypatch.setattr(prepare_module, "_BATCH_PIECES", 7)  # and each in several tasks
+    assert prepare(dataclasses.replace(cfg, dir=str(tmp_path / "chunked"))) == whole
+    assert tree_digest(tmp_path / "chunked") == tree_digest(tmp_path / "data")
+    assert split_tokens(tmp_path / "data", whole, "val") == expected_tokens(plays, val=True, val_fraction=0.34)
+
+
+PARAGRAPHS = ["First paragraph,\nline two.\n", "  Second, indented.\r\n", "Third <|endoftext|> as text.\n",
+              "Fourth:\n\tend.\n", "Fifth.\n"]
+
+
+@pytest.mark.parametrize("separator, text", [
+    ("\n\n", "\n\n" + "\n \t\n".join(PARAGRAPHS[:3]) + "\n\n\n" + "\n".join(PARAGRAPHS[3:]) + "\n  \n"),
+    ("\f", "\f".join(PARAGRAPHS) + "\f \f"),
+    ("<|doc|>", "<|doc|>".join(PARAGRAPHS)),
+], ids=["blank-lines", "form-feed", "string"])
+@pytest.mark.parametrize("chunk", [4 << 20, 16], ids=["whole", "chunked"])
+def test_document_separator_splits_text_files(tmp_path, monkeypatch, separator, text, chunk):
+    monkeypatch.setattr(corpora, "TEXT_CHUNK", chunk)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text(text, newline="")
+    (tmp_path / "in" / "b.txt").write_text("Sixth, alone in its file.")
+    docs = [*PARAGRAPHS, "Sixth, alone in its file."]
+    manifest = prepare(config(tmp_path, str(tmp_path / "in" / "*.txt"), document_separator=separator,
+                              val_fraction=0.5, num_workers=2))
+    assert manifest["splits"]["train"]["documents"] == 3 and manifest["splits"]["val"]["documents"] == 3
+    train = split_tokens(tmp_path / "data", manifest, "train")
+    val = split_tokens(tmp_path / "data", manifest, "val")
+    assert train == expected_tokens(docs, val=False, val_fraction=0.5)
+    assert val == expected_tokens(docs, val=True, val_fraction=0.5)
+    assert [i for i, t in enumerate(val) if t == 50256] == [8, 16, 25]  # after "Second", "Fourth" and "Sixth"
+    assert load_tokenizer("gpt2").decode(val) == "".join(docs[i] + "<|endoftext|>" for i in (1, 3, 5))
+
+
+def test_changing_document_separator_re_prepares(tmp_path):
+    source = write_txt(tmp_path / "in", ["one\n\ntwo\n\nthree\n\nfour", "five"])
+    cfg = config(tmp_path, source, val_fraction=0.5)
+    files = prepare(cfg)
+    assert files["splits"]["train"]["documents"] + files["splits"]["val"]["documents"] == 2
+    paragraphs = prepare(dataclasses.replace(cfg, document_separator="\n\n"))
+    assert paragraphs["content_hash"] != files["content_hash"]
+    assert paragraphs["splits"]["train"]["documents"] + paragraphs["splits"]["val"]["documents"] == 5
+    assert prepare(dataclasses.replace(cfg, document_separator="\f"))["content_hash"] not in (
+        files["content_hash"], paragraphs["content_hash"])
+    assert prepare(cfg) == files  # back to one document per file: the first preparation's bytes again
+
+
+def test_a_bad_byte_deep_in_a_chunked_file(tmp_path, monkeypatch):
+    cfg = config(tmp_path, write_txt(tmp_path / "in", DOCS))
+    prepare(cfg)
+    before = tree_digest(tmp_path / "data")
+    monkeypatch.setattr(corpora, "TEXT_CHUNK", 1000)
+    (tmp_path / "in" / "doc_004.txt").write_bytes(b"Many words.\n" * 5000 + b"\xff" + b"More words.\n" * 100)
+    with pytest.raises(DataError, match=r"doc_004.txt: not UTF-8: byte 0xff at offset 60000 cannot be decoded") as err:
+        prepare(dataclasses.replace(cfg, num_workers=2))
+    assert str(err.value).count("\n") == 0
+    assert tree_digest(tmp_path / "data") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "in"]
