@@ -141,7 +141,7 @@ def test_non_utf8_names_file_and_offset(tmp_path):
 
 
 @pytest.mark.parametrize("make, source, message", [
-    (None, "tinystories", r"unknown corpus 'tinystories'; expected one of \['shakespeare'\]"),
+    (None, "tinystories", r"unknown corpus 'tinystories'; expected one of \['shakespeare', 'kjv'\]"),
     (None, "{tmp}/*.txt", r"matches no files"),
     ("a.csv", "{tmp}/a.csv", r"a.csv: unsupported extension '.csv'; expected one of .txt, .md, .json"),
     ("a.txt", "{tmp}/a.txt", r"a.txt: empty file"),
