@@ -52,6 +52,14 @@ def test_no_window_repeats_within_an_epoch_of_its_source_and_sources_cycle_on_th
     assert draws.draws_before(200).tolist() == [int((source == 0).sum()), int((source == 1).sum())]
 
 
+def test_the_stream_is_a_function_of_the_seed():
+    def stream(seed):
+        return MixtureDraws([0.7, 0.2, 0.1], [13, 7, 3], seed).locate(range(0, 300))
+
+    assert all(np.array_equal(a, b) for a, b in zip(stream(5), stream(5)))
+    assert not np.array_equal(stream(5)[0], stream(6)[0])  # another seed, another phase: other sources
+
+
 def test_locating_from_any_position_equals_walking_there():
     walked = MixtureDraws([0.7, 0.2, 0.1], [13, 7, 3], seed=5)
     stream = [walked.locate(range(p, p + 8)) for p in range(0, 400, 8)]
