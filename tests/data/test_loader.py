@@ -10,11 +10,11 @@ from lm.errors import DataError
 T = 4
 
 
-def make_data_dir(path, train_lengths, val_lengths=(9,)):
-    """Shards whose tokens count up across the split (token value = position in the split), so a
-    window's first token names it."""
+def make_data_dir(path, train_lengths, val_lengths=(9,), base=0):
+    """Shards whose tokens count up from `base` across the splits (token value = base + position), so a
+    window's first token names it (and, with another `base`, its directory)."""
     path.mkdir()
-    splits, offset = {}, 0
+    splits, offset = {}, base
     for split, lengths in (("train", train_lengths), ("val", val_lengths)):
         shards = []
         for i, n in enumerate(lengths):

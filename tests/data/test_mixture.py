@@ -5,7 +5,7 @@ import pytest
 
 from lm.data.loader import TokenLoader
 from lm.data.mixture import MixtureDraws, mixture_edges, mixture_phase, sample_order, sources_at
-from lm.data.shards import new_manifest, write_manifest, write_shard
+from tests.data.test_loader import make_data_dir
 
 T = 4
 WEIGHTS = [[1, 1], [3, 1], [0.7, 0.2, 0.1], [1, 2, 3, 4], [0.999, 0.001], [5, 0, 1]]
@@ -69,27 +69,10 @@ def test_locating_from_any_position_equals_walking_there():
             assert all(np.array_equal(a, b) for a, b in zip(got, want))
 
 
-def make_source(path, base, train_lengths, val_lengths=(9,)):
-    """A prepared directory whose tokens count up from `base`, so a window's first token names its source
-    and place."""
-    path.mkdir()
-    splits, offset = {}, base
-    for split, lengths in (("train", train_lengths), ("val", val_lengths)):
-        shards = []
-        for i, n in enumerate(lengths):
-            name = f"{split}_{i:05d}.bin"
-            write_shard(path / name, np.arange(offset, offset + n, dtype=np.uint16))
-            shards.append({"file": name, "tokens": n})
-            offset += n
-        splits[split] = {"documents": 1, "tokens": sum(lengths), "shards": shards}
-    write_manifest(path, new_manifest("gpt2", 50257, 50256, "test", "", splits))
-    return path
-
-
 @pytest.fixture
 def sources(tmp_path):
     # T=4: 6 windows from 0..24, 12 from 10000..10048
-    return [make_source(tmp_path / "a", 0, [25]), make_source(tmp_path / "b", 10_000, [49])]
+    return [make_data_dir(tmp_path / "a", [25]), make_data_dir(tmp_path / "b", [49], base=10_000)]
 
 
 def mixed(sources, rank, world, micro, weights=(3, 1), batch=8):
