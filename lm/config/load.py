@@ -192,7 +192,8 @@ def config_help() -> str:
         lines.append(f"{section.name}:")
         for f in dataclasses.fields(cls):
             kind = getattr(typing.get_type_hints(cls)[f.name], "__name__", "")
-            lines.append(f"  --{section.name}.{f.name}={f.default!r} ({kind}) {docs.get(f.name, '')}")
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # a list's is []
+            lines.append(f"  --{section.name}.{f.name}={default!r} ({kind}) {docs.get(f.name, '')}")
     return "\n".join(lines)
 
 

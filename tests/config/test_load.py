@@ -85,6 +85,7 @@ def test_cli_lists_every_key_in_help(capsys):
     for section in JobConfig.__dataclass_fields__:
         assert f"--{section}." in out
     assert "--train.micro_batch_size=8 (int) Sequences per rank per forward/backward" in out
+    assert "--data.mixture=[] (list) Train on several prepared directories" in out  # a default_factory's value
 
 
 def test_cli_rejects_stray_arguments():
