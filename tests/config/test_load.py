@@ -99,3 +99,20 @@ def test_presets_load():
     assert demo.train.device == "cpu" and demo.model.d_model == 128
     assert (big.model.n_layer, big.model.n_head, big.model.d_model, big.model.block_size) == (12, 12, 768, 1024)
     assert big.train.dtype == "bfloat16" and big.data.seq_len == 1024
+
+
+def test_a_mixture_comes_from_yaml_or_a_cli_flow_list_and_round_trips(tmp_path):
+    (tmp_path / "mix.yaml").write_text("data:\n  mixture:\n    - {dir: data/plays, weight: 3}\n"
+                                       "    - {dir: /corpora/kjv/, weight: 1, name: bible}\n")
+    cfg = load_config(tmp_path / "mix.yaml")
+    assert [(s.dir, s.weight, s.name) for s in cfg.data.sources] == [("data/plays", 3.0, "plays"),
+                                                                      ("/corpora/kjv/", 1.0, "bible")]
+    flow = load_config(None, ["--data.mixture=[{dir: data/plays, weight: 3}, {dir: /corpora/kjv/, weight: 1, "
+                              "name: bible}]"])
+    assert flow.data.mixture == cfg.data.mixture
+    save_config(cfg, tmp_path / "saved.yaml")
+    assert load_config(tmp_path / "saved.yaml").data.mixture == cfg.data.mixture
+    # without a mixture, training reads data.dir alone, as a source of weight 1
+    assert [(s.dir, s.weight) for s in load_config(None, ["--data.dir=data/x"]).data.sources] == [("data/x", 1.0)]
+    # a scalar key still takes YAML-looking text literally
+    assert load_config(None, ["--log.sample_prompt=KING: hi"]).log.sample_prompt == "KING: hi"
