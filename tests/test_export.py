@@ -117,6 +117,18 @@ def checkpoint_of_arch(trained_run, root, **model):
     return root
 
 
+@pytest.mark.parametrize("model, named", [
+    ({"qk_norm": True}, "GPT2LMHeadModel (GPT-2) needs model.qk_norm=false"),
+    ({"mlp": "relu2"}, "GPT2LMHeadModel (GPT-2) needs model.mlp=gelu"),
+])
+def test_the_modern_options_are_refused_by_name_before_out_exists(trained_run, tmp_path, capsys, model, named):
+    root = checkpoint_of_arch(trained_run, tmp_path / "run", **model)
+    assert run(main, ["--checkpoint", str(root), "--to", "hf", str(tmp_path / "out")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: cannot export to Hugging Face") and named in line
+    assert not (tmp_path / "out").exists()
+
+
 def test_encdec_checkpoint_is_refused_from_its_config(trained_run, tmp_path, capsys):
     """Refused from its config alone: the weights are not even read (this copy has none)."""
     run_dir = checkpoint_of_arch(trained_run, tmp_path / "encdec", arch="encdec", pos="sinusoidal")

@@ -77,6 +77,9 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
+        if cfg.qk_norm:  # bounds the attention logits, which lets a high learning rate stay stable
+            self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+            self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
 
     def forward(
         self,
@@ -95,6 +98,8 @@ class SelfAttention(nn.Module):
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)  # (B, nh|nkv, T, hs)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)  # over each head's hs channels
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
 

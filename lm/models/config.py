@@ -18,7 +18,7 @@ from lm.errors import ConfigError
 ARCHS = ("gpt", "encdec", "lstm")
 POSITIONS = ("learned", "sinusoidal", "rope")
 NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "relu", "swiglu")
+MLPS = ("gelu", "relu", "relu2", "swiglu")
 NORM_POSITIONS = ("pre", "post")
 
 
@@ -39,7 +39,7 @@ class ModelConfig:
     d_model: int = 768
     """Residual stream width (lstm: embedding width and hidden size of every layer)."""
     d_ff: int = 0
-    """Feed-forward hidden width; 0 means 4 * d_model (gelu, relu) or 8/3 * d_model rounded up to 64 (swiglu)."""
+    """Feed-forward hidden width; 0 means 4 * d_model (gelu, relu, relu2) or 8/3 * d_model rounded up to 64 (swiglu)."""
     dropout: float = 0.0
     """Dropout on attention weights, residual branches and embeddings (lstm: embeddings and each layer's output)."""
     bias: bool = True
@@ -55,7 +55,9 @@ class ModelConfig:
     norm_position: str = "pre"
     """pre: norm before each sublayer, and a final norm (GPT-2, stabler); post: after each residual add (original)."""
     mlp: str = "gelu"
-    """Feed-forward: gelu (tanh approximation, GPT-2), relu (original transformer) or swiglu (Llama)."""
+    """Feed-forward: gelu (tanh approximation, GPT-2), relu (original transformer), relu2 (relu squared) or swiglu."""
+    qk_norm: bool = False
+    """gpt: RMSNorm on each head's queries and keys (learned weight of head size), before rotary positions."""
     tie_embeddings: bool = True
     """Output head shares its weight with the (target) token embedding."""
     share_embeddings: bool = True
@@ -95,6 +97,8 @@ class ModelConfig:
                 f"model.n_kv_head: {self.n_kv_head} does not divide model.n_head={self.n_head}; "
                 "each key/value head must serve the same number of query heads"
             )
+        if self.qk_norm and self.arch != "gpt":
+            raise ConfigError(f"model.qk_norm: only arch gpt has it, got model.arch={self.arch}")
         if self.pos == "rope" and self.head_dim % 2:
             raise ConfigError(f"model.pos: rope needs an even head size, got d_model/n_head = {self.head_dim}")
 

@@ -17,7 +17,7 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward network d -> ff_dim -> d, with GELU, ReLU or SwiGLU.
+    """Position-wise feed-forward network d -> ff_dim -> d, with GELU, ReLU, ReLU squared or SwiGLU.
 
     SwiGLU computes proj(silu(gate(x)) * up(x)); `fc` holds gate and up stacked as one matrix
     (rows [gate; up]) so both come out of a single matmul.
@@ -39,6 +39,8 @@ class MLP(nn.Module):
             h = F.silu(gate) * up
         elif self.kind == "relu":
             h = F.relu(h)
+        elif self.kind == "relu2":  # the modded-nanogpt MLP: sparse like ReLU, smooth at 0 like GELU
+            h = F.relu(h).square()
         else:
             # GPT-2 was trained with the tanh approximation of GELU; keep it so its weights load unchanged.
             h = F.gelu(h, approximate="tanh")

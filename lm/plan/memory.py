@@ -52,7 +52,7 @@ stream stay fp32), 2 under fsdp and deepspeed in bf16 (bf16 weights, no autocast
              + output, which is also the projection's input, c*t*h + softmax logsumexp 4*b*a*s
              + with rope c*t*(h + k*hd): the rotated q and k are new tensors, and v, a view of the
                fused q/k/v output, keeps that whole output alive
-  MLP:       norm input r*t*h + first matrix input c*t*h + c*t*f * (2 gelu, 1 relu, 4 swiglu)
+  MLP:       norm input r*t*h + first matrix input c*t*h + c*t*f * (2 gelu, 1 relu, 2 relu2, 4 swiglu)
   dropout > 0: a 1-byte mask per dropout (t*h each), as CUDA stores them.
 For GPT-2's block in bf16 under fsdp that is 32*t*h + 4*b*a*s bytes. `scaled_dot_product_attention`
 runs a fused kernel (flash or memory-efficient) for our calls on a GPU, so the a*s^2 attention matrix
@@ -170,7 +170,8 @@ def layer_activation_bytes(
     n = _attention_bytes(cfg, batch, seq, seq, c, residual_bytes, fused_attention, self_attention=True)
     if memory_len:
         n += _attention_bytes(cfg, batch, seq, memory_len, c, residual_bytes, fused_attention, self_attention=False)
-    hidden = {"gelu": 2, "relu": 1, "swiglu": 4}[cfg.mlp]  # relu saves only its output, the next input
+    # relu saves only its output, the next input; relu2 its output and the square's
+    hidden = {"gelu": 2, "relu": 1, "relu2": 2, "swiglu": 4}[cfg.mlp]
     n += residual_bytes * t * h + c * t * h + hidden * c * t * f + (t * h if drop else 0)
     return n
 

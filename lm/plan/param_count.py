@@ -30,7 +30,7 @@ def block_params(cfg: ModelConfig, cross: bool = False) -> int:
     attn = _linear(d, d + 2 * kv, cfg.bias) + _linear(d, d, cfg.bias)
     mlp_in = 2 * cfg.ff_dim if cfg.mlp == "swiglu" else cfg.ff_dim  # SwiGLU stacks gate and up
     mlp = _linear(d, mlp_in, cfg.bias) + _linear(cfg.ff_dim, d, cfg.bias)
-    n = 2 * _norm(cfg) + attn + mlp
+    n = 2 * _norm(cfg) + attn + mlp + (2 * cfg.head_dim if cfg.qk_norm else 0)  # one RMSNorm for q, one for k
     if cross:
         n += _norm(cfg) + _linear(d, d, cfg.bias) + _linear(d, 2 * kv, cfg.bias) + _linear(d, d, cfg.bias)
     return n

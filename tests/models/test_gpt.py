@@ -203,3 +203,29 @@ def test_overfits_one_batch() -> None:
     _, last_loss = model(inputs, targets)
     assert first_loss.item() > 4.0
     assert last_loss.item() < first_loss.item() / 10
+
+
+def test_qk_norm_normalises_each_heads_queries_and_keys_before_attention():
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=100, block_size=16, n_layer=1, n_head=2, d_model=32, qk_norm=True,
+                            pos="rope"))
+    attn = model.blocks[0].attn
+    assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (16,)  # one weight over a head's channels
+    seen = {}
+    attn.q_norm.register_forward_hook(lambda m, args, out: seen.update(q=out))
+    attn.k_norm.register_forward_hook(lambda m, args, out: seen.update(k=out))
+    model(torch.randint(0, 100, (2, 8)))
+    for t in (seen["q"], seen["k"]):  # (B, heads, T, hs), each head's vector of unit root-mean-square
+        assert t.shape[-1] == 16
+        assert torch.allclose(t.pow(2).mean(-1), torch.ones(t.shape[:-1]), atol=5e-3)  # eps 1e-5 on small q, k
+    no_norm = GPT(ModelConfig(vocab_size=100, block_size=16, n_layer=1, n_head=2, d_model=32, pos="rope"))
+    assert not hasattr(no_norm.blocks[0].attn, "q_norm")
+
+
+def test_relu2_squares_the_relu():
+    from lm.models.layers import MLP
+
+    torch.manual_seed(0)
+    mlp = MLP(ModelConfig(vocab_size=100, block_size=16, n_layer=1, n_head=2, d_model=8, mlp="relu2"))
+    x = torch.randn(2, 3, 8)
+    assert torch.allclose(mlp(x), mlp.proj(torch.relu(mlp.fc(x)) ** 2))

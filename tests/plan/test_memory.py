@@ -38,12 +38,13 @@ def _cfg(*overrides: str, engine: str = "ddp", dtype: str = "bfloat16", micro: i
     [],                                                                   # GPT-2
     LLAMA,                                                                # grouped-query, SwiGLU, untied head
     ["--model.norm_position=post", "--model.bias=false", "--model.d_ff=96"],
+    ["--model.qk_norm=true", "--model.mlp=relu2"],                       # the modern recipe's options
     ENCDEC,                                                               # shared, tied embeddings
     [*ENCDEC, "--model.pos=learned", "--model.share_embeddings=false", "--model.tie_embeddings=false",
      "--model.norm_position=post", "--model.n_kv_head=1"],
     LSTM,                                                                 # tied, no positions, no norms
     [*LSTM, "--model.tie_embeddings=false", "--model.bias=false"],
-], ids=["gpt2", "llama-gqa", "post-norm", "encdec", "encdec-untied", "lstm", "lstm-untied-no-bias"])
+], ids=["gpt2", "llama-gqa", "post-norm", "qk-norm-relu2", "encdec", "encdec-untied", "lstm", "lstm-untied-no-bias"])
 def test_parameter_count_equals_the_built_model(overrides):
     cfg = _cfg(*overrides).model
     assert num_params(cfg) == sum(p.numel() for p in build_model(cfg).parameters())
