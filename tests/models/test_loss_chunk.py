@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from lm.checkpoint.resume import model_diff
 from lm.config import load_config
 from lm.distributed.env import init_distributed
 from lm.errors import ConfigError
@@ -106,3 +107,10 @@ def test_a_training_run_with_loss_chunk_has_the_same_losses(tiny_data_dir, tmp_p
     # compiled blocks feed the eager chunked head; compiled kernels round differently, hence the looser match
     compiled = train_losses(tiny_data_dir, tmp_path / "compiled", "--model.loss_chunk=12", "--train.compile=true")
     assert compiled == pytest.approx(plain, rel=1e-4)
+
+
+def test_a_run_resumes_or_starts_from_weights_with_another_loss_chunk() -> None:
+    # chunking changes how the loss is computed, not the model: a run that runs out of memory can turn it on
+    saved = load_config(None, ["--model.d_model=48"])
+    assert model_diff(saved, load_config(None, ["--model.d_model=48", "--model.loss_chunk=256"])) == ""
+    assert model_diff(saved, load_config(None, ["--model.d_model=36"])) == "model.d_model: 48 -> 36"
