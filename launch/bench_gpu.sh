@@ -8,6 +8,7 @@
 #   profile   torch.profiler's top CUDA ops of a gpt2-124m step, ours and transformers'
 #   docmask   lm.bench's docmask tables: the demo model with SDPA is_causal vs the boolean document mask, and
 #             attention alone beside compiled flex_attention with a document block mask
+#   losschunk lm.bench's losschunk table: demo model step time and peak memory with model.loss_chunk off and on
 #   train     40 real optimizer steps of configs/gpt2-124m.yaml (compiled, bf16) under torchrun, whose
 #             log lines report tokens/s and MFU
 # Usage: bash launch/bench_gpu.sh [OUT] [PART ...]   (all parts by default; exits 1 if any part failed)
@@ -16,7 +17,7 @@ cd "$(dirname "$0")/.."
 out="${1:-runs/bench-gpu}"
 shift || true
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(tests training engines sampling docmask profile train)
+[ ${#parts[@]} -gt 0 ] || parts=(tests training engines sampling docmask losschunk profile train)
 mkdir -p "$out"
 py="${PYTHON:-python}"  # PYTHON=python3 where that is the interpreter holding torch
 export PYTHONUNBUFFERED=1
@@ -25,13 +26,13 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}
 part() {
     case "$1" in
         tests) "$py" -m pytest -q -rs tests/gpu ;;
-        training|engines|sampling|docmask) "$py" -m lm.bench --device cuda --sections "$1" ;;
+        training|engines|sampling|docmask|losschunk) "$py" -m lm.bench --device cuda --sections "$1" ;;
         profile) "$py" -m lm.bench --device cuda --profile --presets gpt2-124m --warmup 3 --reps 5 ;;
         train) "$py" -m lm.prepare --config configs/gpt2-124m.yaml &&
                "$py" -m torch.distributed.run --standalone --nproc_per_node=1 -m lm.train --config configs/gpt2-124m.yaml \
                    --train.steps=40 --log.every=5 --train.eval_every=1000 --checkpoint.every=1000 \
                    --log.sample_every=0 --train.out_dir="$out/gpt2-124m-run" --checkpoint.resume=never ;;
-        *) echo "bench_gpu.sh: unknown part '$1' (tests, training, engines, sampling, docmask, profile, train)" >&2; return 2 ;;
+        *) echo "bench_gpu.sh: unknown part '$1' (tests, training, engines, sampling, docmask, losschunk, profile, train)" >&2; return 2 ;;
     esac
 }
 

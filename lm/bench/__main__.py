@@ -20,11 +20,17 @@ from lm.distributed.env import init_device
 PRESETS = ["demo", "gpt2-124m"]
 # sampling first: run after the training sections on the 2-core machine, its per-token times (ours and
 # transformers' alike) came out 1.3-2x slower than in a fresh process
-SECTIONS = ["sampling", "data", "training", "engines", "docmask"]
-# docmask is asked for by name: it compares attention paths, not us against transformers
+SECTIONS = ["sampling", "data", "training", "engines", "docmask", "losschunk"]
+# docmask and losschunk are asked for by name: they compare our own paths, not us against transformers
 DEFAULT_SECTIONS = ["sampling", "data", "training", "engines"]
 # (batch, seq_len) of the docmask rows: the demo's training window, and a long one at a small batch
 DOCMASK_SHAPES = [(4, 128), (2, 1024)]
+# (batch, seq_len) of the losschunk rows: the demo's micro-batch, and one where the logits dominate memory;
+# with the model.loss_chunk sizes timed at each (0: off)
+LOSSCHUNK_SHAPES = [(4, 128), (8, 512)]
+LOSSCHUNK_SIZES = [0, 256, 1024]
+# each setting is timed in this many fresh processes, taken in turns, and shown as the range of their medians
+LOSSCHUNK_ROUNDS = 2
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
@@ -157,6 +163,31 @@ def docmask(args, device, results: dict) -> None:
                 "compiled, with a document block mask; max |flex - mask|: outputs (and q grads) in fp32",
                 ["batch x seq", "pass", "SDPA is_causal", "SDPA mask", "flex", "mask build", "block mask build",
                  "max |flex - mask|"], attention_rows)
+
+
+def losschunk(args, device, results: dict) -> None:
+    from lm.bench.losschunk import measure_fresh
+
+    cfg, _ = preset_config("demo", device)
+    rows = []
+    for batch, seq_len in LOSSCHUNK_SHAPES:
+        found: dict[int, list[dict]] = {chunk: [] for chunk in LOSSCHUNK_SIZES}
+        for _ in range(LOSSCHUNK_ROUNDS):
+            for chunk in LOSSCHUNK_SIZES:
+                found[chunk].append(measure_fresh(cfg, str(device), batch, seq_len, chunk, args.warmup, args.reps))
+        plain_peak = max(r["peak GiB"] or 0 for r in found[0]) or None
+        for chunk, runs in found.items():
+            ms = sorted(r["ms/step"] for r in runs)
+            peak = max(r["peak GiB"] or 0 for r in runs) or None
+            step = max(r["step GiB"] or 0 for r in runs) or None
+            ratio = peak / plain_peak if peak and plain_peak else None
+            rows.append([f"{batch} x {seq_len}", str(chunk) if chunk else "0 (off)", f"{ms[0]:.0f}-{ms[-1]:.0f}",
+                         fmt(peak, ".3f"), fmt(step, ".3f"), fmt(ratio, ".2f")])
+    what = "resident set (VmHWM)" if device.type == "cpu" else "max_memory_allocated"
+    print_table(f"losschunk: demo model training step (forward, backward, clip, AdamW), model.loss_chunk; peak "
+                f"memory is the {what}, step GiB its rise above model and inputs; ms: range of "
+                f"{LOSSCHUNK_ROUNDS} fresh processes' medians", ["batch x seq", "loss_chunk", "ms/step",
+                                                                "peak GiB", "step GiB", "peak / off"], rows)
 
 
 # (device type, result key, what, target, kind): "ratio" and "min share" must reach the target, "max share"

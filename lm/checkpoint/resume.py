@@ -140,9 +140,10 @@ def check_compatible(path: Path, cfg: JobConfig) -> None:
 
 
 def model_diff(saved: JobConfig, current: JobConfig) -> str:
-    """The model keys whose values differ, `model.key: old -> new, ...` in key order; dropout (a training
-    setting that changes no weight) left out. Empty when the models have the same shape."""
-    diff = config_diff(saved.to_dict(), current.to_dict(), sections=("model",), ignore=("model.dropout",))
+    """The model keys whose values differ, `model.key: old -> new, ...` in key order; dropout and loss_chunk
+    (training settings that change no weight) left out. Empty when the models have the same shape."""
+    diff = config_diff(saved.to_dict(), current.to_dict(), sections=("model",),
+                       ignore=("model.dropout", "model.loss_chunk"))
     return ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in sorted(diff.items()))
 
 

@@ -64,6 +64,10 @@ class ModelConfig:
     """encdec: encoder and decoder share one token embedding."""
     n_sentinels: int = 100
     """encdec: sentinel ids appended to the vocabulary for span corruption."""
+    loss_chunk: int = 0
+    """gpt, lstm: compute the output head and loss this many of the B*T positions at a time, recomputing each
+    chunk's logits in backward, so the full (B*T, vocab) logits never exist; forward then returns no
+    logits with a loss. 0: off, the whole head at once."""
 
     def __post_init__(self) -> None:
         for key, allowed in (("arch", ARCHS), ("pos", POSITIONS), ("norm", NORMS), ("mlp", MLPS),
@@ -84,6 +88,11 @@ class ModelConfig:
                                   "learned")
             if self.n_sentinels < 1:
                 raise ConfigError(f"model.n_sentinels: encdec needs at least 1 sentinel id, got {self.n_sentinels}")
+        if self.loss_chunk < 0:
+            raise ConfigError(f"model.loss_chunk: must be >= 0 (0 turns chunking off), got {self.loss_chunk}")
+        if self.loss_chunk and self.arch == "encdec":
+            raise ConfigError("model.loss_chunk: chunked loss is for arch gpt and lstm; encdec computes its loss "
+                              "whole, so set model.loss_chunk=0")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout: must be in [0, 1), got {self.dropout}")
 

@@ -20,6 +20,7 @@ from lm.models.block import Block
 from lm.models.config import ModelConfig
 from lm.models.kv_cache import KVCache
 from lm.models.layers import make_norm, rope_angles, sinusoidal_positions
+from lm.models.loss import chunked_cross_entropy
 
 
 def init_weights_(model: nn.Module, residual_projections: set[nn.Module], skip: set[nn.Module],
@@ -115,7 +116,7 @@ class GPT(nn.Module):
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None,
         cache: KVCache | None = None, last_only: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits for every position and, given targets, the mean cross-entropy loss.
 
         idx, targets: (B, T) token ids. `positions` (B, T) int, for windows packed from several documents:
@@ -125,7 +126,9 @@ class GPT(nn.Module):
         causally across the whole window. With a cache, idx holds the T tokens after the cache.length
         already cached, and their keys and values are appended to it. `last_only` (sampling, no targets)
         runs the output head on the last position alone: logits (B, 1, padded_vocab_size).
-        Returns logits (B, T, padded_vocab_size) and a float32 scalar loss, or None without targets.
+        Returns logits (B, T, padded_vocab_size) and a float32 scalar loss, or None without targets; with
+        targets and `model.loss_chunk` > 0, (None, loss): the head and loss run chunk by chunk
+        (`chunked_cross_entropy`) and the full logits are never built.
         """
         cfg = self.cfg
         B, T = idx.shape
@@ -162,6 +165,8 @@ class GPT(nn.Module):
             # as (V, C) @ (C, B), which reads the weight ~1.9x faster than (B, C) @ (C, V) on CPU at batch 8
             h = self.ln_f(x[:, -1])  # (B, C)
             return (self.lm_head.weight @ h.t()).t()[:, None], None  # (B, 1, padded_vocab_size), strided
+        if targets is not None and cfg.loss_chunk:
+            return None, chunked_cross_entropy(self.lm_head, self.ln_f(x), targets, cfg.loss_chunk)
         logits = self.lm_head(self.ln_f(x))  # (B, T, padded_vocab_size)
 
         loss = None

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lm.models.config import ModelConfig
+from lm.models.loss import chunked_cross_entropy
 
 
 class RecurrentState:
@@ -102,14 +103,14 @@ class LSTMLM(nn.Module):
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: RecurrentState | None = None,
         last_only: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits for every position and, given targets, the mean cross-entropy loss.
 
         idx, targets: (B, T) token ids. With a cache (a `RecurrentState`), idx holds the T tokens after
         the cache.length already fed; the layers start from its states and leave their last ones in it.
         `last_only` (sampling, no targets) runs the output head on the last position alone: logits
         (B, 1, padded_vocab_size). Returns logits (B, T, padded_vocab_size) and a float32 scalar loss,
-        or None without targets.
+        or None without targets; with targets and `model.loss_chunk` > 0, (None, loss), as in the GPT.
         """
         cfg = self.cfg
         B, T = idx.shape
@@ -135,6 +136,8 @@ class LSTMLM(nn.Module):
             if targets is not None:
                 raise ValueError("LSTMLM.forward: last_only is for sampling; the loss needs every position's logits")
             return self.lm_head(x[:, -1:]), None  # (B, 1, padded_vocab_size)
+        if targets is not None and cfg.loss_chunk:
+            return None, chunked_cross_entropy(self.lm_head, x, targets, cfg.loss_chunk)
         logits = self.lm_head(x)  # (B, T, padded_vocab_size)
 
         loss = None

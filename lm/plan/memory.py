@@ -71,6 +71,8 @@ Outside the blocks: the final norm's input and the head's input, then the logits
 bytes for the padded vocabulary V: the model's logits (returned to the trainer), the fp32
 log-softmax output the loss saves, and at the start of backward the fp32 gradients of that
 log-softmax's output and input. For GPT-2 small (V = 50k, d_model 768) that is twice all its blocks.
+With `model.loss_chunk` (gpt, lstm) forward keeps no logits and backward recomputes one chunk at a time:
+the same count for min(loss_chunk, t) positions.
 
 LSTM (`arch: lstm`), per layer: 8*c*t*h bytes, what PyTorch's unfused LSTM saves for backward: the
 layer's input c*t*h, and at every step the previous hidden state, the four gate activations, the
@@ -240,6 +242,9 @@ def _activation_bytes(cfg: JobConfig, c: int, residual: int, every: int, fused: 
     def tail(tokens: int) -> int:  # final norm and head input, embedding dropout mask
         return (final_norm + c + drop) * tokens * h
 
+    def head(tokens: int) -> int:  # logits, their fp32 log-softmax and both gradients; one chunk's when chunked
+        return min(tokens, model.loss_chunk or tokens) * vocab * (c + 12)
+
     if model.arch == "lstm":
         t = b * s
         full = lstm_layer_activation_bytes(model, b, s, c)
@@ -247,14 +252,14 @@ def _activation_bytes(cfg: JobConfig, c: int, residual: int, every: int, fused: 
         layers = _stack_bytes(n_layer, k, full, c * t * h)
         if k:  # one layer recomputed; the first checkpoint holds the embedding output, as wide as the residual
             layers += full + (residual - c) * t * h
-        logits = t * vocab * (c + 12)
+        logits = head(t)
         return layers + (c + drop * (n_layer + 1)) * t * h + logits, logits
     if model.arch == "gpt":
         t = b * s
         full = layer_activation_bytes(model, b, s, c, residual, fused)
         k = checkpointed_blocks(n_layer, every)
         blocks = _stack_bytes(n_layer, k, full, residual * t * h) + (full if k else 0)  # + one recomputed block
-        logits = t * vocab * (c + 12)
+        logits = head(t)
         return blocks + tail(t) + logits, logits
     src, tgt = corrupted_lengths(s + 1)  # the span-corruption objective's source and target lengths
     enc = layer_activation_bytes(model, b, src, c, residual, fused)

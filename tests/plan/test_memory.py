@@ -172,6 +172,12 @@ def test_logits_take_their_logits_log_softmax_and_both_gradients():
     assert estimate_memory(_cfg(micro=5, dtype="float32"), 1).logits == t * vocab * (4 + 4 + 4 + 4)
 
 
+def test_a_chunked_loss_holds_one_chunk_of_logits():
+    t, vocab = 5 * 40, _cfg().model.padded_vocab_size
+    assert estimate_memory(_cfg("--model.loss_chunk=64", micro=5), 1).logits == 64 * vocab * (2 + 4 + 4 + 4)
+    assert estimate_memory(_cfg("--model.loss_chunk=1000", micro=5), 1).logits == t * vocab * (2 + 4 + 4 + 4)
+
+
 def _saved_bytes(cfg, bf16_weights: bool, autocast: bool) -> int:
     """Bytes of the distinct activation storages autograd saves in one forward pass on the CPU; the model's
     parameters and autocast's bf16 weight copies (model state, not activations) are left out."""

@@ -1,0 +1,116 @@
+"""model.loss_chunk: the head and loss computed chunk by chunk give the plain loss and gradients."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from lm.checkpoint.resume import model_diff
+from lm.config import load_config
+from lm.distributed.env import init_distributed
+from lm.errors import ConfigError
+from lm.models.config import ModelConfig
+from lm.models.factory import build_model
+from lm.models.loss import chunked_cross_entropy
+from lm.training.trainer import Trainer
+
+# B * T = 2 * 9 = 18 positions: 1 and 6 divide it, 5 and 7 do not, 64 is more than all of them
+B, T = 2, 9
+CHUNKS = [1, 5, 6, 7, 64]
+
+
+def tiny(**overrides: object) -> ModelConfig:
+    fields = dict(vocab_size=100, block_size=32, n_layer=2, n_head=2, d_model=32)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def loss_and_grads(cfg: ModelConfig, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    logits, loss = model(idx, targets)
+    assert (logits is None) == bool(cfg.loss_chunk)
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("arch", ["gpt", "lstm"])
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_chunked_loss_and_gradients_equal_the_plain_ones(arch, tie, chunk) -> None:
+    cfg = tiny(arch=arch, tie_embeddings=tie)
+    idx, targets = torch.randint(0, 100, (B, T)), torch.randint(0, 100, (B, T))
+    loss, grads = loss_and_grads(cfg, idx, targets)
+    chunked_loss, chunked_grads = loss_and_grads(replace(cfg, loss_chunk=chunk), idx, targets)
+    torch.testing.assert_close(chunked_loss, loss, rtol=0, atol=1e-6)
+    assert chunked_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_the_helper_is_the_mean_over_all_positions() -> None:
+    head = torch.nn.Linear(8, 50, bias=False)
+    h, targets = torch.randn(3, 5, 8), torch.randint(0, 50, (3, 5))
+    plain = torch.nn.functional.cross_entropy(head(h).view(15, 50), targets.view(15))
+    for chunk in (1, 4, 15, 16):
+        torch.testing.assert_close(chunked_cross_entropy(head, h, targets, chunk), plain, rtol=0, atol=1e-6)
+
+
+def test_loss_chunk_0_is_the_plain_path_bit_for_bit() -> None:
+    # the default must not touch today's computation: the loss is exactly the unchunked F.cross_entropy
+    torch.manual_seed(0)
+    model = build_model(tiny())
+    idx, targets = torch.randint(0, 100, (B, T)), torch.randint(0, 100, (B, T))
+    logits, loss = model(idx, targets)
+    plain = torch.nn.functional.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))
+    assert tiny().loss_chunk == 0 and logits.shape == (B, T, 128)
+    assert torch.equal(loss, plain)
+
+
+def test_without_targets_the_logits_come_back_as_before() -> None:
+    torch.manual_seed(0)
+    chunked = build_model(tiny(loss_chunk=4))
+    torch.manual_seed(0)
+    plain = build_model(tiny())
+    idx = torch.randint(0, 100, (B, T))
+    assert torch.equal(chunked(idx)[0], plain(idx)[0])
+    assert torch.equal(chunked(idx, last_only=True)[0], plain(idx, last_only=True)[0])
+
+
+def test_bad_loss_chunk_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"model.loss_chunk: must be >= 0"):
+        tiny(loss_chunk=-1)
+    with pytest.raises(ConfigError, match=r"model.loss_chunk: chunked loss is for arch gpt and lstm"):
+        tiny(arch="encdec", pos="sinusoidal", loss_chunk=8)
+
+
+def train_losses(data_dir, out, *extra: str) -> list[float]:
+    cfg = load_config(None, [
+        "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
+        "--data.seq_len=16", f"--data.dir={data_dir}", "--train.steps=4", "--train.batch_size=4",
+        "--train.micro_batch_size=2", "--train.device=cpu", "--train.eval_every=1000", "--log.every=1",
+        "--log.tensorboard=false", "--log.sample_every=0", "--checkpoint.every=1000", f"--train.out_dir={out}",
+        *extra,
+    ])
+    Trainer(cfg, init_distributed("cpu")).fit()
+    rows = [line for line in (out / "metrics.jsonl").read_text().splitlines() if '"train/loss"' in line]
+    return [json.loads(row)["train/loss"] for row in rows]
+
+
+def test_a_training_run_with_loss_chunk_has_the_same_losses(tiny_data_dir, tmp_path) -> None:
+    plain = train_losses(tiny_data_dir, tmp_path / "plain")
+    # 2 x 16 = 32 positions per micro-batch: chunks of 12 leave a shorter last one
+    chunked = train_losses(tiny_data_dir, tmp_path / "chunked", "--model.loss_chunk=12")
+    assert len(plain) == 4
+    assert chunked == pytest.approx(plain, rel=1e-5)
+    # compiled blocks feed the eager chunked head; compiled kernels round differently, hence the looser match
+    compiled = train_losses(tiny_data_dir, tmp_path / "compiled", "--model.loss_chunk=12", "--train.compile=true")
+    assert compiled == pytest.approx(plain, rel=1e-4)
+
+
+def test_a_run_resumes_or_starts_from_weights_with_another_loss_chunk() -> None:
+    # chunking changes how the loss is computed, not the model: a run that runs out of memory can turn it on
+    saved = load_config(None, ["--model.d_model=48"])
+    assert model_diff(saved, load_config(None, ["--model.d_model=48", "--model.loss_chunk=256"])) == ""
+    assert model_diff(saved, load_config(None, ["--model.d_model=36"])) == "model.d_model: 48 -> 36"
