@@ -120,6 +120,8 @@ def checkpoint_of_arch(trained_run, root, **model):
 @pytest.mark.parametrize("model, named", [
     ({"qk_norm": True}, "GPT2LMHeadModel (GPT-2) needs model.qk_norm=false"),
     ({"mlp": "relu2"}, "GPT2LMHeadModel (GPT-2) needs model.mlp=gelu"),
+    ({"logit_softcap": 30.0}, "LlamaForCausalLM (Llama) needs model.pos=rope, model.norm=rmsnorm, model.mlp=swiglu, "
+                              "model.logit_softcap=0.0"),
 ])
 def test_the_modern_options_are_refused_by_name_before_out_exists(trained_run, tmp_path, capsys, model, named):
     root = checkpoint_of_arch(trained_run, tmp_path / "run", **model)

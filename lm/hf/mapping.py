@@ -56,12 +56,13 @@ TARGETS: dict[str, Target] = {
     "gpt2": Target("GPT-2", "GPT2LMHeadModel", (
         _equals("arch", "gpt"), _equals("pos", "learned"), _equals("norm", "layernorm"), _equals("mlp", "gelu"),
         _equals("norm_position", "pre"), _equals("bias", True), _equals("qk_norm", False),
+        _equals("logit_softcap", 0.0),
         # GPT-2 attention has no grouped-query option: every query head has its own key/value head.
         Need("n_kv_head", "0 (one key/value head per query head)", lambda cfg: cfg.kv_heads == cfg.n_head),
     )),
     "llama": Target("Llama", "LlamaForCausalLM", (
         _equals("arch", "gpt"), _equals("pos", "rope"), _equals("norm", "rmsnorm"), _equals("mlp", "swiglu"),
-        _equals("norm_position", "pre"), _equals("qk_norm", False),
+        _equals("norm_position", "pre"), _equals("qk_norm", False), _equals("logit_softcap", 0.0),
     )),
 }
 

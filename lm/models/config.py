@@ -58,6 +58,8 @@ class ModelConfig:
     """Feed-forward: gelu (tanh approximation, GPT-2), relu (original transformer), relu2 (relu squared) or swiglu."""
     qk_norm: bool = False
     """gpt: RMSNorm on each head's queries and keys (learned weight of head size), before rotary positions."""
+    logit_softcap: float = 0.0
+    """gpt: squash the logits into (-c, c) as c * tanh(logits / c), in float32 (Gemma 2, modded-nanogpt); 0: off."""
     tie_embeddings: bool = True
     """Output head shares its weight with the (target) token embedding."""
     share_embeddings: bool = True
@@ -88,6 +90,9 @@ class ModelConfig:
                                   "learned")
             if self.n_sentinels < 1:
                 raise ConfigError(f"model.n_sentinels: encdec needs at least 1 sentinel id, got {self.n_sentinels}")
+        if self.logit_softcap < 0 or (self.logit_softcap and self.arch != "gpt"):
+            raise ConfigError(f"model.logit_softcap: must be >= 0 (0 = off) and is for arch gpt only, got "
+                              f"{self.logit_softcap} with model.arch={self.arch}")
         if self.loss_chunk < 0:
             raise ConfigError(f"model.loss_chunk: must be >= 0 (0 turns chunking off), got {self.loss_chunk}")
         if self.loss_chunk and self.arch == "encdec":

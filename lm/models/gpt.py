@@ -113,6 +113,15 @@ class GPT(nn.Module):
         cfg = self.cfg
         return KVCache(cfg.n_layer, batch_size, cfg.kv_heads, max_len, cfg.head_dim, device, dtype)
 
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """model.logit_softcap: c * tanh(logits / c) in float32, which keeps every logit inside (-c, c)."""
+        c = self.cfg.logit_softcap
+        return c * torch.tanh(logits.float() / c) if c else logits
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (..., padded_vocab_size) of the final-normed stream h (..., C)."""
+        return self._softcap(self.lm_head(h))
+
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None,
         cache: KVCache | None = None, last_only: bool = False,
@@ -164,10 +173,11 @@ class GPT(nn.Module):
             # the head over a 50k vocabulary is most of a decode step: run it on the last position only, and
             # as (V, C) @ (C, B), which reads the weight ~1.9x faster than (B, C) @ (C, V) on CPU at batch 8
             h = self.ln_f(x[:, -1])  # (B, C)
-            return (self.lm_head.weight @ h.t()).t()[:, None], None  # (B, 1, padded_vocab_size), strided
+            logits = (self.lm_head.weight @ h.t()).t()[:, None]  # (B, 1, padded_vocab_size), strided
+            return self._softcap(logits), None
         if targets is not None and cfg.loss_chunk:
-            return None, chunked_cross_entropy(self.lm_head, self.ln_f(x), targets, cfg.loss_chunk)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, padded_vocab_size)
+            return None, chunked_cross_entropy(self._head, self.ln_f(x), targets, cfg.loss_chunk)
+        logits = self._head(self.ln_f(x))  # (B, T, padded_vocab_size)
 
         loss = None
         if targets is not None:

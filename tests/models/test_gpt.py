@@ -229,3 +229,22 @@ def test_relu2_squares_the_relu():
     mlp = MLP(ModelConfig(vocab_size=100, block_size=16, n_layer=1, n_head=2, d_model=8, mlp="relu2"))
     x = torch.randn(2, 3, 8)
     assert torch.allclose(mlp(x), mlp.proj(torch.relu(mlp.fc(x)) ** 2))
+
+
+def test_logit_softcap_bounds_the_logits_and_chunks_the_same():
+    fields = dict(vocab_size=100, block_size=16, n_layer=1, n_head=2, d_model=32)
+    idx, targets = torch.randint(0, 100, (2, 8)), torch.randint(0, 100, (2, 8))
+    torch.manual_seed(0)
+    plain = GPT(ModelConfig(**fields))
+    torch.manual_seed(0)
+    capped = GPT(ModelConfig(**fields, logit_softcap=0.5))
+    raw, _ = plain(idx)
+    logits, loss = capped(idx, targets)
+    assert torch.allclose(logits, 0.5 * torch.tanh(raw / 0.5))  # the same weights, the logits squashed
+    assert logits.abs().max() < 0.5 and logits.dtype == torch.float32
+    assert loss.item() == pytest.approx(F.cross_entropy(logits.view(16, -1), targets.view(-1)).item())
+    sampled, _ = capped(idx, last_only=True)
+    assert torch.allclose(sampled[:, 0], logits[:, -1], atol=1e-6)
+    torch.manual_seed(0)
+    chunked = GPT(ModelConfig(**fields, logit_softcap=0.5, loss_chunk=5))
+    assert chunked(idx, targets)[1].item() == pytest.approx(loss.item(), abs=1e-6)
