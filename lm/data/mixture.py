@@ -81,6 +81,8 @@ class MixtureDraws:
 
     def draws_before(self, position: int) -> np.ndarray:
         """How many of positions [0, position) each source served, (S,) int64."""
+        if len(self.num_samples) == 1:  # one directory serves every position: nothing to count
+            return np.array([position], dtype=np.int64)
         if position < self._counted_to:  # a step back (never in training): count again from the start
             self._counted_to, self._counts = 0, np.zeros_like(self._counts)
         for start in range(self._counted_to, position, _CHUNK):
