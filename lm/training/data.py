@@ -12,7 +12,7 @@ import torch
 from lm.config import JobConfig
 from lm.data.config import MixtureSource
 from lm.data.loader import SplitWindows, TokenLoader
-from lm.data.objectives import NextToken, Objective
+from lm.data.objectives import Objective
 from lm.data.shards import check_manifest, document_eot, read_manifest, verify_hashes
 from lm.distributed.env import DistEnv
 from lm.errors import ConfigError, DataError
@@ -70,12 +70,11 @@ def open_training_data(cfg: JobConfig, env: DistEnv) -> TrainingData:
         check_manifest(manifest, cfg.data.tokenizer, cfg.model.vocab_size, source.dir)
         if cfg.data.verify_hashes:
             _verify_hashes(source.dir, manifest, env)
+    eot = None
     if cfg.data.document_mask:
         # one tokenizer, so one end-of-text id; every source must have recorded its boundaries
-        eots = [document_eot(m, s.dir) for s, m in zip(sources, manifests)]
-        objective: Objective = NextToken(document_eot=eots[0])
-    else:
-        objective = build_objective(cfg.model, cfg.data.seq_len, cfg.train.seed)
+        eot = [document_eot(m, s.dir) for s, m in zip(sources, manifests)][0]
+    objective = build_objective(cfg.model, cfg.data.seq_len, cfg.train.seed, eot)
     dirs = [s.dir for s in sources]
     loader = TokenLoader(dirs, "train", cfg.data.seq_len, cfg.train.seed, env.rank, env.world_size,
                          cfg.train.batch_size, cfg.train.micro_batch_size, objective, [s.weight for s in sources])

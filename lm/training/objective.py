@@ -5,12 +5,14 @@ from lm.errors import ConfigError
 from lm.models.config import ModelConfig
 
 
-def build_objective(model: ModelConfig, seq_len: int, seed: int) -> Objective:
-    """Next-token prediction for a GPT or LSTM; span corruption of windows of seq_len + 1 tokens for an
-    encoder-decoder, with the sentinel and padding ids of its vocabulary. Refuses, before any weights
-    exist, windows whose corrupted source or target is longer than the model's positions."""
+def build_objective(model: ModelConfig, seq_len: int, seed: int, document_eot: int | None = None) -> Objective:
+    """Next-token prediction for a GPT or LSTM (with `document_eot`, data.document_mask, each token's
+    position inside its document too: the config refuses the key for other models); span corruption of
+    windows of seq_len + 1 tokens for an encoder-decoder, with the sentinel and padding ids of its
+    vocabulary. Refuses, before any weights exist, windows whose corrupted source or target is longer than
+    the model's positions."""
     if model.arch != "encdec":
-        return NextToken()
+        return NextToken(document_eot)
     objective = SpanCorruption(seed, model.sentinel_start, model.n_sentinels, model.pad_id, seq_len + 1)
     if max(objective.lengths) > model.block_size:
         raise ConfigError(

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 from lm.data.objectives import NextToken, SpanCorruption
@@ -34,3 +35,11 @@ def test_block_size_shorter_than_the_source_is_a_config_error():
     with pytest.raises(ConfigError, match=r"model.block_size: 4 is shorter .* data.seq_len=4 \(source, target "
                                           r"lengths \(5, 3\)\)"):
         build_objective(encdec(block_size=4), 4, 0)
+
+
+def test_a_document_mask_adds_each_tokens_position_in_its_document():
+    rows = np.array([[5, 50256, 7, 8, 50256, 9]])  # (1, T + 1)
+    x, y, positions = build_objective(ModelConfig(), 5, 3, document_eot=50256)(rows, np.zeros(1, dtype=np.int64))
+    assert x.tolist() == [[5, 50256, 7, 8, 50256]] and y.tolist() == [[50256, 7, 8, 50256, 9]]
+    assert positions.tolist() == [[0, 0, 1, 2, 0]]  # the end-of-text token opens the next document
+    assert len(build_objective(ModelConfig(), 5, 3)(rows, np.zeros(1, dtype=np.int64))) == 2
