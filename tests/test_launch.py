@@ -285,7 +285,7 @@ def test_gpu_bench_script_saves_each_part_and_reports_a_failed_one(tmp_path):
     ok = subprocess.run([*script, "tests"], env=env, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     saved = (out / "tests.txt").read_text()
-    assert saved.startswith("== tests: ") and ("5 skipped" in saved or "5 passed" in saved)  # no GPU: skipped
+    assert saved.startswith("== tests: ") and ("7 skipped" in saved or "7 passed" in saved)  # no GPU: skipped
     bad = subprocess.run([*script, "tests", "nosuch"], env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "failed: nosuch (see" in bad.stderr
     assert "unknown part 'nosuch'" in (out / "nosuch.txt").read_text()

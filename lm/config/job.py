@@ -13,11 +13,16 @@ from lm.errors import ConfigError
 from lm.models.config import ModelConfig
 from lm.tokenizer import VOCAB_SIZES
 
+OPTIMIZERS = ("adamw", "muon")
+MUON_KEYS = ("muon_lr", "muon_momentum", "muon_ns_steps")
+
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"
+    """adamw, or muon: Muon (orthogonalised momentum) for the hidden weight matrices, AdamW for the rest."""
     lr: float = 6e-4
-    """Peak learning rate (AdamW)."""
+    """Peak learning rate (AdamW; under muon, of the embeddings, head, norms and biases)."""
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (not on biases, norms or embeddings)."""
     beta1: float = 0.9
@@ -28,14 +33,35 @@ class OptimConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
+    muon_lr: float = 0.02
+    """muon only: peak learning rate of the Muon matrices; the schedule scales it as it scales optim.lr."""
+    muon_momentum: float = 0.95
+    """muon only: momentum of the Muon matrices (Nesterov)."""
+    muon_ns_steps: int = 5
+    """muon only: Newton-Schulz iterations that orthogonalise each matrix's update."""
+    z_loss: float = 0.0
+    """Weight of the z-loss, mean(logsumexp(logits)^2), added to the training loss (0 = off; GPT and LSTM)."""
 
     def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(f"optim.name: expected {one_of(OPTIMIZERS)}, got {self.name!r}")
+        if self.name != "muon":
+            for key in MUON_KEYS:
+                if getattr(self, key) != getattr(OptimConfig, key):
+                    raise ConfigError(f"optim.{key}: only Muon has it, but optim.name is {self.name}; set "
+                                      f"optim.name=muon or drop optim.{key}")
+        if self.muon_lr <= 0:
+            raise ConfigError(f"optim.muon_lr: must be positive, got {self.muon_lr}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ConfigError(f"optim.muon_momentum: must be in [0, 1), got {self.muon_momentum}")
+        if self.muon_ns_steps < 1:
+            raise ConfigError(f"optim.muon_ns_steps: must be >= 1, got {self.muon_ns_steps}")
         if self.lr <= 0:
             raise ConfigError(f"optim.lr: must be positive, got {self.lr}")
         for key in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"optim.{key}: must be in [0, 1), got {getattr(self, key)}")
-        for key in ("weight_decay", "grad_clip", "eps"):
+        for key in ("weight_decay", "grad_clip", "eps", "z_loss"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"optim.{key}: must be >= 0, got {getattr(self, key)}")
 
@@ -195,6 +221,13 @@ class JobConfig:
                 f"data.document_mask: only a GPT masks attention by document; model.arch={self.model.arch} "
                 "(span corruption and the LSTM's running state would cross documents): set it to false"
             )
+        if self.optim.name == "muon" and self.parallel.engine == "deepspeed":
+            raise ConfigError("optim.name: muon runs under parallel.engine ddp or fsdp; DeepSpeed steps its own "
+                              "optimizer over flattened partitions, where no matrix is whole. Use "
+                              "optim.name=adamw or another engine")
+        if self.optim.z_loss and self.model.arch == "encdec":
+            raise ConfigError("optim.z_loss: the GPT and the LSTM add it; the encoder-decoder does not (model.arch="
+                              "encdec): set it to 0")
         expected = VOCAB_SIZES[self.data.tokenizer]
         if self.model.vocab_size != expected:
             raise ConfigError(

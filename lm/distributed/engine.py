@@ -34,7 +34,7 @@ class Engine(Protocol):
                          poison: bool = False) -> torch.Tensor:
         """One micro-batch: forward, backward of loss / num_micro, gradients reduced on the `last` one.
         `poison` makes the loss NaN (the fault-injection hook of the non-finite guard's tests). Returns
-        the detached loss."""
+        the detached (2,) cross-entropy and z-loss term (`training_loss`)."""
 
     def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip and step; returns the gradient norm before clipping and whether the step was applied,

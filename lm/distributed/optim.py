@@ -1,33 +1,71 @@
-"""The optimizer every engine steps: AdamW, with weight decay on weight matrices only."""
+"""The optimizer every engine steps: AdamW, with weight decay on weight matrices only; or, with optim.name
+muon, Muon for the hidden matrices and that same AdamW for the rest."""
 
 import torch
 import torch.nn as nn
 
 from lm.config import OptimConfig
+from lm.distributed.muon import Muon
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on weight matrices only: biases, norms and embeddings are not decayed."""
-    decay, no_decay = [], []
+def build_optimizer(model: nn.Module, cfg: OptimConfig, world_size: int = 1, rank: int = 0) -> torch.optim.AdamW:
+    """AdamW with weight decay on weight matrices only: biases, norms and embeddings are not decayed.
+
+    Under muon the weights of the Linear layers inside the model (every hidden matrix) form a third group
+    stepped by Muon, with weight decay; the output head stays with AdamW, like the embeddings: its rows
+    score one token each, they are not a map between hidden spaces whose directions Muon evens out.
+    `world_size` and `rank` (of the default process group) let Muon's ranks share its work under ddp.
+    """
+    decay, no_decay, matrices = [], [], []
     seen: set[int] = set()
+    head = getattr(model, "lm_head", None)
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             if id(param) in seen or not param.requires_grad:
                 continue  # the tied output head shares the embedding's Parameter
             seen.add(id(param))
+            if cfg.name == "muon" and isinstance(module, nn.Linear) and module is not head and name == "weight":
+                matrices.append(param)
+                continue
             skip = isinstance(module, (nn.Embedding, nn.LayerNorm, nn.RMSNorm)) or name == "bias"
             (no_decay if skip else decay).append(param)
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(
-        groups,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        # one kernel over all parameters instead of a dozen passes: 3.4x faster on CPU (5.8 vs 19.6 ms per
-        # step for demo's 7M parameters, python -m lm.bench's machine), the standard choice on CUDA; and
-        # only the fused step can skip on the device (found_inf), which optimizer_step relies on
-        fused=True,
-    )
+    # one kernel over all parameters instead of a dozen passes: 3.4x faster on CPU (5.8 vs 19.6 ms per
+    # step for demo's 7M parameters, python -m lm.bench's machine), the standard choice on CUDA; and
+    # only the fused step can skip on the device (found_inf), which optimizer_step relies on
+    adamw = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "fused": True}
+    if cfg.name == "muon":
+        groups.append({"params": matrices, "weight_decay": cfg.weight_decay, "muon": True})
+    # a group without parameters has no name in a DCP checkpoint, so its settings could not be restored (a
+    # tied GPT under muon decays nothing with AdamW)
+    groups = [group for group in groups if group["params"]]
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, **adamw)
+    return Muon(groups, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps, world_size=world_size, rank=rank,
+                **adamw)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float, cfg: OptimConfig) -> None:
+    """Set the schedule's learning rate `lr` (a fraction of optim.lr): the same fraction of optim.muon_lr
+    for Muon's matrices. Read from the config, not the groups, which a resumed checkpoint overwrites."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * cfg.muon_lr / cfg.lr if group.get("muon") else lr
+
+
+def training_loss(model: nn.Module, batch: list[torch.Tensor], z_loss: float,
+                  poison: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's forward through `model` (a wrapper's call, so its hooks run): the loss to
+    backpropagate, cross-entropy + z_loss * mean(log Z^2), and the detached (2,) pair (cross-entropy, mean
+    log Z^2), the second 0 without optim.z_loss. `poison` makes both NaN (the non-finite guard's tests)."""
+    if z_loss:
+        terms = model(*batch, with_z=True)[1]  # (2,)
+        loss = terms[0] + z_loss * terms[1]
+    else:
+        loss = model(*batch)[1]
+        terms = torch.stack([loss, torch.zeros_like(loss)])
+    if poison:
+        loss, terms = loss * float("nan"), terms * float("nan")
+    return loss, terms.detach()

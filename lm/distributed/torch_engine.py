@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from lm.config import JobConfig
 from lm.distributed.env import DistEnv
-from lm.distributed.optim import build_optimizer
+from lm.distributed.optim import build_optimizer, set_lr, training_loss
 
 
 class TorchEngine:
@@ -23,11 +23,10 @@ class TorchEngine:
 
     def __init__(self, model: nn.Module, train_model: nn.Module, cfg: JobConfig, env: DistEnv) -> None:
         self.model, self.train_model, self.cfg, self.env = model, train_model, cfg, env
-        self.optimizer = build_optimizer(model, cfg.optim)
+        self.optimizer = build_optimizer(model, cfg.optim, env.world_size, env.rank)
 
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr, self.cfg.optim)
 
     def _sync(self, last: bool) -> contextlib.AbstractContextManager:
         """Reduce gradients only in the backward of the `last` micro-batch."""
@@ -36,11 +35,9 @@ class TorchEngine:
     def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int,
                          poison: bool = False) -> torch.Tensor:
         with self._sync(last), self.autocast:
-            _, loss = self.train_model(*batch)
-            if poison:
-                loss = loss * float("nan")
+            loss, terms = training_loss(self.train_model, batch, self.cfg.optim.z_loss, poison)
             (loss / num_micro).backward()
-        return loss.detach()
+        return terms
 
     def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip the global gradient norm and step, unless the norm is NaN or inf: then the step is

@@ -16,7 +16,7 @@ import torch.nn as nn
 from lm.config import JobConfig, use_bf16
 from lm.distributed.activation import checkpoint_blocks
 from lm.distributed.env import DistEnv
-from lm.distributed.optim import build_optimizer
+from lm.distributed.optim import build_optimizer, set_lr, training_loss
 from lm.distributed.weights import WeightLoader, materialize
 from lm.errors import ConfigError
 
@@ -130,18 +130,15 @@ class DeepSpeedEngine:
                                                  load_universal)
 
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr, self.cfg.optim)
 
     def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int,
                          poison: bool = False) -> torch.Tensor:
         """DeepSpeed divides the loss by its accumulation steps and steps the optimizer on the last one."""
-        _, loss = self.engine(*batch)
-        if poison:
-            loss = loss * float("nan")
+        loss, terms = training_loss(self.engine, batch, self.cfg.optim.z_loss, poison)
         self.engine.backward(loss)
         self.engine.step()
-        return loss.detach()
+        return terms
 
     def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step already happened inside DeepSpeed's last micro-step, which (without fp16 loss

@@ -13,14 +13,13 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from lm.models.attention import document_causal_mask
 from lm.models.block import Block
 from lm.models.config import ModelConfig
 from lm.models.kv_cache import KVCache
 from lm.models.layers import make_norm, rope_angles, sinusoidal_positions
-from lm.models.loss import chunked_cross_entropy
+from lm.models.loss import chunked_cross_entropy, head_loss
 
 
 def init_weights_(model: nn.Module, residual_projections: set[nn.Module], skip: set[nn.Module],
@@ -124,7 +123,7 @@ class GPT(nn.Module):
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-        cache: KVCache | None = None, last_only: bool = False,
+        cache: KVCache | None = None, last_only: bool = False, with_z: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits for every position and, given targets, the mean cross-entropy loss.
 
@@ -137,10 +136,11 @@ class GPT(nn.Module):
         runs the output head on the last position alone: logits (B, 1, padded_vocab_size).
         Returns logits (B, T, padded_vocab_size) and a float32 scalar loss, or None without targets; with
         targets and `model.loss_chunk` > 0, (None, loss): the head and loss run chunk by chunk
-        (`chunked_cross_entropy`) and the full logits are never built.
+        (`chunked_cross_entropy`) and the full logits are never built. `with_z` (training with optim.z_loss):
+        the loss is (2,), the mean cross-entropy and the mean log Z^2 (`head_loss`).
         """
         cfg = self.cfg
-        B, T = idx.shape
+        T = idx.shape[1]
         start = 0 if cache is None else cache.length
         if start + T > cfg.block_size:
             raise ValueError(
@@ -176,11 +176,6 @@ class GPT(nn.Module):
             logits = (self.lm_head.weight @ h.t()).t()[:, None]  # (B, 1, padded_vocab_size), strided
             return self._softcap(logits), None
         if targets is not None and cfg.loss_chunk:
-            return None, chunked_cross_entropy(self._head, self.ln_f(x), targets, cfg.loss_chunk)
+            return None, chunked_cross_entropy(self._head, self.ln_f(x), targets, cfg.loss_chunk, with_z)
         logits = self._head(self.ln_f(x))  # (B, T, padded_vocab_size)
-
-        loss = None
-        if targets is not None:
-            # Softmax over ~50k classes loses too much precision in bf16; compute the loss in float32.
-            loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))
-        return logits, loss
+        return logits, None if targets is None else head_loss(logits, targets, with_z)

@@ -1,9 +1,14 @@
-"""The output head and cross-entropy computed a chunk of positions at a time (`model.loss_chunk`).
+"""The loss of a next-token model's output head: cross-entropy, optionally with the z-loss term, whole or a
+chunk of positions at a time (`model.loss_chunk`).
 
 At a 50k vocabulary the (B*T, V) logits, their float32 copy and the gradient of each are most of a small
-model's peak memory. Here each chunk's head matmul and float32 cross-entropy run under non-reentrant
-activation checkpointing: forward keeps only the chunk's scalar loss, and backward recomputes one chunk's
-logits at a time, so at most one chunk's logits exist at once. The price is a second head matmul per chunk.
+model's peak memory. Chunked, each chunk's head matmul and float32 loss run under non-reentrant activation
+checkpointing: forward keeps only the chunk's summed loss, and backward recomputes one chunk's logits at a
+time, so at most one chunk's logits exist at once. The price is a second head matmul per chunk.
+
+The z-loss term (optim.z_loss) is the mean of log Z^2, Z the softmax's normaliser at each position: it pulls
+the logits' log-partition towards 0, which keeps them from drifting large. It reuses the logsumexp the
+cross-entropy computes anyway.
 """
 
 from collections.abc import Callable
@@ -13,27 +18,46 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
-def _summed_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor,
-                          targets: torch.Tensor) -> torch.Tensor:
-    """Summed float32 cross-entropy of head(h) (n, V) against targets (n,); h (n, C)."""
+def _summed_loss(logits: torch.Tensor, targets: torch.Tensor, with_z: bool) -> torch.Tensor:
+    """Summed float32 cross-entropy of logits (n, V) against targets (n,); with_z: (2,) the sums of the
+    cross-entropy and of log Z^2."""
     # Softmax over ~50k classes loses too much precision in bf16; compute the loss in float32.
-    return F.cross_entropy(head(h).float(), targets, reduction="sum")
+    logits = logits.float()
+    if not with_z:
+        return F.cross_entropy(logits, targets, reduction="sum")
+    log_z = torch.logsumexp(logits, dim=-1)  # (n,)
+    cross_entropy = log_z - logits.gather(1, targets[:, None]).squeeze(1)  # (n,)
+    return torch.stack([cross_entropy.sum(), log_z.square().sum()])
+
+
+def head_loss(logits: torch.Tensor, targets: torch.Tensor, with_z: bool = False) -> torch.Tensor:
+    """Mean float32 cross-entropy of logits (B, T, V) against targets (B, T); with_z: (2,) the means of
+    the cross-entropy and of log Z^2."""
+    logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)  # (B*T, V), (B*T,)
+    if not with_z:
+        return F.cross_entropy(logits.float(), targets)
+    return _summed_loss(logits, targets, with_z) / targets.numel()
+
+
+def _chunk_loss(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, targets: torch.Tensor,
+                with_z: bool) -> torch.Tensor:
+    return _summed_loss(head(h), targets, with_z)
 
 
 def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, targets: torch.Tensor,
-                          chunk: int) -> torch.Tensor:
-    """Mean float32 cross-entropy of the logits head(h) against targets, `chunk` positions at a time.
+                          chunk: int, with_z: bool = False) -> torch.Tensor:
+    """`head_loss` of the logits head(h), `chunk` positions at a time.
 
     h: (B, T, C) the head's input; targets: (B, T) ids; `head` maps (n, C) to logits (n, V), e.g. the
     model's output Linear (called as a module, so engines that gather weights in its hooks see the call).
     The positions are flattened to B*T and cut into chunks of `chunk` (the last may be shorter); the
     chunks' summed losses are added and divided by B*T, so the result is the plain mean up to the order
-    of the float32 additions. Returns a float32 scalar.
+    of the float32 additions.
     """
     C = h.shape[-1]
     # split, not slicing: its backward concatenates the chunks' gradients once instead of adding
     # a zero-padded (B*T, C) gradient per chunk
     pieces = zip(h.reshape(-1, C).split(chunk), targets.reshape(-1).split(chunk))  # each (n, C), (n,)
-    total = sum(checkpoint(_summed_cross_entropy, head, h_chunk, t_chunk, use_reentrant=False)
+    total = sum(checkpoint(_chunk_loss, head, h_chunk, t_chunk, with_z, use_reentrant=False)
                 for h_chunk, t_chunk in pieces)
     return total / targets.numel()

@@ -17,10 +17,9 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from lm.models.config import ModelConfig
-from lm.models.loss import chunked_cross_entropy
+from lm.models.loss import chunked_cross_entropy, head_loss
 
 
 class RecurrentState:
@@ -102,7 +101,7 @@ class LSTMLM(nn.Module):
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: RecurrentState | None = None,
-        last_only: bool = False,
+        last_only: bool = False, with_z: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits for every position and, given targets, the mean cross-entropy loss.
 
@@ -110,10 +109,11 @@ class LSTMLM(nn.Module):
         the cache.length already fed; the layers start from its states and leave their last ones in it.
         `last_only` (sampling, no targets) runs the output head on the last position alone: logits
         (B, 1, padded_vocab_size). Returns logits (B, T, padded_vocab_size) and a float32 scalar loss,
-        or None without targets; with targets and `model.loss_chunk` > 0, (None, loss), as in the GPT.
+        or None without targets; with targets and `model.loss_chunk` > 0, (None, loss); `with_z`: the loss
+        is (2,), cross-entropy and z-loss term; all as in the GPT.
         """
         cfg = self.cfg
-        B, T = idx.shape
+        T = idx.shape[1]
         start = 0 if cache is None else cache.length
         # nothing in an LSTM limits the length; block_size is kept as the longest sequence it was
         # trained and is sampled on, so both architectures accept the same inputs
@@ -137,11 +137,6 @@ class LSTMLM(nn.Module):
                 raise ValueError("LSTMLM.forward: last_only is for sampling; the loss needs every position's logits")
             return self.lm_head(x[:, -1:]), None  # (B, 1, padded_vocab_size)
         if targets is not None and cfg.loss_chunk:
-            return None, chunked_cross_entropy(self.lm_head, x, targets, cfg.loss_chunk)
+            return None, chunked_cross_entropy(self.lm_head, x, targets, cfg.loss_chunk, with_z)
         logits = self.lm_head(x)  # (B, T, padded_vocab_size)
-
-        loss = None
-        if targets is not None:
-            # Softmax over ~50k classes loses too much precision in bf16; compute the loss in float32.
-            loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))
-        return logits, loss
+        return logits, None if targets is None else head_loss(logits, targets, with_z)

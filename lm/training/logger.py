@@ -71,11 +71,12 @@ class MetricLogger:
 
 
 class TrainWindow:
-    """The steps since the last log line: their loss summed on the device over the applied steps (read once
-    per line: one host sync), and their wall time spent training (`paused` leaves the rest out)."""
+    """The steps since the last log line: their (2,) cross-entropy and z-loss term summed on the device over
+    the applied steps (read once per line: one host sync), and their wall time spent training (`paused`
+    leaves the rest out)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.loss = torch.zeros((), device=device)
+        self.loss = torch.zeros(2, device=device)
         self.applied = torch.zeros((), device=device)
         self.steps = 0
         self.start = time.perf_counter()
@@ -92,9 +93,10 @@ class TrainWindow:
         yield
         self.start += time.perf_counter() - paused
 
-    def read(self, env: DistEnv) -> tuple[float, int, float]:
-        """(mean loss over the window's applied steps and over ranks, steps, seconds); starts a new window."""
-        loss = env.all_reduce_mean(self.loss / self.applied.clamp(min=1)).item()
+    def read(self, env: DistEnv) -> tuple[list[float], int, float]:
+        """([cross-entropy, z-loss term] averaged over the window's applied steps and over ranks, steps,
+        seconds); starts a new window."""
+        loss = env.all_reduce_mean(self.loss / self.applied.clamp(min=1)).tolist()
         steps, seconds = self.steps, time.perf_counter() - self.start
         self.loss.zero_()
         self.applied.zero_()

@@ -182,7 +182,7 @@ class Trainer:
 
     def _log_train(self, window: TrainWindow, lr: float, grad_norm: torch.Tensor) -> dict:
         """One train line: the window's mean loss, its throughput and MFU; returns the row logged."""
-        loss, steps, seconds = window.read(self.env)
+        (loss, z_loss), steps, seconds = window.read(self.env)
         tok_s = steps * self.cfg.train.batch_size * self.cfg.data.seq_len / seconds
         flops_s = self.flops_per_token * tok_s / self.env.world_size
         row = {
@@ -191,6 +191,8 @@ class Trainer:
             "perf/tokens_per_s": tok_s, "perf/tflops_per_device": flops_s / 1e12,
             "perf/mfu": flops_s / self.peak_flops if self.peak_flops else None,
         }
+        if self.cfg.optim.z_loss:  # train/loss stays the cross-entropy alone, comparable with val/loss
+            row["train/z_loss"] = z_loss
         if self.data.is_mixture:  # tokens each source has served, and the epochs they make of its windows
             draws = self.loader.draws_per_source()
             for source, n, windows in zip(self.data.sources, draws.tolist(), self.loader.sources):
@@ -237,11 +239,12 @@ class Trainer:
             )
 
     def _train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Forward/backward over this rank's micro-batches, clip, step. Returns the mean loss, the grad norm
-        and whether the optimizer step was applied (not skipped for a non-finite norm), all 0-dim tensors."""
+        """Forward/backward over this rank's micro-batches, clip, step. Returns the mean (2,) cross-entropy
+        and z-loss term, the grad norm and whether the optimizer step was applied (not skipped for a
+        non-finite norm), the last two 0-dim; all on the device."""
         micro_batches = self.loader.next_batch()
         poison = self.faults.nan_at(self.step + 1, self.env.rank)
-        loss_sum = torch.zeros((), device=self.env.device)
+        loss_sum = torch.zeros(2, device=self.env.device)  # cross-entropy, z-loss term
         for i, batch in enumerate(micro_batches):
             # (x, y) for the GPT, (src, tgt_in, tgt_out) for the encoder-decoder: the model's own arguments
             loss_sum += self.engine.forward_backward(to_device(batch, self.env.device),

@@ -26,9 +26,11 @@ TINY = ["--model.n_layer=2", "--model.n_head=4", "--model.d_model=128", "--model
         "--data.seq_len=128", "--train.device=cuda", "--train.batch_size=4", "--train.micro_batch_size=4"]
 
 
+@pytest.mark.parametrize("optim", [[], ["--optim.name=muon", "--optim.z_loss=1e-4"]], ids=["adamw", "muon"])
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
-def test_a_training_step_never_waits_for_the_host(engine):
-    cfg = load_config(None, [*TINY, f"--parallel.engine={engine}"])
+def test_a_training_step_never_waits_for_the_host(engine, optim):
+    # Muon skips like the fused AdamW (torch.where on the device), and the z-loss is summed on the device
+    cfg = load_config(None, [*TINY, f"--parallel.engine={engine}", *optim])
     device = torch.device("cuda")
     try:
         sync_free_steps(cfg, device)

@@ -1,0 +1,126 @@
+"""Muon on one process: the Newton-Schulz iteration, the update rule, the AdamW groups beside it, the skip
+on the device, and which parameters `build_optimizer` gives it."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lm.config import OptimConfig
+from lm.distributed.muon import Muon, newton_schulz
+from lm.distributed.optim import build_optimizer, set_lr
+from lm.models.config import ModelConfig
+from lm.models.gpt import GPT
+
+
+def with_singular_values(m: int, n: int, values: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """(U diag(values) V^T, U, V): a (m, n) matrix with the given singular values and random singular vectors."""
+    g = torch.Generator().manual_seed(seed)
+    k = min(m, n)
+    u, _ = torch.linalg.qr(torch.randn(m, k, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(n, k, generator=g))
+    return u @ torch.diag(values) @ v.T, u, v
+
+
+@pytest.mark.parametrize("shape", [(48, 48), (32, 96), (96, 32)])
+def test_newton_schulz_keeps_the_singular_vectors_and_brings_every_singular_value_near_one(shape):
+    k = min(shape)
+    # singular values over two decades, at any scale: the iteration normalises first
+    g, u, v = with_singular_values(*shape, torch.logspace(-2, 0, k) * 7.0)
+    o = newton_schulz(g, steps=5)
+    assert o.shape == g.shape and o.dtype == g.dtype
+    core = u.T @ o @ v  # diagonal exactly when o has g's singular vectors
+    diagonal = torch.diagonal(core)
+    assert (core - torch.diag(diagonal)).abs().max() < 1e-5
+    # the quintic is tuned for speed, not convergence: 5 steps leave every value in [0.68, 1.21]
+    assert diagonal.min() > 0.65 and diagonal.max() < 1.25
+    # so o is orthogonal to that tolerance: o o^T (or o^T o) is near the identity
+    gram = o @ o.T if shape[0] <= shape[1] else o.T @ o
+    assert (gram - torch.eye(k)).abs().max() < 0.5
+    assert torch.linalg.svdvals(o).sub(1).abs().max() < 0.35
+
+
+def test_newton_schulz_of_a_zero_matrix_is_zero():
+    # DCP initialises optimizer state by stepping zero gradients at lr 0: the update must be finite
+    assert torch.equal(newton_schulz(torch.zeros(4, 6), 5), torch.zeros(4, 6))
+
+
+def two_groups() -> tuple[nn.Parameter, nn.Parameter, Muon]:
+    """A (6, 4) matrix under Muon and a vector under AdamW, with gradients."""
+    torch.manual_seed(0)
+    matrix, vector = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(5))
+    opt = Muon([{"params": [matrix], "muon": True, "weight_decay": 0.1}, {"params": [vector], "weight_decay": 0.0}],
+               momentum=0.9, ns_steps=5, lr=0.05, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    matrix.grad, vector.grad = torch.randn(6, 4), torch.randn(5)
+    return matrix, vector, opt
+
+
+def test_a_muon_step_follows_the_documented_rule():
+    matrix, _, opt = two_groups()
+    p0, g = matrix.detach().clone(), matrix.grad.clone()
+    opt.step()
+    buf = 0.1 * g  # from a zero buffer: momentum * 0 + (1 - momentum) * g
+    u = 0.1 * g + 0.9 * buf  # Nesterov
+    expected = p0 * (1 - 0.05 * 0.1) - 0.05 * (6 / 4) ** 0.5 * newton_schulz(u, 5)
+    torch.testing.assert_close(matrix.detach(), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(opt.state[matrix]["momentum_buffer"], buf, rtol=0, atol=0)
+    assert opt.state[matrix]["step"].item() == 1
+
+
+def test_the_adamw_groups_step_exactly_as_torch_adamw():
+    _, vector, opt = two_groups()
+    twin = nn.Parameter(vector.detach().clone())
+    twin.grad = vector.grad.clone()
+    reference = torch.optim.AdamW([twin], lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True)
+    for _ in range(3):
+        opt.step()
+        reference.step()
+    assert torch.equal(vector, twin)
+
+
+def test_a_step_with_found_inf_changes_nothing():
+    matrix, vector, opt = two_groups()
+    opt.step()  # a real step first, so every state exists
+    before = [t.clone() for t in (matrix, vector, opt.state[matrix]["momentum_buffer"], opt.state[matrix]["step"],
+                                  opt.state[vector]["exp_avg"], opt.state[vector]["step"])]
+    matrix.grad.fill_(float("nan"))
+    opt.found_inf = torch.ones(())
+    opt.step()
+    after = (matrix, vector, opt.state[matrix]["momentum_buffer"], opt.state[matrix]["step"],
+             opt.state[vector]["exp_avg"], opt.state[vector]["step"])
+    for old, new in zip(before, after):
+        assert torch.equal(old, new)
+    opt.found_inf = torch.zeros(())  # and a finite step after it is applied
+    matrix.grad.normal_()
+    opt.step()
+    assert not torch.equal(matrix, before[0]) and opt.state[matrix]["step"].item() == 2
+
+
+def groups_of(model: nn.Module, cfg: OptimConfig) -> list[set[str]]:
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [{names[id(p)] for p in group["params"]} for group in build_optimizer(model, cfg).param_groups]
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    model = GPT(ModelConfig(n_layer=2, n_head=2, d_model=16, block_size=8, vocab_size=64, pos="rope",
+                            norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False))
+    adamw = groups_of(model, OptimConfig())
+    decay, no_decay, matrices = groups_of(model, OptimConfig(name="muon"))
+    assert matrices == adamw[0] - {"lm_head.weight"}  # every decayed Linear weight but the head's
+    assert all(name.startswith("blocks.") and name.endswith(".weight") for name in matrices)
+    assert decay == {"lm_head.weight"} and no_decay == adamw[1]  # embedding and norms, undecayed
+
+
+def test_a_tied_gpt_under_muon_has_no_empty_group():
+    model = GPT(ModelConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=64))
+    opt = build_optimizer(model, OptimConfig(name="muon"))
+    # AdamW's decayed group would hold only the head, which is the embedding: it is left out, not left empty
+    assert [group["muon"] for group in opt.param_groups] == [False, True]
+    assert all(group["params"] for group in opt.param_groups)
+
+
+def test_the_schedule_scales_muon_lr_as_it_scales_lr():
+    model = GPT(ModelConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=64))
+    cfg = OptimConfig(name="muon", lr=1e-3, muon_lr=0.02)
+    opt = build_optimizer(model, cfg)
+    set_lr(opt, 5e-4, cfg)  # half the peak
+    assert [group["lr"] for group in opt.param_groups] == [5e-4, pytest.approx(0.01)]
