@@ -1,6 +1,7 @@
 """Resuming a run: which checkpoint (checkpoint.resume), whether it fits the config and the data, and
 loading it through the engine. A checkpoint is refused, with the command that gets around it, when its
-model, its engine family or (unless checkpoint.allow_data_change) its data differ from the run's."""
+model, its optimizer, its engine family or (unless checkpoint.allow_data_change) its data differ from the
+run's."""
 
 import logging
 import shutil
@@ -42,6 +43,7 @@ def check_resume(path: Path, cfg: JobConfig, data: dict, env: DistEnv) -> bool:
     """Refuse a checkpoint that does not fit the run (model, data, engine family); True when the engine
     must load the DeepSpeed checkpoint's universal form, which this makes if it is not there yet."""
     check_compatible(path, cfg)
+    check_optimizer(path, cfg)
     check_data(path, data, cfg)
     load_universal = check_engine(path, cfg, env.world_size)
     if load_universal:
@@ -137,6 +139,18 @@ def check_compatible(path: Path, cfg: JobConfig) -> None:
     if details := model_diff(read_config(path), cfg):
         raise ConfigError(f"{path}: checkpoint has a different model shape ({details}); "
                           "use another train.out_dir to start a new run")
+
+
+def check_optimizer(path: Path, cfg: JobConfig) -> None:
+    """Refuse a checkpoint of another optimizer (optim.name): AdamW's moments and Muon's momentum buffers are
+    different state, and neither can start from the other's."""
+    saved = read_config(path).optim.name
+    if saved != cfg.optim.name:
+        raise ConfigError(
+            f"{path}: its optimizer state is {saved}'s and optim.name is {cfg.optim.name}; resume with "
+            f"optim.name={saved}, or consolidate it (python -m lm.consolidate --checkpoint {path} OUT.safetensors) "
+            f"and start a new run from its weights with checkpoint.init_from=OUT.safetensors"
+        )
 
 
 def model_diff(saved: JobConfig, current: JobConfig) -> str:
