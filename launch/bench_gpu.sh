@@ -11,13 +11,14 @@
 #   losschunk lm.bench's losschunk table: demo model step time and peak memory with model.loss_chunk off and on
 #   train     40 real optimizer steps of configs/gpt2-124m.yaml (compiled, bf16) under torchrun, whose
 #             log lines report tokens/s and MFU
+#   muon      the same 40 steps with optim.name=muon (Newton-Schulz in bf16 on the GPU): its cost in tokens/s
 # Usage: bash launch/bench_gpu.sh [OUT] [PART ...]   (all parts by default; exits 1 if any part failed)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-runs/bench-gpu}"
 shift || true
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(tests training engines sampling docmask losschunk profile train)
+[ ${#parts[@]} -gt 0 ] || parts=(tests training engines sampling docmask losschunk profile train muon)
 mkdir -p "$out"
 py="${PYTHON:-python}"  # PYTHON=python3 where that is the interpreter holding torch
 export PYTHONUNBUFFERED=1
@@ -32,7 +33,11 @@ part() {
                "$py" -m torch.distributed.run --standalone --nproc_per_node=1 -m lm.train --config configs/gpt2-124m.yaml \
                    --train.steps=40 --log.every=5 --train.eval_every=1000 --checkpoint.every=1000 \
                    --log.sample_every=0 --train.out_dir="$out/gpt2-124m-run" --checkpoint.resume=never ;;
-        *) echo "bench_gpu.sh: unknown part '$1' (tests, training, engines, sampling, docmask, losschunk, profile, train)" >&2; return 2 ;;
+        muon) "$py" -m lm.prepare --config configs/gpt2-124m.yaml &&
+              "$py" -m torch.distributed.run --standalone --nproc_per_node=1 -m lm.train --config configs/gpt2-124m.yaml \
+                  --optim.name=muon --train.steps=40 --log.every=5 --train.eval_every=1000 --checkpoint.every=1000 \
+                  --log.sample_every=0 --train.out_dir="$out/gpt2-124m-muon-run" --checkpoint.resume=never ;;
+        *) echo "bench_gpu.sh: unknown part '$1' (tests, training, engines, sampling, docmask, losschunk, profile, train, muon)" >&2; return 2 ;;
     esac
 }
 
