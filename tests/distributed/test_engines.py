@@ -69,12 +69,15 @@ def test_two_processes_match_one_and_resume(engine, tiny_data_dir, tmp_path):
     assert two[6] < two[1]
     state = json.loads((tmp_path / "two/checkpoints/step_00000006/state.json").read_text())
     assert state["world_size"] == 2 and state["engine"] == flags[0].split("=")[1]
+    check_resumes(two, tmp_path, tiny_data_dir, *flags)
 
-    # the same world size: steps 4..6 again, bit for bit
-    again = train(2, resume_copy(tmp_path / "two", tmp_path / "again"), tiny_data_dir, *flags)
+
+def check_resumes(two: dict[int, float], tmp_path: Path, data_dir: Path, *flags: str) -> None:
+    """Resume the 2-process run in tmp_path/two from its step-3 checkpoint on 2 processes (steps 4..6 again,
+    bit for bit) and on 1 (the loader's global position and the resharded state continue the trajectory)."""
+    again = train(2, resume_copy(tmp_path / "two", tmp_path / "again"), data_dir, *flags)
     assert sorted(again) == [4, 5, 6] and all(again[s] == two[s] for s in again)
-    # 2 processes -> 1: the loader's global position and the resharded state continue the trajectory
-    alone = train(1, resume_copy(tmp_path / "two", tmp_path / "alone"), tiny_data_dir, *flags)
+    alone = train(1, resume_copy(tmp_path / "two", tmp_path / "alone"), data_dir, *flags)
     assert sorted(alone) == [4, 5, 6]
     for step in alone:
         assert alone[step] == pytest.approx(two[step], rel=RESHARD_REL), step
