@@ -25,7 +25,7 @@ from lm.inference.scoring import (
     unigram_entropy,
     val_streams,
 )
-from lm.tokenizer import load_tokenizer
+from lm.tokenizer import model_tokenizer
 from lm.training.objective import build_objective
 
 
@@ -66,7 +66,7 @@ def _streams(args: argparse.Namespace, cfg: JobConfig) -> tuple[list[np.ndarray]
     """The token streams to score, what they are, and the text's size in bytes (None for shards)."""
     n_bytes = None
     if args.text is not None:
-        tokens, n_bytes = text_tokens(args.text, load_tokenizer(cfg.data.tokenizer))
+        tokens, n_bytes = text_tokens(args.text, model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size))
         streams, source = [tokens], str(args.text)
     else:
         if cfg.data.mixture and not args.data_dir:
@@ -93,7 +93,9 @@ def main(argv: list[str]) -> int:
             nll, count = score_span_corruption(model, streams, objective, args.batch_size, device, bar)
         else:
             # a model trained with document masking is scored so too: each window attends within its documents
-            eot = load_tokenizer(cfg.data.tokenizer).eot_token if cfg.data.document_mask else None
+            eot = None
+            if cfg.data.document_mask:
+                eot = model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size).eot_token
             for stream in streams:
                 scored = score_stream(model, np.asarray(stream), seq_len, stride, args.batch_size, device, bar,
                                       document_eot=eot)

@@ -1,6 +1,7 @@
 """`python -m lm.export --checkpoint RUN --to hf OUT`: a checkpoint as a Hugging Face transformers model.
 
-OUT gets config.json, model.safetensors, generation_config.json and the tokenizer's files (`lm.hf.export`).
+OUT gets config.json, model.safetensors, generation_config.json and the tokenizer's files (`lm.hf.export`): built
+from a tiktoken encoding, or the tokenizer.json the model was trained with (data.tokenizer) copied.
 The model config picks the target, GPT2LMHeadModel or LlamaForCausalLM (`lm.hf.mapping`); any other
 combination is refused before anything is loaded or written, naming the keys that differ.
 """
@@ -18,7 +19,7 @@ from lm.checkpoint.store import read_config, resolve_checkpoint
 from lm.cli import run
 from lm.hf.export import output_problem, write_export
 from lm.hf.mapping import TARGETS, hf_target
-from lm.tokenizer import load_tokenizer
+from lm.tokenizer import model_tokenizer
 
 log = logging.getLogger("lm.export")
 
@@ -50,7 +51,8 @@ def main(argv: list[str]) -> int:
     target = hf_target(saved.model)  # refuse before loading weights or creating anything
     model, job, _ = load_for_inference(step_dir, torch.device("cpu"))
     out = args.out.resolve()
-    written, kept = write_export(model, load_tokenizer(job.data.tokenizer), job.data.tokenizer, out)
+    tokenizer = model_tokenizer(job.data.tokenizer, job.model.vocab_size)
+    written, kept = write_export(model, tokenizer, job.data.tokenizer, out)
     if kept:
         log.warning("%s: kept files this export did not write: %s", out, ", ".join(kept))
     log.info("exported %s (step dir %s) as %s to %s: %s", args.checkpoint, step_dir.name,

@@ -13,7 +13,7 @@ from lm.inference.prompts import encdec_source, fill_masks, fit_prompt
 from lm.io import read_utf8
 from lm.models.config import ModelConfig
 from lm.models.generate import generate
-from lm.tokenizer import load_tokenizer
+from lm.tokenizer import continuation_text, model_tokenizer, prompt_ids
 
 
 def main(argv: list[str]) -> int:
@@ -21,7 +21,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--checkpoint", required=True,
                         help="run directory, its checkpoints/ or one step_XXXXXXXX directory")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--prompt", default="", help="prompt text (default: empty, start from end-of-text)")
+    source.add_argument("--prompt", default="",
+                        help="prompt text, led by the tokenizer's BOS if it has one (default: empty, start from the "
+                             "BOS, or without one from end-of-text)")
     source.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
     parser.add_argument("--max-new-tokens", type=positive_int, default=200)
     parser.add_argument("--temperature", type=finite_float, default=0.8, help="0 means greedy")
@@ -38,11 +40,11 @@ def main(argv: list[str]) -> int:
 
     device = init_device(args.device, "--device")
     model, cfg, step_dir = load_for_inference(args.checkpoint, device)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokenizer = model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
     text = args.prompt if args.prompt_file is None else read_utf8(args.prompt_file)
     if cfg.model.arch == "encdec":
         return sample_encdec(model, cfg.model, tokenizer, text, args, parser)
-    ids = tokenizer.encode_ordinary(text) if text else [tokenizer.eot_token]
+    ids = prompt_ids(tokenizer, text)
     try:
         ids = fit_prompt(ids, args.max_new_tokens, cfg.model.block_size)
     except ValueError as err:
@@ -52,7 +54,7 @@ def main(argv: list[str]) -> int:
                        top_p=args.top_p, eot_id=tokenizer.eot_token, seed=args.seed + i)
         if args.num_samples > 1:
             print(f"--- sample {i + 1} ---")
-        print(text + tokenizer.decode(new))
+        print(text + continuation_text(tokenizer, ids, new))
     return 0
 
 

@@ -1,5 +1,6 @@
 """Shared pytest fixtures. The data fixtures live here; others may add fixtures for their own areas."""
 
+import json
 import re
 from pathlib import Path
 
@@ -59,3 +60,41 @@ def trained_run(tiny_data_dir, tmp_path_factory) -> Path:
     ])
     Trainer(cfg, init_distributed("cpu")).fit()
     return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer_jsons(tiny_corpus_dir, tmp_path_factory) -> dict[str, Path]:
+    """Hugging Face tokenizer.json files trained on Macbeth (400 ids each), each alone in its directory:
+    "bos": byte-level BPE with <s> (id 0) and </s> (id 1), whose post-processor puts <s> in front (Llama 3's
+    way of adding a BOS), no tokenizer_config.json; "eot": byte-level BPE with only <|endoftext|> (id 0), no BOS;
+    "metaspace": SentencePiece-style BPE ("▁" marks a text's first word too) with <s>/</s> and a
+    tokenizer_config.json naming them with add_bos_token. Read-only, shared by the session."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    text = [p.read_text() for p in sorted(tiny_corpus_dir.glob("*.txt"))]
+    paths = {}
+    for kind, specials in [("bos", ["<s>", "</s>"]), ("eot", ["<|endoftext|>"]), ("metaspace", ["<s>", "</s>"])]:
+        tokenizer = Tokenizer(models.BPE())
+        if kind == "metaspace":
+            tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+            tokenizer.decoder = decoders.Metaspace(prepend_scheme="first")
+            alphabet = []
+        else:
+            tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            tokenizer.decoder = decoders.ByteLevel()
+            alphabet = pre_tokenizers.ByteLevel.alphabet()
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=alphabet,
+                                      show_progress=False)
+        tokenizer.train_from_iterator(text, trainer)
+        if kind == "bos":
+            tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+        path = tmp_path_factory.mktemp(f"tokenizer_{kind}") / "tokenizer.json"
+        tokenizer.save(str(path))
+        if kind == "metaspace":
+            bos = {"__type": "AddedToken", "content": "<s>", "lstrip": False, "normalized": False, "rstrip": False,
+                   "single_word": False}  # Llama 2's form
+            config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": "</s>",
+                      "add_bos_token": True}
+            path.with_name("tokenizer_config.json").write_text(json.dumps(config))
+        paths[kind] = path
+    return paths

@@ -11,7 +11,7 @@ from lm.config.rules import DEVICES, DTYPES, one_of
 from lm.data.config import DataConfig
 from lm.errors import ConfigError
 from lm.models.config import ModelConfig
-from lm.tokenizer import VOCAB_SIZES
+from lm.tokenizer import VOCAB_SIZES, is_tokenizer_file
 
 OPTIMIZERS = ("adamw", "muon")
 MUON_KEYS = ("muon_lr", "muon_momentum", "muon_ns_steps")
@@ -228,6 +228,14 @@ class JobConfig:
         if self.optim.z_loss and self.model.arch == "encdec":
             raise ConfigError("optim.z_loss: the GPT and the LSTM add it; the encoder-decoder does not (model.arch="
                               "encdec): set it to 0")
+        self._check_vocab_size()
+
+    def _check_vocab_size(self) -> None:
+        """model.vocab_size must equal a tiktoken encoding's size. A tokenizer.json is not read here (a config
+        stored in a checkpoint is read again where the file may not be): that the model holds its ids is
+        checked where training opens the data and where eval and sample load it (`check_vocab_size`)."""
+        if is_tokenizer_file(self.data.tokenizer):
+            return
         expected = VOCAB_SIZES[self.data.tokenizer]
         if self.model.vocab_size != expected:
             raise ConfigError(

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lm.errors import ConfigError
-from lm.tokenizer import VOCAB_SIZES
+from lm.tokenizer import VOCAB_SIZES, is_tokenizer_file
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -46,7 +46,8 @@ class DataConfig:
     lines (lines holding only whitespace); any other string itself, dropped. Empty or blank documents are
     skipped. Rows of json/jsonl/parquet files and the built-in corpus's plays are one document each."""
     tokenizer: str = "gpt2"
-    """tiktoken encoding: gpt2 (r50k_base ids) or cl100k_base."""
+    """tiktoken encoding: gpt2 (r50k_base ids) or cl100k_base; or the path of a Hugging Face tokenizer.json (an
+    imported model's own, with its BOS/EOS from the tokenizer_config.json beside it)."""
     dir: str = "data/shakespeare"
     """Directory holding the prepared shards and manifest.json."""
     val_fraction: float = 0.05
@@ -54,7 +55,7 @@ class DataConfig:
     shard_tokens: int = 100_000_000
     """Tokens per shard file when preparing."""
     num_workers: int = 2
-    """Tokenizer threads when preparing (tiktoken releases the GIL, so they run in parallel)."""
+    """Tokenizer threads when preparing (tiktoken and `tokenizers` release the GIL, so they run in parallel)."""
     seq_len: int = 256
     """Tokens per training sample (each sample reads seq_len + 1 tokens)."""
     verify_hashes: bool = False
@@ -65,9 +66,11 @@ class DataConfig:
     """Attention stays inside each document of a packed window, whose positions restart at the document's start."""
 
     def __post_init__(self) -> None:
-        if self.tokenizer not in VOCAB_SIZES:
+        # only the form: a config stored in a checkpoint is read again where the file may not be
+        if self.tokenizer not in VOCAB_SIZES and not is_tokenizer_file(self.tokenizer):
             raise ConfigError(
-                f"data.tokenizer: unknown tokenizer {self.tokenizer!r}; expected one of {sorted(VOCAB_SIZES)}"
+                f"data.tokenizer: unknown tokenizer {self.tokenizer!r}; expected one of {sorted(VOCAB_SIZES)} "
+                "or the path of a Hugging Face tokenizer.json (ending in .json)"
             )
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction: must be in [0, 1), got {self.val_fraction}")

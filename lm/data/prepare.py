@@ -5,6 +5,12 @@ memory stays bounded however large the corpus, a file or a document. Threads, no
 releases the GIL while it encodes, so threads tokenize in parallel without copying text and tokens
 between processes. The output is built in a sibling directory and swapped in only when complete, so a
 crash or a bad input never harms shards that were already good.
+
+Each document is written as its tokens followed by the end-of-text (end-of-sequence) token, led by the
+tokenizer's BOS when it has one (a tokenizer.json may; tiktoken's encodings do not). Pieces tokenize like the
+whole document only under the GPT-2 and cl100k pre-tokenizers (`lm.data.pieces`), so for a tokenizer.json,
+whose pre-tokenizer may be anything (SentencePiece's Metaspace marks only a text's first word), a document's
+pieces are joined and the document encoded whole: memory then grows with the longest document, not the corpus.
 """
 
 import collections
@@ -39,7 +45,15 @@ from lm.data.shards import (
 )
 from lm.errors import DataError
 from lm.io import publish_dir
-from lm.tokenizer import load_tokenizer
+from lm.tokenizer import (
+    HFTokenizer,
+    Tokenizer,
+    document_prefix,
+    is_tokenizer_file,
+    load_tokenizer,
+    tokenizer_hash,
+    tokenizer_identity,
+)
 
 __all__ = ["is_val_document", "output_hash", "prepare"]
 
@@ -56,9 +70,12 @@ def is_val_document(index: int, val_fraction: float) -> bool:
 
 
 def output_hash(input_hash: str, cfg: DataConfig) -> str:
-    """Fingerprint of everything that changes the prepared bytes (not num_workers: order is preserved)."""
+    """Fingerprint of everything that changes the prepared bytes (not num_workers: order is preserved). A
+    tokenizer.json counts by its `tokenizer_hash`, not its path: the same file elsewhere reuses the data, an
+    edited one rebuilds it. A tiktoken encoding counts by its name, as before hashes were recorded, so data
+    prepared then stays current."""
     key = {
-        "input": input_hash, "tokenizer": cfg.tokenizer, "val_fraction": cfg.val_fraction,
+        "input": input_hash, "tokenizer": tokenizer_identity(cfg.tokenizer), "val_fraction": cfg.val_fraction,
         "shard_tokens": cfg.shard_tokens, "format_version": FORMAT_VERSION,
     }
     if cfg.document_separator:  # absent when unset, so data prepared before the key existed stays current
@@ -88,7 +105,10 @@ def prepare(cfg: DataConfig, force: bool = False) -> dict:
     tmp.mkdir(parents=True)
     try:
         splits = _tokenize(corpus, cfg, tmp, dtype_for_vocab(enc.n_vocab))
-        manifest = new_manifest(cfg.tokenizer, enc.n_vocab, enc.eot_token, cfg.source, content_hash, splits)
+        # a tiktoken name fixes its ids, so its manifest stays as it was before hashes were recorded
+        file_hash = tokenizer_hash(cfg.tokenizer) if is_tokenizer_file(cfg.tokenizer) else None
+        manifest = new_manifest(cfg.tokenizer, enc.n_vocab, enc.eot_token, cfg.source, content_hash, splits,
+                                file_hash, getattr(enc, "bos_token", None))
         write_manifest(tmp, manifest)
         publish_dir(tmp, out)  # the old preparation is deleted only once the new one is in place
     finally:
@@ -158,7 +178,8 @@ def _tokenize(corpus: Corpus, cfg: DataConfig, out: Path, dtype: np.dtype) -> di
     writers = {split: ShardWriter(out, split, cfg.shard_tokens, dtype) for split in SPLITS}
     docs = dict.fromkeys(SPLITS, 0)
     encode = functools.partial(_encode_batch, tokenizer=cfg.tokenizer, val_fraction=cfg.val_fraction, dtype=dtype)
-    batches = _batches(corpus.pieces(cfg.text_column))
+    pieces = corpus.pieces(cfg.text_column)
+    batches = _batches(_whole_documents(pieces) if is_tokenizer_file(cfg.tokenizer) else pieces)
     with tqdm(total=corpus.num_documents, unit="doc", desc="tokenizing", disable=None) as bar:
         for (train, val), (num_train, num_val) in _ordered_map(encode, batches, cfg.num_workers):
             writers["train"].add(train)
@@ -190,6 +211,16 @@ def _batches(pieces: Iterable[Piece]) -> Iterator[tuple[int, list[Piece]]]:
         yield start, batch
 
 
+def _whole_documents(pieces: Iterable[Piece]) -> Iterator[Piece]:
+    """Each document's pieces joined into one piece (see the module docstring)."""
+    texts: list[str] = []
+    for text, ends_document in pieces:
+        texts.append(text)
+        if ends_document:
+            yield Piece("".join(texts), True)
+            texts = []
+
+
 def _encode_batch(
     task: tuple[int, list[Piece]], tokenizer: str, val_fraction: float, dtype: np.dtype
 ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[int, int]]:
@@ -200,17 +231,26 @@ def _encode_batch(
     eot = np.array([enc.eot_token], dtype=np.uint32)
     parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
     counts = {False: 0, True: 0}
-    for text, ends_document in pieces:
+    for (_, ends_document), tokens in zip(pieces, _encode_texts(enc, [piece.text for piece in pieces])):
         is_val = is_val_document(document, val_fraction)
-        # Ordinary text only (no special tokens allowed): a corpus may contain the characters
-        # "<|endoftext|>", which are text, not EOT. encode_to_numpy is encode_ordinary without a list of ints.
-        parts[is_val].append(enc.encode_to_numpy(text, disallowed_special=()))
+        parts[is_val].append(tokens)
         if ends_document:
             parts[is_val].append(eot)
             counts[is_val] += 1
             document += 1
     tokens = tuple(np.concatenate(parts[v]).astype(dtype) if parts[v] else np.empty(0, dtype) for v in (False, True))
     return tokens, (counts[False], counts[True])
+
+
+def _encode_texts(enc: Tokenizer, texts: list[str]) -> list[np.ndarray]:
+    """The tokens of each text, as ordinary text: a corpus may contain the characters "<|endoftext|>" or
+    "</s>", which are text, not the end of a document. A tokenizer.json's texts are whole documents, each led by
+    the tokenizer's BOS if it has one, encoded in one call (`tokenizers` releases the GIL only for a batch).
+    tiktoken's encode_to_numpy is encode_ordinary without a list of ints."""
+    if isinstance(enc, HFTokenizer):
+        prefix = document_prefix(enc)
+        return [np.array(prefix + ids, dtype=np.uint32) for ids in enc.encode_ordinary_batch(texts)]
+    return [enc.encode_to_numpy(text, disallowed_special=()) for text in texts]
 
 
 def _ordered_map(fn: Callable, tasks: Iterator, num_workers: int) -> Iterator:

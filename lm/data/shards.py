@@ -23,11 +23,12 @@ import numpy as np
 
 from lm.errors import DataError
 from lm.io import atomic_path, atomic_write_text, commit, sha256_file, temp_sibling
+from lm.tokenizer import check_vocab_size, is_tokenizer_file, tokenizer_identity
 
 __all__ = [
     "FORMAT_VERSION", "HEADER_BYTES", "MANIFEST_NAME", "ShardWriter", "check_manifest", "check_token_ids",
-    "document_eot", "dtype_for_vocab", "is_prepared_file", "new_manifest", "open_shard", "read_header", "read_manifest",
-    "shard_name", "verify_hashes", "write_manifest", "write_shard",
+    "document_eot", "dtype_for_vocab", "is_prepared_file", "manifest_tokenizer", "new_manifest", "open_shard",
+    "read_header", "read_manifest", "shard_name", "verify_hashes", "write_manifest", "write_shard",
 ]
 
 MAGIC = b"LMTOKENS"
@@ -154,17 +155,25 @@ def open_shard(path: str | Path) -> np.memmap:
 
 
 def new_manifest(
-    tokenizer: str, vocab_size: int, eot_id: int, source: str, content_hash: str, splits: dict[str, dict]
+    tokenizer: str, vocab_size: int, eot_id: int, source: str, content_hash: str, splits: dict[str, dict],
+    tokenizer_hash: str | None = None, bos_id: int | None = None,
 ) -> dict:
     """The manifest.json contents; `splits` maps train/val to {"documents", "tokens", "shards"}.
     `document_boundaries: "eot"` records that every document is followed by the end-of-text token and that
     the token occurs nowhere else (text is encoded as ordinary text), so a window's document boundaries are
-    where it holds that token (data.document_mask)."""
-    return {
+    where it holds that token (data.document_mask). `tokenizer_hash` (`lm.tokenizer.tokenizer_hash`), given
+    for a tokenizer.json (a tiktoken name fixes its ids), tells which tokenizer made the shards wherever its
+    file lives; `bos_id`, given when the tokenizer has one, starts every document."""
+    manifest = {
         "format_version": FORMAT_VERSION, "tokenizer": tokenizer, "vocab_size": vocab_size,
         "dtype": dtype_for_vocab(vocab_size).name, "eot_id": eot_id, "document_boundaries": "eot",
         "source": source, "content_hash": content_hash, "splits": splits,
     }
+    if tokenizer_hash is not None:
+        manifest["tokenizer_hash"] = tokenizer_hash
+    if bos_id is not None:
+        manifest["bos_id"] = bos_id
+    return manifest
 
 
 def write_manifest(data_dir: str | Path, manifest: dict) -> None:
@@ -242,14 +251,34 @@ def document_eot(manifest: dict, data_dir: str | Path) -> int:
     return int(manifest["eot_id"])
 
 
+def manifest_tokenizer(manifest: dict) -> str | None:
+    """What identifies the tokenizer that made a directory's shards: a tiktoken encoding's name (which fixes its
+    ids; manifests from before hashes were recorded hold only such names), or a tokenizer.json's recorded
+    `tokenizer_hash` (None if it is missing): `lm.tokenizer.tokenizer_identity` of the tokenizer that made them."""
+    name = manifest["tokenizer"]
+    return manifest.get("tokenizer_hash") if is_tokenizer_file(name) else name
+
+
+def _described(name: str, identity: str | None) -> str:
+    return f"{name!r} (tokenizer hash {str(identity)[:12]})" if is_tokenizer_file(name) else repr(name)
+
+
 def check_manifest(manifest: dict, tokenizer: str, vocab_size: int, data_dir: str | Path) -> None:
-    """Fail if prepared data was tokenized differently from what the job config expects."""
-    if manifest["tokenizer"] != tokenizer:
+    """Fail if prepared data was tokenized differently from what the job config expects: by another tokenizer
+    (`manifest_tokenizer`; a tokenizer.json named by `tokenizer` is read to hash it), or with ids the model
+    cannot hold (a tiktoken encoding's size must equal model.vocab_size; a tokenizer.json's fit within it)."""
+    expected = tokenizer_identity(tokenizer)
+    if manifest_tokenizer(manifest) != expected:
+        name = manifest["tokenizer"]
         raise DataError(
-            f"{data_dir}: prepared with tokenizer {manifest['tokenizer']!r}, but data.tokenizer={tokenizer!r}; "
-            f"prepare again with `python -m lm.prepare` or set data.tokenizer={manifest['tokenizer']!r}"
+            f"{data_dir}: prepared with tokenizer {_described(name, manifest_tokenizer(manifest))}, but "
+            f"data.tokenizer={_described(tokenizer, expected)}, which makes other ids; prepare again with "
+            f"`python -m lm.prepare` and this data.tokenizer (into another data.dir to keep these shards), or set "
+            f"data.tokenizer to the one the shards were prepared with"
         )
-    if manifest["vocab_size"] != vocab_size:
+    if is_tokenizer_file(tokenizer):
+        check_vocab_size(tokenizer, manifest["vocab_size"], vocab_size)
+    elif manifest["vocab_size"] != vocab_size:
         raise DataError(
             f"{data_dir}: prepared with vocab_size {manifest['vocab_size']}, but model.vocab_size={vocab_size}"
         )

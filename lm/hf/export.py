@@ -1,22 +1,23 @@
 """A model and its tokenizer written as a transformers directory: config.json, model.safetensors,
 generation_config.json and the tokenizer's files, so that `AutoModelForCausalLM.from_pretrained(OUT)` and
 `AutoTokenizer.from_pretrained(OUT)` load it offline and give our logits over the tokenizer's ids.
-Exporting needs neither `transformers` nor `tokenizers`: only safetensors and JSON."""
+Exporting needs no `transformers`: a tiktoken encoding's files are built as JSON (`lm.hf.tokenizer_files`),
+and a model trained with a tokenizer.json gets that file, and the tokenizer_config.json beside it, copied."""
 
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
-import tiktoken
 from safetensors.torch import save_file
 
 from lm.hf.mapping import hf_config, hf_state_dict
 from lm.hf.tokenizer_files import write_hf_tokenizer
 from lm.io import atomic_path, merge_dir, temp_sibling
 from lm.models.gpt import GPT
+from lm.tokenizer import TOKENIZER_CONFIG, HFTokenizer, Tokenizer, is_tokenizer_file
 
-__all__ = ["export_hf", "output_problem", "write_export"]
+__all__ = ["copy_tokenizer_files", "export_hf", "output_problem", "write_export"]
 
 
 def _write_json(path: Path, content: dict[str, Any]) -> Path:
@@ -24,28 +25,58 @@ def _write_json(path: Path, content: dict[str, Any]) -> Path:
     return path
 
 
-def export_hf(model: GPT, encoding: tiktoken.Encoding, tokenizer: str, out_dir: Path) -> list[Path]:
+def export_hf(model: GPT, encoding: Tokenizer, tokenizer: str, out_dir: Path) -> list[Path]:
     """Write `model` and its tokenizer (`encoding`, named `tokenizer` in our configs) as a transformers
-    directory into `out_dir`; return the files written."""
+    directory into `out_dir`; return the files written. The start token is the tokenizer's BOS, or without
+    one its end-of-text (GPT-2's convention)."""
     cfg = model.cfg
     eot = encoding.eot_token if encoding.eot_token < cfg.vocab_size else None
+    bos = getattr(encoding, "bos_token", None)
     weights = hf_state_dict(model)
     dtype = next(iter(weights.values())).dtype
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [_write_json(out_dir / "config.json", hf_config(cfg, eot, dtype))]
+    config = hf_config(cfg, eot, dtype)
+    if bos is not None:
+        config["bos_token_id"] = bos
+    written = [_write_json(out_dir / "config.json", config)]
     if eot is not None:
         # transformers generate() would otherwise warn and pad finished rows with eos anyway.
         written.append(_write_json(out_dir / "generation_config.json",
-                                   {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot}))
+                                   {"bos_token_id": config["bos_token_id"], "eos_token_id": eot, "pad_token_id": eot}))
     # transformers refuses safetensors files whose metadata does not say which framework wrote them.
     with atomic_path(out_dir / "model.safetensors") as tmp:
         save_file(weights, tmp, metadata={"format": "pt"})
     written.append(out_dir / "model.safetensors")
-    written += write_hf_tokenizer(encoding, tokenizer, out_dir, cfg.block_size)
+    if is_tokenizer_file(tokenizer):
+        written += copy_tokenizer_files(encoding, out_dir, cfg.block_size)
+    else:
+        written += write_hf_tokenizer(encoding, tokenizer, out_dir, cfg.block_size)
     return written
 
 
-def write_export(model: GPT, encoding: tiktoken.Encoding, tokenizer: str, out: Path) -> tuple[list[str], list[str]]:
+def copy_tokenizer_files(tokenizer: HFTokenizer, out_dir: Path, model_max_length: int) -> list[Path]:
+    """The tokenizer.json a model was trained with, and the tokenizer_config.json beside it, copied unchanged, so
+    transformers loads the tokenizer of the model it came from. Without a tokenizer_config.json one is written
+    that loads tokenizer.json as it stands (PreTrainedTokenizerFast) with the EOS and BOS lm chose."""
+    paths = [out_dir / "tokenizer.json", out_dir / TOKENIZER_CONFIG]
+    shutil.copyfile(tokenizer.path, paths[0])
+    if tokenizer.config_path is not None:
+        shutil.copyfile(tokenizer.config_path, paths[1])
+        return paths
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": tokenizer.id_to_token(tokenizer.eot_token),
+        "model_max_length": model_max_length,
+        # transformers would otherwise "clean up" decoded text (" ," -> ","), breaking the round trip.
+        "clean_up_tokenization_spaces": False,
+    }
+    if tokenizer.bos_token is not None:
+        config["bos_token"] = tokenizer.id_to_token(tokenizer.bos_token)
+    _write_json(paths[1], config)
+    return paths
+
+
+def write_export(model: GPT, encoding: Tokenizer, tokenizer: str, out: Path) -> tuple[list[str], list[str]]:
     """`export_hf` into a sibling of `out`, then published: a new `out` appears whole, and into an existing
     one the files move one by one, each replaced atomically, so a failure never leaves half an export.
     Returns the names written and the names of the files `out` already held that it left alone."""

@@ -20,6 +20,7 @@ from lm.data.objectives import SpanCorruption, document_positions
 from lm.data.shards import check_token_ids, open_shard, read_manifest
 from lm.errors import DataError
 from lm.io import read_utf8
+from lm.tokenizer import document_prefix
 
 __all__ = [
     "eval_windows", "first_tokens", "score_span_corruption", "score_stream", "text_tokens", "unigram_entropy",
@@ -114,12 +115,13 @@ def unigram_entropy(streams: list[np.ndarray]) -> float:
 
 
 def text_tokens(path: Path, tokenizer) -> tuple[np.ndarray, int]:
-    """Tokens of a UTF-8 text file with an end-of-text token in front, so its first token is scored too;
-    and the file's size in bytes."""
+    """Tokens of a UTF-8 text file led by the tokenizer's BOS, or without one an end-of-text token (the end of
+    a previous document), as a document starts in training, so its first token is scored too; and the file's
+    size in bytes."""
     text = read_utf8(path)
     if not text:
         raise DataError(f"{path}: the file is empty; expected UTF-8 text")
-    ids = [tokenizer.eot_token] + tokenizer.encode_ordinary(text)
+    ids = (document_prefix(tokenizer) or [tokenizer.eot_token]) + tokenizer.encode_ordinary(text)
     return np.asarray(ids, dtype=np.int64), len(text.encode("utf-8"))
 
 

@@ -13,7 +13,7 @@ from lm.config import JobConfig
 from lm.data.config import MixtureSource
 from lm.data.loader import SplitWindows, TokenLoader
 from lm.data.objectives import Objective
-from lm.data.shards import check_manifest, document_eot, read_manifest, verify_hashes
+from lm.data.shards import check_manifest, document_eot, manifest_tokenizer, read_manifest, verify_hashes
 from lm.distributed.env import DistEnv
 from lm.errors import ConfigError, DataError
 from lm.training.objective import build_objective
@@ -83,10 +83,12 @@ def open_training_data(cfg: JobConfig, env: DistEnv) -> TrainingData:
 
 
 def _check_shared_tokenizer(sources: list[MixtureSource], manifests: list[dict]) -> None:
-    """All sources of a mixture must hold ids of one tokenizer: one error naming two that differ."""
+    """All sources of a mixture must hold ids of one tokenizer (a tokenizer.json is known by its hash, wherever
+    each source's file was): one error naming two that differ."""
     first, ids = sources[0], (manifests[0]["tokenizer"], manifests[0]["vocab_size"])
+    identity = (manifest_tokenizer(manifests[0]), ids[1])
     for source, manifest in zip(sources[1:], manifests[1:]):
-        if (manifest["tokenizer"], manifest["vocab_size"]) != ids:
+        if (manifest_tokenizer(manifest), manifest["vocab_size"]) != identity:
             raise DataError(
                 f"data.mixture: {first.dir} was prepared with tokenizer {ids[0]!r} ({ids[1]} ids) "
                 f"but {source.dir} with {manifest['tokenizer']!r} "

@@ -10,6 +10,7 @@ from lm.distributed.env import DistEnv
 from lm.distributed.precision import autocast_for
 from lm.inference.prompts import fill_masks, fit_prompt
 from lm.models.generate import generate_batch
+from lm.tokenizer import continuation_text, prompt_ids
 
 TEMPERATURE = 0.8
 TOP_K = 200
@@ -26,13 +27,13 @@ def sample_text(model: torch.nn.Module, cfg: JobConfig, tokenizer, device: torch
     n = min(cfg.log.sample_tokens, cfg.model.block_size - 1)  # leave the prompt at least one position
     if cfg.model.arch == "encdec":
         return fill_masks(model, cfg.model, tokenizer, prompt, n, TEMPERATURE, TOP_K, None, cfg.train.seed)
-    ids = tokenizer.encode_ordinary(prompt) if prompt else [tokenizer.eot_token]
-    idx = torch.tensor([fit_prompt(ids, n, cfg.model.block_size)], device=device)  # (1, T)
+    ids = fit_prompt(prompt_ids(tokenizer, prompt), n, cfg.model.block_size)
+    idx = torch.tensor([ids], device=device)  # (1, T)
     generator = torch.Generator(device).manual_seed(cfg.train.seed)
     new = generate_batch(model, idx, n, temperature=TEMPERATURE, top_k=TOP_K, generator=generator)[0].tolist()
     if tokenizer.eot_token in new:  # a fixed-length batch runs past the end of the text; show up to it
         new = new[:new.index(tokenizer.eot_token)]
-    return prompt + tokenizer.decode(new)
+    return prompt + continuation_text(tokenizer, ids, new)
 
 
 def periodic_sample(engine: Engine, cfg: JobConfig, tokenizer, env: DistEnv) -> str:

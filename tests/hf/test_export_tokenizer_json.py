@@ -1,0 +1,58 @@
+"""Exporting a model trained with a tokenizer.json copies that file and the tokenizer_config.json beside it, so
+transformers loads the original model's tokenizer offline; without a tokenizer_config.json one is written."""
+
+import json
+
+import pytest
+import torch
+
+from lm.hf.export import export_hf
+from lm.models.config import ModelConfig
+from lm.models.gpt import GPT
+from lm.tokenizer import load_tokenizer
+
+TEXT = "Fair is foul, and foul is fair:\nHover through the fog and filthy air.\n"
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+def tiny_model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(ModelConfig(vocab_size=400, block_size=16, n_layer=1, n_head=2, d_model=16)).eval()
+
+
+def test_tokenizer_and_its_config_are_copied(tokenizer_jsons, tmp_path):
+    from transformers import AutoTokenizer
+
+    path = tokenizer_jsons["metaspace"]
+    written = export_hf(tiny_model(), load_tokenizer(str(path)), str(path), tmp_path)
+    names = {p.name for p in written}
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json", "model.safetensors"} <= names
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / name).read_bytes() == (path.parent / name).read_bytes()
+    ours = load_tokenizer(str(path))
+    hf = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    ids = ours.encode_ordinary(TEXT)
+    assert hf.encode(TEXT, add_special_tokens=False) == ids
+    assert (hf.bos_token_id, hf.eos_token_id) == (ours.bos_token, ours.eot_token) == (0, 1)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)
+
+
+def test_a_config_is_written_when_the_tokenizer_has_none(tokenizer_jsons, tmp_path):
+    from transformers import AutoTokenizer
+
+    path = tokenizer_jsons["eot"]
+    export_hf(tiny_model(), load_tokenizer(str(path)), str(path), tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config == {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+                      "model_max_length": 16, "clean_up_tokenization_spaces": False}
+    hf = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    ids = load_tokenizer(str(path)).encode_ordinary(TEXT)
+    assert hf.encode(TEXT) == ids and hf.decode(ids) == TEXT and hf.eos_token_id == 0
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
