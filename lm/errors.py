@@ -20,7 +20,8 @@ class DataError(LMError, ValueError):
 
 
 class TokenizerError(LMError, RuntimeError):
-    """No rank file for an encoding could be found or verified; the message says how to install one."""
+    """No rank file for an encoding could be found or verified (the message says how to install one), or a
+    tokenizer.json cannot be read or names no end-of-sequence token."""
 
 
 class CheckpointError(LMError, RuntimeError):

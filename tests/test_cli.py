@@ -44,7 +44,7 @@ def test_console_entry_point_runs_as_a_process():
         "error: model.n_layr: unknown key; did you mean 'n_layer'? expected one of "
         "['arch', 'bias', 'block_size', 'd_ff', 'd_model', 'dropout', 'logit_softcap', 'loss_chunk', 'mlp', "
         "'n_head', 'n_kv_head', 'n_layer', 'n_sentinels', 'norm', 'norm_eps', 'norm_position', 'pos', 'qk_norm', "
-        "'rope_theta', 'share_embeddings', 'tie_embeddings', 'vocab_size']"
+        "'qkv_bias', 'rope_theta', 'share_embeddings', 'tie_embeddings', 'vocab_multiple', 'vocab_size']"
     ]
     listing = subprocess.run([sys.executable, "-m", "lm", "--help"], capture_output=True, text=True, timeout=60)
     assert listing.returncode == 0

@@ -147,7 +147,7 @@ def test_lstm_checkpoint_is_refused_naming_the_architecture_alone(trained_run, t
     assert run(main, ["--checkpoint", str(run_dir), "--to", "hf", str(out)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == ["error: cannot export to Hugging Face: model.arch=lstm is a recurrent model and the targets "
-                     "are transformers (GPT2LMHeadModel and LlamaForCausalLM need model.arch=gpt)"]
+                     "are transformers (GPT2LMHeadModel, LlamaForCausalLM and Qwen2ForCausalLM need model.arch=gpt)"]
     assert not out.exists()
 
 

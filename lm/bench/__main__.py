@@ -20,8 +20,9 @@ from lm.distributed.env import init_device
 PRESETS = ["demo", "gpt2-124m"]
 # sampling first: run after the training sections on the 2-core machine, its per-token times (ours and
 # transformers' alike) came out 1.3-2x slower than in a fresh process
-SECTIONS = ["sampling", "data", "training", "engines", "docmask", "losschunk"]
-# docmask and losschunk are asked for by name: they compare our own paths, not us against transformers
+SECTIONS = ["sampling", "data", "training", "engines", "docmask", "losschunk", "hfimport"]
+# docmask, losschunk and hfimport are asked for by name: the first two compare our own paths, the last writes
+# gigabytes of random checkpoints
 DEFAULT_SECTIONS = ["sampling", "data", "training", "engines"]
 # (batch, seq_len) of the docmask rows: the demo's training window, and a long one at a small batch
 DOCMASK_SHAPES = [(4, 128), (2, 1024)]
@@ -208,6 +209,28 @@ TARGETS = [
 ]
 
 
+def hfimport(args, device, results: dict) -> None:
+    import tempfile
+
+    from lm.bench.hf_import import MODELS, SHARD_BYTES, measure_import, write_random_checkpoint
+
+    rows = []
+    for name in args.import_models:
+        cfg, dtype = MODELS[name]
+        with tempfile.TemporaryDirectory(dir=args.import_dir) as tmp:
+            size = write_random_checkpoint(cfg, Path(tmp), dtype, SHARD_BYTES)
+            for who in ("ours", "transformers"):
+                runs = [measure_import(Path(tmp), who) for _ in range(args.reps_import)]
+                row = sorted(runs, key=lambda r: r["load s"] + r["forward s"])[len(runs) // 2]  # the median run
+                rows.append([name, str(dtype).removeprefix("torch."), f"{size / 1e9:.2f}", who,
+                             f"{row['params'] / 1e6:,.0f}", f"{row['load s']:.2f}", f"{row['forward s']:.2f}",
+                             f"{row['base GiB']:.2f}", f"{row['peak GiB']:.2f}"])
+    print_table("import of a random Hugging Face checkpoint (safetensors shards) into float32 on the CPU, then one "
+                "forward of 8 tokens; a fresh process each (median run)",
+                ["model", "stored", "file GB", "loader", "M params", "load s", "forward s", "RSS before GiB",
+                 "peak RSS GiB"], rows)
+
+
 def target_rows(results: dict[str, float], device: torch.device) -> list[list[str]]:
     """One row per target of this device type that the run measured: value, target, met or not."""
     rows = []
@@ -243,6 +266,10 @@ def main(argv: list[str]) -> int:
                         help="skip the torch.compile rows (and docmask's flex_attention)")
     parser.add_argument("--new-tokens", type=positive_int, default=256, help="tokens per sequence in the sampling rows")
     parser.add_argument("--sampling-preset", default="demo", choices=PRESETS)
+    parser.add_argument("--import-models", nargs="+", default=["gpt2-124m", "llama-1.1b"],
+                        choices=["gpt2-124m", "llama-1.1b"], help="hfimport: the checkpoints to write and import")
+    parser.add_argument("--import-dir", default=None, help="hfimport: where to write them (default: the temp dir)")
+    parser.add_argument("--reps-import", type=positive_int, default=3, help="hfimport: fresh processes per loader")
     parser.add_argument("--profile", action="store_true",
                         help="instead: torch.profiler's top ops of a training step, ours and transformers', per preset")
     args = parser.parse_args(argv)

@@ -128,7 +128,7 @@ def bench_engine(cfg: JobConfig, device: torch.device, micro_batch: int, warmup:
     """One optimizer step through the trainer's engine interface (forward_backward + optimizer_step) on a
     one-process group: the engine's own costs (wrappers, sharding, DeepSpeed's step) at world size 1."""
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=device)
-    engine = build_run_engine(cfg, env, init_from=None, load_universal=False)
+    engine = build_run_engine(cfg, env, load_weights=None, load_universal=False)
     x = random_batch(cfg, micro_batch, device)
     batch = [x[:, :-1], x[:, 1:]]
 

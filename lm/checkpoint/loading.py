@@ -1,29 +1,69 @@
-"""A checkpoint, in whatever form, as a model ready to score or sample on one process."""
+"""A checkpoint, in whatever form, as a model ready to score or sample on one process, or as the weights a
+new run starts from (`checkpoint.init_from`)."""
 
+import functools
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from lm.checkpoint.consolidated import load_consolidated
+from lm.checkpoint.consolidated import load_consolidated, load_consolidated_weights, read_consolidated_config
 from lm.checkpoint.manifest import verify_checkpoint
+from lm.checkpoint.resume import model_diff
 from lm.checkpoint.store import read_config, resolve_checkpoint
 from lm.checkpoint.weights import load_checkpoint_weights
-from lm.config import JobConfig
+from lm.config import JobConfig, load_config
+from lm.distributed.weights import WeightLoader
+from lm.errors import ConfigError
+from lm.hf.importing import is_hf_checkpoint, read_hf_model
+from lm.hf.weights import check_hf_weights, load_hf_model, load_hf_weights
+from lm.models.config import ModelConfig
 from lm.models.factory import build_model
+
+
+def init_from_loader(path: Path, cfg: JobConfig) -> WeightLoader:
+    """The loader that fills a new run's weights from `path` (a consolidated .safetensors file or a Hugging
+    Face checkpoint directory), once `path` is known to hold the model the config describes."""
+    source = read_hf_model(path) if path.is_dir() else None  # a directory without config.json is refused by name
+    saved = ModelConfig(**source.fields) if source else read_consolidated_config(path).model
+    if details := model_diff(saved, cfg.model):
+        raise ConfigError(f"checkpoint.init_from: {path} holds a different model ({details})")
+    if source is None:
+        return functools.partial(load_consolidated_weights, path)
+    with torch.device("meta"):  # the tensors' names and shapes, checked before the engine allocates the model
+        check_hf_weights(source, build_model(saved))
+    return functools.partial(load_hf_weights, source)
+
+
+def hf_job_config(directory: Path) -> JobConfig:
+    """The config of a Hugging Face checkpoint read as it is: its model, its tokenizer.json when it has one,
+    and windows no longer than its positions."""
+    block_size = read_hf_model(directory).fields["block_size"]
+    seq_len = min(JobConfig().data.seq_len, block_size)
+    try:
+        return load_config(None, [f"--checkpoint.init_from={directory}", f"--data.seq_len={seq_len}"])
+    except ConfigError as err:
+        if (directory / "tokenizer.json").is_file():
+            raise
+        raise ConfigError(f"{directory}: has no tokenizer.json, and the default tokenizer does not fit its model "
+                          f"({err}); put the checkpoint's tokenizer.json beside its config.json") from None
 
 
 def load_for_inference(path: str | Path, device: torch.device) -> tuple[nn.Module, JobConfig, Path]:
     """Build the model a checkpoint describes and load its weights; returns (model, config, source).
 
     `path`: a run directory, its checkpoints/ or one step directory of any engine (DeepSpeed's are
-    merged by zero_to_fp32), or a consolidated .safetensors file. A step directory is verified against
-    its manifest first: a damaged one raises CheckpointError naming the file.
+    merged by zero_to_fp32), a consolidated .safetensors file, or a Hugging Face checkpoint directory
+    (config.json and safetensors). A step directory is verified against its manifest first: a damaged one
+    raises CheckpointError naming the file.
     """
     path = Path(path)
     if path.suffix == ".safetensors":
         model, cfg = load_consolidated(path, device)
         return model, cfg, path
+    if is_hf_checkpoint(path):
+        cfg = hf_job_config(path)
+        return load_hf_model(path).to(device), cfg, path
     step_dir = resolve_checkpoint(path)
     verify_checkpoint(step_dir, require_manifest=False)
     cfg = read_config(step_dir)

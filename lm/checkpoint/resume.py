@@ -5,11 +5,11 @@ run's."""
 
 import logging
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from lm.checkpoint.consolidated import read_consolidated_config
 from lm.checkpoint.manifest import verify_checkpoint
 from lm.checkpoint.store import complete_checkpoints, read_config, read_state, restore_replaced
 from lm.config import JobConfig, config_diff
@@ -18,6 +18,7 @@ from lm.distributed.env import DistEnv
 from lm.distributed.zero import DEEPSPEED_TAG, UNIVERSAL_TAG, convert_to_universal
 from lm.errors import CheckpointError, ConfigError
 from lm.io import publish_dir
+from lm.models.config import TRAINING_KEYS, ModelConfig
 
 log = logging.getLogger("lm.checkpoint")
 
@@ -136,7 +137,7 @@ def check_compatible(path: Path, cfg: JobConfig) -> None:
         raise ConfigError(f"{path}: checkpoint is {ARCH_NAMES[saved]} (model.arch={saved}) but the config asks "
                           f"for {ARCH_NAMES[current]} (model.arch={current}); use another train.out_dir to start a "
                           "new run")
-    if details := model_diff(read_config(path), cfg):
+    if details := model_diff(read_config(path).model, cfg.model):
         raise ConfigError(f"{path}: checkpoint has a different model shape ({details}); "
                           "use another train.out_dir to start a new run")
 
@@ -153,11 +154,11 @@ def check_optimizer(path: Path, cfg: JobConfig) -> None:
         )
 
 
-def model_diff(saved: JobConfig, current: JobConfig) -> str:
+def model_diff(saved: ModelConfig, current: ModelConfig) -> str:
     """The model keys whose values differ, `model.key: old -> new, ...` in key order; dropout and loss_chunk
     (training settings that change no weight) left out. Empty when the models have the same shape."""
-    diff = config_diff(saved.to_dict(), current.to_dict(), sections=("model",),
-                       ignore=("model.dropout", "model.loss_chunk"))
+    diff = config_diff({"model": asdict(saved)}, {"model": asdict(current)},
+                       ignore=tuple(f"model.{key}" for key in TRAINING_KEYS))
     return ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in sorted(diff.items()))
 
 
@@ -177,12 +178,6 @@ def check_data(path: Path, current: dict, cfg: JobConfig) -> None:
         raise CheckpointError(f"{what}. Prepare the original data again, point {key} at it, or set "
                               "checkpoint.allow_data_change=true to go on with the new data")
     log.warning("%s; going on with the new data (checkpoint.allow_data_change=true)", what)
-
-
-def check_init_from(path: Path, cfg: JobConfig) -> None:
-    """Refuse a consolidated file (checkpoint.init_from) whose model differs from the config's."""
-    if details := model_diff(read_consolidated_config(path), cfg):
-        raise ConfigError(f"checkpoint.init_from: {path} holds a different model ({details})")
 
 
 def changed_settings(checkpoint: Path, cfg: JobConfig) -> dict[str, tuple[object, object]]:

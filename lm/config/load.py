@@ -1,4 +1,5 @@
-"""Reading and writing job configs: defaults < a YAML file < `--section.key=value` overrides.
+"""Reading and writing job configs: defaults < a YAML file < `--section.key=value` overrides (and, for a run
+that starts from a Hugging Face checkpoint, its model: `lm.config.init_from`).
 
 Unknown keys, wrong types and impossible values raise `ConfigError` naming the key; `--help` lists every
 key with its type, default and one-line doc.
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from lm.config.init_from import model_from_checkpoint
 from lm.config.job import JobConfig
 from lm.errors import ConfigError
 from lm.io import atomic_write_text
@@ -168,7 +170,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if isinstance(value, (dict, list)) and not _is_list_key(key):
             value = text
         _merge(raw, key, value)
-    return _build_job(raw)
+    return _build_job(model_from_checkpoint(raw, _coerce))
 
 
 def _build_job(raw: dict) -> JobConfig:

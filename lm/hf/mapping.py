@@ -3,10 +3,13 @@
 - GPT-2 (`GPT2LMHeadModel`): learned positions, LayerNorm, GELU, biases, multi-head attention, pre-norm.
 - Llama (`LlamaForCausalLM`): rotary positions, RMSNorm, SwiGLU, pre-norm; any number of key/value
   heads, with or without biases.
+- Qwen2 (`Qwen2ForCausalLM`): the Llama block with biases on the query/key/value projection alone
+  (`model.qkv_bias`).
 
 Any other combination is refused (`ExportError`) before anything is loaded or written, naming the keys
-that differ. The functions are pure, so the parity tests feed the same tensors to transformers that the
-export writes.
+that differ. Which of our parameters is which transformers tensor is one table, `weight_plan`, read both
+ways: by the export and by the import (`lm.hf.weights`). The functions are pure, so the parity tests feed
+the same tensors to transformers that the export writes.
 """
 
 from collections.abc import Callable
@@ -19,7 +22,8 @@ from lm.errors import ExportError
 from lm.models.config import ModelConfig
 from lm.models.gpt import GPT
 
-__all__ = ["TARGETS", "gpt2_state_dict", "hf_config", "hf_state_dict", "hf_target", "llama_state_dict", "unmet"]
+__all__ = ["TARGETS", "Part", "Plan", "hf_config", "hf_state_dict", "hf_target", "row_spans", "split_rows", "unmet",
+           "weight_plan"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,13 @@ TARGETS: dict[str, Target] = {
     "llama": Target("Llama", "LlamaForCausalLM", (
         _equals("arch", "gpt"), _equals("pos", "rope"), _equals("norm", "rmsnorm"), _equals("mlp", "swiglu"),
         _equals("norm_position", "pre"), _equals("qk_norm", False), _equals("logit_softcap", 0.0),
+        # Llama's attention_bias covers q, k, v and o alike
+        Need("qkv_bias", "false (or model.bias=true)", lambda cfg: cfg.bias or not cfg.qkv_bias),
+    )),
+    "qwen2": Target("Qwen2", "Qwen2ForCausalLM", (
+        _equals("arch", "gpt"), _equals("pos", "rope"), _equals("norm", "rmsnorm"), _equals("mlp", "swiglu"),
+        _equals("norm_position", "pre"), _equals("qk_norm", False), _equals("logit_softcap", 0.0),
+        _equals("bias", False), _equals("qkv_bias", True),
     )),
 }
 
@@ -73,13 +84,13 @@ def unmet(cfg: ModelConfig, target: Target) -> list[Need]:
 
 
 def hf_target(cfg: ModelConfig) -> str:
-    """The key of TARGETS that reproduces `cfg` ("gpt2" or "llama"); ExportError when none does.
+    """The key of TARGETS that reproduces `cfg` ("gpt2", "llama" or "qwen2"); ExportError when none does.
 
     The message lists the model keys in the way of an export and, per target, the values it needs.
     """
     if cfg.arch == "lstm":  # it ignores the position, norm and MLP keys, so listing them would mislead
         raise ExportError("cannot export to Hugging Face: model.arch=lstm is a recurrent model and the targets are "
-                          "transformers (GPT2LMHeadModel and LlamaForCausalLM need model.arch=gpt)")
+                          "transformers (GPT2LMHeadModel, LlamaForCausalLM and Qwen2ForCausalLM need model.arch=gpt)")
     misses = {name: unmet(cfg, target) for name, target in TARGETS.items()}
     for name, missed in misses.items():
         if not missed:
@@ -95,12 +106,6 @@ def hf_target(cfg: ModelConfig) -> str:
                       f"({have}): {per_target}")
 
 
-def _require(cfg: ModelConfig, name: str) -> None:
-    found = hf_target(cfg)
-    if found != name:
-        raise ExportError(f"this model maps to {TARGETS[found].hf_class}, not {TARGETS[name].hf_class}")
-
-
 def hf_config(cfg: ModelConfig, eos_token_id: int | None = None, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """config.json for the transformers class that reproduces `cfg`, as a JSON-ready dict.
 
@@ -109,7 +114,7 @@ def hf_config(cfg: ModelConfig, eos_token_id: int | None = None, dtype: torch.dt
     tokenizer, so dropping them leaves the logits of every real id unchanged.
     """
     name = hf_target(cfg)
-    common = {
+    common: dict[str, Any] = {
         "architectures": [TARGETS[name].hf_class],
         "vocab_size": cfg.vocab_size,
         "bos_token_id": eos_token_id,
@@ -135,27 +140,117 @@ def hf_config(cfg: ModelConfig, eos_token_id: int | None = None, dtype: torch.dt
             "layer_norm_epsilon": cfg.norm_eps,
             "scale_attn_weights": True,
         }
-    return {
-        "model_type": "llama",
+    rotary = {
+        "model_type": name,
         **common,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.ff_dim,
         "num_hidden_layers": cfg.n_layer,
         "num_attention_heads": cfg.n_head,
         "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.block_size,
         "rms_norm_eps": cfg.norm_eps,
         # transformers 5 reads rope_parameters; 4.x reads the top-level rope_theta and ignores the dict.
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "rope_theta": cfg.rope_theta,
-        "attention_bias": cfg.bias,
-        "mlp_bias": cfg.bias,
         # Llama has dropout on attention weights only; ours also drops residuals and embeddings in training.
         "attention_dropout": cfg.dropout,
-        "pretraining_tp": 1,
     }
+    if name == "qwen2":  # its biases on q/k/v are built in; no layer uses a sliding window
+        return {**rotary, "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layer,
+                "layer_types": ["full_attention"] * cfg.n_layer}
+    return {**rotary, "head_dim": cfg.head_dim, "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "pretraining_tp": 1}
+
+
+@dataclass(frozen=True)
+class Part:
+    """One transformers tensor that fills `rows` consecutive rows (dim 0) of one of our parameters."""
+
+    name: str
+    rows: int
+    transposed: bool = False
+    """Stored (in, out), as GPT-2's Conv1D layers are: our rows are its columns."""
+
+
+Plan = dict[str, tuple[Part, ...]]
+"""Our parameter name -> the transformers tensors that, stacked along dim 0 in order, are its rows."""
+
+
+def _gpt2_plan(cfg: ModelConfig) -> Plan:
+    d = cfg.d_model
+    plan: Plan = {"wpe.weight": (Part("transformer.wpe.weight", cfg.block_size),)}
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
+        for a, b, rows in (("ln_1", "ln_1", d), ("ln_2", "ln_2", d), ("attn.qkv", "attn.c_attn", 3 * d),
+                           ("attn.proj", "attn.c_proj", d), ("mlp.fc", "mlp.c_fc", cfg.ff_dim),
+                           ("mlp.proj", "mlp.c_proj", d)):
+            # the fused q/k/v rows [q; k; v] are c_attn's columns in the same order
+            plan[f"{ours}{a}.weight"] = (Part(f"{theirs}{b}.weight", rows, transposed=not a.startswith("ln")),)
+            plan[f"{ours}{a}.bias"] = (Part(f"{theirs}{b}.bias", rows),)
+    plan["ln_f.weight"] = (Part("transformer.ln_f.weight", d),)
+    plan["ln_f.bias"] = (Part("transformer.ln_f.bias", d),)
+    return plan
+
+
+def _llama_plan(cfg: ModelConfig) -> Plan:
+    """Llama and Qwen2 (and, on import, Mistral) share these names. Our fused q/k/v rows [q heads; k heads;
+    v heads] are q_proj, k_proj, v_proj, and the SwiGLU rows [gate; up] gate_proj, up_proj; both use rotary's
+    half-split layout, so no row is permuted."""
+    q_rows, kv_rows, d, ff = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.d_model, cfg.ff_dim
+    plan: Plan = {}
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        attn, mlp = f"{theirs}self_attn.", f"{theirs}mlp."
+        for p in ("weight", "bias"):
+            if p == "weight" or cfg.bias or cfg.qkv_bias:
+                plan[f"{ours}attn.qkv.{p}"] = (Part(f"{attn}q_proj.{p}", q_rows), Part(f"{attn}k_proj.{p}", kv_rows),
+                                               Part(f"{attn}v_proj.{p}", kv_rows))
+            if p == "weight" or cfg.bias:
+                plan[f"{ours}attn.proj.{p}"] = (Part(f"{attn}o_proj.{p}", d),)
+                plan[f"{ours}mlp.fc.{p}"] = (Part(f"{mlp}gate_proj.{p}", ff), Part(f"{mlp}up_proj.{p}", ff))
+                plan[f"{ours}mlp.proj.{p}"] = (Part(f"{mlp}down_proj.{p}", d),)
+        plan[f"{ours}ln_1.weight"] = (Part(f"{theirs}input_layernorm.weight", d),)
+        plan[f"{ours}ln_2.weight"] = (Part(f"{theirs}post_attention_layernorm.weight", d),)
+    plan["ln_f.weight"] = (Part("model.norm.weight", d),)
+    return plan
+
+
+def weight_plan(cfg: ModelConfig, family: str) -> Plan:
+    """Where each of our parameters lives in a transformers checkpoint of `family` (a key of TARGETS, or
+    "mistral"). The embedding and an untied head cover the tokenizer's `vocab_size` rows: our padding rows
+    (up to `vocab_multiple`) have no counterpart. A tied head is the embedding, so it is not listed."""
+    embed = "transformer.wte.weight" if family == "gpt2" else "model.embed_tokens.weight"
+    plan = {"wte.weight": (Part(embed, cfg.vocab_size),)}
+    plan.update(_gpt2_plan(cfg) if family == "gpt2" else _llama_plan(cfg))
+    if not cfg.tie_embeddings:
+        plan["lm_head.weight"] = (Part("lm_head.weight", cfg.vocab_size),)
+    return plan
+
+
+def split_rows(tensor: torch.Tensor, parts: tuple[Part, ...]) -> dict[str, torch.Tensor]:
+    """Our tensor cut into its transformers tensors: each part's rows, transposed back where it is stored so."""
+    out, start = {}, 0
+    for part in parts:
+        piece = tensor[start:start + part.rows]
+        out[part.name] = piece.t() if part.transposed else piece
+        start += part.rows
+    return out
+
+
+def row_spans(parts: tuple[Part, ...], start: int, stop: int) -> list[tuple[Part, int, int]]:
+    """The pieces of our rows [start, stop): (part, first row, end row) in the part's own rows, in order.
+
+    An FSDP rank holds a contiguous block of each parameter's rows; this says which rows of which stored
+    tensors hold that block, so the rank reads those alone.
+    """
+    spans, offset = [], 0
+    for part in parts:
+        lo, hi = max(start, offset), min(stop, offset + part.rows)
+        if lo < hi:
+            spans.append((part, lo - offset, hi - offset))
+        offset += part.rows
+    return spans
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
@@ -164,66 +259,11 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone(memory_format=torch.contiguous_format)
 
 
-def _head(model: GPT, prefix: str) -> dict[str, torch.Tensor]:
-    """Embedding (and an untied output head) cut to the tokenizer's vocabulary."""
-    cfg, V = model.cfg, model.cfg.vocab_size
-    out = {f"{prefix}.weight": model.wte.weight[:V]}
-    if not cfg.tie_embeddings:  # tied: transformers re-ties lm_head to the embedding on load
-        out["lm_head.weight"] = model.lm_head.weight[:V]
-    return out
-
-
-def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """`GPT2LMHeadModel` weights of a GPT-2-style `model`, each a standalone contiguous tensor.
-
-    transformers' GPT-2 uses Conv1D layers, whose weights are stored (in, out): our nn.Linear weights
-    (out, in) are transposed. The fused q/k/v rows [q; k; v] become c_attn's columns in the same order.
-    """
-    cfg = model.cfg
-    _require(cfg, "gpt2")
-    sd = model.state_dict()
-    out = {**_head(model, "transformer.wte"), "transformer.wpe.weight": sd["wpe.weight"]}
-    for i in range(cfg.n_layer):
-        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
-        for a, b in (("ln_1", "ln_1"), ("ln_2", "ln_2"), ("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"),
-                     ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-            weight = sd[ours + a + ".weight"]
-            out[theirs + b + ".weight"] = weight if a.startswith("ln") else weight.t()
-            out[theirs + b + ".bias"] = sd[ours + a + ".bias"]
-    out["transformer.ln_f.weight"] = sd["ln_f.weight"]
-    out["transformer.ln_f.bias"] = sd["ln_f.bias"]
-    return {k: _own(v) for k, v in out.items()}
-
-
-def llama_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """`LlamaForCausalLM` weights of a Llama-style `model`, each a standalone contiguous tensor.
-
-    Our fused q/k/v rows [q heads; k heads; v heads] split into q_proj, k_proj and v_proj, and the SwiGLU
-    rows [gate; up] into gate_proj and up_proj. Both use rotary's half-split layout, so no row is permuted.
-    """
-    cfg = model.cfg
-    _require(cfg, "llama")
-    sd = model.state_dict()
-    q_rows, kv_rows = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    params = ("weight", "bias") if cfg.bias else ("weight",)
-    out = _head(model, "model.embed_tokens")
-    for i in range(cfg.n_layer):
-        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
-        for p in params:
-            q, k, v = sd[f"{ours}attn.qkv.{p}"].split([q_rows, kv_rows, kv_rows])
-            gate, up = sd[f"{ours}mlp.fc.{p}"].chunk(2)
-            out.update({
-                f"{theirs}self_attn.q_proj.{p}": q, f"{theirs}self_attn.k_proj.{p}": k,
-                f"{theirs}self_attn.v_proj.{p}": v, f"{theirs}self_attn.o_proj.{p}": sd[f"{ours}attn.proj.{p}"],
-                f"{theirs}mlp.gate_proj.{p}": gate, f"{theirs}mlp.up_proj.{p}": up,
-                f"{theirs}mlp.down_proj.{p}": sd[f"{ours}mlp.proj.{p}"],
-            })
-        out[f"{theirs}input_layernorm.weight"] = sd[f"{ours}ln_1.weight"]
-        out[f"{theirs}post_attention_layernorm.weight"] = sd[f"{ours}ln_2.weight"]
-    out["model.norm.weight"] = sd["ln_f.weight"]
-    return {k: _own(v) for k, v in out.items()}
-
-
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """The transformers weights of `model`, for whichever target its config maps to."""
-    return gpt2_state_dict(model) if hf_target(model.cfg) == "gpt2" else llama_state_dict(model)
+    """The transformers weights of `model`, under the names of whichever target its config maps to, each a
+    standalone contiguous tensor."""
+    sd = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for ours, parts in weight_plan(model.cfg, hf_target(model.cfg)).items():
+        out.update(split_rows(sd[ours], parts))
+    return {k: _own(v) for k, v in out.items()}

@@ -74,7 +74,8 @@ class SelfAttention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.dropout = cfg.dropout
         # One matmul for q, k and v instead of three keeps the GPU busy with fewer, larger kernels.
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.bias)
+        qkv_rows = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, qkv_rows, bias=cfg.bias or cfg.qkv_bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
         if cfg.qk_norm:  # bounds the attention logits, which lets a high learning rate stay stable

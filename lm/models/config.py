@@ -20,6 +20,9 @@ POSITIONS = ("learned", "sinusoidal", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu", "relu2", "swiglu")
 NORM_POSITIONS = ("pre", "post")
+TRAINING_KEYS = ("dropout", "loss_chunk")
+"""Model keys that change how a model trains, not its weights or its function: free to differ from a
+checkpoint's when a run starts from or resumes it."""
 
 
 @dataclass
@@ -27,7 +30,7 @@ class ModelConfig:
     arch: str = "gpt"
     """Model family: gpt (decoder-only), encdec (encoder-decoder, span corruption) or lstm (recurrent baseline)."""
     vocab_size: int = 50257
-    """Tokenizer vocabulary size (the embedding is padded up to a multiple of 64)."""
+    """Tokenizer vocabulary size (the embedding is padded up to a multiple of vocab_multiple)."""
     block_size: int = 1024
     """Longest sequence the model takes (for encdec: the longest source and the longest target)."""
     n_layer: int = 12
@@ -44,6 +47,8 @@ class ModelConfig:
     """Dropout on attention weights, residual branches and embeddings (lstm: embeddings and each layer's output)."""
     bias: bool = True
     """Biases in linear layers and LayerNorms, as in GPT-2; Llama has none (lstm: the gates' biases)."""
+    qkv_bias: bool = False
+    """gpt: biases on the query/key/value projection even without `bias`, as in Qwen2 (`bias` implies them)."""
     pos: str = "learned"
     """Positions: learned (GPT-2 table), sinusoidal (fixed, as in the original transformer) or rope (rotary; gpt)."""
     rope_theta: float = 10000.0
@@ -66,6 +71,9 @@ class ModelConfig:
     """encdec: encoder and decoder share one token embedding."""
     n_sentinels: int = 100
     """encdec: sentinel ids appended to the vocabulary for span corruption."""
+    vocab_multiple: int = 64
+    """Embedding and head rows: the vocabulary rounded up to a multiple of this, for efficient matmuls. A model
+    imported from Hugging Face keeps its own rows (1): padding rows would add to every softmax's normaliser."""
     loss_chunk: int = 0
     """gpt, lstm: compute the output head and loss this many of the B*T positions at a time, recomputing each
     chunk's logits in backward, so the full (B*T, vocab) logits never exist; forward then returns no
@@ -76,7 +84,8 @@ class ModelConfig:
                              ("norm_position", NORM_POSITIONS)):
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"model.{key}: unknown value {getattr(self, key)!r}; expected one of {list(allowed)}")
-        for key in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "rope_theta", "norm_eps"):
+        for key in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "rope_theta", "norm_eps",
+                    "vocab_multiple"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"model.{key}: must be positive, got {getattr(self, key)}")
         for key in ("n_kv_head", "d_ff"):
@@ -113,6 +122,8 @@ class ModelConfig:
             )
         if self.qk_norm and self.arch != "gpt":
             raise ConfigError(f"model.qk_norm: only arch gpt has it, got model.arch={self.arch}")
+        if self.qkv_bias and self.arch != "gpt":
+            raise ConfigError(f"model.qkv_bias: only arch gpt has it, got model.arch={self.arch}")
         if self.pos == "rope" and self.head_dim % 2:
             raise ConfigError(f"model.pos: rope needs an even head size, got d_model/n_head = {self.head_dim}")
 
@@ -140,8 +151,9 @@ class ModelConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        """Embedding rows: total_vocab_size rounded up to a multiple of 64 for efficient matmuls."""
-        return (self.total_vocab_size + 63) // 64 * 64
+        """Embedding rows: total_vocab_size rounded up to a multiple of vocab_multiple."""
+        m = self.vocab_multiple
+        return (self.total_vocab_size + m - 1) // m * m
 
     @property
     def sentinel_start(self) -> int:

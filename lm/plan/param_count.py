@@ -27,7 +27,7 @@ def _norm(cfg: ModelConfig) -> int:
 def block_params(cfg: ModelConfig, cross: bool = False) -> int:
     """Parameters of one transformer block; `cross` adds the encoder-decoder's cross-attention sublayer."""
     d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
-    attn = _linear(d, d + 2 * kv, cfg.bias) + _linear(d, d, cfg.bias)
+    attn = _linear(d, d + 2 * kv, cfg.bias or cfg.qkv_bias) + _linear(d, d, cfg.bias)
     mlp_in = 2 * cfg.ff_dim if cfg.mlp == "swiglu" else cfg.ff_dim  # SwiGLU stacks gate and up
     mlp = _linear(d, mlp_in, cfg.bias) + _linear(cfg.ff_dim, d, cfg.bias)
     n = 2 * _norm(cfg) + attn + mlp + (2 * cfg.head_dim if cfg.qk_norm else 0)  # one RMSNorm for q, one for k

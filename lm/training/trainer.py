@@ -6,19 +6,19 @@ device and handed to the engine, which allocates, draws and wraps it (`lm.distri
 checkpoint layer loads a resumed run's state into that engine.
 """
 
-import functools
 import logging
 import time
 from pathlib import Path
 
 import torch
 
-from lm.checkpoint.consolidated import load_consolidated_weights
-from lm.checkpoint.resume import changed_settings, check_init_from, check_resume, find_resume, load_checkpoint
+from lm.checkpoint.loading import init_from_loader
+from lm.checkpoint.resume import changed_settings, check_resume, find_resume, load_checkpoint
 from lm.checkpoint.store import checkpoint_root
 from lm.config import JobConfig, save_config
 from lm.distributed.engine import Engine, build_engine
 from lm.distributed.env import DistEnv
+from lm.distributed.weights import WeightLoader
 from lm.errors import TrainingError
 from lm.models.factory import build_model
 from lm.plan.disk import checkpoint_bytes
@@ -40,15 +40,14 @@ from lm.training.schedule import lr_at
 log = logging.getLogger("lm.train")
 
 
-def build_run_engine(cfg: JobConfig, env: DistEnv, init_from: Path | None, load_universal: bool) -> Engine:
+def build_run_engine(cfg: JobConfig, env: DistEnv, load_weights: WeightLoader | None, load_universal: bool) -> Engine:
     """The model of `cfg` built on the meta device and handed to the engine, which draws its weights from
     train.seed (the same on every engine and world size) or, for a new run with checkpoint.init_from,
-    loads them from that consolidated file."""
+    loads them with `load_weights` (`init_from_loader`)."""
     torch.manual_seed(cfg.train.seed)
     with torch.device("meta"):
         model = build_model(cfg.model)
-    load = functools.partial(load_consolidated_weights, init_from) if init_from is not None else None
-    return build_engine(model, cfg, env, load, load_universal)
+    return build_engine(model, cfg, env, load_weights, load_universal)
 
 
 class Trainer:
@@ -73,10 +72,10 @@ class Trainer:
         cfg, env = self.cfg, self.env
         resume_from = find_resume(self.ckpt_root, cfg.checkpoint.resume, env, cfg.checkpoint.allow_unverified)
         load_universal = resume_from is not None and check_resume(resume_from, cfg, self.data.identity(), env)
-        init_from = Path(cfg.checkpoint.init_from) if resume_from is None and cfg.checkpoint.init_from else None
-        if init_from is not None:
-            check_init_from(init_from, cfg)
-        self.engine = build_run_engine(cfg, env, init_from, load_universal)
+        load_weights = None
+        if resume_from is None and cfg.checkpoint.init_from:
+            load_weights = init_from_loader(Path(cfg.checkpoint.init_from), cfg)
+        self.engine = build_run_engine(cfg, env, load_weights, load_universal)
         self.model = self.engine.model
         self.loader = self.data.loader
         self.step, self.tokens_seen = 0, 0

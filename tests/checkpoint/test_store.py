@@ -14,7 +14,7 @@ TINY = ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=16", "--model.
 def setup(seed=0):
     """A ddp engine (one process) after one optimizer step, so AdamW has state to save."""
     cfg = load_config(None, [*TINY, f"--train.seed={seed}"])
-    engine = build_run_engine(cfg, init_distributed("cpu"), init_from=None, load_universal=False)
+    engine = build_run_engine(cfg, init_distributed("cpu"), load_weights=None, load_universal=False)
     engine.forward_backward([torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long)], True, 1)
     engine.optimizer_step()
     return cfg, engine

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from lm.errors import ExportError
-from lm.hf.mapping import gpt2_state_dict, hf_config, hf_state_dict, hf_target, llama_state_dict
+from lm.hf.mapping import hf_config, hf_state_dict, hf_target
 from lm.models.config import ModelConfig
 from lm.models.gpt import GPT
 
@@ -85,6 +85,17 @@ def test_llama_logits_match_transformers(overrides, attn):
         assert_same_logits(model(idx)[0], hf(idx).logits)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_qwen2_logits_match_transformers(attn):
+    # biases on q/k/v alone: neither GPT-2 (biases everywhere) nor Llama (on every projection or none)
+    model = random_model(tiny_config(**{**LLAMA, "qkv_bias": True, "tie_embeddings": True}))
+    hf = hf_model(model, attn)
+    assert type(hf).__name__ == "Qwen2ForCausalLM" and hf.model.layers[0].self_attn.o_proj.bias is None
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_same_logits(model(idx)[0], hf(idx).logits)
+
+
 @pytest.mark.parametrize("overrides", [GPT2, LLAMA], ids=["gpt2", "llama"])
 def test_incremental_decoding_matches_a_full_transformers_forward(overrides):
     """Our KV-cached decoding (a prompt, then single tokens, then a chunk after a non-empty cache) gives
@@ -101,9 +112,9 @@ def test_incremental_decoding_matches_a_full_transformers_forward(overrides):
 
 
 def test_vocabulary_is_the_tokenizers_and_tied_heads_are_written_once():
-    tied = gpt2_state_dict(random_model(tiny_config()))
+    tied = hf_state_dict(random_model(tiny_config()))
     assert tied["transformer.wte.weight"].shape == (VOCAB, 64) and "lm_head.weight" not in tied
-    untied = llama_state_dict(random_model(tiny_config(**LLAMA)))
+    untied = hf_state_dict(random_model(tiny_config(**LLAMA)))
     assert untied["lm_head.weight"].shape == untied["model.embed_tokens.weight"].shape == (VOCAB, 64)
     assert untied["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 16, 64)
     pointers = [t.untyped_storage().data_ptr() for t in untied.values()]
@@ -115,12 +126,13 @@ def test_vocabulary_is_the_tokenizers_and_tied_heads_are_written_once():
 
 @pytest.mark.parametrize("overrides, fragments", [
     (dict(arch="encdec", pos="sinusoidal"), [
-        "(model.arch=encdec, model.pos=sinusoidal, model.norm=layernorm, model.mlp=gelu)",
+        "(model.arch=encdec, model.pos=sinusoidal, model.norm=layernorm, model.mlp=gelu, model.bias=true, "
+        "model.qkv_bias=false)",
         "GPT2LMHeadModel (GPT-2) needs model.arch=gpt, model.pos=learned;",
         "LlamaForCausalLM (Llama) needs model.arch=gpt, model.pos=rope, model.norm=rmsnorm, model.mlp=swiglu",
     ]),
     (dict(norm="rmsnorm"), [
-        "(model.norm=rmsnorm, model.pos=learned, model.mlp=gelu)",
+        "(model.norm=rmsnorm, model.pos=learned, model.mlp=gelu, model.bias=true, model.qkv_bias=false)",
         "GPT2LMHeadModel (GPT-2) needs model.norm=layernorm;",
         "LlamaForCausalLM (Llama) needs model.pos=rope, model.mlp=swiglu",
     ]),
@@ -140,7 +152,8 @@ def test_unsupported_configs_name_their_keys(overrides, fragments):
         assert fragment in message
 
 
-def test_mapping_refuses_the_other_target():
+def test_each_config_maps_to_one_target():
     assert hf_target(tiny_config()) == "gpt2" and hf_target(tiny_config(**LLAMA)) == "llama"
-    with pytest.raises(ExportError, match="maps to LlamaForCausalLM, not GPT2LMHeadModel"):
-        gpt2_state_dict(random_model(tiny_config(**LLAMA)))
+    assert hf_target(tiny_config(**LLAMA, qkv_bias=True)) == "qwen2"
+    # biases everywhere already include q/k/v: still Llama's attention_bias and mlp_bias
+    assert hf_target(tiny_config(**{**LLAMA, "bias": True}, qkv_bias=True)) == "llama"

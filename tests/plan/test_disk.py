@@ -22,7 +22,7 @@ SMALL = ["--model.n_layer=2", "--model.n_head=2", "--model.d_model=64", "--model
 def test_the_estimate_covers_what_a_save_writes_and_not_much_more(tmp_path, overrides):
     cfg = load_config(None, [*SMALL, *overrides])
     env = init_distributed("cpu")
-    engine = build_run_engine(cfg, env, init_from=None, load_universal=False)
+    engine = build_run_engine(cfg, env, load_weights=None, load_universal=False)
     rows = np.random.default_rng(0).integers(0, 1000, (2, cfg.data.seq_len + 1))
     batch = build_objective(cfg.model, cfg.data.seq_len, 0)(rows, np.arange(2))
     engine.forward_backward([torch.from_numpy(a) for a in batch], last=True, num_micro=1)

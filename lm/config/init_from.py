@@ -1,0 +1,52 @@
+"""A run that starts from a Hugging Face checkpoint takes its model config from the checkpoint.
+
+With `checkpoint.init_from` naming a transformers checkpoint directory, the `model` section is what its
+config.json describes (`lm.hf.importing`). A model key given in the YAML or on the command line must agree
+with it, except the keys that change training and not the weights (`TRAINING_KEYS`); anything else is a
+config that does not describe the checkpoint, refused by name. `data.tokenizer` defaults to the
+checkpoint's own tokenizer.json when it has one.
+"""
+
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any
+
+from lm.errors import CheckpointError, ConfigError
+from lm.hf.importing import is_hf_checkpoint, read_hf_model
+from lm.models.config import TRAINING_KEYS, ModelConfig
+
+__all__ = ["model_from_checkpoint"]
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def model_from_checkpoint(raw: dict[str, Any], coerce: typing.Callable[[str, object, object], object]) -> dict:
+    """`raw` (the config's {section: {key: value}} as given) with its model section, and a missing
+    data.tokenizer, filled from the Hugging Face checkpoint that checkpoint.init_from names; `raw` as it is
+    when init_from names no such directory. `coerce(key, value, type)` reads a given value as the config does."""
+    init_from = (raw.get("checkpoint") or {}).get("init_from")
+    if not isinstance(init_from, str) or not init_from or not is_hf_checkpoint(init_from):
+        return raw
+    try:
+        source = read_hf_model(init_from)
+        derived = ModelConfig(**source.fields)
+    except (CheckpointError, ConfigError) as err:
+        raise ConfigError(f"checkpoint.init_from: {err}") from None
+    given = raw.get("model") or {}
+    if not isinstance(given, dict):
+        return raw  # the config's own check names the section
+    hints = typing.get_type_hints(ModelConfig)
+    for key, value in given.items():
+        if key in TRAINING_KEYS or key not in hints:  # an unknown key is named by the config's own check
+            continue
+        if coerce(f"model.{key}", value, hints[key]) != getattr(derived, key):
+            raise ConfigError(f"model.{key}: {value!r} disagrees with checkpoint.init_from={init_from}, whose "
+                              f"config.json gives {getattr(derived, key)!r}; the model comes from the checkpoint, "
+                              f"so drop model.{key}")
+    model = dataclasses.asdict(derived) | {key: given[key] for key in TRAINING_KEYS if key in given}
+    data = raw.get("data") or {}
+    tokenizer = Path(init_from) / TOKENIZER_FILE
+    if isinstance(data, dict) and "tokenizer" not in data and tokenizer.is_file():
+        data = {**data, "tokenizer": str(tokenizer)}
+    return {**raw, "model": model, "data": data}

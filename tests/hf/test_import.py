@@ -1,0 +1,195 @@
+"""Importing transformers checkpoints: small random models of each supported class, built with `from_config`
+and written with `save_pretrained` (whole and sharded), give our model their logits to 1e-5, and round
+trip through the export."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from lm.errors import CheckpointError
+from lm.hf.importing import read_hf_model
+from lm.hf.mapping import Part, hf_config, hf_state_dict, row_spans
+from lm.hf.weights import load_hf_weights
+from lm.models.config import ModelConfig
+from lm.models.gpt import GPT
+
+VOCAB = 300  # not a multiple of 64: an imported model keeps exactly these rows
+ROTARY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6)
+CLASSES = {
+    "gpt2": ("gpt2", dict(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4, n_inner=96,
+                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "gpt2-untied": ("gpt2", dict(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                                 tie_word_embeddings=False)),
+    "llama": ("llama", {**ROTARY, "rope_theta": 500.0}),
+    "llama-bias-tied": ("llama", {**ROTARY, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+    "mistral": ("mistral", {**ROTARY, "sliding_window": None, "head_dim": 16}),
+    "qwen2": ("qwen2", {**ROTARY, "tie_word_embeddings": True}),
+}
+
+
+def hf_checkpoint(kind: str, directory: Path, shard: str | None = None, seed: int = 0) -> PreTrainedModel:
+    """A random transformers model of `kind` saved into `directory` (sharded into files of at most `shard`).
+    Every parameter is drawn anew, biases and gains included: the init's zeros and ones would hide a
+    misplaced tensor."""
+    model_type, fields = CLASSES[kind]
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields), attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            is_gain = p.dim() == 1 and not name.endswith("bias")
+            p.normal_(1.0 if is_gain else 0.0, 0.2 if is_gain else 0.1)
+    hf.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
+    return hf.eval()
+
+
+def imported(directory: Path) -> GPT:
+    source = read_hf_model(directory)
+    model = GPT(ModelConfig(**source.fields))
+    load_hf_weights(source, model)
+    return model.eval()
+
+
+def assert_same_logits(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    assert ours.shape == theirs.shape and theirs.std() > 0.3
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", CLASSES)
+def test_imported_models_give_transformers_logits(kind, tmp_path):
+    hf = hf_checkpoint(kind, tmp_path)
+    model = imported(tmp_path)
+    assert model.cfg.padded_vocab_size == VOCAB  # no padding rows in the softmax
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_same_logits(model(idx)[0], hf(idx).logits)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
+def test_a_sharded_save_imports_alike_and_decodes_through_the_kv_cache(kind, tmp_path):
+    hf = hf_checkpoint(kind, tmp_path, shard="20KB")
+    assert len(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]) > 10
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
+    model = imported(tmp_path)
+    idx = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(2))
+    cache = model.new_cache(batch_size=2, max_len=20)
+    with torch.no_grad():
+        # a prompt, then single tokens, then a chunk after a non-empty cache
+        ours = torch.cat([model(idx[:, a:b], cache=cache)[0] for a, b in [(0, 8), (8, 9), (9, 10), (10, 20)]], 1)
+        assert_same_logits(ours, hf(idx).logits)
+
+
+@pytest.mark.parametrize("kind", ["gpt2-untied", "llama", "qwen2", "mistral"])
+def test_import_then_export_gives_back_the_same_tensors(kind, tmp_path):
+    hf = hf_checkpoint(kind, tmp_path)
+    exported = hf_state_dict(imported(tmp_path))
+    theirs = {name: t for name, t in hf.state_dict().items()
+              if not (hf.config.tie_word_embeddings and name == "lm_head.weight")}
+    assert sorted(exported) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(exported[name], tensor), name
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=2, d_ff=96, tie_embeddings=False),
+    dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, qkv_bias=True, n_kv_head=1),
+], ids=["gpt2", "llama", "qwen2"])
+def test_export_then_import_gives_our_logits(overrides, tmp_path):
+    # our own model pads its vocabulary to 64 rows; the export drops the padding and the import keeps none
+    cfg = ModelConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, d_model=64, **overrides)
+    torch.manual_seed(3)
+    ours = GPT(cfg).eval()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # biases and gains off their init
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(cfg)))
+    save_file(hf_state_dict(ours), tmp_path / "model.safetensors", metadata={"format": "pt"})
+    again = imported(tmp_path)
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert_same_logits(again(idx)[0], ours(idx)[0][..., :VOCAB])
+
+
+def test_weights_of_another_precision_are_cast_to_the_models(tmp_path):
+    hf = hf_checkpoint("llama", tmp_path)
+    hf.to(torch.bfloat16).save_pretrained(tmp_path)
+    model = imported(tmp_path)
+    assert model.wte.weight.dtype == torch.float32
+    assert torch.equal(model.wte.weight, hf.model.embed_tokens.weight.float())
+
+
+def test_row_spans_cut_a_rank_block_across_the_stored_tensors():
+    parts = (Part("q", 8), Part("k", 4), Part("v", 4))
+    assert row_spans(parts, 0, 16) == [(parts[0], 0, 8), (parts[1], 0, 4), (parts[2], 0, 4)]
+    assert row_spans(parts, 6, 10) == [(parts[0], 6, 8), (parts[1], 0, 2)]
+    assert row_spans(parts, 12, 16) == [(parts[2], 0, 4)]
+    assert row_spans(parts, 16, 16) == []  # the empty last block of an uneven FSDP split
+
+
+# (class, config.json entries to change, the text the refusal must hold): every setting we refuse
+REFUSALS = [
+    ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling="),
+    ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+     "rope_parameters.rope_type='yarn'"),
+    ("llama", dict(head_dim=32), "head_dim=32"),
+    ("llama", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("llama", dict(attention_bias=True), "attention_bias=True with mlp_bias=False"),
+    ("llama", dict(attention_dropout=0.1), "attention_dropout=0.1"),
+    ("llama", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+    ("llama", dict(pretraining_tp=2), "pretraining_tp=2"),
+    ("llama", dict(quantization_config={"quant_method": "gptq"}), "quantization_config"),
+    ("llama", dict(architectures=["Qwen3ForCausalLM"]), "architectures=['Qwen3ForCausalLM'] is not one lm"),
+    ("mistral", dict(sliding_window=16), "sliding_window=16 below max_position_embeddings=32"),
+    ("qwen2", dict(use_sliding_window=True), "use_sliding_window=true"),
+    ("qwen2", dict(layer_types=["full_attention", "sliding_attention"]), "layer_types="),
+    ("gpt2", dict(activation_function="gelu"), "activation_function='gelu'"),
+    ("gpt2", dict(resid_pdrop=0.1, attn_pdrop=0.0), "resid_pdrop=0.1, embd_pdrop=0.0, attn_pdrop=0.0"),
+    ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx=True"),
+    ("gpt2", dict(add_cross_attention=True), "add_cross_attention=True"),
+]
+
+
+def refused_checkpoint(kind: str, edit: dict, directory: Path) -> Path:
+    """A saved checkpoint of `kind` whose config.json then has `edit` applied."""
+    hf_checkpoint(kind, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **edit}))
+    return directory
+
+
+@pytest.mark.parametrize("kind, edit, fragment", REFUSALS, ids=[f"{k}-{next(iter(e))}" for k, e, _ in REFUSALS])
+def test_settings_we_cannot_reproduce_are_refused_by_name(kind, edit, fragment, tmp_path):
+    with pytest.raises(CheckpointError, match="config.json: ") as err:
+        read_hf_model(refused_checkpoint(kind, edit, tmp_path))
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_mistral_window_that_cannot_bind_is_full_attention(tmp_path):
+    hf_checkpoint("mistral", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "sliding_window": 32}))
+    assert read_hf_model(tmp_path).fields["block_size"] == 32
+
+
+def test_tensors_that_do_not_match_the_config_are_refused_before_any_is_read(tmp_path):
+    hf = hf_checkpoint("llama", tmp_path)
+    weights = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "model.layers.1.mlp.up_proj.weight"}
+    weights["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)  # a Qwen3-style norm we do not have
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"its weights do not match its config.json: missing "
+                                              r"model.layers.1.mlp.up_proj.weight; holds tensors lm's model has no "
+                                              r"place for: model.layers.0.self_attn.q_norm.weight"):
+        imported(tmp_path)
+
+
+def test_a_checkpoint_without_safetensors_is_refused_with_the_way_out(tmp_path):
+    hf_checkpoint("llama", tmp_path)
+    (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"no model.safetensors or model.safetensors.index.json \(found: "
+                                              r"pytorch_model.bin\); lm imports safetensors"):
+        imported(tmp_path)

@@ -1,0 +1,109 @@
+"""Continued pretraining from a Hugging Face checkpoint: the config comes from the checkpoint, and every
+engine's first loss on 2 gloo ranks is transformers' loss on the same batch."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from lm.cli import run
+from lm.config import load_config
+from lm.data.loader import TokenLoader
+from lm.errors import ConfigError
+from lm.train import main as train_main
+from tests.distributed.test_engines import ENGINES, train
+from tests.hf.test_import import REFUSALS, refused_checkpoint
+
+GPT2_VOCAB = 50257  # the shards of tiny_data_dir are gpt2 ids
+# the model keys of test_engines.TINY (2 layers, 2 heads, width 32, 32 positions), which must agree
+LLAMA = ("llama", dict(vocab_size=GPT2_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32))
+GPT2 = ("gpt2", dict(vocab_size=GPT2_VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def save_hf(kind: tuple[str, dict], directory: Path, **changes: object) -> PreTrainedModel:
+    model_type, fields = kind
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**fields, **changes}))
+    with torch.no_grad():
+        for p in hf.parameters():  # gains and biases off their init, logits O(1)
+            p.add_(torch.randn_like(p) * 0.05)
+    hf.save_pretrained(directory, max_shard_size="2MB")  # sharded: a file holds a part of the embedding
+    return hf.eval()
+
+
+def first_batch_loss(hf: PreTrainedModel, data_dir: Path, *flags: str) -> float:
+    """transformers' mean loss on the first global batch the run reads (the same for any world size)."""
+    cfg = load_config(None, [f"--data.dir={data_dir}", *flags])
+    loader = TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.train.seed, 0, 1, cfg.train.batch_size,
+                         cfg.train.batch_size)
+    (x, y), = loader.next_batch()
+    with torch.no_grad():
+        logits = hf(torch.from_numpy(x)).logits
+    return F.cross_entropy(logits.flatten(0, 1), torch.from_numpy(y).flatten()).item()
+
+
+@pytest.mark.parametrize("engine, kind", [("ddp", LLAMA), ("fsdp", LLAMA), ("fsdp", GPT2), ("zero3", LLAMA)],
+                         ids=["ddp-llama", "fsdp-llama", "fsdp-gpt2", "zero3-llama"])
+def test_training_continues_from_transformers_loss_on_two_ranks(engine, kind, tiny_data_dir, tmp_path):
+    hf = save_hf(kind, tmp_path / "hf")
+    flags = ["--train.steps=5", "--optim.lr=1e-3", *ENGINES[engine], f"--checkpoint.init_from={tmp_path / 'hf'}"]
+    losses = train(2, tmp_path / "run", tiny_data_dir, *flags)
+    expected = first_batch_loss(hf, tiny_data_dir, "--data.seq_len=16", "--train.batch_size=8")
+    assert losses[1] == pytest.approx(expected, rel=1e-5)
+    assert losses[5] < losses[1]
+    saved = json.loads((tmp_path / "run/checkpoints/step_00000005/state.json").read_text())
+    assert saved["world_size"] == 2
+
+
+def test_the_model_comes_from_the_checkpoint(tmp_path):
+    save_hf(LLAMA, tmp_path, rope_theta=500.0)
+    cfg = load_config(None, [f"--checkpoint.init_from={tmp_path}", "--data.seq_len=16", "--model.n_layer=2",
+                             "--model.dropout=0.1"])
+    m = cfg.model
+    assert (m.pos, m.norm, m.mlp, m.bias, m.n_kv_head, m.d_ff, m.rope_theta) == ("rope", "rmsnorm", "swiglu",
+                                                                                  False, 1, 64, 500.0)
+    assert (m.vocab_size, m.padded_vocab_size, m.tie_embeddings, m.norm_eps) == (GPT2_VOCAB, GPT2_VOCAB, False, 1e-6)
+    assert m.dropout == 0.1  # a training setting, free to differ
+
+
+def test_a_model_key_that_disagrees_is_one_error(tmp_path):
+    save_hf(LLAMA, tmp_path)
+    with pytest.raises(ConfigError, match=rf"model.n_layer: 3 disagrees with checkpoint.init_from={tmp_path}, "
+                                          r"whose config.json gives 2; the model comes from the checkpoint"):
+        load_config(None, [f"--checkpoint.init_from={tmp_path}", "--model.n_layer=3"])
+
+
+@pytest.mark.parametrize("kind, edit, fragment", REFUSALS, ids=[f"{k}-{next(iter(e))}" for k, e, _ in REFUSALS])
+def test_a_refused_checkpoint_stops_the_run_before_it_writes(kind, edit, fragment, tiny_data_dir, tmp_path, capsys):
+    checkpoint = refused_checkpoint(kind, edit, tmp_path / "hf")
+    argv = [f"--checkpoint.init_from={checkpoint}", f"--data.dir={tiny_data_dir}", "--data.seq_len=16",
+            f"--train.out_dir={tmp_path / 'run'}", "--train.device=cpu", "--log.tensorboard=false", "--train.steps=1"]
+    capsys.readouterr()  # transformers' progress bars
+    assert run(train_main, argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: checkpoint.init_from: {checkpoint / 'config.json'}: ")
+    assert fragment in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_missing_a_tensor_stops_the_run_before_it_writes(tiny_data_dir, tmp_path, capsys):
+    save_hf(LLAMA, tmp_path / "hf")
+    index = json.loads((tmp_path / "hf/model.safetensors.index.json").read_text())
+    shard = tmp_path / "hf" / index["weight_map"]["model.layers.1.mlp.down_proj.weight"]
+    tensors = load_file(shard)
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    argv = [f"--checkpoint.init_from={tmp_path / 'hf'}", f"--data.dir={tiny_data_dir}", "--data.seq_len=16",
+            f"--train.out_dir={tmp_path / 'run'}", "--train.device=cpu", "--log.tensorboard=false", "--train.steps=1"]
+    capsys.readouterr()
+    assert run(train_main, argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"error: {tmp_path / 'hf'}: its weights do not match its config.json: missing "
+                     "model.layers.1.mlp.down_proj.weight"]
+    assert not (tmp_path / "run").exists()
