@@ -27,8 +27,8 @@ __all__ = ["FAMILIES", "HFModel", "is_hf_checkpoint", "read_hf_model"]
 CONFIG_NAME = "config.json"
 FAMILIES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
             "Qwen2ForCausalLM": "qwen2"}
-"""Supported transformers classes -> the family whose weight names they use (`lm.hf.mapping.weight_plan`)."""
-_MODEL_TYPES = {family: family for family in FAMILIES.values()}
+"""Supported transformers classes -> the family whose weight names they use (`lm.hf.mapping.weight_plan`); each
+family is also its classes' config.json `model_type`."""
 
 
 @dataclass(frozen=True)
@@ -55,11 +55,11 @@ def _family(hf: dict, origin: Path) -> tuple[str, str]:
             raise CheckpointError(f"{origin}: architectures={archs} is not one lm imports; supported: {supported}")
         return archs[0], FAMILIES[archs[0]]
     model_type = hf.get("model_type")
-    if model_type not in _MODEL_TYPES:
+    by_type = {family: cls for cls, family in FAMILIES.items()}
+    if model_type not in by_type:
         raise CheckpointError(f"{origin}: model_type={model_type!r} (and no architectures) is not one lm imports; "
                               f"supported: {supported}")
-    family = _MODEL_TYPES[model_type]
-    return next(cls for cls, fam in FAMILIES.items() if fam == family), family
+    return by_type[model_type], model_type
 
 
 def _rope_theta(hf: dict, problems: list[str]) -> float:

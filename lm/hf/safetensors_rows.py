@@ -16,7 +16,7 @@ import torch
 
 from lm.errors import CheckpointError
 
-__all__ = ["StoredTensor", "read_header", "read_rows"]
+__all__ = ["DTYPES", "StoredTensor", "read_header", "read_rows"]
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _MAX_HEADER = 100 * 2**20  # the format's own limit
@@ -26,10 +26,20 @@ _MAX_HEADER = 100 * 2**20  # the format's own limit
 class StoredTensor:
     path: Path
     name: str
-    dtype: torch.dtype
+    stored_dtype: str
+    """The file's name for the dtype (F32, BF16, BOOL, ...)."""
     shape: tuple[int, ...]
     start: int
     """Byte offset of the tensor's first element in the file."""
+
+    @property
+    def is_float(self) -> bool:
+        return self.stored_dtype in DTYPES
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype of a floating-point tensor (the only kind a weight is: check `is_float` first)."""
+        return DTYPES[self.stored_dtype]
 
     @property
     def row_bytes(self) -> int:
@@ -38,8 +48,8 @@ class StoredTensor:
 
 
 def read_header(path: Path) -> dict[str, StoredTensor]:
-    """Every tensor of the safetensors file `path` by name; CheckpointError for a file that is not one, or
-    that holds a tensor of a dtype other than a float's."""
+    """Every tensor of the safetensors file `path` by name; CheckpointError for a file that is not one. A
+    tensor of another dtype than a float's (a buffer of flags, say) is listed, and refused only if read."""
     try:
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
@@ -50,12 +60,12 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
         raise CheckpointError(f"{path}: not a readable safetensors file: {err}") from None
     header.pop("__metadata__", None)
     tensors = {}
-    for name, info in header.items():
-        if info.get("dtype") not in DTYPES:
-            raise CheckpointError(f"{path}: {name} is stored as {info.get('dtype')}; lm imports floating-point "
-                                  f"weights ({', '.join(DTYPES)})")
-        begin, _ = info["data_offsets"]
-        tensors[name] = StoredTensor(path, name, DTYPES[info["dtype"]], tuple(info["shape"]), 8 + length + begin)
+    try:
+        for name, info in header.items():
+            begin, _ = info["data_offsets"]
+            tensors[name] = StoredTensor(path, name, str(info["dtype"]), tuple(info["shape"]), 8 + length + begin)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}: not a readable safetensors file: bad header entry ({err})") from None
     return tensors
 
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 from lm.errors import CheckpointError
 from lm.hf.importing import HFModel, read_hf_model
 from lm.hf.mapping import Part, Plan, row_spans, weight_plan
-from lm.hf.safetensors_rows import StoredTensor, read_header, read_rows
+from lm.hf.safetensors_rows import DTYPES, StoredTensor, read_header, read_rows
 from lm.models.config import ModelConfig
 from lm.models.gpt import GPT
 
@@ -90,12 +90,16 @@ def _local_rows(param: torch.Tensor) -> tuple[int, int]:
     return start, min(start + chunk, rows)
 
 
-def _check_shapes(plan: Plan, stored: dict[str, StoredTensor], params: dict[str, torch.Tensor]) -> None:
+def _check_tensors(plan: Plan, stored: dict[str, StoredTensor], params: dict[str, torch.Tensor]) -> None:
+    """Each stored tensor the plan reads is a float of the shape our parameter needs."""
     for ours, parts in plan.items():
         rest = tuple(params[ours].shape[1:])
         for part in parts:
             tensor = stored[part.name]
             want = (rest[0], part.rows) if part.transposed else (part.rows, *rest)
+            if not tensor.is_float:
+                raise CheckpointError(f"{tensor.path}: {tensor.name} is stored as {tensor.stored_dtype}; lm imports "
+                                      f"floating-point weights ({', '.join(DTYPES)})")
             if tensor.shape != want:
                 raise CheckpointError(f"{tensor.path}: {tensor.name} has shape {list(tensor.shape)}; its config.json "
                                       f"implies {list(want)}")
@@ -117,8 +121,8 @@ def _fill(local: torch.Tensor, spans: list[tuple[Part, int, int]], stored: dict[
 
 def check_hf_weights(source: HFModel, model: nn.Module) -> tuple[Plan, dict[str, StoredTensor]]:
     """Refuse a checkpoint whose tensors are not what `model` (ours for `source.fields`, on any device, the
-    meta device included) needs: a name missing or unused, a shape that differs. Reads the files' headers
-    only. Returns the plan and the stored tensors it was checked against."""
+    meta device included) needs: a name missing or unused, a shape that differs, a weight that is no float.
+    Reads the files' headers only. Returns the plan and the stored tensors it was checked against."""
     cfg: ModelConfig = model.cfg  # type: ignore[assignment]
     plan = weight_plan(cfg, source.family)
     stored = stored_names(source)
@@ -131,7 +135,7 @@ def check_hf_weights(source: HFModel, model: nn.Module) -> tuple[Plan, dict[str,
         if sum(part.rows for part in parts) != params[ours].shape[0]:
             raise CheckpointError(f"{source.directory}: {ours} has {params[ours].shape[0]} rows, the checkpoint "
                                   f"{sum(part.rows for part in parts)}; import with model.vocab_multiple=1")
-    _check_shapes(plan, stored, params)
+    _check_tensors(plan, stored, params)
     return plan, stored
 
 

@@ -193,3 +193,28 @@ def test_a_checkpoint_without_safetensors_is_refused_with_the_way_out(tmp_path):
     with pytest.raises(CheckpointError, match=r"no model.safetensors or model.safetensors.index.json \(found: "
                                               r"pytorch_model.bin\); lm imports safetensors"):
         imported(tmp_path)
+
+
+def test_an_older_gpt2_file_without_the_prefix_and_with_mask_buffers_imports(tmp_path):
+    # files written before transformers added `transformer.` to the body's names, with each layer's causal-mask
+    # buffer saved beside the weights (here as bool, which no weight is): read as save_pretrained's names
+    hf = hf_checkpoint("gpt2", tmp_path)
+    weights = {name.removeprefix("transformer."): t.contiguous() for name, t in hf.state_dict().items()
+               if name != "lm_head.weight"}
+    weights.update({f"h.{i}.attn.bias": torch.ones(1, 1, 32, 32, dtype=torch.bool).tril() for i in range(2)})
+    (tmp_path / "model.safetensors").unlink()
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = imported(tmp_path)
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert_same_logits(model(idx)[0], hf(idx).logits)
+
+
+def test_a_weight_stored_as_integers_is_refused_before_any_is_read(tmp_path):
+    hf = hf_checkpoint("llama", tmp_path)
+    weights = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    weights["model.norm.weight"] = weights["model.norm.weight"].to(torch.int32)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model.safetensors: model.norm.weight is stored as I32; lm imports "
+                                              r"floating-point weights"):
+        imported(tmp_path)
