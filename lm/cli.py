@@ -3,8 +3,10 @@
 import argparse
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from lm.errors import LMError
 
@@ -28,6 +30,22 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
     except (LMError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """End the process with `code`, skipping the interpreter's teardown, once what it printed is flushed.
+
+    For tools that ran a process group, after they closed it. Gloo's worker threads outlive
+    `destroy_process_group`, and one may still be dropping the last collective's tensors when the
+    interpreter finalizes: a thread that needs the GIL then aborts the whole process ("terminate called
+    without an active exception", SIGABRT after a finished run; seen under ZeRO-3 on a busy CPU, where the
+    worker is scheduled late). The run has closed its files, its TensorBoard writer and the group by then,
+    so the teardown has nothing left to do that a finished run needs.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def positive_int(text: str) -> int:

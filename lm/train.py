@@ -2,9 +2,8 @@
 
 import argparse
 import os
-import sys
 
-from lm.cli import finite_float, positive_int, run
+from lm.cli import exit_without_teardown, finite_float, positive_int, run
 from lm.config import JobConfig, parse_cli
 from lm.errors import ConfigError
 
@@ -57,20 +56,11 @@ def main(argv: list[str]) -> int:
         dry_run(cfg, _planned_world_size(args.nproc), args.gpu_gib)
         return 0
     # imported here so that --dry-run needs neither torch.distributed nor the trainer
-    from lm.distributed.env import init_distributed
-    from lm.training.preemption import StopSignals
-    from lm.training.trainer import Trainer
+    from lm.training.job import run_job
 
-    # from the start: a scheduler's SIGTERM during setup (joining the group, building, loading) is kept and
-    # honoured at the first log step, not lost
-    with StopSignals() as signals:
-        env = init_distributed(cfg.train.device)
-        try:
-            Trainer(cfg, env).fit(signals)
-        finally:
-            env.close()
+    run_job(cfg)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(run(main))
+    exit_without_teardown(run(main))

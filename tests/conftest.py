@@ -1,6 +1,7 @@
 """Shared pytest fixtures. The data fixtures live here; others may add fixtures for their own areas."""
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -9,6 +10,10 @@ import pytest
 from lm.data.config import DataConfig
 from lm.data.corpora import clean_markdown, find_corpus
 from lm.data.prepare import prepare
+
+# DeepSpeed calls torch.distributed functions that torch has deprecated, and every call warns: in the output
+# of a failed torchrun those lines bury the error. The tools' own processes inherit this filter.
+os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
 
 
 @pytest.fixture(scope="session")
