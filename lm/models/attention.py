@@ -43,18 +43,20 @@ def causal_mask(num_queries: int, start: int, device: torch.device | None = None
     return key_pos[None, :] <= query_pos[:, None]
 
 
-def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
-    """Boolean mask (B, 1, T, T) for windows packed from several documents: True where query i may attend to
-    key j, i.e. j <= i and both tokens belong to the same document.
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """Boolean mask (B, 1, T, T) for windows packed from several documents: True where query i and key j
+    belong to the same document (an encoder's attention inside each document).
 
     positions: (B, T) int, each token's position inside its own document; a document starts wherever it is 0,
     so the document id of token t is the number of zeros in positions[:, :t + 1]. The mask broadcasts over heads.
     """
-    T = positions.size(-1)
     doc = (positions == 0).cumsum(dim=-1)  # (B, T)
-    same_doc = doc[:, :, None] == doc[:, None, :]  # (B, T, T): [b, query, key]
-    causal = causal_mask(T, 0, positions.device)  # (T, T)
-    return (same_doc & causal)[:, None]  # (B, 1, T, T)
+    return (doc[:, :, None] == doc[:, None, :])[:, None]  # (B, 1, T, T): [b, 0, query, key]
+
+
+def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
+    """`document_mask` and the causal triangle: True where key j <= query i in the same document (B, 1, T, T)."""
+    return document_mask(positions) & causal_mask(positions.size(-1), 0, positions.device)
 
 
 def key_padding_mask(keep: torch.Tensor | None) -> torch.Tensor | None:

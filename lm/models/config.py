@@ -8,18 +8,23 @@ of "Attention Is All You Need" (with `pos: sinusoidal`), trained by span corrupt
 the tokenizer's plus `n_sentinels` sentinel ids plus one padding id. `arch: lstm` is the recurrent
 baseline: it reads vocab_size, block_size, n_layer, d_model (embedding and hidden width), dropout, bias and
 tie_embeddings, and ignores the attention, feed-forward, position and norm keys, so a transformer config
-turns into an LSTM by changing `arch` alone.
+turns into an LSTM by changing `arch` alone. `arch: encoder` is the encoder alone (BERT, ModernBERT):
+bidirectional blocks under a masked-LM head (`head: mlm`, pretraining) or a classification or regression
+head on a pooled position (fine-tuning); its vocabulary is the tokenizer's plus three ids, [MASK], [CLS] and
+padding (`mask_id`, `cls_id`, `pad_id`).
 """
 
 from dataclasses import dataclass
 
 from lm.errors import ConfigError
 
-ARCHS = ("gpt", "encdec", "lstm")
+ARCHS = ("gpt", "encdec", "lstm", "encoder")
 POSITIONS = ("learned", "sinusoidal", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu", "relu2", "swiglu")
 NORM_POSITIONS = ("pre", "post")
+HEADS = ("mlm", "classify", "regress")
+POOLINGS = ("first", "mean")
 TRAINING_KEYS = ("dropout", "loss_chunk")
 """Model keys that change how a model trains, not its weights or its function: free to differ from a
 checkpoint's when a run starts from or resumes it."""
@@ -28,7 +33,8 @@ checkpoint's when a run starts from or resumes it."""
 @dataclass
 class ModelConfig:
     arch: str = "gpt"
-    """Model family: gpt (decoder-only), encdec (encoder-decoder, span corruption) or lstm (recurrent baseline)."""
+    """Model family: gpt (decoder-only), encdec (encoder-decoder, span corruption), lstm (recurrent baseline) or
+    encoder (bidirectional, masked LM or a fine-tuning head)."""
     vocab_size: int = 50257
     """Tokenizer vocabulary size (the embedding is padded up to a multiple of vocab_multiple)."""
     block_size: int = 1024
@@ -50,7 +56,8 @@ class ModelConfig:
     qkv_bias: bool = False
     """gpt: biases on the query/key/value projection even without `bias`, as in Qwen2 (`bias` implies them)."""
     pos: str = "learned"
-    """Positions: learned (GPT-2 table), sinusoidal (fixed, as in the original transformer) or rope (rotary; gpt)."""
+    """Positions: learned (GPT-2 table), sinusoidal (fixed, as in the original transformer) or rope (rotary; gpt,
+    encoder)."""
     rope_theta: float = 10000.0
     """Base of the rotary frequencies."""
     norm: str = "layernorm"
@@ -74,6 +81,14 @@ class ModelConfig:
     vocab_multiple: int = 64
     """Embedding and head rows: the vocabulary rounded up to a multiple of this, for efficient matmuls. A model
     imported from Hugging Face keeps its own rows (1): padding rows would add to every softmax's normaliser."""
+    head: str = "mlm"
+    """encoder: mlm (masked-LM pretraining; its output layer tied to the embedding by tie_embeddings), classify
+    (num_classes logits, cross-entropy) or regress (one number, mean squared error)."""
+    num_classes: int = 0
+    """encoder with head classify: the number of classes (>= 2); 0 for every other head and arch."""
+    pooling: str = "first"
+    """encoder with head classify or regress: the vector the head reads, first (the [CLS] position) or mean
+    (the mean over the real, unpadded tokens)."""
     loss_chunk: int = 0
     """gpt, lstm: compute the output head and loss this many of the B*T positions at a time, recomputing each
     chunk's logits in backward, so the full (B*T, vocab) logits never exist; forward then returns no
@@ -81,7 +96,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for key, allowed in (("arch", ARCHS), ("pos", POSITIONS), ("norm", NORMS), ("mlp", MLPS),
-                             ("norm_position", NORM_POSITIONS)):
+                             ("norm_position", NORM_POSITIONS), ("head", HEADS), ("pooling", POOLINGS)):
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"model.{key}: unknown value {getattr(self, key)!r}; expected one of {list(allowed)}")
         for key in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "rope_theta", "norm_eps",
@@ -95,8 +110,8 @@ class ModelConfig:
             self._check_heads()
         if self.arch == "encdec":
             if self.pos == "rope":
-                raise ConfigError("model.pos: rope is for arch gpt; encdec takes sinusoidal (as in the paper) or "
-                                  "learned")
+                raise ConfigError("model.pos: rope is for arch gpt and encoder; encdec takes sinusoidal (as in the "
+                                  "paper) or learned")
             if self.n_sentinels < 1:
                 raise ConfigError(f"model.n_sentinels: encdec needs at least 1 sentinel id, got {self.n_sentinels}")
         if self.logit_softcap < 0 or (self.logit_softcap and self.arch != "gpt"):
@@ -104,11 +119,26 @@ class ModelConfig:
                               f"{self.logit_softcap} with model.arch={self.arch}")
         if self.loss_chunk < 0:
             raise ConfigError(f"model.loss_chunk: must be >= 0 (0 turns chunking off), got {self.loss_chunk}")
-        if self.loss_chunk and self.arch == "encdec":
-            raise ConfigError("model.loss_chunk: chunked loss is for arch gpt and lstm; encdec computes its loss "
-                              "whole, so set model.loss_chunk=0")
+        if self.loss_chunk and self.arch in ("encdec", "encoder"):
+            raise ConfigError(f"model.loss_chunk: chunked loss is for arch gpt and lstm; {self.arch} computes its "
+                              "loss whole, so set model.loss_chunk=0")
+        self._check_head()
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout: must be in [0, 1), got {self.dropout}")
+
+    def _check_head(self) -> None:
+        """The encoder's head keys: off their defaults only for an encoder, and consistent with each other."""
+        if self.arch != "encoder":
+            for key, default in (("head", "mlm"), ("num_classes", 0), ("pooling", "first")):
+                if getattr(self, key) != default:
+                    raise ConfigError(f"model.{key}: only arch encoder has a head to configure, got "
+                                      f"{getattr(self, key)!r} with model.arch={self.arch}")
+            return
+        if self.head == "classify" and self.num_classes < 2:
+            raise ConfigError(f"model.num_classes: head classify needs at least 2 classes, got {self.num_classes}")
+        if self.head != "classify" and self.num_classes:
+            raise ConfigError(f"model.num_classes: only head classify has classes; head {self.head} needs "
+                              f"model.num_classes=0, got {self.num_classes}")
 
     def _check_heads(self) -> None:
         if self.d_model % self.n_head:
@@ -144,9 +174,12 @@ class ModelConfig:
 
     @property
     def total_vocab_size(self) -> int:
-        """Ids the model knows: the tokenizer's, then (encdec) the sentinels, then one padding id."""
+        """Ids the model knows: the tokenizer's, then (encdec) the sentinels and one padding id, or (encoder)
+        [MASK], [CLS] and padding."""
         if self.arch == "encdec":
             return self.vocab_size + self.n_sentinels + 1
+        if self.arch == "encoder":
+            return self.vocab_size + 3
         return self.vocab_size
 
     @property
@@ -161,8 +194,21 @@ class ModelConfig:
         return self.vocab_size
 
     @property
+    def mask_id(self) -> int:
+        """encoder: [MASK], the id masked-LM training puts in place of a token to predict."""
+        return self.vocab_size
+
+    @property
+    def cls_id(self) -> int:
+        """encoder: [CLS], the first token of every sequence, where pooling `first` reads."""
+        return self.vocab_size + 1
+
+    @property
     def pad_id(self) -> int:
-        """encdec: the padding id, also the decoder's start token (as in T5)."""
+        """encdec: the padding id, also the decoder's start token (as in T5); encoder: the padding of
+        fine-tuning batches, always under a key-padding mask."""
+        if self.arch == "encoder":
+            return self.vocab_size + 2
         return self.vocab_size + self.n_sentinels
 
     @property

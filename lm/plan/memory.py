@@ -63,6 +63,13 @@ Encoder-decoder: the encoder runs on the corrupted source (S tokens), the decode
 values of the encoder output and that output itself (one copy per layer under ddp's autocast, which
 casts it for each layer's projection).
 
+Encoder (`arch: encoder`): its blocks as the GPT's, on all s tokens of each sequence; outside them the
+embedding norm's input r*t*h, the final norm's (pre-norm) and a dropout mask. The masked-LM head runs on
+the n = b*k targets only (k per sequence, `lm.data.masking.target_count` of data.mlm_rate): the inputs of
+its dense layer, GELU, norm and output layer, (3c + r)*n*h (autocast runs the norm in fp32, as wide as
+the stream), and the logits as below for n positions. A classify or regress head saves only its pooled
+input, c*b*h (a fine-tuning sequence counted as data.seq_len tokens, an upper bound of padded examples).
+
 Activation checkpointing every n-th block (`lm.distributed.activation`: blocks 0, n, 2n, ... in model
 order, ceil(L / n) of L) keeps only each checkpointed block's input, r*t*h bytes, plus one block's
 full activations while it is recomputed in backward. The other blocks keep everything.
@@ -92,6 +99,7 @@ unfused RMSNorm, which also saves its normalized output (CUDA's fused kernel doe
 from dataclasses import dataclass
 
 from lm.config import ENGINES, JobConfig, device_type, use_bf16
+from lm.data.masking import target_count
 from lm.data.span_corruption import corrupted_lengths
 from lm.models.config import ModelConfig
 from lm.plan.param_count import block_params, num_params, root_params, unit_params
@@ -254,11 +262,13 @@ def _activation_bytes(cfg: JobConfig, c: int, residual: int, every: int, fused: 
             layers += full + (residual - c) * t * h
         logits = head(t)
         return layers + (c + drop * (n_layer + 1)) * t * h + logits, logits
-    if model.arch == "gpt":
+    if model.arch in ("gpt", "encoder"):
         t = b * s
         full = layer_activation_bytes(model, b, s, c, residual, fused)
         k = checkpointed_blocks(n_layer, every)
         blocks = _stack_bytes(n_layer, k, full, residual * t * h) + (full if k else 0)  # + one recomputed block
+        if model.arch == "encoder":
+            return _encoder_outside_blocks(cfg, c, residual, blocks)
         logits = head(t)
         return blocks + tail(t) + logits, logits
     src, tgt = corrupted_lengths(s + 1)  # the span-corruption objective's source and target lengths
@@ -271,6 +281,20 @@ def _activation_bytes(cfg: JobConfig, c: int, residual: int, every: int, fused: 
     memory = _cross_memory_bytes(model, b, src, c, residual)
     logits = b * tgt * vocab * (c + 12)
     return blocks + memory + tail(b * src) + tail(b * tgt) + logits, logits
+
+
+def _encoder_outside_blocks(cfg: JobConfig, c: int, residual: int, blocks: int) -> tuple[int, int]:
+    """(activations, logits) of an encoder given its blocks' bytes: the norms around the stack and the head,
+    which masked-LM runs on the targets alone (see the module docstring)."""
+    model, b, s = cfg.model, cfg.train.micro_batch_size, cfg.data.seq_len
+    h, t = model.d_model, b * s
+    final_norm = residual if model.norm_position == "pre" else 0
+    trunk = (residual + final_norm + (1 if model.dropout > 0 else 0)) * t * h  # embedding norm, final norm, mask
+    if model.head != "mlm":
+        return blocks + trunk + c * b * h, 0
+    n = b * target_count(s, cfg.data.mlm_rate)
+    logits = n * model.padded_vocab_size * (c + 12)
+    return blocks + trunk + (3 * c + residual) * n * h + logits, logits
 
 
 # ---- the estimate ------------------------------------------------------------------------------

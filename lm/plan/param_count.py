@@ -5,14 +5,15 @@ trainer's log and FLOPs, the memory planner, sweeps and benchmarks. Nothing is b
 Transformers: token embedding (padded vocabulary) and position tables, per block two norms, the fused
 q/k/v and output projections (grouped-query heads shrink k and v), the MLP (SwiGLU's first matrix is
 2 x d_ff wide), cross-attention in encoder-decoder blocks, final norms, and the output head unless tied.
+The encoder adds its embedding norm and its head (`head_params`).
 LSTM: the token embedding, per layer the input and recurrent matrices of the four gates (4h x h each,
 h = d_model) and their two bias vectors (4h each, as `nn.LSTM` keeps them), and the head unless tied.
 """
 
 from lm.models.config import ModelConfig
 
-__all__ = ["block_params", "lstm_layer_params", "num_params", "position_params", "root_params", "stack_params",
-           "unit_params"]
+__all__ = ["block_params", "head_params", "lstm_layer_params", "num_params", "position_params", "root_params",
+           "stack_params", "unit_params"]
 
 
 def _linear(n_in: int, n_out: int, bias: bool) -> int:
@@ -62,10 +63,24 @@ def position_params(cfg: ModelConfig) -> int:
     return (2 if cfg.arch == "encdec" else 1) * cfg.block_size * cfg.d_model
 
 
+def head_params(cfg: ModelConfig) -> int:
+    """The encoder's head modules: mlm, the dense layer, its norm and the output layer (its weight only when
+    untied; its bias, the one parameter tying leaves it, with `bias`); classify and regress, `score`."""
+    d, vocab = cfg.d_model, cfg.padded_vocab_size
+    if cfg.head != "mlm":
+        return _linear(d, cfg.num_classes or 1, True)
+    output = (0 if cfg.tie_embeddings else vocab * d) + (vocab if cfg.bias else 0)
+    return _linear(d, d, cfg.bias) + _norm(cfg) + output
+
+
 def root_params(cfg: ModelConfig) -> int:
-    """Parameters outside the blocks or layers: embeddings, position tables, final norms, untied output head."""
+    """Parameters outside the blocks or layers: embeddings, position tables, final norms, untied output head
+    (the encoder: its embedding norm and head)."""
     d, vocab = cfg.d_model, cfg.padded_vocab_size
     n = vocab * d
+    if cfg.arch == "encoder":
+        final = _norm(cfg) if cfg.norm_position == "pre" else 0
+        return n + _norm(cfg) + final + head_params(cfg) + position_params(cfg)
     if not cfg.tie_embeddings:
         n += vocab * d
     if cfg.arch == "lstm":  # no positions and no norms

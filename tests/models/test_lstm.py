@@ -167,6 +167,6 @@ def test_an_lstm_ignores_the_attention_keys_a_gpt_checks() -> None:
         ModelConfig(arch="gpt", d_model=30)
     cfg = ModelConfig(arch="lstm", vocab_size=100, block_size=16, n_layer=1, d_model=30, pos="rope", n_kv_head=5)
     assert sum(p.numel() for p in LSTMLM(cfg).parameters()) == 128 * 30 + 8 * 30 * 30 + 8 * 30
-    with pytest.raises(ConfigError,
-                       match=r"model.arch: unknown value 'rnn'; expected one of \['gpt', 'encdec', 'lstm'\]"):
+    with pytest.raises(ConfigError, match=r"model.arch: unknown value 'rnn'; expected one of "
+                                          r"\['gpt', 'encdec', 'lstm', 'encoder'\]"):
         ModelConfig(arch="rnn")

@@ -1,0 +1,280 @@
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lm.errors import ConfigError
+from lm.models.config import ModelConfig
+from lm.models.encoder import IGNORE, Encoder
+from lm.models.factory import build_model
+from lm.models.layers import sinusoidal_positions
+
+CFG = ModelConfig(arch="encoder", vocab_size=200, block_size=24, n_layer=2, n_head=4, d_model=32, pos="sinusoidal",
+                  norm_position="post", mlp="relu")
+
+
+def config(**changes) -> ModelConfig:
+    return ModelConfig(**{**CFG.__dict__, **changes})
+
+
+def randomised(model: Encoder, seed: int = 0) -> Encoder:
+    """Every parameter redrawn (biases and norm gains too), so no zero or one can hide a wrong mapping."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            gain = 1.0 if p.dim() == 1 and p.numel() == model.cfg.d_model else 0.0  # norm weights around 1
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + gain)
+    return model.eval()
+
+
+def reference_encoder(model: Encoder) -> nn.TransformerEncoder:
+    """torch.nn.TransformerEncoder holding our blocks' weights: post-LN (the paper's) or pre-LN with our
+    final norm as its `norm`."""
+    cfg = model.cfg
+    pre = cfg.norm_position == "pre"
+    layer = nn.TransformerEncoderLayer(d_model=cfg.d_model, nhead=cfg.n_head, dim_feedforward=cfg.ff_dim,
+                                       dropout=0.0, activation="relu", layer_norm_eps=cfg.norm_eps,
+                                       batch_first=True, norm_first=pre)
+    final = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps) if pre else None
+    ref = nn.TransformerEncoder(layer, cfg.n_layer, norm=final, enable_nested_tensor=False)
+
+    def copy(dst: nn.Module, src: nn.Module) -> None:
+        dst.weight.copy_(src.weight)
+        dst.bias.copy_(src.bias)
+
+    with torch.no_grad():
+        for ours, theirs in zip(model.blocks, ref.layers, strict=True):
+            theirs.self_attn.in_proj_weight.copy_(ours.attn.qkv.weight)  # both stack rows [q; k; v]
+            theirs.self_attn.in_proj_bias.copy_(ours.attn.qkv.bias)
+            copy(theirs.self_attn.out_proj, ours.attn.proj)
+            copy(theirs.linear1, ours.mlp.fc), copy(theirs.linear2, ours.mlp.proj)
+            copy(theirs.norm1, ours.ln_1), copy(theirs.norm2, ours.ln_2)
+        if pre:
+            copy(ref.norm, model.ln_f)
+    return ref.eval()
+
+
+def embedded(model: Encoder, ids: torch.Tensor) -> torch.Tensor:
+    """What the blocks receive, computed by hand: token embedding plus sinusoids, normalised."""
+    return model.emb_norm(model.wte(ids) + sinusoidal_positions(torch.arange(ids.size(1)), model.cfg.d_model))
+
+
+@pytest.mark.parametrize("norm_position", ["post", "pre"])
+@pytest.mark.parametrize("padded", [False, True], ids=["no-padding", "padding"])
+def test_trunk_matches_torch_nn_transformer_encoder(norm_position: str, padded: bool) -> None:
+    torch.manual_seed(0)
+    model = randomised(Encoder(config(norm_position=norm_position)))
+    ref = reference_encoder(model)
+    ids = torch.randint(0, CFG.vocab_size, (3, 13))
+    keep = None
+    if padded:
+        keep = torch.ones(3, 13, dtype=torch.bool)
+        keep[1, 9:] = False
+        keep[2, 4:] = False
+        ids[~keep] = CFG.pad_id
+    with torch.no_grad():
+        ours = model.encode(ids, keep)
+        theirs = ref(embedded(model, ids), src_key_padding_mask=None if keep is None else ~keep)
+    real = torch.ones(3, 13, dtype=torch.bool) if keep is None else keep
+    assert (ours[real] - theirs[real]).abs().max() <= 1e-5
+    assert ours.abs().mean() > 0.1  # a real signal, not two zeros
+
+
+def test_the_key_padding_mask_is_what_hides_the_padding() -> None:
+    torch.manual_seed(0)
+    model = randomised(Encoder(CFG))
+    ids = torch.randint(0, CFG.vocab_size, (1, 12))
+    ids[0, 8:] = CFG.pad_id
+    keep = ids != CFG.pad_id
+    with torch.no_grad():
+        alone = model.encode(ids[:, :8])
+        masked = model.encode(ids, keep)[:, :8]
+        unmasked = model.encode(ids)[:, :8]
+    assert (masked - alone).abs().max() <= 1e-5
+    assert (unmasked - alone).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("norm_position", ["post", "pre"])
+@pytest.mark.parametrize("pooling", ["first", "mean"])
+def test_padding_changes_no_real_output_nor_the_pooled_score(pooling: str, norm_position: str) -> None:
+    cfg = config(head="classify", num_classes=3, pooling=pooling, norm_position=norm_position, pos="learned")
+    torch.manual_seed(0)
+    model = randomised(Encoder(cfg))
+    example = torch.cat([torch.tensor([cfg.cls_id]), torch.randint(0, cfg.vocab_size, (6,))])  # (7,)
+    other = torch.cat([torch.tensor([cfg.cls_id]), torch.randint(0, cfg.vocab_size, (10,))])  # (11,)
+    batch = torch.stack([torch.cat([example, torch.full((4,), cfg.pad_id)]), other])  # (2, 11)
+    keep = batch != cfg.pad_id
+    with torch.no_grad():
+        h_alone, h_batch = model.encode(example[None]), model.encode(batch, keep)
+        out_alone, _ = model(example[None])
+        out_batch, _ = model(batch, keep=keep)
+    assert (h_batch[0, :7] - h_alone[0]).abs().max() <= 1e-5
+    assert (out_batch[0] - out_alone[0]).abs().max() <= 1e-5
+    assert out_batch.shape == (2, 3)
+    if pooling == "mean":
+        expected = model.score(h_batch[0, :7].mean(dim=0))
+        assert (out_batch[0] - expected).abs().max() <= 1e-5
+
+
+def test_mlm_loss_is_cross_entropy_over_the_masked_positions_of_the_full_logits() -> None:
+    cfg = config(norm_position="pre", mlp="gelu", pos="learned")
+    torch.manual_seed(0)
+    model = randomised(Encoder(cfg))
+    ids = torch.randint(0, cfg.vocab_size, (3, 10))
+    labels = torch.full_like(ids, IGNORE)
+    chosen = torch.rand(3, 10) < 0.3
+    chosen[:, 0] = False
+    chosen[0, 4] = True  # at least one position
+    labels[chosen] = ids[chosen]
+    ids[chosen] = cfg.mask_id
+    with torch.no_grad():
+        full, none = model(ids)
+        out, loss = model(ids, labels)
+    n = int(chosen.sum())
+    assert none is None and full.shape == (3, 10, cfg.padded_vocab_size)
+    assert out.shape == (n, cfg.padded_vocab_size)
+    torch.testing.assert_close(out, full[chosen], atol=1e-5, rtol=1e-5)  # row-major order
+    expected = F.cross_entropy(full[chosen], labels[chosen])
+    assert loss.dtype == torch.float32 and abs(loss.item() - expected.item()) <= 1e-5
+    # the head by hand: dense, tanh-GELU, norm, the output layer tied to the embedding plus its bias
+    h = model.encode(ids)
+    by_hand = model.mlm_norm(F.gelu(h @ model.mlm_dense.weight.T + model.mlm_dense.bias, approximate="tanh"))
+    torch.testing.assert_close(full, by_hand @ model.wte.weight.T + model.lm_head.bias, atol=1e-5, rtol=1e-5)
+
+
+def test_classify_and_regress_heads_give_cross_entropy_and_mean_squared_error() -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(0, CFG.vocab_size, (4, 9))
+    classifier = randomised(Encoder(config(head="classify", num_classes=5)))
+    classes = torch.tensor([0, 4, 2, 2])
+    out, loss = classifier(ids, classes)
+    assert out.shape == (4, 5)
+    h0 = classifier.encode(ids)[:, 0]  # pooling first: the [CLS] position
+    torch.testing.assert_close(out, h0 @ classifier.score.weight.T + classifier.score.bias)
+    manual = -torch.log_softmax(out, dim=-1)[torch.arange(4), classes].mean()
+    assert abs(loss.item() - manual.item()) <= 1e-6
+
+    regressor = randomised(Encoder(config(head="regress", pooling="mean")))
+    targets = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    out, loss = regressor(ids, targets)
+    assert out.shape == (4,)
+    assert abs(loss.item() - ((out - targets) ** 2).mean().item()) <= 1e-6
+    assert regressor(ids)[1] is None
+
+
+def test_mlm_overfits_one_batch() -> None:
+    cfg = ModelConfig(arch="encoder", vocab_size=50, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.0)
+    torch.manual_seed(0)
+    model = Encoder(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (4, 16))
+    ids[:, 0] = cfg.cls_id
+    labels = torch.full_like(ids, IGNORE)
+    chosen = torch.zeros(4, 16, dtype=torch.bool)
+    for row in range(4):
+        chosen[row, 1 + torch.randperm(15)[:5]] = True  # 5 of the 15 positions after [CLS]
+    labels[chosen] = ids[chosen]
+    ids[chosen] = cfg.mask_id
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    losses = []
+    for _ in range(150):
+        _, loss = model(ids, labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert abs(losses[0] - math.log(cfg.padded_vocab_size)) < 0.5  # starts near uniform
+    assert losses[-1] < 0.1
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("pos", ["learned", "sinusoidal", "rope"])
+def test_every_position_and_norm_runs_forward_and_backward(pos: str, norm: str) -> None:
+    cfg = config(pos=pos, norm=norm, norm_position="pre", mlp="swiglu", n_kv_head=2, dropout=0.1)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    assert isinstance(model, Encoder) and hasattr(model, "wpe") == (pos == "learned")
+    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    labels = torch.where(torch.rand(2, 12) < 0.3, ids, IGNORE)
+    labels[:, 1] = ids[:, 1]
+    _, loss = model(ids, labels)
+    loss.backward()
+    assert torch.isfinite(loss) and loss.item() > 1.0
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    assert model.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
+
+
+def test_rope_positions_make_the_encoder_order_aware() -> None:
+    torch.manual_seed(0)
+    model = randomised(Encoder(config(pos="rope")))
+    ids = torch.randint(0, CFG.vocab_size, (1, 8))
+    with torch.no_grad():
+        h = model.encode(ids)
+        swapped = model.encode(ids[:, [1, 0, *range(2, 8)]])
+    assert (h[0, 0] - swapped[0, 1]).abs().max() > 1e-2  # without positions attention is order-blind
+
+
+def test_trunk_names_are_the_same_under_every_head_and_the_head_is_tied() -> None:
+    torch.manual_seed(0)
+    mlm = Encoder(config(norm_position="pre"))
+    classifier = Encoder(config(norm_position="pre", head="classify", num_classes=2))
+    regressor = Encoder(config(norm_position="pre", head="regress"))
+    head = ("mlm_dense.", "mlm_norm.", "lm_head.", "score.")
+    trunks = [{k for k in m.state_dict() if not k.startswith(head)} for m in (mlm, classifier, regressor)]
+    assert trunks[0] == trunks[1] == trunks[2]
+    assert {"wte.weight", "emb_norm.weight", "ln_f.weight", "blocks.1.mlp.proj.weight"} <= trunks[0]
+    assert {k for k in classifier.state_dict() if k.startswith(head)} == {"score.weight", "score.bias"}
+    assert mlm.lm_head.weight is mlm.wte.weight
+    assert torch.equal(mlm.lm_head.bias, torch.zeros(mlm.cfg.padded_vocab_size))
+    untied = Encoder(config(tie_embeddings=False))
+    assert untied.lm_head.weight is not untied.wte.weight
+
+
+def test_same_seed_same_weights() -> None:
+    torch.manual_seed(3)
+    a = Encoder(CFG)
+    torch.manual_seed(3)
+    b = Encoder(CFG)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    assert abs(a.wte.weight.std().item() - 0.02) < 0.002
+
+
+def test_vocabulary_holds_mask_cls_and_padding() -> None:
+    assert (CFG.mask_id, CFG.cls_id, CFG.pad_id, CFG.total_vocab_size, CFG.padded_vocab_size) == (200, 201, 202, 203,
+                                                                                                  256)
+    encdec = ModelConfig(arch="encdec", vocab_size=200, n_sentinels=5, pos="sinusoidal")
+    assert (encdec.pad_id, encdec.total_vocab_size) == (205, 206)  # unchanged
+
+
+def test_sequences_longer_than_block_size_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"sequence of 25 tokens exceeds model.block_size=24"):
+        Encoder(CFG)(torch.zeros(1, 25, dtype=torch.long))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(arch="gpt", head="classify"), r"model.head: only arch encoder has a head to configure, got 'classify' "
+                                        r"with model.arch=gpt"),
+    (dict(arch="encdec", num_classes=3), r"model.num_classes: only arch encoder .* model.arch=encdec"),
+    (dict(arch="lstm", pooling="mean"), r"model.pooling: only arch encoder .* model.arch=lstm"),
+    (dict(arch="encoder", head="classify"), r"model.num_classes: head classify needs at least 2 classes, got 0"),
+    (dict(arch="encoder", head="classify", num_classes=1), r"model.num_classes: .* at least 2 classes, got 1"),
+    (dict(arch="encoder", num_classes=3), r"model.num_classes: only head classify has classes; head mlm needs "
+                                          r"model.num_classes=0, got 3"),
+    (dict(arch="encoder", head="regress", num_classes=2), r"model.num_classes: .* head regress needs"),
+    (dict(arch="encoder", head="classify", num_classes=2, pooling="max"),
+     r"model.pooling: unknown value 'max'; expected one of \['first', 'mean'\]"),
+    (dict(arch="encoder", head="ner"), r"model.head: unknown value 'ner'; expected one of \['mlm', 'classify'"),
+    (dict(arch="encoder", loss_chunk=64), r"model.loss_chunk: chunked loss is for arch gpt and lstm; encoder"),
+    (dict(arch="encoder", qk_norm=True), r"model.qk_norm: only arch gpt"),
+    (dict(arch="encoder", logit_softcap=30.0), r"model.logit_softcap: .* arch gpt only"),
+])
+def test_config_refusals_name_the_key(changes: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(**changes)
+
+
+def test_the_encoder_class_refuses_another_arch() -> None:
+    with pytest.raises(ValueError, match="Encoder: model.arch is 'gpt'"):
+        Encoder(ModelConfig(vocab_size=100, block_size=8, n_layer=1, n_head=2, d_model=16))

@@ -1,0 +1,93 @@
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+from lm.config import load_config
+from lm.models.config import ModelConfig
+from lm.models.encoder import Encoder
+from lm.models.factory import build_model
+from lm.plan.flops import flops_per_token
+from lm.plan.memory import estimate_memory
+from lm.plan.param_count import num_params
+from lm.training.objective import build_objective
+
+TINY = dict(arch="encoder", vocab_size=100, block_size=48, n_layer=2, n_head=2, d_model=16)
+
+
+@pytest.mark.parametrize("changes", [
+    {},                                                                    # tied masked-LM head, learned positions
+    {"tie_embeddings": False, "norm_position": "post", "pos": "sinusoidal"},
+    {"bias": False, "norm": "rmsnorm", "pos": "rope", "mlp": "swiglu", "n_kv_head": 1},
+    {"head": "classify", "num_classes": 4, "pooling": "mean", "tie_embeddings": False},
+    {"head": "regress", "bias": False},
+], ids=["mlm", "mlm-untied-post", "mlm-llama-style", "classify", "regress"])
+def test_encoder_parameter_count_equals_the_built_model(changes):
+    cfg = ModelConfig(**{**TINY, **changes})
+    assert num_params(cfg) == sum(p.numel() for p in build_model(cfg).parameters())
+
+
+@pytest.mark.parametrize("head", ["mlm", "classify"])
+def test_encoder_flops_run_the_head_on_the_targets_alone(head):
+    # counted on a built model here, from the config alone in flops_per_token
+    cfg = ModelConfig(**TINY, head=head, num_classes=3 if head == "classify" else 0)
+    model = Encoder(cfg)
+    trunk = sum(p.numel() for p in [*model.blocks.parameters(), *model.emb_norm.parameters(),
+                                    *model.ln_f.parameters()])
+    if head == "mlm":
+        head_weights = sum(p.numel() for p in [*model.mlm_dense.parameters(), *model.mlm_norm.parameters(),
+                                               *model.lm_head.parameters()])  # the tied weight included
+        per_window = 12  # round(0.3 * 39) targets in a window of 40 tokens
+    else:
+        head_weights, per_window = sum(p.numel() for p in model.score.parameters()), 1
+    attention = 12 * 2 * 16 * 40
+    expected = 6 * trunk + attention + 6 * head_weights * per_window / 40
+    assert flops_per_token(cfg, 40) == pytest.approx(expected, rel=1e-12)
+    if head == "mlm":  # BERT's rate: 6 targets of 39
+        assert flops_per_token(cfg, 40, mlm_rate=0.15) == pytest.approx(
+            6 * trunk + attention + 6 * head_weights * 6 / 40, rel=1e-12)
+
+
+def _saved_bytes(cfg, bf16_weights: bool, autocast: bool) -> int:
+    """Bytes of the distinct activation storages autograd saves in one masked-LM forward on the CPU, the
+    parameters and autocast's bf16 weight copies left out (as tests/plan/test_memory.py measures the GPT)."""
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    if bf16_weights:
+        model = model.to(torch.bfloat16)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape)[::-1] for p in model.parameters()}
+    rows = np.random.default_rng(0).integers(0, 50000, (cfg.train.micro_batch_size, cfg.data.seq_len + 1))
+    batch = build_objective(cfg.model, cfg.data.seq_len, 0, data=cfg.data)(rows, np.arange(len(rows)))
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        weight_copy = t.dtype == torch.bfloat16 and t.dim() <= 2 and tuple(t.shape) in shapes
+        if storage.data_ptr() not in weights and not weight_copy:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
+        model(*map(torch.from_numpy, batch))
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("norm_position", ["pre", "post"])
+@pytest.mark.parametrize("setup", ["float32", "ddp-autocast", "fsdp-bf16"])
+def test_encoder_activations_match_what_autograd_saves(setup, norm_position):
+    engine, dtype = {"float32": ("ddp", "float32"), "ddp-autocast": ("ddp", "bfloat16"),
+                     "fsdp-bf16": ("fsdp", "bfloat16")}[setup]
+    cfg = load_config(None, ["--model.arch=encoder", f"--model.norm_position={norm_position}", "--model.n_layer=2",
+                             "--model.n_head=4", "--model.d_model=64", "--model.block_size=64", "--data.seq_len=40",
+                             f"--train.dtype={dtype}", "--train.micro_batch_size=3", "--train.batch_size=3",
+                             f"--parallel.engine={engine}", "--train.device=cpu"])
+    estimate = estimate_memory(cfg, 1)
+    c = 4 if setup == "float32" else 2
+    targets = 3 * 12  # three windows of 40 tokens, 12 targets each at the default 30%
+    assert estimate.logits == targets * cfg.model.padded_vocab_size * (c + 12)
+    # forward saves every counted tensor but the logits and the two fp32 gradients backward makes
+    forward = estimate.activations - targets * cfg.model.padded_vocab_size * (c + 8)
+    assert forward == pytest.approx(_saved_bytes(cfg, setup == "fsdp-bf16", setup == "ddp-autocast"), rel=0.01)
