@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lm.data.masking import check_masking
 from lm.errors import ConfigError
 from lm.tokenizer import VOCAB_SIZES, is_tokenizer_file
 
@@ -64,6 +65,16 @@ class DataConfig:
     """Train on several prepared directories, a list of {dir, weight, name}; empty: train on data.dir alone."""
     document_mask: bool = False
     """Attention stays inside each document of a packed window, whose positions restart at the document's start."""
+    mlm_rate: float = 0.3
+    """Masked LM (model.arch encoder): share of each window's positions after [CLS] that are targets, exactly
+    round(rate * (seq_len - 1)) (at least 1) per window. 0.3 as ModernBERT: Wettig et al. 2022 ("Should You
+    Mask 15% in Masked Language Modeling?") find higher rates than BERT's 0.15 train better at this scale."""
+    mlm_mask_fraction: float = 1.0
+    """Of the targets, the share shown as [MASK]. 1.0 as ModernBERT (all [MASK]); BERT's 80/10/10 split is
+    mlm_rate=0.15, mlm_mask_fraction=0.8, mlm_random_fraction=0.1."""
+    mlm_random_fraction: float = 0.0
+    """Of the targets, the share shown as a uniformly random token id (the rest keep their own token, so
+    mlm_mask_fraction + mlm_random_fraction <= 1). 0.0 as ModernBERT; 0.1 in BERT's split."""
 
     def __post_init__(self) -> None:
         # only the form: a config stored in a checkpoint is read again where the file may not be
@@ -85,6 +96,7 @@ class DataConfig:
             )
         if not self.source.strip():
             raise ConfigError("data.source: must name a corpus or files, got an empty string")
+        check_masking(self.mlm_rate, self.mlm_mask_fraction, self.mlm_random_fraction)
         self._check_mixture()
 
     def _check_mixture(self) -> None:

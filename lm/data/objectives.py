@@ -6,16 +6,21 @@ and sample ids for validation). It returns the model's batch as a tuple of int64
 arguments in order; the trainer moves them to its device. Any randomness is a pure function of
 (seed, key), so a run resumed at any world size sees the same batch. Which objective trains which
 model is the trainer's choice (`lm.training.objective`): this package knows no model.
+
+- NextToken: decoder-only language modelling (x, y).
+- SpanCorruption: T5's encoder-decoder objective (src, tgt_in, tgt_out).
+- MaskedLM: BERT-style masked LM for an encoder (ids, labels), masking by `lm.data.masking`.
 """
 
 from typing import Protocol
 
 import numpy as np
 
+from lm.data.masking import check_masking, mask_rows, masking_draws, replacement_counts, target_count
 from lm.data.span_corruption import corrupt_rows, corrupted_lengths, noise_masks, span_counts
 from lm.errors import ConfigError
 
-__all__ = ["NextToken", "Objective", "SpanCorruption", "document_positions"]
+__all__ = ["MaskedLM", "NextToken", "Objective", "SpanCorruption", "document_positions"]
 
 
 class Objective(Protocol):
@@ -97,3 +102,45 @@ class SpanCorruption:
         tgt_in[:, 0] = self.pad_id
         tgt_in[:, 1:] = tgt_out[:, :-1]
         return src, tgt_in, tgt_out
+
+
+class MaskedLM:
+    """Masked-LM corruption of each window: (ids (B, T), labels (B, T)), both int64, from rows (B, T + 1).
+
+    ids are the window's first T tokens with [CLS] (cls_id) at position 0 and, of exactly
+    k = max(1, round(rate * (T - 1))) target positions among 1..T-1, round(mask_fraction * k) shown as
+    [MASK] (mask_id), round(random_fraction * k) as a uniformly random id in [0, vocab_size) and the rest
+    unchanged (`lm.data.masking`); labels hold the original tokens at the targets and -100 elsewhere. The
+    window's last token is not read. The corruption of the row with key k is drawn from
+    np.random.default_rng([seed, k]) alone. With `document_eot` (data.document_mask) the batch is
+    (ids, labels, keep (B, T) bool, all True: no padding, positions (B, T) int64): each token's position
+    inside its document, read from the window's own tokens (`document_positions`; [CLS] opens the first).
+    """
+
+    def __init__(
+        self, seed: int, vocab_size: int, mask_id: int, cls_id: int, rate: float, mask_fraction: float,
+        random_fraction: float, document_eot: int | None = None,
+    ) -> None:
+        check_masking(rate, mask_fraction, random_fraction)
+        if min(mask_id, cls_id) < vocab_size or mask_id == cls_id:
+            raise ValueError(f"[MASK] ({mask_id}) and [CLS] ({cls_id}) must be two ids after the tokenizer's "
+                             f"{vocab_size}")
+        self.seed, self.vocab_size, self.mask_id, self.cls_id = seed, vocab_size, mask_id, cls_id
+        self.rate, self.mask_fraction, self.random_fraction = rate, mask_fraction, random_fraction
+        self.document_eot = document_eot
+
+    def __call__(self, rows: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, ...]:
+        rows = np.asarray(rows, dtype=np.int64)
+        keys = np.asarray(keys, dtype=np.int64)
+        if rows.ndim != 2 or keys.shape != rows.shape[:1]:
+            raise ValueError(f"masked LM takes rows (B, T + 1) and keys (B,), got {rows.shape} and {keys.shape}")
+        seq_len = rows.shape[1] - 1
+        k = target_count(seq_len, self.rate)
+        n_mask, n_random = replacement_counts(k, self.mask_fraction, self.random_fraction)
+        uniforms, random_ids = masking_draws(self.seed, keys, seq_len, n_random, self.vocab_size)
+        ids, labels = mask_rows(rows[:, :seq_len], uniforms, random_ids, k, n_mask, self.mask_id, self.cls_id)
+        if self.document_eot is None:
+            return ids, labels
+        # from the tokens as they are: a masked end-of-text still ends its document
+        positions = document_positions(rows[:, :seq_len], self.document_eot)  # (B, T)
+        return ids, labels, np.ones(ids.shape, dtype=bool), positions

@@ -1,13 +1,19 @@
-"""A run's metrics log, <out_dir>/metrics.jsonl: its name, its reader, and the perplexity of a loss.
+"""A run's metrics log, <out_dir>/metrics.jsonl: its name, its reader, the perplexity of a loss, and the
+scores of a fine-tuned head.
 
 The trainer writes it (`lm.training.logger`); plots, sweeps and anyone else read it here. Each line is one
 JSON object: `step`, `tokens` (trained so far), `elapsed_s` (wall seconds of training so far, carried
 over resumes) and the namespaced scalars (`train/loss`, `val/ppl`, ...).
+
+A head's scores come from sufficient statistics, counts and sums that add up over batches and ranks (one
+all-reduce of a small array), rather than from every prediction gathered in one place.
 """
 
 import json
 import math
 from pathlib import Path
+
+import numpy as np
 
 from lm.errors import MetricsError
 
@@ -50,3 +56,57 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 def row_kind(row: dict) -> str:
     """'val' for a validation row, 'train' otherwise: the namespace of its scalars."""
     return "val" if any(key.startswith("val/") for key in row) else "train"
+
+
+def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_classes: int,
+                     weight: np.ndarray | None = None) -> np.ndarray:
+    """(num_classes, num_classes) float64 counts: [i, j] = the (weighted) examples of class i predicted as j,
+    from labels and predictions (N,) of classes in [0, num_classes) and optional weights (N,)."""
+    labels, predictions = np.asarray(labels, dtype=np.int64), np.asarray(predictions, dtype=np.int64)
+    flat = np.bincount(labels * num_classes + predictions, weights=weight, minlength=num_classes * num_classes)
+    return flat.astype(np.float64).reshape(num_classes, num_classes)
+
+
+def classification_metrics(confusion: np.ndarray) -> dict[str, float]:
+    """Accuracy and macro F1 of a confusion matrix (n, n) (rows true classes, columns predictions; the sum of
+    `confusion_matrix` over batches and ranks).
+
+    F1 of class c is 2 tp / (2 tp + fp + fn); the macro mean leaves out the classes that are neither in the
+    data nor predicted (0 / 0), as such a class says nothing of the model.
+    """
+    confusion = np.asarray(confusion, dtype=np.float64)
+    if confusion.ndim != 2 or confusion.shape[0] != confusion.shape[1] or confusion.sum() <= 0:
+        raise ValueError(f"a confusion matrix is square with a positive total, got shape {confusion.shape} "
+                         f"and total {confusion.sum()}")
+    tp = np.diag(confusion)  # (n,)
+    seen = confusion.sum(axis=0) + confusion.sum(axis=1)  # (n,) 2 tp + fp + fn
+    present = seen > 0
+    return {"accuracy": float(tp.sum() / confusion.sum()), "f1": float(np.mean(2 * tp[present] / seen[present]))}
+
+
+REGRESSION_SUMS = ("n", "sum_y", "sum_p", "sum_yy", "sum_pp", "sum_yp", "sum_sq_err")
+"""The layout of `regression_sums`: the count, then sums of y, p, y^2, p^2, y*p and (p - y)^2 for targets y
+and predictions p. The squared error is summed itself, not derived from the others, so the MSE of a good
+model does not lose its digits to cancellation."""
+
+
+def regression_sums(labels: np.ndarray, predictions: np.ndarray, weight: np.ndarray | None = None) -> np.ndarray:
+    """The sufficient statistics (7,) float64 (layout `REGRESSION_SUMS`) of targets and predictions (N,),
+    each example counted with its weight (N,) (default 1)."""
+    y, p = np.asarray(labels, dtype=np.float64), np.asarray(predictions, dtype=np.float64)
+    w = np.ones_like(y) if weight is None else np.asarray(weight, dtype=np.float64)
+    return np.array([w.sum(), (w * y).sum(), (w * p).sum(), (w * y * y).sum(), (w * p * p).sum(),
+                     (w * y * p).sum(), (w * (p - y) ** 2).sum()])
+
+
+def regression_metrics(sums: np.ndarray) -> dict[str, float]:
+    """Mean squared error and Pearson correlation from sums (7,) in the layout `REGRESSION_SUMS` (summed over
+    batches and ranks, best in float64). Pearson is nan when the targets or the predictions are constant."""
+    n, sum_y, sum_p, sum_yy, sum_pp, sum_yp, sum_sq_err = np.asarray(sums, dtype=np.float64).tolist()
+    if n <= 0:
+        raise ValueError(f"regression sums need a positive count, got n = {n}")
+    cov = sum_yp - sum_y * sum_p / n
+    var_y, var_p = sum_yy - sum_y * sum_y / n, sum_pp - sum_p * sum_p / n
+    # clipped: rounding can carry |r| of identical columns a hair past 1
+    pearson = min(1.0, max(-1.0, cov / math.sqrt(var_y * var_p))) if var_y > 0 and var_p > 0 else math.nan
+    return {"mse": sum_sq_err / n, "pearson": pearson}
