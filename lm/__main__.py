@@ -3,11 +3,16 @@
 import importlib
 import sys
 
-from lm.cli import run
+from lm.cli import exit_without_teardown, run
+
+TRAINING_TOOLS = ("train", "finetune")
+"""Tools that may have run a process group: they end without the interpreter's teardown (see there)"""
 
 TOOLS = {
     "prepare": ("lm.prepare", "tokenize a corpus into memory-mapped token shards"),
     "train": ("lm.train", "pretrain a model (use torchrun for several processes)"),
+    "finetune": ("lm.finetune", "train a classification or regression head on a pretrained encoder"),
+    "predict": ("lm.predict", "a fine-tuned encoder's predictions (and scores) for a labelled file"),
     "eval": ("lm.eval", "loss, perplexity and bits per byte of a checkpoint"),
     "sample": ("lm.sample", "generate text from a checkpoint"),
     "sweep": ("lm.sweep.__main__", "train a grid of configs and compare them in a table and a plot"),
@@ -25,7 +30,10 @@ def main() -> int:
             print(f"  {name:{max(map(len, TOOLS))}s} {doc}")
         return 0 if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help") else 2
     module = importlib.import_module(TOOLS[sys.argv[1]][0])
-    return run(module.main, sys.argv[2:])
+    code = run(module.main, sys.argv[2:])
+    if sys.argv[1] in TRAINING_TOOLS:
+        exit_without_teardown(code)
+    return code
 
 
 if __name__ == "__main__":

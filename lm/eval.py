@@ -1,4 +1,5 @@
-"""`python -m lm.eval`: loss, perplexity and bits per byte of a checkpoint on val shards or a text file.
+"""`python -m lm.eval`: loss, perplexity and bits per byte of a checkpoint on val shards or a text file; for an
+encoder, the loss and accuracy of its masked tokens.
 
 The architecture comes from the checkpoint; how each is scored is `lm.inference.scoring`'s docstring.
 """
@@ -14,11 +15,12 @@ from tqdm import tqdm
 from lm.checkpoint.loading import load_for_inference
 from lm.cli import positive_int, run
 from lm.config import JobConfig
-from lm.data.objectives import SpanCorruption
+from lm.data.objectives import MaskedLM, SpanCorruption
 from lm.distributed.env import init_device
 from lm.errors import ConfigError, DataError
 from lm.inference.scoring import (
     first_tokens,
+    score_masked_lm,
     score_span_corruption,
     score_stream,
     text_tokens,
@@ -46,14 +48,23 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _windows(args: argparse.Namespace, cfg: JobConfig, parser: argparse.ArgumentParser
-             ) -> tuple[int, int | None, SpanCorruption | None]:
-    """(window length, stride, objective): a stride for a decoder, the span corruption for an encoder-decoder."""
+             ) -> tuple[int, int | None, SpanCorruption | MaskedLM | None]:
+    """(window length, stride, objective): a stride for a decoder, the span corruption for an encoder-decoder,
+    the run's own masking for an encoder."""
     seq_len = args.seq_len if args.seq_len is not None else cfg.data.seq_len
-    if cfg.model.arch == "encdec":
+    if cfg.model.arch == "encoder" and cfg.model.head != "mlm":
+        raise ConfigError(f"--checkpoint: {args.checkpoint} is a fine-tuned encoder (model.head={cfg.model.head}); "
+                          "score it on labelled rows with python -m lm.predict")
+    if cfg.model.arch in ("encdec", "encoder"):
         if args.stride is not None:
-            parser.error("--stride: applies to decoder-only checkpoints; an encoder-decoder is scored on "
-                         "non-overlapping span-corrupted windows")
-        return seq_len, None, build_objective(cfg.model, seq_len, cfg.train.seed)
+            parser.error("--stride: applies to decoder-only checkpoints; an encoder-decoder or an encoder is scored "
+                         "on non-overlapping windows")
+        if cfg.model.arch == "encoder" and not 0 < seq_len <= cfg.model.block_size:
+            parser.error(f"--seq-len: must be in [1, {cfg.model.block_size}] (the model's block_size), got {seq_len}")
+        eot = None
+        if cfg.data.document_mask:  # an encoder trained so is scored so: attention within each document
+            eot = model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size).eot_token
+        return seq_len, None, build_objective(cfg.model, seq_len, cfg.train.seed, eot, cfg.data)
     if not 0 < seq_len <= cfg.model.block_size:
         parser.error(f"--seq-len: must be in [1, {cfg.model.block_size}] (the model's block_size), got {seq_len}")
     stride = args.stride if args.stride is not None else max(1, seq_len // 2)
@@ -87,9 +98,11 @@ def main(argv: list[str]) -> int:
     seq_len, stride, objective = _windows(args, cfg, parser)
     streams, source, n_bytes = _streams(args, cfg)
 
-    nll, count = 0.0, 0
+    nll, count, correct = 0.0, 0, None
     with tqdm(total=sum(len(s) - 1 for s in streams), unit="tok", desc="eval", disable=None) as bar:
-        if objective is not None:
+        if isinstance(objective, MaskedLM):
+            nll, count, correct = score_masked_lm(model, streams, objective, seq_len, args.batch_size, device, bar)
+        elif objective is not None:
             nll, count = score_span_corruption(model, streams, objective, args.batch_size, device, bar)
         else:
             # a model trained with document masking is scored so too: each window attends within its documents
@@ -103,7 +116,14 @@ def main(argv: list[str]) -> int:
     if count == 0:
         raise DataError(f"{source}: nothing to score (fewer than {seq_len + 1 if objective else 2} tokens)")
     print(f"checkpoint: {step_dir}")
-    if objective is not None:
+    if correct is not None:
+        d = cfg.data
+        within = " | attention within documents (data.document_mask)" if d.document_mask else ""
+        print(f"data: {source} | windows of {seq_len} tokens, {d.mlm_rate:.0%} of each masked "
+              f"({d.mlm_mask_fraction:.0%} [MASK], {d.mlm_random_fraction:.0%} random){within}")
+        print(f"masked tokens scored: {count:,}")
+        print(f"masked-token accuracy: {correct / count:.4f}")
+    elif objective is not None:
         s, t = objective.lengths
         print(f"data: {source} | span corruption of windows of {seq_len + 1} tokens (source {s}, target {t})")
         print(f"target tokens scored: {count:,}")

@@ -9,6 +9,7 @@ import sys
 from lm.checkpoint.loading import load_for_inference
 from lm.cli import finite_float, positive_int, run
 from lm.distributed.env import init_device
+from lm.errors import ConfigError
 from lm.inference.prompts import encdec_source, fill_masks, fit_prompt
 from lm.io import read_utf8
 from lm.models.config import ModelConfig
@@ -40,6 +41,9 @@ def main(argv: list[str]) -> int:
 
     device = init_device(args.device, "--device")
     model, cfg, step_dir = load_for_inference(args.checkpoint, device)
+    if cfg.model.arch == "encoder":
+        raise ConfigError(f"--checkpoint: {step_dir} is an encoder (model.arch=encoder), which generates no text; "
+                          "score it with python -m lm.eval, or its fine-tuned head with python -m lm.predict")
     tokenizer = model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
     text = args.prompt if args.prompt_file is None else read_utf8(args.prompt_file)
     if cfg.model.arch == "encdec":

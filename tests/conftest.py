@@ -67,6 +67,60 @@ def trained_run(tiny_data_dir, tmp_path_factory) -> Path:
     return out
 
 
+ENCODER = ["--model.arch=encoder", "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32",
+           "--model.block_size=32", "--data.seq_len=16"]
+"""The tiny encoder of `encoder_run` (gpt2 ids, so it reads `tiny_data_dir`)."""
+
+
+@pytest.fixture(scope="session")
+def encoder_run(tiny_data_dir, tmp_path_factory) -> Path:
+    """A run directory holding the tiny `ENCODER` pretrained by masked LM for 6 steps on `tiny_data_dir`
+    (ModernBERT's default masking), its checkpoints at steps 3 and 6; val every 3 steps over 2 micro-batches
+    of 2 windows. Read-only, shared by the session."""
+    from lm.config import load_config
+    from lm.distributed.env import init_distributed
+    from lm.training.trainer import Trainer
+
+    out = tmp_path_factory.mktemp("encoder") / "run"
+    cfg = load_config(None, [
+        *ENCODER, f"--data.dir={tiny_data_dir}", "--train.steps=6", "--train.batch_size=4",
+        "--train.micro_batch_size=2", "--train.device=cpu", "--train.eval_batches=2", "--train.eval_every=3",
+        "--checkpoint.every=3", "--log.every=1", "--log.tensorboard=false", "--optim.lr=3e-3",
+        "--schedule.warmup_steps=2", f"--train.out_dir={out}",
+    ])
+    Trainer(cfg, init_distributed("cpu")).fit()
+    return out
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    """Rows as a labelled file, the format by the suffix: .csv (a header, then a line per row) or .jsonl."""
+    if path.suffix == ".csv":
+        import csv
+
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def separable_rows() -> list[dict]:
+    """160 labelled lines, separable by their words: class 1 speaks of the court (king, queen, lord, crown),
+    class 0 of the sea (ship, wave, sail, storm); 3 to 8 words each, classes in random order."""
+    import random
+
+    rng = random.Random(0)
+    words = (["ship", "wave", "sail", "storm"], ["king", "queen", "lord", "crown"])
+    rows = []
+    for _ in range(160):
+        label = rng.randrange(2)
+        rows.append({"text": " ".join(rng.choice(words[label]) for _ in range(rng.randint(3, 8))), "label": label})
+    return rows
+
+
 @pytest.fixture(scope="session")
 def tokenizer_jsons(tiny_corpus_dir, tmp_path_factory) -> dict[str, Path]:
     """Hugging Face tokenizer.json files trained on Macbeth (400 ids each), each alone in its directory:

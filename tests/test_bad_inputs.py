@@ -192,7 +192,7 @@ CASES = [
          train(mixture("{ws}/data", 1, "{ws}/data2", "lots")),
          r"data.mixture\[1\].weight: expected float, got str 'lots'"),
     Case("config: document_mask for the LSTM", "train", train("--data.document_mask=true", "--model.arch=lstm"),
-         r"data.document_mask: only a GPT masks attention by document; model.arch=lstm"),
+         r"data.document_mask: only a GPT and an encoder mask attention by document; model.arch=lstm"),
     # the modern recipe's keys (README: A recipe that learns faster)
     Case("config: unknown optimizer", "train", train("--optim.name=lion"),
          r"optim.name: expected adamw or muon, got 'lion'"),

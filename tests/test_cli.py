@@ -4,14 +4,14 @@ import sys
 import pytest
 
 from lm import eval as eval_tool
-from lm import plot, prepare, sample
+from lm import finetune, plot, predict, prepare, sample
 from lm import train as train_tool
 from lm.bench import __main__ as bench
 from lm.cli import run
 from lm.sweep import __main__ as sweep
 
 
-@pytest.mark.parametrize("tool", [prepare, train_tool, eval_tool, sample, bench, sweep, plot])
+@pytest.mark.parametrize("tool", [prepare, train_tool, finetune, predict, eval_tool, sample, bench, sweep, plot])
 def test_every_tool_has_help(tool, capsys):
     with pytest.raises(SystemExit) as exit_:
         run(tool.main, ["--help"])
@@ -42,10 +42,12 @@ def test_console_entry_point_runs_as_a_process():
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: model.n_layr: unknown key; did you mean 'n_layer'? expected one of "
-        "['arch', 'bias', 'block_size', 'd_ff', 'd_model', 'dropout', 'logit_softcap', 'loss_chunk', 'mlp', "
-        "'n_head', 'n_kv_head', 'n_layer', 'n_sentinels', 'norm', 'norm_eps', 'norm_position', 'pos', 'qk_norm', "
-        "'qkv_bias', 'rope_theta', 'share_embeddings', 'tie_embeddings', 'vocab_multiple', 'vocab_size']"
+        "['arch', 'bias', 'block_size', 'd_ff', 'd_model', 'dropout', 'head', 'logit_softcap', 'loss_chunk', "
+        "'mlp', 'n_head', 'n_kv_head', 'n_layer', 'n_sentinels', 'norm', 'norm_eps', 'norm_position', 'num_classes', "
+        "'pooling', 'pos', 'qk_norm', 'qkv_bias', 'rope_theta', 'share_embeddings', 'tie_embeddings', "
+        "'vocab_multiple', 'vocab_size']"
     ]
     listing = subprocess.run([sys.executable, "-m", "lm", "--help"], capture_output=True, text=True, timeout=60)
     assert listing.returncode == 0
-    assert all(t in listing.stdout for t in ("prepare", "train", "eval", "sample", "sweep", "plot", "bench"))
+    assert all(t in listing.stdout for t in ("prepare", "train", "finetune", "predict", "eval", "sample", "sweep",
+                                             "plot", "bench"))

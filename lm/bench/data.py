@@ -36,7 +36,7 @@ def bench_loader(cfg: JobConfig, micro_batch: int, steps: int) -> dict:
             shards = writer.close()
             splits[split] = {"documents": 1, "tokens": count, "shards": shards}
         write_manifest(tmp, new_manifest(cfg.data.tokenizer, cfg.model.vocab_size, 0, "synthetic", "", splits))
-        objective = build_objective(cfg.model, cfg.data.seq_len, 0)  # its cost is part of the loader's
+        objective = build_objective(cfg.model, cfg.data.seq_len, 0, data=cfg.data)  # its cost is part of the loader's
         loader = TokenLoader(tmp, "train", cfg.data.seq_len, 0, 0, 1, micro_batch, micro_batch, objective)
         loader.next_batch()  # the first touch builds the permutation and faults the pages in
         start = time.perf_counter()

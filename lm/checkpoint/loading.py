@@ -11,6 +11,7 @@ from lm.checkpoint.consolidated import load_consolidated, load_consolidated_weig
 from lm.checkpoint.manifest import verify_checkpoint
 from lm.checkpoint.resume import model_diff
 from lm.checkpoint.store import read_config, resolve_checkpoint
+from lm.checkpoint.trunk import trunk_loader
 from lm.checkpoint.weights import load_checkpoint_weights
 from lm.config import JobConfig, load_config
 from lm.distributed.weights import WeightLoader
@@ -23,7 +24,10 @@ from lm.models.factory import build_model
 
 def init_from_loader(path: Path, cfg: JobConfig) -> WeightLoader:
     """The loader that fills a new run's weights from `path` (a consolidated .safetensors file or a Hugging
-    Face checkpoint directory), once `path` is known to hold the model the config describes."""
+    Face checkpoint directory), once `path` is known to hold the model the config describes. A fine-tuning
+    head (an encoder's classify or regress) starts from an encoder checkpoint's trunk instead (`trunk_loader`)."""
+    if cfg.model.arch == "encoder" and cfg.model.head != "mlm":
+        return trunk_loader(path, cfg)
     source = read_hf_model(path) if path.is_dir() else None  # a directory without config.json is refused by name
     saved = ModelConfig(**source.fields) if source else read_consolidated_config(path).model
     if details := model_diff(saved, cfg.model):

@@ -22,7 +22,7 @@ from lm.models.config import TRAINING_KEYS, ModelConfig
 
 log = logging.getLogger("lm.checkpoint")
 
-ARCH_NAMES = {"gpt": "a decoder-only GPT", "encdec": "an encoder-decoder", "lstm": "an LSTM"}
+ARCH_NAMES = {"gpt": "a decoder-only GPT", "encdec": "an encoder-decoder", "lstm": "an LSTM", "encoder": "an encoder"}
 
 
 def find_resume(root: Path, mode: str, env: DistEnv, allow_unverified: bool = False) -> Path | None:

@@ -9,6 +9,7 @@ from lm.config.job import (
     OptimConfig,
     ParallelConfig,
     ScheduleConfig,
+    TaskConfig,
     TrainConfig,
 )
 from lm.config.load import config_from_yaml, config_help, load_config, parse_cli, save_config
@@ -16,6 +17,6 @@ from lm.config.rules import config_diff, device_type, resolve_device, use_bf16
 
 __all__ = [
     "ENGINES", "CheckpointConfig", "JobConfig", "LogConfig", "OptimConfig", "ParallelConfig", "ScheduleConfig",
-    "TrainConfig", "config_diff", "config_from_yaml", "config_help", "device_type", "load_config", "parse_cli",
-    "resolve_device", "save_config", "use_bf16",
+    "TaskConfig", "TrainConfig", "config_diff", "config_from_yaml", "config_help", "device_type", "load_config",
+    "parse_cli", "resolve_device", "save_config", "use_bf16",
 ]

@@ -200,6 +200,30 @@ class LogConfig:
             raise ConfigError(f"log.sample_tokens: must be positive, got {self.sample_tokens}")
 
 
+TASK_FILE_SUFFIXES = (".csv", ".json", ".jsonl", ".parquet")
+
+
+@dataclass
+class TaskConfig:
+    file: str = ""
+    """Fine-tuning (model.head classify or regress): a labelled .csv, .jsonl/.json or .parquet file, a row each."""
+    text_column: str = "text"
+    """Column of task.file holding each example's text."""
+    label_column: str = "label"
+    """Column of task.file holding each label: a class 0..model.num_classes-1 (classify) or a number (regress)."""
+    val_fraction: float = 0.1
+    """Fraction of task.file's rows held out for validation (evenly spaced rows, the same in every run)."""
+
+    def __post_init__(self) -> None:
+        if self.file and not self.file.endswith(TASK_FILE_SUFFIXES):
+            raise ConfigError(f"task.file: {self.file!r} must end in one of {list(TASK_FILE_SUFFIXES)}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"task.val_fraction: must be in (0, 1), got {self.val_fraction}")
+        for key in ("text_column", "label_column"):
+            if not getattr(self, key).strip():
+                raise ConfigError(f"task.{key}: must name a column, got an empty string")
+
+
 @dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -210,16 +234,18 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
 
     def __post_init__(self) -> None:
         if self.data.seq_len > self.model.block_size:
             raise ConfigError(
                 f"data.seq_len: {self.data.seq_len} exceeds model.block_size={self.model.block_size}"
             )
-        if self.data.document_mask and self.model.arch != "gpt":
+        if self.data.document_mask and self.model.arch not in ("gpt", "encoder"):
             raise ConfigError(
-                f"data.document_mask: only a GPT masks attention by document; model.arch={self.model.arch} "
-                "(span corruption and the LSTM's running state would cross documents): set it to false"
+                f"data.document_mask: only a GPT and an encoder mask attention by document; model.arch="
+                f"{self.model.arch} (span corruption and the LSTM's running state would cross documents): set it "
+                "to false"
             )
         if self.optim.name == "muon" and self.parallel.engine == "deepspeed":
             raise ConfigError("optim.name: muon runs under parallel.engine ddp or fsdp; DeepSpeed steps its own "
@@ -228,7 +254,21 @@ class JobConfig:
         if self.optim.z_loss and self.model.arch == "encdec":
             raise ConfigError("optim.z_loss: the GPT and the LSTM add it; the encoder-decoder does not (model.arch="
                               "encdec): set it to 0")
+        if self.optim.z_loss and self.model.arch == "encoder":
+            raise ConfigError("optim.z_loss: the GPT and the LSTM add it; the encoder does not (model.arch=encoder): "
+                              "set it to 0")
+        self._check_task()
         self._check_vocab_size()
+
+    def _check_task(self) -> None:
+        """A fine-tuning head trains on task.file; nothing else reads one."""
+        fine_tuning = self.model.arch == "encoder" and self.model.head != "mlm"
+        if fine_tuning and not self.task.file:
+            raise ConfigError(f"task.file: model.head={self.model.head} trains on a labelled file; name it "
+                              "(a .csv, .jsonl or .parquet with the columns task.text_column and task.label_column)")
+        if self.task.file and not fine_tuning:
+            raise ConfigError(f"task.file: only an encoder with a classify or regress head reads a labelled file "
+                              f"(model.arch={self.model.arch}, model.head={self.model.head}); drop task.file")
 
     def _check_vocab_size(self) -> None:
         """model.vocab_size must equal a tiktoken encoding's size. A tokenizer.json is not read here (a config

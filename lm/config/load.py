@@ -152,14 +152,20 @@ def config_from_yaml(text: str, origin: str | Path) -> JobConfig:
     return _build_job(_parse_yaml(text, origin))
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
-    """Build a JobConfig from an optional YAML file and `section.key=value` override strings."""
-    raw: dict = {}
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict | None = None) -> JobConfig:
+    """Build a JobConfig from `base` ({section: {key: value}}, e.g. taken from a checkpoint's config), then an
+    optional YAML file's keys over it, then `section.key=value` override strings."""
+    raw: dict = {section: dict(keys) for section, keys in (base or {}).items()}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"--config: no such file {str(path)!r}")
-        raw = _parse_yaml(path.read_text(), path)
+        for section, keys in _parse_yaml(path.read_text(), path).items():
+            if isinstance(keys, dict) and isinstance(raw.get(section), dict):
+                raw[section] = {**raw[section], **keys}
+            else:
+                raw[section] = keys
     for item in overrides or []:
         key, eq, text = item.removeprefix("--").partition("=")
         if not eq:
@@ -212,9 +218,10 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 def parse_cli(
     argv: list[str], description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None,
-    prog: str | None = None,
+    prog: str | None = None, base: dict | None = None,
 ) -> tuple[JobConfig, argparse.Namespace]:
-    """Parse `--config FILE` plus dotted overrides; `extra(parser)` may add tool-specific flags.
+    """Parse `--config FILE` plus dotted overrides over `base` (see `load_config`); `extra(parser)` may add
+    tool-specific flags.
 
     Returns (JobConfig, argparse.Namespace of the extra flags).
     """
@@ -233,4 +240,4 @@ def parse_cli(
         if not item.startswith("--") or "." not in item.split("=", 1)[0]:
             parser.error(f"unrecognized argument {item!r}; config overrides look like --section.key=value")
         overrides.append(item)
-    return load_config(args.config, overrides), args
+    return load_config(args.config, overrides, base), args

@@ -42,7 +42,9 @@ class Engine(Protocol):
 
     def parameters_finite(self) -> bool: ...
 
-    def eval_loss(self, batch: list[torch.Tensor]) -> torch.Tensor: ...
+    def eval_outputs(self, batch: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The model's forward on one batch as it returns it: (outputs, loss) (no gradients are kept by the
+        caller's no_grad). Every rank must call it the same number of times: sharded weights are gathered."""
 
     def train(self, mode: bool) -> None: ...
 

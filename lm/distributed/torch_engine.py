@@ -64,9 +64,9 @@ class TorchEngine:
         return all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
                    for p in self.model.parameters())
 
-    def eval_loss(self, batch: list[torch.Tensor]) -> torch.Tensor:
+    def eval_outputs(self, batch: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
         with self.autocast:
-            return self.model(*batch)[1]
+            return self.model(*batch)
 
     def train(self, mode: bool) -> None:
         self.model.train(mode)

@@ -152,8 +152,8 @@ class DeepSpeedEngine:
         """Whether this rank's partition of the fp32 master weights holds only finite values."""
         return all(bool(torch.isfinite(p).all()) for group in self.optimizer.param_groups for p in group["params"])
 
-    def eval_loss(self, batch: list[torch.Tensor]) -> torch.Tensor:
-        return self.engine(*batch)[1]
+    def eval_outputs(self, batch: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        return self.engine(*batch)
 
     def train(self, mode: bool) -> None:
         self.engine.train(mode)

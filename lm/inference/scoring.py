@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from lm.data.objectives import SpanCorruption, document_positions
+from lm.data.masking import IGNORE as IGNORE_LABEL
+from lm.data.objectives import MaskedLM, SpanCorruption, document_positions
 from lm.data.shards import check_token_ids, open_shard, read_manifest
 from lm.errors import DataError
 from lm.io import read_utf8
@@ -82,6 +83,32 @@ def score_stream(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, strid
 
 
 @torch.no_grad()
+def stream_windows(streams: list[np.ndarray], seq_len: int) -> list[np.ndarray]:
+    """Every whole window of seq_len + 1 tokens the loader would cut from the streams (window j of a stream
+    starts at token j * seq_len), numbered across streams in order: window k is the val split's sample k."""
+    return [np.asarray(s[j * seq_len:(j + 1) * seq_len + 1]) for s in streams for j in range((len(s) - 1) // seq_len)]
+
+
+def score_masked_lm(model: torch.nn.Module, streams: list[np.ndarray], objective: MaskedLM, seq_len: int,
+                    batch_size: int, device: torch.device, progress: tqdm | None = None) -> tuple[float, int, int]:
+    """Summed NLL (nats) of an encoder's masked tokens, the masked tokens scored, and those it predicts right
+    (argmax), over every window of the streams, each masked with its sample id as key as validation does."""
+    rows = stream_windows(streams, seq_len)
+    nll, count, correct = 0.0, 0, 0
+    for i in range(0, len(rows), batch_size):
+        keys = np.arange(i, min(i + batch_size, len(rows)), dtype=np.int64)
+        batch = [torch.from_numpy(t).to(device) for t in objective(np.stack(rows[i:i + batch_size]), keys)]
+        logits, loss = model(*batch)  # logits (N, V) of the N masked positions
+        labels = batch[1]  # (B, T)
+        targets = labels[labels != IGNORE_LABEL]  # (N,)
+        nll += loss.double().item() * targets.numel()
+        count += targets.numel()
+        correct += int((logits.argmax(-1) == targets).sum())
+        if progress is not None:
+            progress.update(len(keys) * seq_len)
+    return nll, count, correct
+
+
 def score_span_corruption(model: torch.nn.Module, streams: list[np.ndarray], objective: SpanCorruption,
                           batch_size: int, device: torch.device, progress: tqdm | None = None) -> tuple[float, int]:
     """Summed target NLL (nats) and target tokens scored, over every window of the streams.
@@ -90,9 +117,8 @@ def score_span_corruption(model: torch.nn.Module, streams: list[np.ndarray], obj
     seq_len + 1 tokens) and numbered across streams, so on the val shards window k is corrupted with the
     key k, the sample id the trainer's validation uses.
     """
-    length = objective.window_len
-    seq_len = length - 1
-    rows = [np.asarray(s[j * seq_len:j * seq_len + length]) for s in streams for j in range((len(s) - 1) // seq_len)]
+    seq_len = objective.window_len - 1
+    rows = stream_windows(streams, seq_len)
     nll, count = 0.0, 0
     for i in range(0, len(rows), batch_size):
         keys = np.arange(i, min(i + batch_size, len(rows)), dtype=np.int64)

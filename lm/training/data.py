@@ -58,11 +58,7 @@ def open_training_data(cfg: JobConfig, env: DistEnv) -> TrainingData:
     data.verify_hashes; recorded document boundaries with data.document_mask) and open this rank's loader
     over them. Refuses a global batch that does not split evenly over the ranks, and an objective that does
     not fit the model, before any weights exist."""
-    if cfg.train.batch_size % (cfg.train.micro_batch_size * env.world_size):
-        raise ConfigError(
-            f"train.batch_size: {cfg.train.batch_size} is not a multiple of train.micro_batch_size "
-            f"({cfg.train.micro_batch_size}) x world size ({env.world_size})"
-        )
+    check_batch_split(cfg, env)
     sources = cfg.data.sources
     manifests = [read_manifest(s.dir) for s in sources]  # shard sizes, on every rank
     _check_shared_tokenizer(sources, manifests)
@@ -74,12 +70,21 @@ def open_training_data(cfg: JobConfig, env: DistEnv) -> TrainingData:
     if cfg.data.document_mask:
         # one tokenizer, so one end-of-text id; every source must have recorded its boundaries
         eot = [document_eot(m, s.dir) for s, m in zip(sources, manifests)][0]
-    objective = build_objective(cfg.model, cfg.data.seq_len, cfg.train.seed, eot)
+    objective = build_objective(cfg.model, cfg.data.seq_len, cfg.train.seed, eot, cfg.data)
     dirs = [s.dir for s in sources]
     loader = TokenLoader(dirs, "train", cfg.data.seq_len, cfg.train.seed, env.rank, env.world_size,
                          cfg.train.batch_size, cfg.train.micro_batch_size, objective, [s.weight for s in sources])
     val = [SplitWindows(d, "val", cfg.data.seq_len) for d in dirs]
     return TrainingData(sources, bool(cfg.data.mixture), manifests, objective, loader, val)
+
+
+def check_batch_split(cfg: JobConfig, env: DistEnv) -> None:
+    """Every rank's share of a global batch is a whole number of micro-batches."""
+    if cfg.train.batch_size % (cfg.train.micro_batch_size * env.world_size):
+        raise ConfigError(
+            f"train.batch_size: {cfg.train.batch_size} is not a multiple of train.micro_batch_size "
+            f"({cfg.train.micro_batch_size}) x world size ({env.world_size})"
+        )
 
 
 def _check_shared_tokenizer(sources: list[MixtureSource], manifests: list[dict]) -> None:

@@ -112,3 +112,17 @@ def hparams(cfg: JobConfig, n_params: int) -> dict[str, object]:
         flat.update({f"{section}.{key}": str(value) if isinstance(value, list) else value
                      for key, value in values.items()})
     return flat
+
+
+# the val metrics the stdout line shows, in this order, when a run reports them
+_VAL_SHOWN = (("val/loss", "val loss", ".4f"), ("val/ppl", "val ppl", ".2f"), ("val/accuracy", "accuracy", ".4f"),
+              ("val/f1", "F1", ".4f"), ("val/mse", "MSE", ".4f"), ("val/pearson", "Pearson r", ".4f"))
+
+
+def val_line(val: dict[str, float], sources: list[str]) -> str:
+    """The stdout line of an evaluation, a format string for `MetricLogger.log` (the values are written in):
+    loss and whichever of perplexity, accuracy, F1, MSE and Pearson's r the run reports, then each mixture
+    source's loss."""
+    shown = [f"{label} {val[key]:{spec}}" for key, label, spec in _VAL_SHOWN if key in val]
+    shown += [f"{name} {val[f'val/{name}/loss']:.4f}" for name in sources]
+    return "step {step} | " + " | ".join(shown)

@@ -29,13 +29,14 @@ from lm.tokenizer import load_tokenizer
 from lm.training.data import open_training_data, to_device
 from lm.training.evaluate import evaluate
 from lm.training.faults import Faults
-from lm.training.logger import MetricLogger, TrainWindow, hparams
+from lm.training.logger import MetricLogger, TrainWindow, hparams, val_line
 from lm.training.nonfinite import SkippedSteps
 from lm.training.preemption import StopSignals
 from lm.training.run_dir import check_run_paths, lock_run_dir
 from lm.training.samples import periodic_sample
 from lm.training.save import last_good, probe_output_dir, save_run
 from lm.training.schedule import lr_at
+from lm.training.task_data import open_task_data
 
 log = logging.getLogger("lm.train")
 
@@ -56,7 +57,8 @@ class Trainer:
     def __init__(self, cfg: JobConfig, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
         check_run_paths(cfg)
-        self.data = open_training_data(cfg, env)
+        # a fine-tuning head reads labelled rows; every other model reads token shards
+        self.data = open_task_data(cfg, env) if cfg.task.file else open_training_data(cfg, env)
         self.out_dir = Path(cfg.train.out_dir)
         self.ckpt_root = checkpoint_root(self.out_dir)
         # held until fit() ends; released at once if setting up fails, so a refused run leaves no trace
@@ -86,7 +88,7 @@ class Trainer:
         self.faults = Faults.from_env()
         self.skipped = SkippedSteps(env.device)
         self.n_params = num_params(cfg.model, non_embedding=True)
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, cfg.data.mlm_rate)
         self.peak_flops = peak_flops(env.device)
         if env.is_main and self.step < cfg.train.steps:  # a finished run is left as it is
             probe_output_dir(self.out_dir, checkpoint_bytes(cfg))
@@ -94,7 +96,9 @@ class Trainer:
         if env.is_main:
             log.info("model: %.2fM parameters (non-embedding), %d ranks on %s, engine %s",
                      self.n_params / 1e6, env.world_size, env.device, self.engine.name)
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.log.sample_every else None
+        # an encoder generates no text: its periodic samples are off whatever log.sample_every says
+        self.samples = bool(cfg.log.sample_every) and cfg.model.arch != "encoder"
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer) if self.samples else None
 
     def _resume(self, path: Path) -> None:
         """Load the engine's state, this rank's RNG and the run's counters from the checkpoint `path`."""
@@ -158,12 +162,10 @@ class Trainer:
         cfg = self.cfg
         if self.step % cfg.train.eval_every == 0 or last:
             val = evaluate(self.engine, self.data, cfg, self.env)
-            per_source = "".join(f" | {s.name} {val[f'val/{s.name}/loss']:.4f}"
-                                 for s in self.data.sources if self.data.is_mixture)
-            self.metrics.log(self.step, self.tokens_seen, self.elapsed_s(), val,
-                             "step {step} | val loss {val_loss:.4f} | val ppl {val_ppl:.2f}" + per_source)
+            sources = [s.name for s in self.data.sources] if self.data.is_mixture else []
+            self.metrics.log(self.step, self.tokens_seen, self.elapsed_s(), val, val_line(val, sources))
             history.append({"step": self.step, **val})
-        if cfg.log.sample_every and (self.step % cfg.log.sample_every == 0 or last):
+        if self.samples and (self.step % cfg.log.sample_every == 0 or last):
             self.log_sample()
         saved = self.step % cfg.checkpoint.every == 0 or last
         if saved:
@@ -184,8 +186,10 @@ class Trainer:
         (loss, z_loss), steps, seconds = window.read(self.env)
         tok_s = steps * self.cfg.train.batch_size * self.cfg.data.seq_len / seconds
         flops_s = self.flops_per_token * tok_s / self.env.world_size
+        # a head's loss is a cross-entropy over classes or an MSE: no perplexity
+        ppl = {} if self.cfg.task.file else {"train/ppl": perplexity(loss)}
         row = {
-            "train/loss": loss, "train/ppl": perplexity(loss), "train/lr": lr,
+            "train/loss": loss, **ppl, "train/lr": lr,
             "train/grad_norm": grad_norm.item(), "train/skipped_steps": self.skipped.total,
             "perf/tokens_per_s": tok_s, "perf/tflops_per_device": flops_s / 1e12,
             "perf/mfu": flops_s / self.peak_flops if self.peak_flops else None,
@@ -200,7 +204,8 @@ class Trainer:
         perf = f"mfu {row['perf/mfu']:.1%}" if self.peak_flops else f"{flops_s / 1e12:.3f} TFLOP/s"
         skipped = f" | {self.skipped.total} skipped" if self.skipped.total else ""
         self.metrics.log(self.step, self.tokens_seen, self.elapsed_s(), row, (
-            f"step {{step}}/{self.cfg.train.steps} | loss {{train_loss:.4f}} | ppl {{train_ppl:.1f}} | "
+            f"step {{step}}/{self.cfg.train.steps} | loss {{train_loss:.4f}} | "
+            f"{'ppl {train_ppl:.1f} | ' if ppl else ''}"
             f"lr {{train_lr:.2e}} | grad norm {{train_grad_norm:.3f}} | {{perf_tokens_per_s:,.0f}} tok/s | "
             f"{perf}{skipped}"
         ))

@@ -50,14 +50,14 @@ def _worker(rank: int, port: int, engine: str, pos: str, out: dict) -> None:
     eng.train(False)
     x, y, positions = NextToken(document_eot=EOT)(packed_rows(), np.zeros(2, dtype=np.int64))
     with torch.no_grad():
-        packed = eng.eval_loss([torch.from_numpy(t) for t in (x, y, positions)]).item()
+        packed = eng.eval_outputs([torch.from_numpy(t) for t in (x, y, positions)])[1].item()
         # each document alone, from position 0 and without any mask: (loss x tokens) summed over documents
         total = 0.0
         for row in range(2):
             starts = [*np.flatnonzero(positions[row] == 0).tolist(), x.shape[1]]
             for a, b in zip(starts, starts[1:]):
                 doc = [torch.from_numpy(t[row:row + 1, a:b].copy()) for t in (x, y)]
-                total += eng.eval_loss(doc).item() * (b - a)
+                total += eng.eval_outputs(doc)[1].item() * (b - a)
     out[rank] = (packed, total / x.size, [len(np.flatnonzero(p == 0)) for p in positions])
     env.close()
 

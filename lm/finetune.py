@@ -1,0 +1,65 @@
+"""`python -m lm.finetune`: train a classification or regression head on a pretrained encoder.
+
+    python -m lm.finetune --encoder runs/encoder --model.head=classify --model.num_classes=2 \\
+        --task.file=data/lines.csv --train.out_dir=runs/lines
+
+The encoder checkpoint (a run directory, a step directory of any engine, or a consolidated .safetensors)
+gives the run its model (`model.*`: the trunk must stay the checkpoint's), its tokenizer and its window length
+(the longest example, data.seq_len); the trunk's weights start from it and the head is drawn fresh
+(`lm.checkpoint.trunk`). Everything else is a training run like `lm.train`'s: any engine under torchrun,
+checkpoints, resume (the same command again), metrics in TensorBoard. Run under torchrun for several processes.
+"""
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from lm.checkpoint.resume import ARCH_NAMES
+from lm.checkpoint.trunk import HEAD_KEYS, saved_config
+from lm.cli import exit_without_teardown, run
+from lm.config import parse_cli
+from lm.errors import ConfigError
+
+DESCRIPTION = "Fine-tune a pretrained encoder: a classify or regress head on a labelled file (task.file)."
+
+
+def _flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--encoder", required=True,
+                        help="the pretrained encoder: a run directory, a step directory or a consolidated .safetensors")
+
+
+def encoder_base(path: Path) -> dict:
+    """The config sections a fine-tuning run takes from its encoder checkpoint: the trunk's model keys, the
+    tokenizer and window length, and checkpoint.init_from itself."""
+    saved = saved_config(path)
+    model = {k: v for k, v in dataclasses.asdict(saved.model).items() if k not in HEAD_KEYS}
+    return {"model": model, "data": {"tokenizer": saved.data.tokenizer, "seq_len": saved.data.seq_len},
+            "checkpoint": {"init_from": str(path)}}
+
+
+def main(argv: list[str]) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--encoder")
+    encoder = pre.parse_known_args(argv)[0].encoder
+    base = None
+    if encoder is not None:
+        path = Path(encoder)
+        if not path.exists():
+            raise ConfigError(f"--encoder: no such file or directory {encoder!r}")
+        saved = saved_config(path).model
+        if saved.arch != "encoder":
+            raise ConfigError(f"--encoder: {path} holds {ARCH_NAMES[saved.arch]} (model.arch={saved.arch}); "
+                              "lm.finetune trains a head on an encoder's checkpoint (model.arch=encoder)")
+        base = encoder_base(path)
+    cfg, _ = parse_cli(argv, DESCRIPTION, extra=_flags, prog="python -m lm.finetune", base=base)
+    if cfg.model.arch != "encoder" or cfg.model.head == "mlm":
+        raise ConfigError(f"model.head: lm.finetune trains a classify or regress head, got {cfg.model.head!r}; "
+                          "set --model.head=classify (with --model.num_classes) or --model.head=regress")
+    from lm.training.job import run_job  # after the config is known good: --help needs no trainer
+
+    run_job(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    exit_without_teardown(run(main))

@@ -1,0 +1,104 @@
+"""`python -m lm.predict`: a fine-tuned encoder's predictions for every row of a CSV/JSONL/parquet file.
+
+    python -m lm.predict --checkpoint runs/lines --file data/lines_test.csv --out preds.jsonl
+
+Writes one JSON line per row, in the file's order: {"row", "prediction"} plus, for a classifier, each class's
+probability. When the file has the label column (the run's task.label_column unless --label-column says
+otherwise), the rows are also scored: loss and accuracy/macro-F1 or MSE/Pearson's r, computed as
+validation computes them.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from lm.checkpoint.loading import load_for_inference
+from lm.cli import positive_int, run
+from lm.data.labelled import encode_examples, example_batches, read_labelled, read_texts
+from lm.distributed.env import init_device
+from lm.errors import ConfigError
+from lm.io import atomic_path
+from lm.tokenizer import model_tokenizer
+from lm.training.evaluate import task_metrics, task_sums, task_sums_size
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lm.predict",
+                                     description="Predict (and score, when labelled) the rows of a file with a "
+                                                 "fine-tuned encoder.")
+    parser.add_argument("--checkpoint", required=True,
+                        help="a fine-tuning run directory, its checkpoints/, a step directory or a consolidated file")
+    parser.add_argument("--file", required=True, type=Path, help="a .csv, .jsonl/.json or .parquet file")
+    parser.add_argument("--out", type=Path, help="write the predictions here as JSON lines (default: none written)")
+    parser.add_argument("--text-column", help="column of the texts (default: the run's task.text_column)")
+    parser.add_argument("--label-column",
+                        help="column of the labels (default: the run's task.label_column); '' scores nothing")
+    parser.add_argument("--batch-size", type=positive_int, default=32)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    device = init_device(args.device, "--device")
+    model, cfg, source = load_for_inference(args.checkpoint, device)
+    head = cfg.model.head if cfg.model.arch == "encoder" else None
+    if head not in ("classify", "regress"):
+        raise ConfigError(f"--checkpoint: {source} holds model.arch={cfg.model.arch}"
+                          + (f" with model.head={head}" if head else "")
+                          + "; lm.predict takes a fine-tuned encoder (model.head classify or regress: lm.finetune)")
+    text_column = args.text_column or cfg.task.text_column
+    label_column = cfg.task.label_column if args.label_column is None else args.label_column
+    if label_column:
+        # a file only scored may lack a class: that says nothing against it
+        texts, labels = read_labelled(args.file, text_column, label_column, head, cfg.model.num_classes,
+                                      every_class=False)
+    else:
+        texts = read_texts(args.file, text_column)
+        labels = np.zeros(len(texts), dtype=np.int64 if head == "classify" else np.float64)
+    tokenizer = model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
+    examples = encode_examples(texts, tokenizer.encode_ordinary, cfg.model.cls_id, cfg.data.seq_len)
+
+    outputs, sums = [], torch.zeros(task_sums_size(head, cfg.model.num_classes), dtype=torch.float64)
+    with torch.no_grad(), tqdm(total=len(examples), unit="row", desc="predict", disable=None) as bar:
+        for ids, batch_labels, keep, weight in example_batches(examples, labels, args.batch_size, 0, 1,
+                                                               cfg.model.pad_id):
+            ids_t, labels_t, keep_t = (torch.from_numpy(a).to(device) for a in (ids, batch_labels, keep))
+            out, _ = model(ids_t, labels_t, keep_t)
+            out = out.float().cpu()
+            real = int(weight.sum())
+            outputs.append(out[:real])
+            sums += task_sums(head, cfg.model.num_classes, out, labels_t.cpu(), torch.from_numpy(weight))
+            bar.update(real)
+    outputs = torch.cat(outputs)
+    print(f"checkpoint: {source}")
+    print(f"file: {args.file} | {len(texts):,} rows | model.head={head}")
+    if args.out is not None:
+        _write(args.out, head, outputs)
+        print(f"predictions: {args.out}")
+    if label_column:
+        for key, value in task_metrics(head, cfg.model.num_classes, sums.numpy()).items():
+            print(f"{key.removeprefix('val/')}: {value:.4f}")
+    return 0
+
+
+def _write(path: Path, head: str, outputs: torch.Tensor) -> None:
+    """One JSON line per row: the predicted class and every class's probability, or the predicted number."""
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        for row, out in enumerate(outputs):
+            if head == "classify":
+                probs = torch.softmax(out, -1)
+                line = {"row": row, "prediction": int(probs.argmax()),
+                        "probabilities": [round(p, 6) for p in probs.tolist()]}
+            else:
+                line = {"row": row, "prediction": float(out)}
+            f.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))

@@ -1,0 +1,56 @@
+"""The encoder under the engines on real 2-process gloo groups: masked-LM pretraining and fine-tuning give the
+one-process losses, and validation's metrics do not depend on the world size."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import write_rows
+from tests.distributed.test_engines import ENGINES, SAME_BATCH_REL, resume_copy, train
+
+ENCODER = ["--model.arch=encoder", "--optim.lr=1e-2"]
+
+
+def val_rows(out: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "val/loss" in r}
+
+
+@pytest.mark.parametrize("engine, extra", [("ddp", []), ("fsdp", []), ("zero3", []),
+                                           ("fsdp", ["--data.document_mask=true"])])
+def test_masked_lm_on_two_processes_matches_one(engine, extra, tiny_data_dir, tmp_path):
+    one = train(1, tmp_path / "one", tiny_data_dir, *ENCODER, *ENGINES[engine], *extra)
+    two = train(2, tmp_path / "two", tiny_data_dir, *ENCODER, *ENGINES[engine], *extra)
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4, 5, 6]
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=SAME_BATCH_REL), step
+    assert two[6] < two[1]
+    val = val_rows(tmp_path / "two")
+    assert all(0.0 <= row["val/accuracy"] <= 1.0 for row in val.values()) and sorted(val) == [3, 6]
+    if engine == "fsdp" and not extra:  # resumed at the same world size, steps 4..6 again bit for bit
+        again = train(2, resume_copy(tmp_path / "two", tmp_path / "again"), tiny_data_dir, *ENCODER, *ENGINES[engine])
+        assert sorted(again) == [4, 5, 6] and all(again[s] == two[s] for s in again)
+
+
+def test_fine_tuning_on_two_processes_matches_one(encoder_run, separable_rows, tiny_data_dir, tmp_path):
+    task = write_rows(tmp_path / "lines.csv", separable_rows)
+    flags = ["--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
+             f"--checkpoint.init_from={encoder_run}", "--train.batch_size=16", "--train.micro_batch_size=4",
+             "--optim.lr=3e-3"]
+    # the model keys given as the encoder was trained (lm.finetune takes them from the checkpoint itself)
+    model = ["--model.arch=encoder"]
+    reference = train(1, tmp_path / "ddp", tiny_data_dir, *model, *flags)
+    reference_val = val_rows(tmp_path / "ddp")
+    runs = {}
+    for name in ("fsdp", "zero3"):
+        runs[name] = losses = train(2, tmp_path / name, tiny_data_dir, *model, *flags, *ENGINES[name])
+        for step in reference:
+            assert losses[step] == pytest.approx(reference[step], rel=SAME_BATCH_REL), (name, step)
+        for step, row in val_rows(tmp_path / name).items():
+            for key in ("val/loss", "val/accuracy", "val/f1"):
+                assert row[key] == pytest.approx(reference_val[step][key], rel=SAME_BATCH_REL), (name, step, key)
+    # resumed from step 3 at the same world size: steps 4..6 again, bit for bit
+    again = train(2, resume_copy(tmp_path / "fsdp", tmp_path / "again"), tiny_data_dir, *model, *flags,
+                  *ENGINES["fsdp"])
+    assert sorted(again) == [4, 5, 6] and all(again[s] == runs["fsdp"][s] for s in again)

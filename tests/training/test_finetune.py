@@ -1,0 +1,136 @@
+"""Fine-tuning through the real tools: lm.finetune trains a head on the session's pretrained encoder
+(`encoder_run`), lm.predict scores files with it, lm.eval scores the encoder's masked tokens; bad input is one
+`error:` line and no run directory."""
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from lm import eval as eval_tool
+from lm import finetune, predict
+from lm.checkpoint.trunk import load_trunk
+from lm.cli import run
+from lm.config import load_config
+from lm.models.factory import build_model
+from tests.conftest import ENCODER, write_rows
+
+FT = ["--train.batch_size=16", "--train.micro_batch_size=8", "--train.device=cpu", "--log.every=5",
+      "--log.tensorboard=false", "--train.eval_every=10", "--checkpoint.every=10", "--optim.lr=3e-3",
+      "--schedule.warmup_steps=3"]
+
+
+def finetune_run(encoder: Path, out: Path, *extra: str) -> int:
+    return run(finetune.main, ["--encoder", str(encoder), f"--train.out_dir={out}", *FT, *extra])
+
+
+def logged(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_classifier_learns_a_separable_task_and_predicts_it(encoder_run, separable_rows, tmp_path, capsys):
+    task = write_rows(tmp_path / "lines.csv", separable_rows)
+    out = tmp_path / "ft"
+    assert finetune_run(encoder_run, out, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
+                        "--train.steps=30") == 0
+    val = [r for r in logged(out) if "val/accuracy" in r]
+    assert [r["step"] for r in val] == [10, 20, 30]
+    assert val[-1]["val/accuracy"] > 0.95 and val[-1]["val/f1"] > 0.95
+    assert val[-1]["val/loss"] < val[0]["val/loss"]
+
+    preds = tmp_path / "preds.jsonl"
+    capsys.readouterr()
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(task), "--out", str(preds)]) == 0
+    printed = capsys.readouterr().out
+    lines = [json.loads(line) for line in preds.read_text().splitlines()]
+    assert [line["row"] for line in lines] == list(range(len(separable_rows)))
+    for line in lines:
+        assert math.isclose(sum(line["probabilities"]), 1.0, abs_tol=1e-5)
+        assert line["prediction"] == max(range(2), key=lambda c: line["probabilities"][c])
+    accuracy = sum(line["prediction"] == row["label"] for line, row in zip(lines, separable_rows)) / len(lines)
+    assert accuracy > 0.95
+    assert f"accuracy: {accuracy:.4f}" in printed
+
+
+def test_a_regression_head_fits_a_linear_target(encoder_run, tmp_path):
+    # 8 words each, "up" or "down": the target is linear in the share of "up" words, which mean pooling reads
+    rng = random.Random(1)
+    rows = []
+    for _ in range(240):
+        ups = rng.randint(0, 8)
+        words = ["up"] * ups + ["down"] * (8 - ups)
+        rng.shuffle(words)
+        rows.append({"text": " ".join(words), "label": 2.0 * ups / 8 - 1.0})
+    task = write_rows(tmp_path / "levels.jsonl", rows)
+    out = tmp_path / "reg"
+    assert finetune_run(encoder_run, out, "--model.head=regress", "--model.pooling=mean", f"--task.file={task}",
+                        "--train.steps=60", "--optim.lr=5e-3") == 0
+    last = [r for r in logged(out) if "val/pearson" in r][-1]
+    variance = torch.tensor([r["label"] for r in rows]).var().item()
+    assert last["val/pearson"] > 0.95
+    assert last["val/mse"] < 0.1 * variance
+    assert last["val/loss"] == pytest.approx(last["val/mse"])
+
+
+def test_the_trunk_comes_from_the_encoder_and_the_head_is_drawn(encoder_run):
+    cfg = load_config(None, [*ENCODER, "--model.head=classify", "--model.num_classes=3", "--task.file=x.csv"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    head_before = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("score.")}
+    load_trunk(encoder_run, model)
+    from lm.checkpoint.loading import load_for_inference
+
+    encoder, _, _ = load_for_inference(encoder_run, torch.device("cpu"))
+    source = encoder.state_dict()
+    for name, tensor in model.state_dict().items():
+        if name.startswith("score."):
+            assert torch.equal(tensor, head_before[name]), name
+        else:
+            assert torch.equal(tensor, source[name]), name
+
+
+def test_eval_scores_masked_tokens_as_validation_did(encoder_run, capsys):
+    # validation at step 6 scored 2 micro-batches of 2 windows: windows 0..3 of the val split, masked by their ids
+    val = [r for r in logged(encoder_run) if r.get("step") == 6 and "val/loss" in r][0]
+    assert run(eval_tool.main, ["--checkpoint", str(encoder_run), "--max-tokens", str(4 * 16 + 1)]) == 0
+    printed = capsys.readouterr().out
+    loss = float(printed.split("loss: ")[1].split()[0])
+    accuracy = float(printed.split("masked-token accuracy: ")[1].split()[0])
+    assert "masked tokens scored: 16" in printed  # 4 windows x round(0.3 x 15) = 4 targets
+    assert loss == pytest.approx(val["val/loss"], abs=1e-4)
+    assert accuracy == pytest.approx(val["val/accuracy"], abs=1e-4)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("column", "'text'"),
+    ("string label", "row 0"),
+    ("classes", "num_classes"),
+])
+def test_bad_labelled_files_are_one_error(case, message, encoder_run, separable_rows, tmp_path, capsys):
+    rows = [dict(r) for r in separable_rows]
+    flags = ["--model.head=classify", "--model.num_classes=2"]
+    if case == "column":
+        rows = [{"sentence": r["text"], "label": r["label"]} for r in rows]
+    elif case == "string label":
+        rows[0]["label"] = "court"
+    else:
+        flags = ["--model.head=classify", "--model.num_classes=3"]
+    task = write_rows(tmp_path / "bad.jsonl", rows)
+    out = tmp_path / "ft"
+    assert finetune_run(encoder_run, out, *flags, f"--task.file={task}", "--train.steps=2") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and str(task) in err[0] and message in err[0], err
+    assert not out.exists()
+
+
+def test_a_decoder_checkpoint_is_not_an_encoder(trained_run, separable_rows, tmp_path, capsys):
+    task = write_rows(tmp_path / "lines.csv", separable_rows)
+    out = tmp_path / "ft"
+    assert finetune_run(trained_run, out, "--model.head=classify", "--model.num_classes=2",
+                        f"--task.file={task}") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "decoder-only GPT (model.arch=gpt)" in err[0] and str(trained_run) in err[0], err
+    assert not out.exists()
