@@ -2,8 +2,10 @@
 
 OUT gets config.json, model.safetensors, generation_config.json and the tokenizer's files (`lm.hf.export`): built
 from a tiktoken encoding, or the tokenizer.json the model was trained with (data.tokenizer) copied.
-The model config picks the target, GPT2LMHeadModel or LlamaForCausalLM (`lm.hf.mapping`); any other
-combination is refused before anything is loaded or written, naming the keys that differ.
+The model config picks the target, GPT2LMHeadModel, LlamaForCausalLM or Qwen2ForCausalLM, or for an encoder
+with the masked-LM head BertForMaskedLM (`lm.hf.mapping`); any other combination is refused before anything
+is loaded or written, naming the keys that differ. An encoder's export holds config.json and model.safetensors
+alone: no tokenizer file knows its [MASK], [CLS] and padding ids, which the tool prints instead.
 """
 
 import argparse
@@ -28,7 +30,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lm.export",
         description="Export a checkpoint to another framework's format: --to hf writes a Hugging Face transformers "
-                    "directory (GPT2LMHeadModel or LlamaForCausalLM, chosen from the model config).",
+                    "directory (GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, or BertForMaskedLM for an "
+                    "encoder, chosen from the model config; an encoder gets no tokenizer files).",
     )
     parser.add_argument("--checkpoint", required=True,
                         help="run directory, its checkpoints/ or one step_XXXXXXXX directory")
@@ -51,12 +54,16 @@ def main(argv: list[str]) -> int:
     target = hf_target(saved.model)  # refuse before loading weights or creating anything
     model, job, _ = load_for_inference(step_dir, torch.device("cpu"))
     out = args.out.resolve()
-    tokenizer = model_tokenizer(job.data.tokenizer, job.model.vocab_size)
+    encoder = job.model.arch == "encoder"
+    tokenizer = None if encoder else model_tokenizer(job.data.tokenizer, job.model.vocab_size)
     written, kept = write_export(model, tokenizer, job.data.tokenizer, out)
     if kept:
         log.warning("%s: kept files this export did not write: %s", out, ", ".join(kept))
     log.info("exported %s (step dir %s) as %s to %s: %s", args.checkpoint, step_dir.name,
              TARGETS[target].hf_class, out, ", ".join(written))
+    if encoder:
+        log.info("no tokenizer files: encode text with data.tokenizer=%s and add the ids beyond it: [CLS]=%d first, "
+                 "[MASK]=%d, padding=%d", job.data.tokenizer, job.model.cls_id, job.model.mask_id, job.model.pad_id)
     return 0
 
 

@@ -2,7 +2,13 @@
 generation_config.json and the tokenizer's files, so that `AutoModelForCausalLM.from_pretrained(OUT)` and
 `AutoTokenizer.from_pretrained(OUT)` load it offline and give our logits over the tokenizer's ids.
 Exporting needs no `transformers`: a tiktoken encoding's files are built as JSON (`lm.hf.tokenizer_files`),
-and a model trained with a tokenizer.json gets that file, and the tokenizer_config.json beside it, copied."""
+and a model trained with a tokenizer.json gets that file, and the tokenizer_config.json beside it, copied.
+
+An encoder (BertForMaskedLM, `AutoModelForMaskedLM.from_pretrained(OUT)`) is written without tokenizer files:
+its [MASK], [CLS] and padding ids come after the tokenizer's, which knows none of them, so the tokenizer's
+files as they stand would encode text without the [CLS] the model always saw first, and no fill-mask could
+name [MASK]. Encode with the run's tokenizer (data.tokenizer), put `model.cls_id` in front and use
+`model.mask_id` and `model.pad_id` (config.json's pad_token_id); `python -m lm.export` prints the three."""
 
 import json
 import shutil
@@ -14,6 +20,7 @@ from safetensors.torch import save_file
 from lm.hf.mapping import hf_config, hf_state_dict
 from lm.hf.tokenizer_files import write_hf_tokenizer
 from lm.io import atomic_path, merge_dir, temp_sibling
+from lm.models.encoder import Encoder
 from lm.models.gpt import GPT
 from lm.tokenizer import TOKENIZER_CONFIG, HFTokenizer, Tokenizer, is_tokenizer_file
 
@@ -25,12 +32,13 @@ def _write_json(path: Path, content: dict[str, Any]) -> Path:
     return path
 
 
-def export_hf(model: GPT, encoding: Tokenizer, tokenizer: str, out_dir: Path) -> list[Path]:
+def export_hf(model: GPT | Encoder, encoding: Tokenizer | None, tokenizer: str, out_dir: Path) -> list[Path]:
     """Write `model` and its tokenizer (`encoding`, named `tokenizer` in our configs) as a transformers
     directory into `out_dir`; return the files written. The start token is the tokenizer's BOS, or without
-    one its end-of-text (GPT-2's convention)."""
+    one its end-of-text (GPT-2's convention). `encoding` None writes the model alone (config.json and
+    model.safetensors), as for an encoder."""
     cfg = model.cfg
-    eot = encoding.eot_token if encoding.eot_token < cfg.vocab_size else None
+    eot = encoding.eot_token if encoding is not None and encoding.eot_token < cfg.vocab_size else None
     bos = getattr(encoding, "bos_token", None)
     weights = hf_state_dict(model)
     dtype = next(iter(weights.values())).dtype
@@ -47,6 +55,8 @@ def export_hf(model: GPT, encoding: Tokenizer, tokenizer: str, out_dir: Path) ->
     with atomic_path(out_dir / "model.safetensors") as tmp:
         save_file(weights, tmp, metadata={"format": "pt"})
     written.append(out_dir / "model.safetensors")
+    if encoding is None:
+        return written
     if is_tokenizer_file(tokenizer):
         written += copy_tokenizer_files(encoding, out_dir, cfg.block_size)
     else:
@@ -76,7 +86,8 @@ def copy_tokenizer_files(tokenizer: HFTokenizer, out_dir: Path, model_max_length
     return paths
 
 
-def write_export(model: GPT, encoding: Tokenizer, tokenizer: str, out: Path) -> tuple[list[str], list[str]]:
+def write_export(model: GPT | Encoder, encoding: Tokenizer | None, tokenizer: str,
+                 out: Path) -> tuple[list[str], list[str]]:
     """`export_hf` into a sibling of `out`, then published: a new `out` appears whole, and into an existing
     one the files move one by one, each replaced atomically, so a failure never leaves half an export.
     Returns the names written and the names of the files `out` already held that it left alone."""

@@ -5,6 +5,9 @@
   heads, with or without biases.
 - Qwen2 (`Qwen2ForCausalLM`): the Llama block with biases on the query/key/value projection alone
   (`model.qkv_bias`).
+- BERT (`BertForMaskedLM`), for `model.arch: encoder` with the masked-LM head: learned positions, LayerNorm
+  with biases, post-norm blocks, GELU (tanh approximation, in the blocks and in the head's transform alike),
+  multi-head attention, output layer tied to the embedding.
 
 Any other combination is refused (`ExportError`) before anything is loaded or written, naming the keys
 that differ. Which of our parameters is which transformers tensor is one table, `weight_plan`, read both
@@ -20,10 +23,11 @@ import torch
 
 from lm.errors import ExportError
 from lm.models.config import ModelConfig
+from lm.models.encoder import Encoder
 from lm.models.gpt import GPT
 
-__all__ = ["TARGETS", "Part", "Plan", "hf_config", "hf_state_dict", "hf_target", "row_spans", "split_rows", "unmet",
-           "weight_plan"]
+__all__ = ["ENCODER_TARGETS", "TARGETS", "Part", "Plan", "hf_config", "hf_state_dict", "hf_target", "row_spans",
+           "split_rows", "unmet", "weight_plan"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ def _equals(key: str, value: object) -> Need:
 
 @dataclass(frozen=True)
 class Target:
-    """A transformers causal LM class, and what our model config must be for its forward to equal ours."""
+    """A transformers model class, and what our model config must be for its forward to equal ours."""
 
     name: str
     hf_class: str
@@ -75,7 +79,19 @@ TARGETS: dict[str, Target] = {
         _equals("norm_position", "pre"), _equals("qk_norm", False), _equals("logit_softcap", 0.0),
         _equals("bias", False), _equals("qkv_bias", True),
     )),
+    "bert": Target("BERT", "BertForMaskedLM", (
+        # BertForSequenceClassification puts a tanh pooler layer between [CLS] and its classifier, which our
+        # classify and regress heads do not have: only the masked-LM head has a transformers twin.
+        _equals("arch", "encoder"), _equals("head", "mlm"), _equals("pos", "learned"), _equals("norm", "layernorm"),
+        _equals("bias", True), _equals("norm_position", "post"), _equals("mlp", "gelu"),
+        Need("n_kv_head", "0 (one key/value head per query head)", lambda cfg: cfg.kv_heads == cfg.n_head),
+        # BertForMaskedLM's output layer is the word embedding plus a bias of its own. Untied, transformers 5
+        # unties that bias as well (decoder.bias apart from cls.predictions.bias), 4.x keeps one: refused.
+        _equals("tie_embeddings", True),
+    )),
 }
+ENCODER_TARGETS = ("bert",)
+"""The targets for `model.arch: encoder`; every other target is a causal LM for `model.arch: gpt`."""
 
 
 def unmet(cfg: ModelConfig, target: Target) -> list[Need]:
@@ -84,14 +100,17 @@ def unmet(cfg: ModelConfig, target: Target) -> list[Need]:
 
 
 def hf_target(cfg: ModelConfig) -> str:
-    """The key of TARGETS that reproduces `cfg` ("gpt2", "llama" or "qwen2"); ExportError when none does.
+    """The key of TARGETS that reproduces `cfg` ("gpt2", "llama", "qwen2" or "bert"); ExportError when none does.
 
-    The message lists the model keys in the way of an export and, per target, the values it needs.
+    The message lists the model keys in the way of an export and, per target, the values it needs. An
+    encoder is measured against the encoder targets alone and any other model against the causal LMs:
+    what BERT needs of a decoder (or GPT-2 of an encoder) would only bury the keys that matter.
     """
     if cfg.arch == "lstm":  # it ignores the position, norm and MLP keys, so listing them would mislead
         raise ExportError("cannot export to Hugging Face: model.arch=lstm is a recurrent model and the targets are "
                           "transformers (GPT2LMHeadModel, LlamaForCausalLM and Qwen2ForCausalLM need model.arch=gpt)")
-    misses = {name: unmet(cfg, target) for name, target in TARGETS.items()}
+    encoder = cfg.arch == "encoder"
+    misses = {name: unmet(cfg, target) for name, target in TARGETS.items() if (name in ENCODER_TARGETS) == encoder}
     for name, missed in misses.items():
         if not missed:
             return name
@@ -114,6 +133,8 @@ def hf_config(cfg: ModelConfig, eos_token_id: int | None = None, dtype: torch.dt
     tokenizer, so dropping them leaves the logits of every real id unchanged.
     """
     name = hf_target(cfg)
+    if name == "bert":
+        return _bert_config(cfg, dtype)
     common: dict[str, Any] = {
         "architectures": [TARGETS[name].hf_class],
         "vocab_size": cfg.vocab_size,
@@ -161,6 +182,35 @@ def hf_config(cfg: ModelConfig, eos_token_id: int | None = None, dtype: torch.dt
         return {**rotary, "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layer,
                 "layer_types": ["full_attention"] * cfg.n_layer}
     return {**rotary, "head_dim": cfg.head_dim, "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "pretraining_tp": 1}
+
+
+def _bert_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """BertForMaskedLM's config.json. Its vocabulary is our whole embedding, padding rows included: [MASK],
+    [CLS] and padding come after the tokenizer's ids, and keeping every row makes its logits ours exactly.
+    Its token-type table has one row, written as zeros (`hf_state_dict`), so it adds nothing."""
+    return {
+        "model_type": "bert",
+        "architectures": [TARGETS["bert"].hf_class],
+        "vocab_size": cfg.padded_vocab_size,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "intermediate_size": cfg.ff_dim,
+        # our GELU is the tanh approximation, in the blocks and in the MLM head's transform, which BERT
+        # also runs with hidden_act
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_dropout_prob": cfg.dropout,
+        "attention_probs_dropout_prob": cfg.dropout,
+        "max_position_embeddings": cfg.block_size,
+        "position_embedding_type": "absolute",  # transformers 4.x reads it; 5 has absolute positions only
+        "type_vocab_size": 1,
+        "layer_norm_eps": cfg.norm_eps,
+        "pad_token_id": cfg.pad_id,
+        "tie_word_embeddings": True,
+        "is_decoder": False,
+        "initializer_range": 0.02,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
 
 
 @dataclass(frozen=True)
@@ -216,10 +266,40 @@ def _llama_plan(cfg: ModelConfig) -> Plan:
     return plan
 
 
+def _bert_plan(cfg: ModelConfig) -> Plan:
+    """BertForMaskedLM's names. Our fused q/k/v rows [q; k; v] are query, key and value; each post-norm block's
+    ln_1 and ln_2 are the LayerNorms after its attention and its feed-forward. The embedding covers every
+    row (see `_bert_config`); the tied output layer is the embedding, and its bias is cls.predictions.bias."""
+    d, ff = cfg.d_model, cfg.ff_dim
+    plan: Plan = {"wte.weight": (Part("bert.embeddings.word_embeddings.weight", cfg.padded_vocab_size),),
+                  "wpe.weight": (Part("bert.embeddings.position_embeddings.weight", cfg.block_size),),
+                  "lm_head.bias": (Part("cls.predictions.bias", cfg.padded_vocab_size),)}
+    layers = {"emb_norm": ("bert.embeddings.LayerNorm", d), "mlm_dense": ("cls.predictions.transform.dense", d),
+              "mlm_norm": ("cls.predictions.transform.LayerNorm", d)}
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"bert.encoder.layer.{i}."
+        attn = f"{theirs}attention.self."
+        for p in ("weight", "bias"):
+            plan[f"{ours}attn.qkv.{p}"] = (Part(f"{attn}query.{p}", d), Part(f"{attn}key.{p}", d),
+                                           Part(f"{attn}value.{p}", d))
+        layers.update({f"{ours}attn.proj": (f"{theirs}attention.output.dense", d),
+                       f"{ours}ln_1": (f"{theirs}attention.output.LayerNorm", d),
+                       f"{ours}mlp.fc": (f"{theirs}intermediate.dense", ff),
+                       f"{ours}mlp.proj": (f"{theirs}output.dense", d),
+                       f"{ours}ln_2": (f"{theirs}output.LayerNorm", d)})
+    for ours, (theirs, rows) in layers.items():
+        for p in ("weight", "bias"):
+            plan[f"{ours}.{p}"] = (Part(f"{theirs}.{p}", rows),)
+    return plan
+
+
 def weight_plan(cfg: ModelConfig, family: str) -> Plan:
     """Where each of our parameters lives in a transformers checkpoint of `family` (a key of TARGETS, or
-    "mistral"). The embedding and an untied head cover the tokenizer's `vocab_size` rows: our padding rows
-    (up to `vocab_multiple`) have no counterpart. A tied head is the embedding, so it is not listed."""
+    "mistral"). For the causal LMs, the embedding and an untied head cover the tokenizer's `vocab_size` rows:
+    our padding rows (up to `vocab_multiple`) have no counterpart. A tied head is the embedding, so it is not
+    listed."""
+    if family == "bert":
+        return _bert_plan(cfg)
     embed = "transformer.wte.weight" if family == "gpt2" else "model.embed_tokens.weight"
     plan = {"wte.weight": (Part(embed, cfg.vocab_size),)}
     plan.update(_gpt2_plan(cfg) if family == "gpt2" else _llama_plan(cfg))
@@ -259,11 +339,14 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone(memory_format=torch.contiguous_format)
 
 
-def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+def hf_state_dict(model: GPT | Encoder) -> dict[str, torch.Tensor]:
     """The transformers weights of `model`, under the names of whichever target its config maps to, each a
-    standalone contiguous tensor."""
+    standalone contiguous tensor. BERT's token-type table, which we do not have, is one row of zeros."""
     sd = model.state_dict()
+    family = hf_target(model.cfg)
     out: dict[str, torch.Tensor] = {}
-    for ours, parts in weight_plan(model.cfg, hf_target(model.cfg)).items():
+    for ours, parts in weight_plan(model.cfg, family).items():
         out.update(split_rows(sd[ours], parts))
+    if family == "bert":
+        out["bert.embeddings.token_type_embeddings.weight"] = sd["wte.weight"].new_zeros(1, model.cfg.d_model)
     return {k: _own(v) for k, v in out.items()}
