@@ -75,7 +75,7 @@ ENCODER = ["--model.arch=encoder", "--model.n_layer=2", "--model.n_head=2", "--m
 @pytest.fixture(scope="session")
 def encoder_run(tiny_data_dir, tmp_path_factory) -> Path:
     """A run directory holding the tiny `ENCODER` pretrained by masked LM for 6 steps on `tiny_data_dir`
-    (ModernBERT's default masking), its checkpoints at steps 3 and 6; val every 3 steps over 2 micro-batches
+    (the default masking: 30%, 80/10/10), its checkpoints at steps 3 and 6; val every 3 steps over 2 micro-batches
     of 2 windows. Read-only, shared by the session."""
     from lm.config import load_config
     from lm.distributed.env import init_distributed

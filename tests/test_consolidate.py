@@ -85,7 +85,9 @@ def test_dcp_checkpoint_consolidates_to_the_same_weights_and_logits(trained_run,
     ["--model.arch=encdec", "--model.pos=sinusoidal", "--model.mlp=relu"],
     ["--model.arch=encdec", "--model.share_embeddings=false", "--model.tie_embeddings=false"],
     ["--model.pos=rope", "--model.norm=rmsnorm", "--model.mlp=swiglu", "--model.bias=false", "--model.n_kv_head=1"],
-], ids=["gpt-untied", "encdec-tied", "encdec-untied", "llama"])
+    ["--model.arch=encoder"],
+    ["--model.arch=encoder", "--model.head=classify", "--model.num_classes=3", "--task.file=rows.csv"],
+], ids=["gpt-untied", "encdec-tied", "encdec-untied", "llama", "encoder-mlm", "encoder-classify"])
 def test_every_model_round_trips_with_its_ties(tmp_path, overrides):
     step_dir, model = _dcp_run(tmp_path, overrides)
     cfg = load_config(None, TINY + overrides)

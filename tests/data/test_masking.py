@@ -124,7 +124,7 @@ def test_windows_too_short():
 
 def test_defaults_are_modernberts():
     cfg = DataConfig()
-    assert (cfg.mlm_rate, cfg.mlm_mask_fraction, cfg.mlm_random_fraction) == (0.3, 1.0, 0.0)
+    assert (cfg.mlm_rate, cfg.mlm_mask_fraction, cfg.mlm_random_fraction) == (0.3, 0.8, 0.1)
     DataConfig(mlm_rate=0.15, mlm_mask_fraction=0.8, mlm_random_fraction=0.1)  # BERT's
     DataConfig(mlm_mask_fraction=0.0, mlm_random_fraction=1.0)
 

@@ -12,7 +12,9 @@ import torch
 
 from lm import eval as eval_tool
 from lm import finetune, predict
-from lm.checkpoint.trunk import load_trunk
+from lm.checkpoint.consolidated import consolidate
+from lm.checkpoint.store import resolve_checkpoint
+from lm.checkpoint.trunk import check_trunk, load_trunk, saved_config
 from lm.cli import run
 from lm.config import load_config
 from lm.models.factory import build_model
@@ -75,12 +77,18 @@ def test_a_regression_head_fits_a_linear_target(encoder_run, tmp_path):
     assert last["val/loss"] == pytest.approx(last["val/mse"])
 
 
-def test_the_trunk_comes_from_the_encoder_and_the_head_is_drawn(encoder_run):
+@pytest.mark.parametrize("form", ["run", "consolidated"])
+def test_the_trunk_comes_from_the_encoder_and_the_head_is_drawn(form, encoder_run, tmp_path):
+    source_path = encoder_run
+    if form == "consolidated":
+        source_path = tmp_path / "encoder.safetensors"
+        consolidate(resolve_checkpoint(encoder_run), source_path)
     cfg = load_config(None, [*ENCODER, "--model.head=classify", "--model.num_classes=3", "--task.file=x.csv"])
+    check_trunk(saved_config(source_path).model, cfg.model, source_path)
     torch.manual_seed(0)
     model = build_model(cfg.model)
     head_before = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("score.")}
-    load_trunk(encoder_run, model)
+    load_trunk(source_path, model)
     from lm.checkpoint.loading import load_for_inference
 
     encoder, _, _ = load_for_inference(encoder_run, torch.device("cpu"))
