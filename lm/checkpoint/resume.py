@@ -167,13 +167,17 @@ def check_data(path: Path, current: dict, cfg: JobConfig) -> None:
     `current` is what state.json records of the data ({"content_hash", "source", "train_tokens"}: the
     trainer's `TrainingData.identity()`). Checkpoints from before state.json recorded its data are not checked."""
     saved = read_state(path).get("data")
-    key = "data.mixture" if cfg.data.mixture else "data.dir"
-    where = key if cfg.data.mixture else f"data.dir={cfg.data.dir!r}"
+    if cfg.task.file:  # a fine-tuning head trains on a labelled file, not on shards
+        key, where = "task.file", f"task.file={cfg.task.file!r}"
+    else:
+        key = "data.mixture" if cfg.data.mixture else "data.dir"
+        where = key if cfg.data.mixture else f"data.dir={cfg.data.dir!r}"
     if saved is None or saved["content_hash"] == current["content_hash"]:
         return
-    what = (f"{path} trained on {saved['source']!r} ({saved['train_tokens']:,} train tokens, content hash "
+    unit = "train rows" if cfg.task.file else "train tokens"  # what TaskData.identity() counts instead
+    what = (f"{path} trained on {saved['source']!r} ({saved['train_tokens']:,} {unit}, content hash "
             f"{saved['content_hash'][:12]}), but {where} now holds {current['source']!r} "
-            f"({current['train_tokens']:,} train tokens, content hash {current['content_hash'][:12]})")
+            f"({current['train_tokens']:,} {unit}, content hash {current['content_hash'][:12]})")
     if not cfg.checkpoint.allow_data_change:
         raise CheckpointError(f"{what}. Prepare the original data again, point {key} at it, or set "
                               "checkpoint.allow_data_change=true to go on with the new data")

@@ -142,3 +142,15 @@ def test_a_decoder_checkpoint_is_not_an_encoder(trained_run, separable_rows, tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "decoder-only GPT (model.arch=gpt)" in err[0] and str(trained_run) in err[0], err
     assert not out.exists()
+
+
+def test_a_run_resumes_only_on_its_own_labelled_file(encoder_run, separable_rows, tmp_path, capsys):
+    task = write_rows(tmp_path / "lines.csv", separable_rows)
+    out = tmp_path / "ft"
+    flags = ["--model.head=classify", "--model.num_classes=2", f"--task.file={task}", "--checkpoint.every=2"]
+    assert finetune_run(encoder_run, out, *flags, "--train.steps=2") == 0
+    write_rows(task, [{**row, "text": row["text"] + " again"} for row in separable_rows])
+    capsys.readouterr()
+    assert finetune_run(encoder_run, out, *flags, "--train.steps=4") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"task.file={str(task)!r} now holds" in err[0] and "144 train rows" in err[0], err
