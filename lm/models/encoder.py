@@ -25,7 +25,7 @@ from lm.models.attention import document_mask, key_padding_mask
 from lm.models.block import Block
 from lm.models.config import ModelConfig
 from lm.models.gpt import init_weights_, residual_projections
-from lm.models.layers import make_norm, rope_angles, sinusoidal_positions
+from lm.models.layers import add_positions, make_norm
 
 IGNORE = -100
 """Label of a position masked-LM does not predict (F.cross_entropy's default ignore_index)."""
@@ -88,14 +88,7 @@ class Encoder(nn.Module):
         if T > cfg.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds model.block_size={cfg.block_size}")
         pos = torch.arange(T, device=ids.device) if positions is None else positions  # (T,) or (B, T)
-        x = self.wte(ids)  # (B, T, C)
-        rope = None
-        if cfg.pos == "learned":
-            x = x + self.wpe(pos)
-        elif cfg.pos == "sinusoidal":
-            x = x + sinusoidal_positions(pos, cfg.d_model).to(x.dtype)
-        else:
-            rope = rope_angles(pos, cfg.head_dim, cfg.rope_theta)  # each (T, hs) or (B, T, hs)
+        x, rope = add_positions(self.wte(ids), pos, cfg, getattr(self, "wpe", None))  # (B, T, C)
         x = self.drop(self.emb_norm(x))
         mask = key_padding_mask(keep)  # (B, 1, 1, T) or None, shared by every block
         if positions is not None:

@@ -18,7 +18,7 @@ from lm.models.attention import document_causal_mask
 from lm.models.block import Block
 from lm.models.config import ModelConfig
 from lm.models.kv_cache import KVCache
-from lm.models.layers import make_norm, rope_angles, sinusoidal_positions
+from lm.models.layers import add_positions, make_norm
 from lm.models.loss import chunked_cross_entropy, head_loss
 
 
@@ -156,14 +156,7 @@ class GPT(nn.Module):
             pos = positions  # (B, T)
             # built once here rather than in every block: all layers share it
             mask = document_causal_mask(positions)  # (B, 1, T, T)
-        x = self.wte(idx)  # (B, T, C)
-        rope = None
-        if cfg.pos == "learned":
-            x = x + self.wpe(pos)
-        elif cfg.pos == "sinusoidal":
-            x = x + sinusoidal_positions(pos, cfg.d_model).to(x.dtype)
-        else:
-            rope = rope_angles(pos, cfg.head_dim, cfg.rope_theta)  # each (T, hs) or (B, T, hs)
+        x, rope = add_positions(self.wte(idx), pos, cfg, getattr(self, "wpe", None))  # (B, T, C)
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
             x = block(x, rope, None if cache is None else cache[i], mask)

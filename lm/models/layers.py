@@ -61,6 +61,18 @@ def sinusoidal_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
     return pe
 
 
+def add_positions(x: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig, table: nn.Embedding | None
+                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Token embeddings x (B, T, C) at `positions` ((T,), or (B, T) for packed documents), given their
+    positions as model.pos says: the learned `table`'s rows or the sinusoids added, or x as it is and the
+    rotary angles the attention applies (`rope_angles`). Returns (x, rope angles or None)."""
+    if cfg.pos == "learned":
+        return x + table(positions), None
+    if cfg.pos == "sinusoidal":
+        return x + sinusoidal_positions(positions, cfg.d_model).to(x.dtype), None
+    return x, rope_angles(positions, cfg.head_dim, cfg.rope_theta)  # each (T, hs) or (B, T, hs)
+
+
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, each (*positions.shape, head_dim) float32, for int `positions` of
     any shape: (T,) for one shared sequence, (B, T) for per-row positions (packed documents).
