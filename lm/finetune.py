@@ -17,7 +17,7 @@ from pathlib import Path
 from lm.checkpoint.resume import ARCH_NAMES
 from lm.checkpoint.trunk import HEAD_KEYS, saved_config
 from lm.cli import exit_without_teardown, run
-from lm.config import parse_cli
+from lm.config import JobConfig, parse_cli
 from lm.errors import ConfigError
 
 DESCRIPTION = "Fine-tune a pretrained encoder: a classify or regress head on a labelled file (task.file)."
@@ -28,10 +28,9 @@ def _flags(parser: argparse.ArgumentParser) -> None:
                         help="the pretrained encoder: a run directory, a step directory or a consolidated .safetensors")
 
 
-def encoder_base(path: Path) -> dict:
-    """The config sections a fine-tuning run takes from its encoder checkpoint: the trunk's model keys, the
-    tokenizer and window length, and checkpoint.init_from itself."""
-    saved = saved_config(path)
+def encoder_base(path: Path, saved: JobConfig) -> dict:
+    """The config sections a fine-tuning run takes from the encoder checkpoint at `path`, whose config is `saved`:
+    the trunk's model keys, the tokenizer and window length, and checkpoint.init_from itself."""
     model = {k: v for k, v in dataclasses.asdict(saved.model).items() if k not in HEAD_KEYS}
     return {"model": model, "data": {"tokenizer": saved.data.tokenizer, "seq_len": saved.data.seq_len},
             "checkpoint": {"init_from": str(path)}}
@@ -46,11 +45,12 @@ def main(argv: list[str]) -> int:
         path = Path(encoder)
         if not path.exists():
             raise ConfigError(f"--encoder: no such file or directory {encoder!r}")
-        saved = saved_config(path).model
-        if saved.arch != "encoder":
-            raise ConfigError(f"--encoder: {path} holds {ARCH_NAMES[saved.arch]} (model.arch={saved.arch}); "
-                              "lm.finetune trains a head on an encoder's checkpoint (model.arch=encoder)")
-        base = encoder_base(path)
+        saved = saved_config(path)
+        if saved.model.arch != "encoder":
+            raise ConfigError(f"--encoder: {path} holds {ARCH_NAMES[saved.model.arch]} (model.arch="
+                              f"{saved.model.arch}); lm.finetune trains a head on an encoder's checkpoint "
+                              "(model.arch=encoder)")
+        base = encoder_base(path, saved)
     cfg, _ = parse_cli(argv, DESCRIPTION, extra=_flags, prog="python -m lm.finetune", base=base)
     if cfg.model.arch != "encoder" or cfg.model.head == "mlm":
         raise ConfigError(f"model.head: lm.finetune trains a classify or regress head, got {cfg.model.head!r}; "

@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
     tokenizer = model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
     examples = encode_examples(texts, tokenizer.encode_ordinary, cfg.model.cls_id, cfg.data.seq_len)
 
-    outputs, sums = [], torch.zeros(task_sums_size(head, cfg.model.num_classes), dtype=torch.float64)
+    outputs, sums = [], np.zeros(task_sums_size(head, cfg.model.num_classes))
     with torch.no_grad(), tqdm(total=len(examples), unit="row", desc="predict", disable=None) as bar:
         for ids, batch_labels, keep, weight in example_batches(examples, labels, args.batch_size, 0, 1,
                                                                cfg.model.pad_id):
@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
             out = out.float().cpu()
             real = int(weight.sum())
             outputs.append(out[:real])
-            sums += task_sums(head, cfg.model.num_classes, out, labels_t.cpu(), torch.from_numpy(weight))
+            sums += task_sums(head, cfg.model.num_classes, out, batch_labels, weight)
             bar.update(real)
     outputs = torch.cat(outputs)
     print(f"checkpoint: {source}")
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
         _write(args.out, head, outputs)
         print(f"predictions: {args.out}")
     if label_column:
-        for key, value in task_metrics(head, cfg.model.num_classes, sums.numpy()).items():
+        for key, value in task_metrics(head, cfg.model.num_classes, sums).items():
             print(f"{key.removeprefix('val/')}: {value:.4f}")
     return 0
 

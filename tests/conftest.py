@@ -85,7 +85,7 @@ def encoder_run(tiny_data_dir, tmp_path_factory) -> Path:
     cfg = load_config(None, [
         *ENCODER, f"--data.dir={tiny_data_dir}", "--train.steps=6", "--train.batch_size=4",
         "--train.micro_batch_size=2", "--train.device=cpu", "--train.eval_batches=2", "--train.eval_every=3",
-        "--checkpoint.every=3", "--log.every=1", "--log.tensorboard=false", "--optim.lr=3e-3",
+        "--checkpoint.every=3", "--log.every=1", "--log.tensorboard=false", "--optim.lr=1e-2",
         "--schedule.warmup_steps=2", f"--train.out_dir={out}",
     ])
     Trainer(cfg, init_distributed("cpu")).fit()

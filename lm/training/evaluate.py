@@ -19,7 +19,14 @@ from lm.data.loader import val_batches
 from lm.data.masking import IGNORE
 from lm.distributed.engine import Engine
 from lm.distributed.env import DistEnv
-from lm.report.metrics import classification_metrics, perplexity, regression_metrics
+from lm.report.metrics import (
+    REGRESSION_SUMS,
+    classification_metrics,
+    confusion_matrix,
+    perplexity,
+    regression_metrics,
+    regression_sums,
+)
 from lm.training.data import TrainingData, to_device
 from lm.training.task_data import TaskData
 
@@ -72,48 +79,43 @@ def _evaluate_windows(engine: Engine, data: TrainingData, cfg: JobConfig, env: D
 
 def _evaluate_task(engine: Engine, data: TaskData, cfg: JobConfig, env: DistEnv) -> dict[str, float]:
     """Every val row once over the ranks; the losses and metrics from sums (`task_sums`)."""
-    sums = torch.zeros(task_sums_size(data.kind, data.num_classes), dtype=torch.float64, device=env.device)
+    sums = np.zeros(task_sums_size(data.kind, data.num_classes))
     for ids, labels, keep, weight in example_batches(data.val_examples, data.val_labels, cfg.train.micro_batch_size,
                                                      env.rank, env.world_size, cfg.model.pad_id):
-        ids_t, labels_t, keep_t, weight_t = to_device((ids, labels, keep, weight), env.device)
-        outputs, _ = engine.eval_outputs([ids_t, labels_t, keep_t])
-        sums += task_sums(data.kind, data.num_classes, outputs.float(), labels_t, weight_t)
+        outputs, _ = engine.eval_outputs(to_device((ids, labels, keep), env.device))
+        sums += task_sums(data.kind, data.num_classes, outputs, labels, weight)
     if env.is_distributed:
-        torch.distributed.all_reduce(sums)
-    return task_metrics(data.kind, data.num_classes, sums.cpu().numpy())
+        total = torch.from_numpy(sums).to(env.device)
+        torch.distributed.all_reduce(total)
+        sums = total.cpu().numpy()
+    return task_metrics(data.kind, data.num_classes, sums)
 
 
 def task_sums_size(kind: str, num_classes: int) -> int:
-    """Length of `task_sums`'s vector: the summed loss, then a confusion matrix or the regression sums."""
-    return 1 + (num_classes * num_classes if kind == "classify" else 7)
+    """Length of `task_sums`'s vector."""
+    return 1 + num_classes * num_classes if kind == "classify" else len(REGRESSION_SUMS)
 
 
-def task_sums(kind: str, num_classes: int, outputs: torch.Tensor, labels: torch.Tensor,
-              weight: torch.Tensor) -> torch.Tensor:
-    """What one batch adds to the val sums, (task_sums_size,) float64: the loss summed over real rows (weight
-    1; filler rows weigh 0), then the (true, predicted) confusion counts (classify; outputs (B, n) logits) or
-    `regression_metrics`' sums (regress; outputs (B,))."""
-    weight = weight.double()
-    if kind == "classify":
-        loss = (F.cross_entropy(outputs, labels, reduction="none").double() * weight).sum()
-        pairs = labels * num_classes + outputs.argmax(-1)  # (B,) index into the flattened confusion matrix
-        confusion = torch.zeros(num_classes * num_classes, dtype=torch.float64, device=outputs.device)
-        confusion.index_add_(0, pairs, weight)
-        return torch.cat([loss[None], confusion])
-    y, p = labels.double(), outputs.double()
-    error = (p - y).square()
-    stats = torch.stack([weight.sum(), (weight * y).sum(), (weight * p).sum(), (weight * y * y).sum(),
-                         (weight * p * p).sum(), (weight * y * p).sum(), (weight * error).sum()])
-    return torch.cat([(weight * error).sum()[None], stats])
+def task_sums(kind: str, num_classes: int, outputs: torch.Tensor, labels: np.ndarray,
+              weight: np.ndarray) -> np.ndarray:
+    """What one batch adds to the val sums, (task_sums_size,) float64, each row counted with its weight (1 for
+    real rows, 0 for `example_batches`' fillers). classify (outputs (B, n) logits): the summed cross-entropy,
+    then `confusion_matrix`'s counts; regress (outputs (B,)): `regression_sums`, whose squared error is the loss."""
+    outputs = outputs.detach().float().cpu()
+    if kind == "regress":
+        return regression_sums(labels, outputs.numpy(), weight)
+    cross_entropy = F.cross_entropy(outputs, torch.from_numpy(labels), reduction="none").double().numpy()  # (B,)
+    confusion = confusion_matrix(labels, outputs.argmax(-1).numpy(), num_classes, weight)
+    return np.concatenate([[cross_entropy @ weight], confusion.ravel()])
 
 
 def task_metrics(kind: str, num_classes: int, sums: np.ndarray) -> dict[str, float]:
     """val/loss and the task's metrics from the summed vector of `task_sums`."""
-    if kind == "classify":
+    if kind == "regress":
+        metrics = regression_metrics(sums)
+        loss = metrics["mse"]
+    else:
         confusion = sums[1:].reshape(num_classes, num_classes)
         metrics = classification_metrics(confusion)
-        n = confusion.sum()
-    else:
-        metrics = regression_metrics(sums[1:])
-        n = sums[1]
-    return {"val/loss": float(sums[0] / n), **{f"val/{k}": float(v) for k, v in metrics.items()}}
+        loss = sums[0] / confusion.sum()
+    return {"val/loss": float(loss), **{f"val/{k}": float(v) for k, v in metrics.items()}}

@@ -21,7 +21,7 @@ from lm.hf.export import write_export
 from lm.hf.mapping import hf_target, weight_plan
 from lm.models.config import ModelConfig
 from lm.models.encoder import Encoder
-from lm.models.factory import build_model
+from tests.models.test_parity_hf import random_model
 
 VOCAB = 300  # + [MASK], [CLS], padding = 303 ids, padded to 320 rows
 BERT = dict(arch="encoder", norm_position="post")
@@ -42,15 +42,8 @@ def tiny_config(**overrides: object) -> ModelConfig:
 
 
 def random_encoder(cfg: ModelConfig, seed: int = 0) -> Encoder:
-    """Every parameter drawn anew, biases and norm gains included, so that no zero or one left by the init
-    can hide a dropped or misplaced tensor. Gains centre on 1 so the logits stay O(1)."""
-    torch.manual_seed(seed)
-    model = build_model(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            is_gain = name.endswith(".weight") and p.dim() == 1
-            p.normal_(1.0 if is_gain else 0.0, 0.2 if is_gain else 0.1)
-    return model.eval()
+    """Every parameter drawn anew (`random_model`), so no zero or one left by the init hides a misplaced tensor."""
+    return random_model(cfg, seed)
 
 
 def exported(model: Encoder, out: Path) -> BertForMaskedLM:

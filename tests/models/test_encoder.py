@@ -10,6 +10,7 @@ from lm.models.config import ModelConfig
 from lm.models.encoder import IGNORE, Encoder
 from lm.models.factory import build_model
 from lm.models.layers import sinusoidal_positions
+from tests.models.test_encdec import randomised
 
 CFG = ModelConfig(arch="encoder", vocab_size=200, block_size=24, n_layer=2, n_head=4, d_model=32, pos="sinusoidal",
                   norm_position="post", mlp="relu")
@@ -17,16 +18,6 @@ CFG = ModelConfig(arch="encoder", vocab_size=200, block_size=24, n_layer=2, n_he
 
 def config(**changes) -> ModelConfig:
     return ModelConfig(**{**CFG.__dict__, **changes})
-
-
-def randomised(model: Encoder, seed: int = 0) -> Encoder:
-    """Every parameter redrawn (biases and norm gains too), so no zero or one can hide a wrong mapping."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            gain = 1.0 if p.dim() == 1 and p.numel() == model.cfg.d_model else 0.0  # norm weights around 1
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + gain)
-    return model.eval()
 
 
 def reference_encoder(model: Encoder) -> nn.TransformerEncoder:

@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from lm.errors import ExportError
 from lm.hf.mapping import hf_config, hf_state_dict, hf_target
 from lm.models.config import ModelConfig
+from lm.models.factory import build_model
 from lm.models.gpt import GPT
 
 VOCAB = 300  # not a multiple of 64: the mapping must drop our 20 padding rows
@@ -22,11 +23,12 @@ def tiny_config(**overrides: object) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def random_model(cfg: ModelConfig, seed: int = 0) -> GPT:
-    """Every parameter drawn anew, biases and norm gains included: zero biases or unit gains (the init)
-    would let a dropped or misplaced tensor go unnoticed. Gains centre on 1 so logits stay O(1)."""
+def random_model(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
+    """The model `cfg` describes with every parameter drawn anew, biases and norm gains included: zero biases
+    or unit gains (the init) would let a dropped or misplaced tensor go unnoticed. Gains centre on 1 so
+    logits stay O(1)."""
     torch.manual_seed(seed)
-    model = GPT(cfg)
+    model = build_model(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             is_gain = name.endswith(".weight") and p.dim() == 1

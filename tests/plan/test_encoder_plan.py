@@ -1,8 +1,5 @@
-import contextlib
 
-import numpy as np
 import pytest
-import torch
 
 from lm.config import load_config
 from lm.models.config import ModelConfig
@@ -11,7 +8,7 @@ from lm.models.factory import build_model
 from lm.plan.flops import flops_per_token
 from lm.plan.memory import estimate_memory
 from lm.plan.param_count import num_params
-from lm.training.objective import build_objective
+from tests.plan.test_memory import saved_bytes
 
 TINY = dict(arch="encoder", vocab_size=100, block_size=48, n_layer=2, n_head=2, d_model=16)
 
@@ -49,32 +46,6 @@ def test_encoder_flops_run_the_head_on_the_targets_alone(head):
             6 * trunk + attention + 6 * head_weights * 6 / 40, rel=1e-12)
 
 
-def _saved_bytes(cfg, bf16_weights: bool, autocast: bool) -> int:
-    """Bytes of the distinct activation storages autograd saves in one masked-LM forward on the CPU, the
-    parameters and autocast's bf16 weight copies left out (as tests/plan/test_memory.py measures the GPT)."""
-    torch.manual_seed(0)
-    model = build_model(cfg.model)
-    if bf16_weights:
-        model = model.to(torch.bfloat16)
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape)[::-1] for p in model.parameters()}
-    rows = np.random.default_rng(0).integers(0, 50000, (cfg.train.micro_batch_size, cfg.data.seq_len + 1))
-    batch = build_objective(cfg.model, cfg.data.seq_len, 0, data=cfg.data)(rows, np.arange(len(rows)))
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        weight_copy = t.dtype == torch.bfloat16 and t.dim() <= 2 and tuple(t.shape) in shapes
-        if storage.data_ptr() not in weights and not weight_copy:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    cast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
-        model(*map(torch.from_numpy, batch))
-    return sum(saved.values())
-
-
 @pytest.mark.parametrize("norm_position", ["pre", "post"])
 @pytest.mark.parametrize("setup", ["float32", "ddp-autocast", "fsdp-bf16"])
 def test_encoder_activations_match_what_autograd_saves(setup, norm_position):
@@ -90,4 +61,4 @@ def test_encoder_activations_match_what_autograd_saves(setup, norm_position):
     assert estimate.logits == targets * cfg.model.padded_vocab_size * (c + 12)
     # forward saves every counted tensor but the logits and the two fp32 gradients backward makes
     forward = estimate.activations - targets * cfg.model.padded_vocab_size * (c + 8)
-    assert forward == pytest.approx(_saved_bytes(cfg, setup == "fsdp-bf16", setup == "ddp-autocast"), rel=0.01)
+    assert forward == pytest.approx(saved_bytes(cfg, setup == "fsdp-bf16", setup == "ddp-autocast"), rel=0.01)

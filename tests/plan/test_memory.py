@@ -178,9 +178,10 @@ def test_a_chunked_loss_holds_one_chunk_of_logits():
     assert estimate_memory(_cfg("--model.loss_chunk=1000", micro=5), 1).logits == t * vocab * (2 + 4 + 4 + 4)
 
 
-def _saved_bytes(cfg, bf16_weights: bool, autocast: bool) -> int:
-    """Bytes of the distinct activation storages autograd saves in one forward pass on the CPU; the model's
-    parameters and autocast's bf16 weight copies (model state, not activations) are left out."""
+def saved_bytes(cfg, bf16_weights: bool, autocast: bool) -> int:
+    """Bytes of the distinct activation storages autograd saves in one forward pass on the CPU (any model: the
+    batch is its objective's); the model's parameters and autocast's bf16 weight copies (model state, not
+    activations) are left out."""
     torch.manual_seed(0)
     model = build_model(cfg.model)
     if bf16_weights:
@@ -188,7 +189,7 @@ def _saved_bytes(cfg, bf16_weights: bool, autocast: bool) -> int:
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape)[::-1] for p in model.parameters()}
     rows = np.random.default_rng(0).integers(0, 50000, (cfg.train.micro_batch_size, cfg.data.seq_len + 1))
-    batch = build_objective(cfg.model, cfg.data.seq_len, 0)(rows, np.arange(len(rows)))
+    batch = build_objective(cfg.model, cfg.data.seq_len, 0, data=cfg.data)(rows, np.arange(len(rows)))
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -212,7 +213,7 @@ def test_per_layer_activations_match_what_autograd_saves(arch, setup):
     engine, dtype = {"float32": ("ddp", "float32"), "ddp-autocast": ("ddp", "bfloat16"),
                      "fsdp-bf16": ("fsdp", "bfloat16")}[setup]
     cfgs = [_cfg(*arch, f"--model.n_layer={n}", "--train.device=cpu", engine=engine, dtype=dtype) for n in (2, 4)]
-    measured = [_saved_bytes(c, bf16_weights=setup == "fsdp-bf16", autocast=setup == "ddp-autocast") for c in cfgs]
+    measured = [saved_bytes(c, bf16_weights=setup == "fsdp-bf16", autocast=setup == "ddp-autocast") for c in cfgs]
     predicted = [estimate_memory(c, 1).activations for c in cfgs]
     # two more layers (encdec: two encoder and two decoder layers): the logits and the rest cancel out
     assert (predicted[1] - predicted[0]) == pytest.approx(measured[1] - measured[0], rel=0.03)
@@ -226,7 +227,7 @@ def test_lstm_layer_activations_match_what_the_unfused_lstm_saves(setup, monkeyp
     cfgs = [_cfg(*LSTM, f"--model.n_layer={n}", "--train.device=cpu", engine="ddp" if setup == "float32" else "fsdp",
                  dtype=dtype) for n in (2, 4)]
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
-    measured = [_saved_bytes(c, bf16_weights=setup == "fsdp-bf16", autocast=False) for c in cfgs]
+    measured = [saved_bytes(c, bf16_weights=setup == "fsdp-bf16", autocast=False) for c in cfgs]
     predicted = [estimate_memory(c, 1).activations for c in cfgs]
     assert predicted[1] - predicted[0] == pytest.approx(measured[1] - measured[0], rel=0.03)
     c, t, h = (4 if setup == "float32" else 2), 3 * 40, 64
