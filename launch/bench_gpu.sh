@@ -6,9 +6,9 @@
 #   engines   lm.bench's table of each engine (ddp, fsdp, DeepSpeed ZeRO 1-3)
 #   sampling  lm.bench's sampling table (KV cache, no cache, transformers' generate)
 #   profile   torch.profiler's top CUDA ops of a gpt2-124m step, ours and transformers'
-#   docmask   lm.bench's docmask tables: the demo model with SDPA is_causal vs the boolean document mask, and
+#   docmask   experiments.docmask's tables: the demo model with SDPA is_causal vs the boolean document mask, and
 #             attention alone beside compiled flex_attention with a document block mask
-#   losschunk lm.bench's losschunk table: demo model step time and peak memory with model.loss_chunk off and on
+#   losschunk experiments.losschunk's table: demo model step time and peak memory with model.loss_chunk off and on
 #   train     40 real optimizer steps of configs/gpt2-124m.yaml (compiled, bf16) under torchrun, whose
 #             log lines report tokens/s and MFU
 #   muon      the same 40 steps with optim.name=muon (Newton-Schulz in bf16 on the GPU): its cost in tokens/s
@@ -27,7 +27,8 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}
 part() {
     case "$1" in
         tests) "$py" -m pytest -q -rs tests/gpu ;;
-        training|engines|sampling|docmask|losschunk) "$py" -m lm.bench --device cuda --sections "$1" ;;
+        training|engines|sampling) "$py" -m lm.bench --device cuda --sections "$1" ;;
+        docmask|losschunk) "$py" -m "experiments.$1" --device cuda ;;
         profile) "$py" -m lm.bench --device cuda --profile --presets gpt2-124m --warmup 3 --reps 5 ;;
         train) "$py" -m lm.prepare --config configs/gpt2-124m.yaml &&
                "$py" -m torch.distributed.run --standalone --nproc_per_node=1 -m lm.train --config configs/gpt2-124m.yaml \

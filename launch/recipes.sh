@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The recipe comparison of README "A recipe that learns faster", in one command on the 2-core CPU:
 # a learning-rate sweep for each of the three presets at the demo's data, size and token budget (each run a
-# 2-process torchrun job, one after another), then docs/experiments/recipes.py: each preset's best run
+# 2-process torchrun job, one after another), then experiments/recipes.py: each preset's best run
 # scored by lm.eval on the Shakespeare val split and on the King James Bible's (held out), compared at
 # equal tokens and at equal wall time, and plotted into docs/experiments/recipes.png; then two ablations.
 # About 70 minutes.
@@ -24,5 +24,5 @@ python -m lm.sweep --config configs/demo-modern.yaml --grid model.logit_softcap=
   --out runs/recipes/ablation-softcap-zloss "${common[@]}"
 python -m lm.sweep --config configs/llama-tiny.yaml --grid optim.name=muon --out runs/recipes/ablation-llama-muon \
   "${common[@]}"
-python docs/experiments/recipes.py runs/recipes/demo runs/recipes/llama-tiny runs/recipes/demo-modern \
+python -m experiments.recipes runs/recipes/demo runs/recipes/llama-tiny runs/recipes/demo-modern \
   --ablations runs/recipes/ablation-softcap-zloss runs/recipes/ablation-llama-muon

@@ -8,6 +8,6 @@ cd "$(dirname "$0")/.."
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}"
 # and so are the C++ ops DeepSpeed builds at every initialize on CPU (20-60 s each when cold)
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}"
-ruff check lm tests
+ruff check lm tests experiments
 lint-imports --no-logo
 python -m pytest -q "$@"

@@ -1,6 +1,6 @@
 """`python -m lm.consolidate --checkpoint RUN OUT.safetensors`: any checkpoint as one safetensors file.
 
-Every engine's checkpoint goes in, on one process and without a process group (`lm.checkpoint.weights`);
+Every engine's checkpoint goes in, on one process and without a process group (`lm.checkpoint.model_weights`);
 out comes the consolidated format (`lm.checkpoint.consolidated`), which lm.eval, lm.sample, lm.export and
 checkpoint.init_from read.
 """

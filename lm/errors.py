@@ -33,6 +33,10 @@ class TrainingError(LMError, RuntimeError):
     the checkpoint to go back to."""
 
 
+class PromptError(LMError, ValueError):
+    """A prompt, or a number of tokens to sample, that the model cannot take; the message names the flag."""
+
+
 class ExportError(LMError, ValueError):
     """The model config has no Hugging Face counterpart; the message names the keys and what each target needs."""
 

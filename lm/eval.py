@@ -1,7 +1,8 @@
-"""`python -m lm.eval`: loss, perplexity and bits per byte of a checkpoint on val shards or a text file; for an
-encoder, the loss and accuracy of its masked tokens.
+"""`python -m lm.eval`: loss, perplexity and bits per byte of a checkpoint on val shards or a text file; for a
+model trained on another task than next-token prediction, the loss on that task (and, for an encoder, the
+accuracy of its masked tokens).
 
-The architecture comes from the checkpoint; how each is scored is `lm.inference.scoring`'s docstring.
+The model family comes from the checkpoint; how each is scored is `lm.inference.scoring`'s docstring.
 """
 
 import argparse
@@ -15,20 +16,13 @@ from tqdm import tqdm
 from lm.checkpoint.loading import load_for_inference
 from lm.cli import positive_int, run
 from lm.config import JobConfig
-from lm.data.objectives import MaskedLM, SpanCorruption
+from lm.data.objectives import ScoredObjective
 from lm.distributed.env import init_device
 from lm.errors import ConfigError, DataError
-from lm.inference.scoring import (
-    first_tokens,
-    score_masked_lm,
-    score_span_corruption,
-    score_stream,
-    text_tokens,
-    unigram_entropy,
-    val_streams,
-)
+from lm.inference.scoring import first_tokens, score_stream, score_windows, text_tokens, unigram_entropy, val_streams
+from lm.models.family import Family
+from lm.models.registry import family_of
 from lm.tokenizer import model_tokenizer
-from lm.training.objective import build_objective
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,24 +41,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _windows(args: argparse.Namespace, cfg: JobConfig, parser: argparse.ArgumentParser
-             ) -> tuple[int, int | None, SpanCorruption | MaskedLM | None]:
-    """(window length, stride, objective): a stride for a decoder, the span corruption for an encoder-decoder,
-    the run's own masking for an encoder."""
+def _document_eot(cfg: JobConfig) -> int | None:
+    """A model trained with data.document_mask is scored so too: attention within each document of a window."""
+    return model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size).eot_token if cfg.data.document_mask else None
+
+
+def _windows(args: argparse.Namespace, cfg: JobConfig, family: Family, parser: argparse.ArgumentParser
+             ) -> tuple[int, int | None, ScoredObjective | None]:
+    """(window length, stride, objective): a stride for a next-token model, the run's own objective (its masking,
+    its span corruption) for the others."""
     seq_len = args.seq_len if args.seq_len is not None else cfg.data.seq_len
-    if cfg.model.arch == "encoder" and cfg.model.head != "mlm":
-        raise ConfigError(f"--checkpoint: {args.checkpoint} is a fine-tuned encoder (model.head={cfg.model.head}); "
+    if head := cfg.model.task_head:
+        raise ConfigError(f"--checkpoint: {args.checkpoint} is a fine-tuned {cfg.model.arch} (model.head={head}); "
                           "score it on labelled rows with python -m lm.predict")
-    if cfg.model.arch in ("encdec", "encoder"):
+    if not family.causal_lm:
         if args.stride is not None:
-            parser.error("--stride: applies to decoder-only checkpoints; an encoder-decoder or an encoder is scored "
-                         "on non-overlapping windows")
-        if cfg.model.arch == "encoder" and not 0 < seq_len <= cfg.model.block_size:
+            parser.error(f"--stride: applies to next-token checkpoints; {cfg.model.title} is scored on "
+                         "non-overlapping windows")
+        if not 0 < seq_len <= cfg.model.block_size:
             parser.error(f"--seq-len: must be in [1, {cfg.model.block_size}] (the model's block_size), got {seq_len}")
-        eot = None
-        if cfg.data.document_mask:  # an encoder trained so is scored so: attention within each document
-            eot = model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size).eot_token
-        return seq_len, None, build_objective(cfg.model, seq_len, cfg.train.seed, eot, cfg.data)
+        return seq_len, None, family.objective(cfg.model, cfg.data, seq_len, cfg.train.seed, _document_eot(cfg))
     if not 0 < seq_len <= cfg.model.block_size:
         parser.error(f"--seq-len: must be in [1, {cfg.model.block_size}] (the model's block_size), got {seq_len}")
     stride = args.stride if args.stride is not None else max(1, seq_len // 2)
@@ -95,20 +91,17 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     device = init_device(args.device, "--device")
     model, cfg, step_dir = load_for_inference(args.checkpoint, device)
-    seq_len, stride, objective = _windows(args, cfg, parser)
+    family = family_of(cfg.model)
+    seq_len, stride, objective = _windows(args, cfg, family, parser)
     streams, source, n_bytes = _streams(args, cfg)
 
     nll, count, correct = 0.0, 0, None
     with tqdm(total=sum(len(s) - 1 for s in streams), unit="tok", desc="eval", disable=None) as bar:
-        if isinstance(objective, MaskedLM):
-            nll, count, correct = score_masked_lm(model, streams, objective, seq_len, args.batch_size, device, bar)
-        elif objective is not None:
-            nll, count = score_span_corruption(model, streams, objective, args.batch_size, device, bar)
+        if objective is not None:
+            nll, count, correct = score_windows(family, model, streams, objective, seq_len, args.batch_size, device,
+                                                bar)
         else:
-            # a model trained with document masking is scored so too: each window attends within its documents
-            eot = None
-            if cfg.data.document_mask:
-                eot = model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size).eot_token
+            eot = _document_eot(cfg)
             for stream in streams:
                 scored = score_stream(model, np.asarray(stream), seq_len, stride, args.batch_size, device, bar,
                                       document_eot=eot)
@@ -116,17 +109,12 @@ def main(argv: list[str]) -> int:
     if count == 0:
         raise DataError(f"{source}: nothing to score (fewer than {seq_len + 1 if objective else 2} tokens)")
     print(f"checkpoint: {step_dir}")
-    if correct is not None:
-        d = cfg.data
-        within = " | attention within documents (data.document_mask)" if d.document_mask else ""
-        print(f"data: {source} | windows of {seq_len} tokens, {d.mlm_rate:.0%} of each masked "
-              f"({d.mlm_mask_fraction:.0%} [MASK], {d.mlm_random_fraction:.0%} random){within}")
-        print(f"masked tokens scored: {count:,}")
-        print(f"masked-token accuracy: {correct / count:.4f}")
-    elif objective is not None:
-        s, t = objective.lengths
-        print(f"data: {source} | span corruption of windows of {seq_len + 1} tokens (source {s}, target {t})")
-        print(f"target tokens scored: {count:,}")
+    if objective is not None:
+        within = " | attention within documents (data.document_mask)" if cfg.data.document_mask else ""
+        print(f"data: {source} | {objective.describe(seq_len)}{within}")
+        print(f"{objective.targets} scored: {count:,}")
+        if correct is not None:
+            print(f"{objective.accuracy}: {correct / count:.4f}")
     else:
         masked = " | attention within documents (data.document_mask)" if cfg.data.document_mask else ""
         print(f"data: {source} | window {seq_len}, stride {stride}{masked}")

@@ -1,11 +1,12 @@
 """`python -m lm.export --checkpoint RUN --to hf OUT`: a checkpoint as a Hugging Face transformers model.
 
-OUT gets config.json, model.safetensors, generation_config.json and the tokenizer's files (`lm.hf.export`): built
+OUT gets config.json, model.safetensors, generation_config.json and the tokenizer's files (`lm.hf.export_files`): built
 from a tiktoken encoding, or the tokenizer.json the model was trained with (data.tokenizer) copied.
-The model config picks the target, GPT2LMHeadModel, LlamaForCausalLM or Qwen2ForCausalLM, or for an encoder
-with the masked-LM head BertForMaskedLM (`lm.hf.mapping`); any other combination is refused before anything
-is loaded or written, naming the keys that differ. An encoder's export holds config.json and model.safetensors
-alone: no tokenizer file knows its [MASK], [CLS] and padding ids, which the tool prints instead.
+The model's family lists the transformers classes it maps to (GPT2LMHeadModel, LlamaForCausalLM or
+Qwen2ForCausalLM for the decoder, BertForMaskedLM for an encoder's masked-LM head); the first whose forward is
+the model's is written, and any other config is refused before anything is loaded or written, naming the keys
+that differ. An encoder's export holds config.json and model.safetensors alone: no tokenizer file knows its
+[MASK], [CLS] and padding ids, which the tool prints instead.
 """
 
 import argparse
@@ -19,8 +20,9 @@ from lm.checkpoint.consolidated import read_consolidated_config
 from lm.checkpoint.loading import load_for_inference
 from lm.checkpoint.store import read_config, resolve_checkpoint
 from lm.cli import run
-from lm.hf.export import output_problem, write_export
-from lm.hf.mapping import TARGETS, hf_target
+from lm.hf.export_files import output_problem, write_export
+from lm.hf.targets import pick_target
+from lm.models.registry import family_of
 from lm.tokenizer import model_tokenizer
 
 log = logging.getLogger("lm.export")
@@ -51,19 +53,18 @@ def main(argv: list[str]) -> int:
     else:
         step_dir = resolve_checkpoint(args.checkpoint)
         saved = read_config(step_dir)
-    target = hf_target(saved.model)  # refuse before loading weights or creating anything
+    # refuse before loading weights or creating anything
+    target = pick_target(saved.model, family_of(saved.model).hf_targets, saved.model.title)
     model, job, _ = load_for_inference(step_dir, torch.device("cpu"))
     out = args.out.resolve()
-    encoder = job.model.arch == "encoder"
-    tokenizer = None if encoder else model_tokenizer(job.data.tokenizer, job.model.vocab_size)
-    written, kept = write_export(model, tokenizer, job.data.tokenizer, out)
+    tokenizer = model_tokenizer(job.data.tokenizer, job.model.vocab_size) if target.tokenizer_files else None
+    written, kept = write_export(model, target, tokenizer, job.data.tokenizer, out)
     if kept:
         log.warning("%s: kept files this export did not write: %s", out, ", ".join(kept))
-    log.info("exported %s (step dir %s) as %s to %s: %s", args.checkpoint, step_dir.name,
-             TARGETS[target].hf_class, out, ", ".join(written))
-    if encoder:
-        log.info("no tokenizer files: encode text with data.tokenizer=%s and add the ids beyond it: [CLS]=%d first, "
-                 "[MASK]=%d, padding=%d", job.data.tokenizer, job.model.cls_id, job.model.mask_id, job.model.pad_id)
+    log.info("exported %s (step dir %s) as %s to %s: %s", args.checkpoint, step_dir.name, target.hf_class, out,
+             ", ".join(written))
+    if target.note is not None:
+        log.info("%s", target.note(job.model, job.data.tokenizer))
     return 0
 
 

@@ -1,24 +1,25 @@
-"""`python -m lm.finetune`: train a classification or regression head on a pretrained encoder.
+"""`python -m lm.finetune`: train a classification or regression head on a pretrained trunk (an encoder's).
 
     python -m lm.finetune --encoder runs/encoder --model.head=classify --model.num_classes=2 \\
         --task.file=data/lines.csv --train.out_dir=runs/lines
 
-The encoder checkpoint (a run directory, a step directory of any engine, or a consolidated .safetensors)
-gives the run its model (`model.*`: the trunk must stay the checkpoint's), its tokenizer and its window length
-(the longest example, data.seq_len); the trunk's weights start from it and the head is drawn fresh
-(`lm.checkpoint.trunk`). Everything else is a training run like `lm.train`'s: any engine under torchrun,
-checkpoints, resume (the same command again), metrics in TensorBoard. Run under torchrun for several processes.
+The checkpoint (a run directory, a step directory of any engine, or a consolidated .safetensors) gives the run
+its model (`model.*`: the trunk must stay the checkpoint's; the keys that choose the head, its family's
+`head_keys`, are the run's), its tokenizer and its window length (the longest example, data.seq_len); the
+trunk's weights start from it and the head is drawn fresh (`lm.checkpoint.trunk`). Everything else is a
+training run like `lm.train`'s: any engine under torchrun, checkpoints, resume (the same command again), metrics
+in TensorBoard. Run under torchrun for several processes.
 """
 
 import argparse
 import dataclasses
 from pathlib import Path
 
-from lm.checkpoint.resume import ARCH_NAMES
-from lm.checkpoint.trunk import HEAD_KEYS, saved_config
+from lm.checkpoint.trunk import saved_config
 from lm.cli import exit_without_teardown, run
 from lm.config import JobConfig, parse_cli
 from lm.errors import ConfigError
+from lm.models.registry import family_of
 
 DESCRIPTION = "Fine-tune a pretrained encoder: a classify or regress head on a labelled file (task.file)."
 
@@ -29,9 +30,10 @@ def _flags(parser: argparse.ArgumentParser) -> None:
 
 
 def encoder_base(path: Path, saved: JobConfig) -> dict:
-    """The config sections a fine-tuning run takes from the encoder checkpoint at `path`, whose config is `saved`:
-    the trunk's model keys, the tokenizer and window length, and checkpoint.init_from itself."""
-    model = {k: v for k, v in dataclasses.asdict(saved.model).items() if k not in HEAD_KEYS}
+    """The config sections a fine-tuning run takes from the checkpoint at `path`, whose config is `saved`: the
+    trunk's model keys, the tokenizer and window length, and checkpoint.init_from itself."""
+    head_keys = family_of(saved.model).head_keys
+    model = {k: v for k, v in dataclasses.asdict(saved.model).items() if k not in head_keys}
     return {"model": model, "data": {"tokenizer": saved.data.tokenizer, "seq_len": saved.data.seq_len},
             "checkpoint": {"init_from": str(path)}}
 
@@ -46,14 +48,15 @@ def main(argv: list[str]) -> int:
         if not path.exists():
             raise ConfigError(f"--encoder: no such file or directory {encoder!r}")
         saved = saved_config(path)
-        if saved.model.arch != "encoder":
-            raise ConfigError(f"--encoder: {path} holds {ARCH_NAMES[saved.model.arch]} (model.arch="
-                              f"{saved.model.arch}); lm.finetune trains a head on an encoder's checkpoint "
+        if not family_of(saved.model).head_keys:
+            raise ConfigError(f"--encoder: {path} holds {saved.model.title} (model.arch={saved.model.arch}), which "
+                              "has no fine-tuning head; lm.finetune trains a head on an encoder's checkpoint "
                               "(model.arch=encoder)")
         base = encoder_base(path, saved)
     cfg, _ = parse_cli(argv, DESCRIPTION, extra=_flags, prog="python -m lm.finetune", base=base)
-    if cfg.model.arch != "encoder" or cfg.model.head == "mlm":
-        raise ConfigError(f"model.head: lm.finetune trains a classify or regress head, got {cfg.model.head!r}; "
+    if cfg.model.task_head is None:
+        head = getattr(cfg.model, "head", None)
+        raise ConfigError(f"model.head: lm.finetune trains a classify or regress head, got {head!r}; "
                           "set --model.head=classify (with --model.num_classes) or --model.head=regress")
     from lm.training.job import run_job  # after the config is known good: --help needs no trainer
 

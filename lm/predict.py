@@ -1,4 +1,4 @@
-"""`python -m lm.predict`: a fine-tuned encoder's predictions for every row of a CSV/JSONL/parquet file.
+"""`python -m lm.predict`: a fine-tuned head's predictions for every row of a CSV/JSONL/parquet file.
 
     python -m lm.predict --checkpoint runs/lines --file data/lines_test.csv --out preds.jsonl
 
@@ -23,6 +23,7 @@ from lm.data.labelled import encode_examples, example_batches, read_labelled, re
 from lm.distributed.env import init_device
 from lm.errors import ConfigError
 from lm.io import atomic_path
+from lm.models.registry import family_of
 from lm.tokenizer import model_tokenizer
 from lm.training.evaluate import task_metrics, task_sums, task_sums_size
 
@@ -47,11 +48,12 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     device = init_device(args.device, "--device")
     model, cfg, source = load_for_inference(args.checkpoint, device)
-    head = cfg.model.head if cfg.model.arch == "encoder" else None
-    if head not in ("classify", "regress"):
-        raise ConfigError(f"--checkpoint: {source} holds model.arch={cfg.model.arch}"
-                          + (f" with model.head={head}" if head else "")
-                          + "; lm.predict takes a fine-tuned encoder (model.head classify or regress: lm.finetune)")
+    head = cfg.model.task_head
+    if head is None:
+        raise ConfigError(f"--checkpoint: {source} holds {cfg.model.title} (model.arch={cfg.model.arch}) pretrained "
+                          "on token shards; lm.predict takes a fine-tuned head (model.head classify or regress: "
+                          "lm.finetune)")
+    family = family_of(cfg.model)
     text_column = args.text_column or cfg.task.text_column
     label_column = cfg.task.label_column if args.label_column is None else args.label_column
     if label_column:
@@ -68,9 +70,8 @@ def main(argv: list[str]) -> int:
     with torch.no_grad(), tqdm(total=len(examples), unit="row", desc="predict", disable=None) as bar:
         for ids, batch_labels, keep, weight in example_batches(examples, labels, args.batch_size, 0, 1,
                                                                cfg.model.pad_id):
-            ids_t, labels_t, keep_t = (torch.from_numpy(a).to(device) for a in (ids, batch_labels, keep))
-            out, _ = model(ids_t, labels_t, keep_t)
-            out = out.float().cpu()
+            ids_t, keep_t = (torch.from_numpy(a).to(device) for a in (ids, keep))
+            out = family.task_outputs(model, model, ids_t, keep_t).float().cpu()
             real = int(weight.sum())
             outputs.append(out[:real])
             sums += task_sums(head, cfg.model.num_classes, out, batch_labels, weight)

@@ -1,6 +1,7 @@
 """`python -m lm.sample`: generate text from a checkpoint saved at any world size.
 
-A GPT or an LSTM continues the prompt; an encoder-decoder fills its `<mask>`s (`lm.inference.prompts`).
+The model's family writes the text: a next-token model (a GPT, an LSTM) continues the prompt; an
+encoder-decoder fills its `<mask>`s (`lm.models.encdec.sampling`); an encoder writes none.
 """
 
 import argparse
@@ -9,12 +10,11 @@ import sys
 from lm.checkpoint.loading import load_for_inference
 from lm.cli import finite_float, positive_int, run
 from lm.distributed.env import init_device
-from lm.errors import ConfigError
-from lm.inference.prompts import encdec_source, fill_masks, fit_prompt
+from lm.errors import ConfigError, PromptError
 from lm.io import read_utf8
-from lm.models.config import ModelConfig
-from lm.models.generate import generate
-from lm.tokenizer import continuation_text, model_tokenizer, prompt_ids
+from lm.models.family import SampleOptions
+from lm.models.registry import family_of
+from lm.tokenizer import model_tokenizer
 
 
 def main(argv: list[str]) -> int:
@@ -41,42 +41,22 @@ def main(argv: list[str]) -> int:
 
     device = init_device(args.device, "--device")
     model, cfg, step_dir = load_for_inference(args.checkpoint, device)
-    if cfg.model.arch == "encoder":
-        raise ConfigError(f"--checkpoint: {step_dir} is an encoder (model.arch=encoder), which generates no text; "
-                          "score it with python -m lm.eval, or its fine-tuned head with python -m lm.predict")
+    family = family_of(cfg.model)
+    if not family.generates:
+        raise ConfigError(f"--checkpoint: {step_dir} is {cfg.model.title} (model.arch={cfg.model.arch}), which "
+                          "generates no text; score it with python -m lm.eval, or a fine-tuned head with "
+                          "python -m lm.predict")
     tokenizer = model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
     text = args.prompt if args.prompt_file is None else read_utf8(args.prompt_file)
-    if cfg.model.arch == "encdec":
-        return sample_encdec(model, cfg.model, tokenizer, text, args, parser)
-    ids = prompt_ids(tokenizer, text)
-    try:
-        ids = fit_prompt(ids, args.max_new_tokens, cfg.model.block_size)
-    except ValueError as err:
-        parser.error(str(err))
     for i in range(args.num_samples):
-        new = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, eot_id=tokenizer.eot_token, seed=args.seed + i)
+        options = SampleOptions(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i)
+        try:
+            sample = family.sample(model, tokenizer, text, options)
+        except PromptError as err:  # a prompt or length the model cannot take
+            parser.error(str(err))
         if args.num_samples > 1:
             print(f"--- sample {i + 1} ---")
-        print(text + continuation_text(tokenizer, ids, new))
-    return 0
-
-
-def sample_encdec(model, cfg: ModelConfig, tokenizer, text: str, args: argparse.Namespace,
-                  parser: argparse.ArgumentParser) -> int:
-    """Fill the prompt's masks (or continue it) with an encoder-decoder; prints one text per sample."""
-    if args.max_new_tokens > cfg.block_size:
-        parser.error(f"--max-new-tokens: {args.max_new_tokens} exceeds the decoder's positions "
-                     f"(model.block_size={cfg.block_size})")
-    try:
-        encdec_source(text, tokenizer.encode_ordinary, cfg)
-    except ValueError as err:
-        parser.error(str(err))
-    for i in range(args.num_samples):
-        if args.num_samples > 1:
-            print(f"--- sample {i + 1} ---")
-        print(fill_masks(model, cfg, tokenizer, text, args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, top_p=args.top_p, seed=args.seed + i))
+        print(sample)
     return 0
 
 

@@ -31,14 +31,12 @@ def _planned_world_size(nproc: int | None) -> int:
 
 def dry_run(cfg: JobConfig, world_size: int, device_gib: float) -> None:
     """Print what the config would train and how much memory each engine needs per device."""
-    from lm.plan.param_count import num_params
-    from lm.plan.table import plan_table
+    from lm.models.registry import family_of
+    from lm.plan.memory_table import plan_table
 
     m = cfg.model
-    heads = "" if m.arch == "lstm" else f", {m.n_head} heads ({m.kv_heads} key/value)"
-    print(f"model: {m.arch}, {m.n_layer} layers, d_model {m.d_model}{heads}, "
-          f"vocabulary {m.padded_vocab_size:,} (padded)")
-    print(f"parameters: {num_params(m):,}")
+    print(f"model: {m.summary}, vocabulary {m.padded_vocab_size:,} (padded)")
+    print(f"parameters: {family_of(m).num_params(m):,}")
     print(f"configured: parallel.engine={cfg.parallel.engine}"
           + (f" zero_stage={cfg.parallel.zero_stage}" if cfg.parallel.engine == "deepspeed" else "")
           + f" cpu_offload={cfg.parallel.cpu_offload} activation_checkpointing={cfg.parallel.activation_checkpointing}")

@@ -23,13 +23,14 @@ import torch
 from lm.cli import run
 from lm.data.shards import HEADER_BYTES
 from lm.training.run_dir import RunLock
+from tests.distributed.test_engines import heads_for
 
 TOOLS = {
     "train": "lm.train", "prepare": "lm.prepare", "eval": "lm.eval", "sample": "lm.sample",
     "export": "lm.export", "consolidate": "lm.consolidate",
 }
 TINY = [
-    "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32", "--data.seq_len=16",
+    "--model.n_layer=2", "--model.d_model=32", "--model.block_size=32", "--data.seq_len=16",
     "--train.steps=8", "--train.batch_size=4", "--train.micro_batch_size=2", "--train.device=cpu",
     "--train.eval_batches=2", "--log.tensorboard=false",
 ]
@@ -119,7 +120,7 @@ class Case:
 
 
 def train(*extra: str, data: str = "{ws}/data", out: str = "{ws}/run") -> list[str]:
-    return [*TINY, f"--data.dir={data}", f"--train.out_dir={out}", *extra]
+    return [*TINY, *heads_for(extra), f"--data.dir={data}", f"--train.out_dir={out}", *extra]
 
 
 def mixture(dir_a: str, weight_a: object, dir_b: str, weight_b: object) -> str:
@@ -134,7 +135,11 @@ CASES = [
     Case("config: not a mapping", "train", ["--config", "{ws}/list.yaml", *train()],
          r"{ws}/list.yaml: expected a mapping of sections at the top level"),
     Case("config: unknown key", "train", train("--model.n_layers=3"),
-         r"model.n_layers: unknown key; did you mean 'n_layer'\?"),
+         r"model.n_layers: not a key of a decoder-only GPT \(model.arch=gpt\); did you mean 'n_layer'\? it takes "
+         r"\['arch', 'bias', 'block_size', "),
+    Case("config: a key the family does not read", "train", train("--model.arch=lstm", "--model.pos=rope"),
+         r"model.pos: not a key of an LSTM \(model.arch=lstm\); it takes \['arch', 'bias', 'block_size', 'd_model', "
+         r"'dropout', 'loss_chunk', 'n_layer', 'tie_embeddings', 'vocab_multiple', 'vocab_size'\]"),
     Case("config: unknown section", "train", train("--optimizer.lr=1e-3"),
          r"optimizer: unknown key; did you mean 'optim'\?"),
     Case("config: wrong type", "train", train("--train.steps=ten"), r"train.steps: expected int, got str 'ten'"),
@@ -192,7 +197,8 @@ CASES = [
          train(mixture("{ws}/data", 1, "{ws}/data2", "lots")),
          r"data.mixture\[1\].weight: expected float, got str 'lots'"),
     Case("config: document_mask for the LSTM", "train", train("--data.document_mask=true", "--model.arch=lstm"),
-         r"data.document_mask: only a GPT and an encoder mask attention by document; model.arch=lstm"),
+         r"data.document_mask: an LSTM \(model.arch=lstm\) cannot keep attention inside each document of a window; "
+         r"set it to false"),
     # the modern recipe's keys (README: A recipe that learns faster)
     Case("config: unknown optimizer", "train", train("--optim.name=lion"),
          r"optim.name: expected adamw or muon, got 'lion'"),
@@ -205,7 +211,7 @@ CASES = [
          r"optim.muon_ns_steps: must be >= 1, got 0"),
     Case("config: a negative z-loss", "train", train("--optim.z_loss=-0.1"), r"optim.z_loss: must be >= 0, got -0.1"),
     Case("config: z-loss for the encoder-decoder", "train", train("--optim.z_loss=1e-4", "--model.arch=encdec"),
-         r"optim.z_loss: the GPT and the LSTM add it; the encoder-decoder does not"),
+         r"optim.z_loss: an encoder-decoder \(model.arch=encdec\) adds no z-loss term to its loss; set it to 0"),
     Case("config: optimizer changed on resume", "train", train("--optim.name=muon"),
          r"{ws}/run/checkpoints/step_00000004: its optimizer state is adamw's and optim.name is muon; resume with "
          r"optim.name=adamw"),

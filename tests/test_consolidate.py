@@ -13,12 +13,12 @@ from safetensors.torch import load_file, save_file
 
 from lm.checkpoint.consolidated import consolidate, load_consolidated, read_consolidated_config
 from lm.checkpoint.loading import load_for_inference
+from lm.checkpoint.model_weights import load_model_weights, tied_names
 from lm.checkpoint.store import resolve_checkpoint
-from lm.checkpoint.weights import load_model_weights, tied_names
 from lm.config import JobConfig, load_config, save_config
 from lm.consolidate import main
 from lm.errors import CheckpointError
-from lm.models.factory import build_model
+from lm.models.registry import family_of
 
 TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32", "--data.seq_len=16"]
 REPO = Path(__file__).resolve().parents[1]
@@ -28,8 +28,11 @@ def _logits(model: torch.nn.Module, cfg: JobConfig) -> torch.Tensor:
     idx = torch.arange(8).reshape(1, 8) % cfg.model.vocab_size
     with torch.no_grad():
         if cfg.model.arch == "encdec":
-            return model(idx, idx)[0]
-        return model(idx)[0]
+            return model.logits(model(idx, idx))
+        h = model(idx)
+        if cfg.model.arch == "encoder":
+            return model.task_outputs(h) if cfg.model.task_head else model.mlm_logits(h)
+        return model.logits(h)
 
 
 def _write_run(step_dir: Path, cfg: JobConfig, state: dict) -> None:
@@ -44,7 +47,7 @@ def _dcp_run(tmp_path: Path, overrides: list[str]) -> tuple[Path, torch.nn.Modul
 
     cfg = load_config(None, TINY + overrides)
     torch.manual_seed(0)
-    model = build_model(cfg.model)
+    model = family_of(cfg.model).build(cfg.model)
     step_dir = tmp_path / "run" / "checkpoints" / "step_00000003"
     step_dir.mkdir(parents=True)
     dcp.save({"model": model.state_dict()}, checkpoint_id=step_dir)
@@ -58,7 +61,7 @@ def test_dcp_checkpoint_consolidates_to_the_same_weights_and_logits(trained_run,
     assert step_dir == resolve_checkpoint(trained_run)
 
     reference, cfg, _ = load_for_inference(trained_run, torch.device("cpu"))
-    expected = build_model(cfg.model)
+    expected = family_of(cfg.model).build(cfg.model)
     load_model_weights(step_dir, expected)
     stored = load_file(out)
     # the head is tied to wte: stored once, under the embedding's name
@@ -183,7 +186,7 @@ def _deepspeed_worker(rank: int, world: int, port: int, root: str) -> None:
         cfg = load_config(None, TINY + ["--parallel.engine=deepspeed", f"--parallel.zero_stage={stage}",
                                         f"--train.dtype={'bfloat16' if bf16 else 'float32'}"])
         torch.manual_seed(stage)
-        model = build_model(cfg.model)
+        model = family_of(cfg.model).build(cfg.model)
         # our own torch AdamW: a DeepSpeed optimizer type would build FusedAdam (~70 s)
         engine, *_ = deepspeed.initialize(
             model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -191,7 +194,7 @@ def _deepspeed_worker(rank: int, world: int, port: int, root: str) -> None:
                     "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "steps_per_print": 10**9},
         )
         idx = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank))
-        _, loss = engine(idx, idx)
+        loss, _ = family_of(cfg.model).loss(model, engine, [idx, idx])
         engine.backward(loss)
         engine.step()
         step_dir = Path(root) / name / "checkpoints" / "step_00000001"
@@ -237,6 +240,6 @@ def test_deepspeed_checkpoint_consolidates_to_the_engine_parameters(deepspeed_ru
     for key, tensor in stored.items():
         assert torch.equal(model.state_dict()[key], tensor), key
     if not name.endswith("bf16"):
-        reference = build_model(cfg.model)
+        reference = family_of(cfg.model).build(cfg.model)
         reference.load_state_dict({**expected, "lm_head.weight": expected["wte.weight"]})
         assert torch.equal(_logits(model, cfg), _logits(reference.eval(), cfg))

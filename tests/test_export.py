@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-import lm.hf.export
+import lm.hf.export_files
 from lm.checkpoint.loading import load_for_inference
 from lm.checkpoint.store import resolve_checkpoint
 from lm.cli import run
@@ -67,7 +67,7 @@ def assert_same_model(run_dir: Path, out: Path, hf_class: str) -> None:
     vocab = cfg.model.vocab_size
     idx = torch.randint(0, vocab, (2, cfg.model.block_size), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(ours(idx)[0][..., :vocab], hf(idx).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.logits(ours(idx))[..., :vocab], hf(idx).logits, atol=1e-5, rtol=1e-5)
 
     encoding = load_tokenizer(cfg.data.tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
@@ -137,7 +137,8 @@ def test_encdec_checkpoint_is_refused_from_its_config(trained_run, tmp_path, cap
     out = tmp_path / "out"
     assert run(main, ["--checkpoint", str(run_dir), "--to", "hf", str(out)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "model.arch=encdec" in lines[0] and "needs model.arch=gpt" in lines[0]
+    assert lines == ["error: cannot export to Hugging Face: an encoder-decoder (model.arch=encdec) has no "
+                     "transformers counterpart"]
     assert not out.exists()
 
 
@@ -146,8 +147,7 @@ def test_lstm_checkpoint_is_refused_naming_the_architecture_alone(trained_run, t
     out = tmp_path / "out"
     assert run(main, ["--checkpoint", str(run_dir), "--to", "hf", str(out)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == ["error: cannot export to Hugging Face: model.arch=lstm is a recurrent model and the targets "
-                     "are transformers (GPT2LMHeadModel, LlamaForCausalLM and Qwen2ForCausalLM need model.arch=gpt)"]
+    assert lines == ["error: cannot export to Hugging Face: an LSTM (model.arch=lstm) has no transformers counterpart"]
     assert not out.exists()
 
 
@@ -172,7 +172,7 @@ def test_a_failed_export_leaves_nothing(trained_run, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(lm.hf.export, "write_hf_tokenizer", broken)
+    monkeypatch.setattr(lm.hf.export_files, "write_hf_tokenizer", broken)
     with pytest.raises(OSError, match="disk full"):
         run(main, ["--checkpoint", str(trained_run), "--to", "hf", str(tmp_path / "out")])
     assert list(tmp_path.iterdir()) == []

@@ -12,37 +12,16 @@ from pathlib import Path
 
 import torch
 
-from lm.bench.common import device_name, fmt, print_table
+from lm.bench.common import PRESETS, device_name, fmt, preset_config, print_table
 from lm.cli import positive_int, run
-from lm.config import JobConfig, load_config
+from lm.config import JobConfig
 from lm.distributed.env import init_device
 
-PRESETS = ["demo", "gpt2-124m"]
 # sampling first: run after the training sections on the 2-core machine, its per-token times (ours and
 # transformers' alike) came out 1.3-2x slower than in a fresh process
-SECTIONS = ["sampling", "data", "training", "engines", "docmask", "losschunk", "hfimport"]
-# docmask, losschunk and hfimport are asked for by name: the first two compare our own paths, the last writes
-# gigabytes of random checkpoints
+SECTIONS = ["sampling", "data", "training", "engines", "hfimport"]
+# hfimport is asked for by name: it writes gigabytes of random checkpoints
 DEFAULT_SECTIONS = ["sampling", "data", "training", "engines"]
-# (batch, seq_len) of the docmask rows: the demo's training window, and a long one at a small batch
-DOCMASK_SHAPES = [(4, 128), (2, 1024)]
-# (batch, seq_len) of the losschunk rows: the demo's micro-batch, and one where the logits dominate memory;
-# with the model.loss_chunk sizes timed at each (0: off)
-LOSSCHUNK_SHAPES = [(4, 128), (8, 512)]
-LOSSCHUNK_SIZES = [0, 256, 1024]
-# each setting is timed in this many fresh processes, taken in turns, and shown as the range of their medians
-LOSSCHUNK_ROUNDS = 2
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-
-
-def preset_config(preset: str, device: torch.device) -> tuple[JobConfig, int]:
-    """The preset's config for this device and the micro-batch to time."""
-    overrides = [f"--train.device={device.type}", "--train.compile=false"]
-    if device.type == "cpu" and preset == "gpt2-124m":
-        overrides += ["--data.seq_len=256", "--train.dtype=float32"]
-    cfg = load_config(CONFIGS / f"{preset}.yaml", overrides)
-    micro = 1 if device.type == "cpu" and preset == "gpt2-124m" else cfg.train.micro_batch_size
-    return cfg, micro
 
 
 def _train_cells(preset: str, mode: str, micro: int, cfg: JobConfig, row: dict, ours: dict | None) -> list[str]:
@@ -102,7 +81,7 @@ def engines(args, device, results: dict) -> None:
 
 
 def sampling(args, device, results: dict) -> None:
-    from lm.bench.sampling import bench_sampling
+    from lm.bench.sampling_speed import bench_sampling
 
     cfg, _ = preset_config(args.sampling_preset, device)
     rows = []
@@ -140,55 +119,6 @@ def data(args, device, results: dict) -> None:
                      f"{loader['seconds/step'] * 1e3:.3f}", f"{step * 1e3:.1f}", f"{share:.3%}"])
     print_table("loader: next_batch over memory-mapped shards, one rank",
                 ["preset", "batch x seq", "batches/s", "GB/s", "ms/batch", "train ms/step", "share of step"], rows)
-
-
-def docmask(args, device, results: dict) -> None:
-    from lm.bench.docmask import bench_attention, bench_model_paths
-
-    cfg, _ = preset_config("demo", device)
-    model_rows, attention_rows = [], []
-    for batch, seq_len in DOCMASK_SHAPES:
-        shape = f"{batch} x {seq_len}"
-        ms = bench_model_paths(cfg, device, batch, seq_len, args.warmup, args.reps)
-        model_rows.append([shape, f"{ms['is_causal']:.1f}", f"{ms['mask']:.1f}", f"{ms['mask'] / ms['is_causal']:.2f}"])
-        row = bench_attention(cfg, device, batch, seq_len, args.warmup, args.reps, flex=args.compile)
-        for what in ("forward", "forward + backward"):
-            ms = row[what]
-            attention_rows.append([shape, what, f"{ms['is_causal']:.2f}", f"{ms['mask']:.2f}",
-                                   fmt(ms.get("flex"), ".2f"), f"{row['mask build']:.2f}",
-                                   fmt(row.get("block mask build"), ".2f"), fmt(row.get("max |flex - mask|"), ".1e")])
-    print_table("docmask: demo model forward + backward (ms), SDPA is_causal vs the boolean document mask; "
-                "documents of 1 to T/2 tokens", ["batch x seq", "is_causal", "document mask", "mask / is_causal"],
-                model_rows)
-    print_table(f"docmask: attention alone (ms), {cfg.model.n_head} heads x {cfg.model.head_dim}; flex_attention "
-                "compiled, with a document block mask; max |flex - mask|: outputs (and q grads) in fp32",
-                ["batch x seq", "pass", "SDPA is_causal", "SDPA mask", "flex", "mask build", "block mask build",
-                 "max |flex - mask|"], attention_rows)
-
-
-def losschunk(args, device, results: dict) -> None:
-    from lm.bench.losschunk import measure_fresh
-
-    cfg, _ = preset_config("demo", device)
-    rows = []
-    for batch, seq_len in LOSSCHUNK_SHAPES:
-        found: dict[int, list[dict]] = {chunk: [] for chunk in LOSSCHUNK_SIZES}
-        for _ in range(LOSSCHUNK_ROUNDS):
-            for chunk in LOSSCHUNK_SIZES:
-                found[chunk].append(measure_fresh(cfg, str(device), batch, seq_len, chunk, args.warmup, args.reps))
-        plain_peak = max(r["peak GiB"] or 0 for r in found[0]) or None
-        for chunk, runs in found.items():
-            ms = sorted(r["ms/step"] for r in runs)
-            peak = max(r["peak GiB"] or 0 for r in runs) or None
-            step = max(r["step GiB"] or 0 for r in runs) or None
-            ratio = peak / plain_peak if peak and plain_peak else None
-            rows.append([f"{batch} x {seq_len}", str(chunk) if chunk else "0 (off)", f"{ms[0]:.0f}-{ms[-1]:.0f}",
-                         fmt(peak, ".3f"), fmt(step, ".3f"), fmt(ratio, ".2f")])
-    what = "resident set (VmHWM)" if device.type == "cpu" else "max_memory_allocated"
-    print_table(f"losschunk: demo model training step (forward, backward, clip, AdamW), model.loss_chunk; peak "
-                f"memory is the {what}, step GiB its rise above model and inputs; ms: range of "
-                f"{LOSSCHUNK_ROUNDS} fresh processes' medians", ["batch x seq", "loss_chunk", "ms/step",
-                                                                "peak GiB", "step GiB", "peak / off"], rows)
 
 
 # (device type, result key, what, target, kind): "ratio" and "min share" must reach the target, "max share"
@@ -262,8 +192,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--reps-no-cache", type=positive_int, default=1,
                         help="timed repetitions of sampling without cache")
     parser.add_argument("--reps-data", type=positive_int, default=3, help="timed repetitions of data preparation")
-    parser.add_argument("--no-compile", dest="compile", action="store_false",
-                        help="skip the torch.compile rows (and docmask's flex_attention)")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile rows")
     parser.add_argument("--new-tokens", type=positive_int, default=256, help="tokens per sequence in the sampling rows")
     parser.add_argument("--sampling-preset", default="demo", choices=PRESETS)
     parser.add_argument("--import-models", nargs="+", default=["gpt2-124m", "llama-1.1b"],

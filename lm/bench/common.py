@@ -7,6 +7,11 @@ from pathlib import Path
 
 import torch
 
+from lm.config import JobConfig, load_config
+
+PRESETS = ["demo", "gpt2-124m"]
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
 
 def sync(device: torch.device) -> None:
     """Wait for queued GPU work, so a timer measures it and not only its launch."""
@@ -82,3 +87,13 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     for row in [header, *rows]:
         cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
         print("  ".join(cells).rstrip())
+
+
+def preset_config(preset: str, device: torch.device) -> tuple[JobConfig, int]:
+    """The preset's config for this device and the micro-batch to time."""
+    overrides = [f"--train.device={device.type}", "--train.compile=false"]
+    if device.type == "cpu" and preset == "gpt2-124m":
+        overrides += ["--data.seq_len=256", "--train.dtype=float32"]
+    cfg = load_config(CONFIGS / f"{preset}.yaml", overrides)
+    micro = 1 if device.type == "cpu" and preset == "gpt2-124m" else cfg.train.micro_batch_size
+    return cfg, micro

@@ -12,7 +12,7 @@ import numpy as np
 from lm.config import JobConfig
 from lm.data.loader import TokenLoader
 from lm.data.shards import ShardWriter, dtype_for_vocab, new_manifest, write_manifest
-from lm.training.objective import build_objective
+from lm.models.registry import family_of
 
 
 def bench_prepare(cfg: JobConfig, reps: int, repeat: int = 4) -> dict:
@@ -36,7 +36,8 @@ def bench_loader(cfg: JobConfig, micro_batch: int, steps: int) -> dict:
             shards = writer.close()
             splits[split] = {"documents": 1, "tokens": count, "shards": shards}
         write_manifest(tmp, new_manifest(cfg.data.tokenizer, cfg.model.vocab_size, 0, "synthetic", "", splits))
-        objective = build_objective(cfg.model, cfg.data.seq_len, 0, data=cfg.data)  # its cost is part of the loader's
+        # its cost is part of the loader's
+        objective = family_of(cfg.model).objective(cfg.model, cfg.data, cfg.data.seq_len, 0)
         loader = TokenLoader(tmp, "train", cfg.data.seq_len, 0, 0, 1, micro_batch, micro_batch, objective)
         loader.next_batch()  # the first touch builds the permutation and faults the pages in
         start = time.perf_counter()

@@ -13,16 +13,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from lm.hf.mapping import hf_config, hf_target, weight_plan
-from lm.models.config import ModelConfig
-from lm.models.gpt import GPT
+from lm.hf.targets import pick_target
+from lm.models.gpt.config import GPTConfig
+from lm.models.registry import family_of
 
 MODELS = {
     # GPT-2 small (our defaults), stored in float32 as openai-community/gpt2 is
-    "gpt2-124m": (ModelConfig(), torch.float32),
+    "gpt2-124m": (GPTConfig(), torch.float32),
     # TinyLlama-1.1B's shape: 22 layers of width 2048, 32 query heads sharing 4 key/value heads; bfloat16 as
     # it is published
-    "llama-1.1b": (ModelConfig(vocab_size=32000, block_size=2048, n_layer=22, n_head=32, n_kv_head=4, d_model=2048,
+    "llama-1.1b": (GPTConfig(vocab_size=32000, block_size=2048, n_layer=22, n_head=32, n_kv_head=4, d_model=2048,
                                d_ff=5632, bias=False, pos="rope", norm="rmsnorm", norm_eps=1e-5, mlp="swiglu",
                                tie_embeddings=False), torch.bfloat16),
 }
@@ -33,7 +33,8 @@ _CHILD = """
 import json, sys, time
 import torch
 from lm.bench.common import peak_memory_gib, reset_peak_memory
-from lm.hf.weights import load_hf_model
+from lm.checkpoint.loading import load_hf_model
+from lm.models.hf_checkpoint import read_hf_model
 if sys.argv[2] == "transformers":
     from transformers import AutoModelForCausalLM
 cpu = torch.device("cpu")
@@ -41,12 +42,15 @@ base = peak_memory_gib(cpu)
 reset_peak_memory(cpu)
 start = time.perf_counter()
 if sys.argv[2] == "ours":
-    model = load_hf_model(sys.argv[1])
+    model = load_hf_model(read_hf_model(sys.argv[1]))
 else:
     model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
 loaded = time.perf_counter()
 with torch.no_grad():  # touches every weight: a loader that maps the file lazily pays for it here
-    model(torch.zeros(1, 8, dtype=torch.long))
+    if sys.argv[2] == "ours":
+        model.logits(model(torch.zeros(1, 8, dtype=torch.long)))
+    else:
+        model(torch.zeros(1, 8, dtype=torch.long))
 done = time.perf_counter()
 params = sum(p.numel() for p in model.parameters())
 print(json.dumps({"load s": loaded - start, "forward s": done - loaded, "peak GiB": peak_memory_gib(cpu),
@@ -54,16 +58,17 @@ print(json.dumps({"load s": loaded - start, "forward s": done - loaded, "peak Gi
 """
 
 
-def write_random_checkpoint(cfg: ModelConfig, directory: Path, dtype: torch.dtype, shard_bytes: int) -> int:
+def write_random_checkpoint(cfg: GPTConfig, directory: Path, dtype: torch.dtype, shard_bytes: int) -> int:
     """A transformers checkpoint of `cfg` with N(0, 0.02) weights (unit gains), in shards of about
     `shard_bytes`; returns the bytes of weights written."""
+    family = family_of(cfg)
     with torch.device("meta"):
-        shapes = {name: p.shape for name, p in GPT(cfg).named_parameters()}
-    family = hf_target(cfg)
+        shapes = {name: p.shape for name, p in family.build(cfg).named_parameters()}
+    target = pick_target(cfg, family.hf_targets, cfg.title)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(hf_config(cfg, dtype=dtype), indent=2))
+    (directory / "config.json").write_text(json.dumps(target.config(cfg, None, dtype), indent=2))
     tensors: list[tuple[str, tuple[int, ...]]] = []
-    for ours, parts in weight_plan(cfg, family).items():
+    for ours, parts in target.plan(cfg).items():
         rest = tuple(shapes[ours][1:])
         for part in parts:
             tensors.append((part.name, (rest[0], part.rows) if part.transposed else (part.rows, *rest)))

@@ -1,5 +1,6 @@
-"""Training throughput: our GPT (eager, compiled, under each engine) and transformers' GPT2LMHeadModel with
-the same weights, batch, optimizer (our AdamW groups) and precision, timed step by step on random tokens."""
+"""Training throughput: our model of a preset (eager, compiled, under each engine) and its transformers twin
+(GPT2LMHeadModel for the GPT-2 presets) with the same weights, batch, optimizer (our AdamW groups) and precision,
+timed step by step on random tokens."""
 
 from collections.abc import Callable
 
@@ -12,11 +13,11 @@ from lm.distributed.activation import compile_blocks
 from lm.distributed.env import DistEnv
 from lm.distributed.optim import build_optimizer
 from lm.distributed.precision import autocast_for
-from lm.hf.mapping import hf_config, hf_state_dict
+from lm.hf.targets import hf_state_dict, pick_target
 from lm.models.block import Block
-from lm.models.gpt import GPT
-from lm.plan.flops import flops_per_token, peak_flops
-from lm.training.trainer import build_run_engine
+from lm.models.registry import family_of
+from lm.plan.flops import peak_flops
+from lm.training.setup import build_run_engine
 
 
 def random_batch(cfg: JobConfig, micro_batch: int, device: torch.device) -> torch.Tensor:
@@ -25,20 +26,22 @@ def random_batch(cfg: JobConfig, micro_batch: int, device: torch.device) -> torc
     return torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.data.seq_len + 1), generator=generator).to(device)
 
 
-def hf_gpt2(model: GPT) -> nn.Module:
-    """transformers' GPT2LMHeadModel (SDPA attention) holding `model`'s weights."""
+def hf_twin(model: nn.Module) -> nn.Module:
+    """The transformers class of `model`'s family that reproduces it (GPT2LMHeadModel for the GPT-2 presets),
+    SDPA attention, holding `model`'s weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = hf_config(model.cfg)
+    target = pick_target(model.cfg, family_of(model.cfg).hf_targets, model.cfg.title)
+    fields = target.config(model.cfg, None, torch.float32)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    hf.load_state_dict({k: v.detach().cpu() for k, v in hf_state_dict(model).items()}, strict=False)
+    hf.load_state_dict({k: v.detach().cpu() for k, v in hf_state_dict(model, target).items()}, strict=False)
     return hf
 
 
 def _row(cfg: JobConfig, device: torch.device, step_s: float, micro_batch: int, extra: dict) -> dict:
     tok_s = micro_batch * cfg.data.seq_len / step_s
-    flops = flops_per_token(cfg.model, cfg.data.seq_len) * tok_s
+    flops = family_of(cfg.model).flops_per_token(cfg.model, cfg.data.seq_len, cfg.data) * tok_s
     peak = peak_flops(device)
     return {"ms/step": step_s * 1e3, "tokens/s": tok_s, "TFLOP/s": flops / 1e12,
             "MFU": flops / peak if peak else None, "peak GiB": peak_memory_gib(device), **extra}
@@ -46,25 +49,29 @@ def _row(cfg: JobConfig, device: torch.device, step_s: float, micro_batch: int, 
 
 def training_step(cfg: JobConfig, device: torch.device, micro_batch: int, compiled: bool = False,
                   hf: bool = False) -> tuple[Callable[[], None], float | None]:
-    """A closure running one training step (forward, backward, clip, AdamW) of our GPT, or with `hf` of
-    GPT2LMHeadModel built from the same initial weights; and, with `hf`, the largest logit difference
+    """A closure running one training step (forward, backward, clip, AdamW) of our model, or with `hf` of
+    its transformers twin built from the same initial weights; and, with `hf`, the largest logit difference
     between the two models (they must be the same model)."""
+    family = family_of(cfg.model)
     torch.manual_seed(0)
-    ours = GPT(cfg.model)
+    ours = family.build(cfg.model)
     if hf:
-        model = hf_gpt2(ours).to(device)
+        model = hf_twin(ours).to(device)
         with torch.no_grad():  # the same model: the same logits over the tokenizer's ids
             x = random_batch(cfg, 1, device)[:, :16]
-            diff = (model(input_ids=x).logits - ours.to(device)(x)[0][..., :cfg.model.vocab_size]).abs().max().item()
+            ours = ours.to(device)
+            diff = (model(input_ids=x).logits - ours.logits(ours(x))[..., :cfg.model.vocab_size]).abs().max().item()
         if diff > 1e-3:  # a comparison between different models would be meaningless
             raise RuntimeError(f"transformers' copy of the model gives other logits (max difference {diff:.1e})")
         del ours
+        heads = [model.lm_head]
     else:
         model, diff = ours.to(device), None
-    optimizer = build_optimizer(model, cfg.optim)
+        heads = family.output_layers(model)
+        if compiled:  # as the trainer compiles: block by block
+            compile_blocks(family.blocks(model))
+    optimizer = build_optimizer(model, cfg.optim, heads)
     autocast = autocast_for(cfg, device)
-    if compiled:  # as the trainer compiles: block by block
-        compile_blocks(model)
     x = random_batch(cfg, micro_batch, device)
     inputs, targets = x[:, :-1], x[:, 1:]
 
@@ -73,7 +80,7 @@ def training_step(cfg: JobConfig, device: torch.device, micro_batch: int, compil
             if hf:  # what a transformers user writes: the model shifts the labels and computes the loss
                 loss = model(input_ids=inputs, labels=inputs).loss
             else:
-                loss = model(inputs, targets)[1]
+                loss = family.loss(model, model, [inputs, targets])[0]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
@@ -128,7 +135,7 @@ def bench_engine(cfg: JobConfig, device: torch.device, micro_batch: int, warmup:
     """One optimizer step through the trainer's engine interface (forward_backward + optimizer_step) on a
     one-process group: the engine's own costs (wrappers, sharding, DeepSpeed's step) at world size 1."""
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=device)
-    engine = build_run_engine(cfg, env, load_weights=None, load_universal=False)
+    engine = build_run_engine(cfg, family_of(cfg.model), env)
     x = random_batch(cfg, micro_batch, device)
     batch = [x[:, :-1], x[:, 1:]]
 

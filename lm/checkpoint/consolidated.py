@@ -24,12 +24,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 
 from lm.checkpoint.manifest import verify_checkpoint
+from lm.checkpoint.model_weights import fill_tied, load_checkpoint_weights, tied_names
 from lm.checkpoint.store import read_config, read_state, resolve_checkpoint
-from lm.checkpoint.weights import fill_tied, load_checkpoint_weights, tied_names
 from lm.config import JobConfig, config_from_yaml
 from lm.errors import CheckpointError, ConfigError
 from lm.io import atomic_path
-from lm.models.factory import build_model
+from lm.models.registry import family_of
 
 log = logging.getLogger("lm.consolidate")
 
@@ -56,7 +56,7 @@ def consolidate(checkpoint: str | Path, out: str | Path, force: bool = False) ->
     verify_checkpoint(step_dir, require_manifest=False)
     state = read_state(step_dir)
     cfg = read_config(step_dir)
-    model = build_model(cfg.model)
+    model = family_of(cfg.model).build(cfg.model)
     load_checkpoint_weights(step_dir, model)
 
     aliases = tied_names(model)
@@ -123,6 +123,6 @@ def load_consolidated_weights(path: str | Path, model: nn.Module) -> None:
 def load_consolidated(path: Path, device: torch.device) -> tuple[nn.Module, JobConfig]:
     """Build the model a consolidated file describes and load its weights; returns (model in eval mode, config)."""
     cfg = read_consolidated_config(path)
-    model = build_model(cfg.model)
+    model = family_of(cfg.model).build(cfg.model)
     load_consolidated_weights(path, model)
     return model.to(device).eval(), cfg

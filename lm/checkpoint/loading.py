@@ -9,34 +9,51 @@ import torch.nn as nn
 
 from lm.checkpoint.consolidated import load_consolidated, load_consolidated_weights, read_consolidated_config
 from lm.checkpoint.manifest import verify_checkpoint
-from lm.checkpoint.resume import model_diff
+from lm.checkpoint.model_weights import load_checkpoint_weights, tied_names
+from lm.checkpoint.resume import family_mismatch, model_diff
 from lm.checkpoint.store import read_config, resolve_checkpoint
 from lm.checkpoint.trunk import trunk_loader
-from lm.checkpoint.weights import load_checkpoint_weights
 from lm.config import JobConfig, load_config
-from lm.distributed.weights import WeightLoader
+from lm.distributed.materialize import WeightLoader
 from lm.errors import ConfigError
-from lm.hf.importing import is_hf_checkpoint, read_hf_model
-from lm.hf.weights import check_hf_weights, load_hf_model, load_hf_weights
-from lm.models.config import ModelConfig
-from lm.models.factory import build_model
+from lm.hf.import_weights import check_hf_weights, load_hf_weights
+from lm.hf.importing import HFModel, is_hf_checkpoint
+from lm.models.hf_checkpoint import read_hf_model
+from lm.models.registry import config_class, family_of
 
 
 def init_from_loader(path: Path, cfg: JobConfig) -> WeightLoader:
     """The loader that fills a new run's weights from `path` (a consolidated .safetensors file or a Hugging
     Face checkpoint directory), once `path` is known to hold the model the config describes. A fine-tuning
     head (an encoder's classify or regress) starts from an encoder checkpoint's trunk instead (`trunk_loader`)."""
-    if cfg.model.arch == "encoder" and cfg.model.head != "mlm":
+    if cfg.model.task_head:
         return trunk_loader(path, cfg)
     source = read_hf_model(path) if path.is_dir() else None  # a directory without config.json is refused by name
-    saved = ModelConfig(**source.fields) if source else read_consolidated_config(path).model
+    saved = config_class(source.arch)(**source.fields) if source else read_consolidated_config(path).model
+    if mismatch := family_mismatch(saved, cfg.model):
+        raise ConfigError(f"checkpoint.init_from: {path} {mismatch}")
     if details := model_diff(saved, cfg.model):
         raise ConfigError(f"checkpoint.init_from: {path} holds a different model ({details})")
     if source is None:
         return functools.partial(load_consolidated_weights, path)
     with torch.device("meta"):  # the tensors' names and shapes, checked before the engine allocates the model
-        check_hf_weights(source, build_model(saved))
+        check_hf_weights(source, family_of(saved).build(saved))
     return functools.partial(load_hf_weights, source)
+
+
+def load_hf_model(source: HFModel) -> nn.Module:
+    """Our model holding the transformers checkpoint `source`, on the CPU in float32, in eval mode. It is built
+    on the meta device and allocated without drawing any weight: the files supply every one."""
+    cfg = config_class(source.arch)(**source.fields)
+    with torch.device("meta"):
+        model = family_of(cfg).build(cfg)
+    tied = tied_names(model)
+    model.to_empty(device="cpu")
+    for alias, name in tied.items():  # to_empty gave a tied head storage of its own: share the embedding's again
+        module, _, attr = alias.rpartition(".")
+        setattr(model.get_submodule(module), attr, model.get_parameter(name))
+    load_hf_weights(source, model)
+    return model.eval()
 
 
 def hf_job_config(directory: Path) -> JobConfig:
@@ -67,10 +84,10 @@ def load_for_inference(path: str | Path, device: torch.device) -> tuple[nn.Modul
         return model, cfg, path
     if is_hf_checkpoint(path):
         cfg = hf_job_config(path)
-        return load_hf_model(path).to(device), cfg, path
+        return load_hf_model(read_hf_model(path)).to(device), cfg, path
     step_dir = resolve_checkpoint(path)
     verify_checkpoint(step_dir, require_manifest=False)
     cfg = read_config(step_dir)
-    model = build_model(cfg.model)
+    model = family_of(cfg.model).build(cfg.model)
     load_checkpoint_weights(step_dir, model)
     return model.to(device).eval(), cfg, step_dir

@@ -22,8 +22,6 @@ from lm.models.config import TRAINING_KEYS, ModelConfig
 
 log = logging.getLogger("lm.checkpoint")
 
-ARCH_NAMES = {"gpt": "a decoder-only GPT", "encdec": "an encoder-decoder", "lstm": "an LSTM", "encoder": "an encoder"}
-
 
 def find_resume(root: Path, mode: str, env: DistEnv, allow_unverified: bool = False) -> Path | None:
     """The checkpoint a run resumes from under checkpoint.resume=`mode` (auto, never, required), or None
@@ -132,12 +130,10 @@ def check_compatible(path: Path, cfg: JobConfig) -> None:
 
     Keys missing from an older checkpoint's config take their defaults, as they did when it was written.
     """
-    saved, current = read_config(path).model.arch, cfg.model.arch
-    if saved != current:
-        raise ConfigError(f"{path}: checkpoint is {ARCH_NAMES[saved]} (model.arch={saved}) but the config asks "
-                          f"for {ARCH_NAMES[current]} (model.arch={current}); use another train.out_dir to start a "
-                          "new run")
-    if details := model_diff(read_config(path).model, cfg.model):
+    saved, current = read_config(path).model, cfg.model
+    if mismatch := family_mismatch(saved, current):
+        raise ConfigError(f"{path}: checkpoint {mismatch}; use another train.out_dir to start a new run")
+    if details := model_diff(saved, current):
         raise ConfigError(f"{path}: checkpoint has a different model shape ({details}); "
                           "use another train.out_dir to start a new run")
 
@@ -152,6 +148,15 @@ def check_optimizer(path: Path, cfg: JobConfig) -> None:
             f"optim.name={saved}, or consolidate it (python -m lm.consolidate --checkpoint {path} OUT.safetensors) "
             f"and start a new run from its weights with checkpoint.init_from=OUT.safetensors"
         )
+
+
+def family_mismatch(saved: ModelConfig, current: ModelConfig) -> str:
+    """`is an LSTM (model.arch=lstm) but the config asks for a decoder-only GPT (model.arch=gpt)` when a
+    checkpoint's model (`saved`) is of another family than the config's; empty when both are of one."""
+    if saved.arch == current.arch:
+        return ""
+    return (f"is {saved.title} (model.arch={saved.arch}) but the config asks for {current.title} "
+            f"(model.arch={current.arch})")
 
 
 def model_diff(saved: ModelConfig, current: ModelConfig) -> str:

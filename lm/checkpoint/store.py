@@ -33,7 +33,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lm.checkpoint.manifest import write_manifest
-from lm.config import JobConfig, load_config, save_config
+from lm.config import JobConfig, read_stored_config, save_config
 from lm.distributed.engine import Engine
 from lm.distributed.env import DistEnv
 from lm.errors import CheckpointError
@@ -87,8 +87,8 @@ def read_state(path: Path) -> dict:
 
 
 def read_config(path: Path) -> JobConfig:
-    """The config a checkpoint was written with, validated like any other config."""
-    return load_config(path / "config.yaml")
+    """The config a checkpoint was written with, validated like any other config (`read_stored_config`)."""
+    return read_stored_config(path / "config.yaml")
 
 
 def save_checkpoint(root: Path, step: int, engine: Engine, state: dict, cfg: JobConfig, env: DistEnv,

@@ -1,7 +1,7 @@
-"""Job configuration: the sections composed into `JobConfig` (job.py), reading and writing them from YAML
+"""Job configuration: the sections composed into `JobConfig` (job_config.py), reading and writing them from YAML
 and the command line (load.py), and the rules every tool applies to them (rules.py)."""
 
-from lm.config.job import (
+from lm.config.job_config import (
     ENGINES,
     CheckpointConfig,
     JobConfig,
@@ -12,11 +12,11 @@ from lm.config.job import (
     TaskConfig,
     TrainConfig,
 )
-from lm.config.load import config_from_yaml, config_help, load_config, parse_cli, save_config
+from lm.config.load import config_from_yaml, config_help, load_config, parse_cli, read_stored_config, save_config
 from lm.config.rules import config_diff, device_type, resolve_device, use_bf16
 
 __all__ = [
     "ENGINES", "CheckpointConfig", "JobConfig", "LogConfig", "OptimConfig", "ParallelConfig", "ScheduleConfig",
     "TaskConfig", "TrainConfig", "config_diff", "config_from_yaml", "config_help", "device_type", "load_config",
-    "parse_cli", "resolve_device", "save_config", "use_bf16",
+    "parse_cli", "read_stored_config", "resolve_device", "save_config", "use_bf16",
 ]

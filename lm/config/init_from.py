@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from lm.errors import CheckpointError, ConfigError
-from lm.hf.importing import is_hf_checkpoint, read_hf_model
-from lm.models.config import TRAINING_KEYS, ModelConfig
+from lm.hf.importing import is_hf_checkpoint
+from lm.models.config import TRAINING_KEYS
+from lm.models.registry import config_class
 
 __all__ = ["model_from_checkpoint"]
 
@@ -28,15 +29,19 @@ def model_from_checkpoint(raw: dict[str, Any], coerce: typing.Callable[[str, obj
     init_from = (raw.get("checkpoint") or {}).get("init_from")
     if not isinstance(init_from, str) or not init_from or not is_hf_checkpoint(init_from):
         return raw
+    # here, not above: which family reads the checkpoint is every family's to say, and they import torch
+    from lm.models.hf_checkpoint import read_hf_model
+
     try:
         source = read_hf_model(init_from)
-        derived = ModelConfig(**source.fields)
+        family = config_class(source.arch)
+        derived = family(**source.fields)
     except (CheckpointError, ConfigError) as err:
         raise ConfigError(f"checkpoint.init_from: {err}") from None
     given = raw.get("model") or {}
     if not isinstance(given, dict):
         return raw  # the config's own check names the section
-    hints = typing.get_type_hints(ModelConfig)
+    hints = typing.get_type_hints(family)
     for key, value in given.items():
         if key in TRAINING_KEYS or key not in hints:  # an unknown key is named by the config's own check
             continue

@@ -18,9 +18,11 @@ from pathlib import Path
 import yaml
 
 from lm.config.init_from import model_from_checkpoint
-from lm.config.job import JobConfig
+from lm.config.job_config import JobConfig
 from lm.errors import ConfigError
 from lm.io import atomic_write_text
+from lm.models.config import ModelConfig
+from lm.models.registry import DEFAULT, config_class, family_names
 
 
 def _coerce(key: str, value: object, kind: object) -> object:
@@ -64,6 +66,9 @@ def _build(cls: type, values: dict, prefix: str) -> object:
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
+            if issubclass(cls, ModelConfig):  # each family takes its own keys
+                raise ConfigError(f"{prefix}{key}: not a key of {cls.title} (model.arch={cls.arch}); {hint}it "
+                                  f"takes {sorted(known)}")
             raise ConfigError(f"{prefix}{key}: unknown key; {hint}expected one of {sorted(known)}")
     kwargs = {}
     for name, value in values.items():
@@ -71,6 +76,8 @@ def _build(cls: type, values: dict, prefix: str) -> object:
         if dataclasses.is_dataclass(kind):
             if not isinstance(value, dict):
                 raise ConfigError(f"{prefix}{name}: expected a mapping of keys, got {value!r}")
+            if kind is ModelConfig:  # the family model.arch names has the config class
+                kind = config_class(value.get("arch", DEFAULT))
             kwargs[name] = _build(kind, value, f"{prefix}{name}.")
         elif typing.get_origin(kind) is list:
             kwargs[name] = _build_list(typing.get_args(kind)[0], value, f"{prefix}{name}")
@@ -148,8 +155,28 @@ def _parse_yaml(text: str, origin: str | Path) -> dict:
 
 
 def config_from_yaml(text: str, origin: str | Path) -> JobConfig:
-    """The config a YAML text describes (a checkpoint's, say), validated like a file; errors name `origin`."""
-    return _build_job(_parse_yaml(text, origin))
+    """The config lm stored as YAML text (a checkpoint's config.yaml, a consolidated file's metadata), validated
+    like a file; errors name `origin`. Model keys that the config's family does not take are dropped: lm wrote
+    every family's keys into the model section before each family had keys of its own, and a family never
+    read the others."""
+    raw = _parse_yaml(text, origin)
+    model = raw.get("model")
+    if isinstance(model, dict):
+        try:
+            taken = {f.name for f in dataclasses.fields(config_class(model.get("arch", DEFAULT)))}
+        except ConfigError as err:
+            raise ConfigError(f"{origin}: {err}") from None
+        raw["model"] = {key: value for key, value in model.items() if key in taken}
+    return _build_job(raw)
+
+
+def read_stored_config(path: Path) -> JobConfig:
+    """`config_from_yaml` of a file lm wrote (a checkpoint's config.yaml)."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the stored config: {err}") from None
+    return config_from_yaml(text, path)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -192,27 +219,38 @@ def save_config(cfg: JobConfig, path: str | Path) -> None:
 
 
 def config_help() -> str:
-    """Every config key with its type, default and docstring, for `--help`."""
+    """Every config key with its type, default and docstring, for `--help`; the model section once per family."""
     lines = []
     for section in dataclasses.fields(JobConfig):
         cls = typing.get_type_hints(JobConfig)[section.name]
-        docs = _field_docs(cls)
-        lines.append(f"{section.name}:")
-        for f in dataclasses.fields(cls):
-            kind = getattr(typing.get_type_hints(cls)[f.name], "__name__", "")
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # a list's is []
-            lines.append(f"  --{section.name}.{f.name}={default!r} ({kind}) {docs.get(f.name, '')}")
+        if cls is not ModelConfig:
+            lines += [f"{section.name}:", *_key_lines(section.name, cls)]
+            continue
+        for name in family_names():
+            family = config_class(name)
+            lines += [f"model (model.arch={name}: {family.title}):", *_key_lines(section.name, family)]
     return "\n".join(lines)
 
 
+def _key_lines(section: str, cls: type) -> list[str]:
+    docs = _field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    lines = []
+    for f in dataclasses.fields(cls):
+        kind = getattr(hints[f.name], "__name__", "")
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # a list's is []
+        lines.append(f"  --{section}.{f.name}={default!r} ({kind}) {docs.get(f.name, '')}")
+    return lines
+
+
 def _field_docs(cls: type) -> dict[str, str]:
-    """Read the string literal that follows each field in the class body (its one-line doc)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    """Read the string literal that follows each field in the class body and its bases' (its one-line doc)."""
     docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = str(nxt.value.value)  # type: ignore[attr-defined]
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        body = ast.parse(inspect.getsource(klass)).body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = str(nxt.value.value)  # type: ignore[attr-defined]
     return docs
 
 

@@ -5,7 +5,7 @@ shards and `keys` (B,) int64 name the samples (the loader passes global loader p
 and sample ids for validation). It returns the model's batch as a tuple of int64 arrays, the model's
 arguments in order; the trainer moves them to its device. Any randomness is a pure function of
 (seed, key), so a run resumed at any world size sees the same batch. Which objective trains which
-model is the trainer's choice (`lm.training.objective`): this package knows no model.
+model is the model family's choice (`Family.objective`): this package knows no model.
 
 - NextToken: decoder-only language modelling (x, y).
 - SpanCorruption: T5's encoder-decoder objective (src, tgt_in, tgt_out).
@@ -20,11 +20,23 @@ from lm.data.masking import check_masking, mask_rows, masking_draws, replacement
 from lm.data.span_corruption import corrupt_rows, corrupted_lengths, noise_masks, span_counts
 from lm.errors import ConfigError
 
-__all__ = ["MaskedLM", "NextToken", "Objective", "SpanCorruption", "document_positions"]
+__all__ = ["MaskedLM", "NextToken", "Objective", "ScoredObjective", "SpanCorruption", "document_positions"]
 
 
 class Objective(Protocol):
     def __call__(self, rows: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, ...]: ...
+
+
+class ScoredObjective(Objective, Protocol):
+    """An objective a model is scored on window by window (lm.eval), and how its report names it."""
+
+    targets: str
+    """What it scores, plural: "target tokens"."""
+    accuracy: str
+    """The name of the share of targets predicted right, where the model reports it."""
+
+    def describe(self, seq_len: int) -> str:
+        """What the windows of seq_len tokens go through, in a few words."""
 
 
 def document_positions(x: np.ndarray, eot: int) -> np.ndarray:
@@ -66,6 +78,9 @@ class SpanCorruption:
     np.random.default_rng([seed, k]) alone.
     """
 
+    targets = "target tokens"
+    accuracy = "target-token accuracy"
+
     def __init__(
         self, seed: int, sentinel_start: int, n_sentinels: int, pad_id: int, window_len: int,
         noise_density: float = 0.15, mean_span_length: float = 3.0,
@@ -84,6 +99,10 @@ class SpanCorruption:
     def lengths(self) -> tuple[int, int]:
         """(S, U): source and target length of every corrupted window."""
         return corrupted_lengths(self.window_len, self.noise_density, self.mean_span_length)
+
+    def describe(self, seq_len: int) -> str:
+        s, u = self.lengths
+        return f"span corruption of windows of {self.window_len} tokens (source {s}, target {u})"
 
     def __call__(self, rows: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         rows = np.asarray(rows, dtype=np.int64)
@@ -117,6 +136,9 @@ class MaskedLM:
     inside its document, read from the window's own tokens (`document_positions`; [CLS] opens the first).
     """
 
+    targets = "masked tokens"
+    accuracy = "masked-token accuracy"
+
     def __init__(
         self, seed: int, vocab_size: int, mask_id: int, cls_id: int, rate: float, mask_fraction: float,
         random_fraction: float, document_eot: int | None = None,
@@ -128,6 +150,10 @@ class MaskedLM:
         self.seed, self.vocab_size, self.mask_id, self.cls_id = seed, vocab_size, mask_id, cls_id
         self.rate, self.mask_fraction, self.random_fraction = rate, mask_fraction, random_fraction
         self.document_eot = document_eot
+
+    def describe(self, seq_len: int) -> str:
+        return (f"windows of {seq_len} tokens, {self.rate:.0%} of each masked ({self.mask_fraction:.0%} [MASK], "
+                f"{self.random_fraction:.0%} random)")
 
     def __call__(self, rows: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, ...]:
         rows = np.asarray(rows, dtype=np.int64)

@@ -5,12 +5,13 @@ import contextlib
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lm.config import JobConfig
+from lm.config import JobConfig, use_bf16
 from lm.distributed.activation import checkpoint_blocks, compile_blocks
 from lm.distributed.env import DistEnv
-from lm.distributed.precision import autocast_for, check_lstm_autocast
+from lm.distributed.materialize import WeightLoader, materialize
+from lm.distributed.precision import autocast_for
 from lm.distributed.torch_engine import TorchEngine
-from lm.distributed.weights import WeightLoader, materialize
+from lm.models.family import Family, LossFn
 
 
 def wrap_ddp(model: nn.Module, env: DistEnv) -> nn.Module:
@@ -33,13 +34,15 @@ class DDPEngine(TorchEngine):
 
     name = "ddp"
 
-    def __init__(self, model: nn.Module, cfg: JobConfig, env: DistEnv, load_weights: WeightLoader | None) -> None:
-        check_lstm_autocast(cfg, env.device)
+    def __init__(self, model: nn.Module, family: Family, loss: LossFn, cfg: JobConfig, env: DistEnv,
+                 load_weights: WeightLoader | None) -> None:
+        family.check_precision(cfg.model, env.device.type, use_bf16(cfg.train.dtype, env.device.type))
         materialize(model, env.device, load_weights)
-        checkpoint_blocks(model, cfg.parallel.activation_checkpointing)
+        blocks = family.blocks(model)
+        checkpoint_blocks(blocks, cfg.parallel.activation_checkpointing)
         if cfg.train.compile:
-            compile_blocks(model)
-        super().__init__(model, wrap_ddp(model, env), cfg, env)
+            compile_blocks(blocks)
+        super().__init__(model, wrap_ddp(model, env), family, loss, cfg, env)
         self.autocast = autocast_for(cfg, env.device)
 
     def _sync(self, last: bool) -> contextlib.AbstractContextManager:

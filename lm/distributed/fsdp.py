@@ -17,13 +17,14 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.overrides import TorchFunctionMode
 
 from lm.config import JobConfig, use_bf16
-from lm.distributed.activation import checkpoint_blocks, compile_blocks, model_blocks
+from lm.distributed.activation import checkpoint_blocks, compile_blocks
 from lm.distributed.env import DistEnv
+from lm.distributed.materialize import WeightLoader
 from lm.distributed.torch_engine import TorchEngine
-from lm.distributed.weights import WeightLoader
 from lm.errors import ConfigError
+from lm.models.family import Family, LossFn
 
-# the random fills the models' init_weights use (normal_: GPT, encoder-decoder; uniform_: LSTM)
+# the random fills the models' init_weights use (normal_ and uniform_ are the ones lm's families draw from)
 _RANDOM_INITS = {init: inspect.signature(init) for init in (torch.nn.init.normal_, torch.nn.init.uniform_)}
 
 
@@ -57,9 +58,10 @@ def mixed_precision(cfg: JobConfig, device: torch.device) -> MixedPrecisionPolic
     return MixedPrecisionPolicy()
 
 
-def shard_model(model: nn.Module, cfg: JobConfig, env: DistEnv) -> nn.Module:
-    """`model` (built on the meta device) sharded in place with fully_shard per block and at the root, then
-    allocated and initialised per rank: every rank draws the whole model's numbers and keeps its slices.
+def shard_model(model: nn.Module, blocks: list[nn.Module], cfg: JobConfig, env: DistEnv) -> nn.Module:
+    """`model` (built on the meta device) sharded in place with fully_shard per block (`blocks`, its family's)
+    and at the root, then allocated and initialised per rank: every rank draws the whole model's numbers and
+    keeps its slices.
 
     Call after seeding the global RNG, as for an unsharded model. With train.compile each block is
     compiled on its own (`compile_blocks`), as under ddp.
@@ -67,13 +69,13 @@ def shard_model(model: nn.Module, cfg: JobConfig, env: DistEnv) -> nn.Module:
     if cfg.parallel.cpu_offload and env.device.type != "cuda":
         raise ConfigError("parallel.cpu_offload: FSDP2 offloads a GPU run's shards to host memory; this run is "
                           "on the CPU already, so drop parallel.cpu_offload")
-    checkpoint_blocks(model, cfg.parallel.activation_checkpointing)
+    checkpoint_blocks(blocks, cfg.parallel.activation_checkpointing)
     options = {"mp_policy": mixed_precision(cfg, env.device)}
     if cfg.parallel.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
     if cfg.train.compile:
-        compile_blocks(model)
-    for block in model_blocks(model):
+        compile_blocks(blocks)
+    for block in blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)  # the embeddings, final norm and head: gathered once per forward
     model.to_empty(device="cpu" if cfg.parallel.cpu_offload else env.device)
@@ -88,11 +90,12 @@ class FSDPEngine(TorchEngine):
 
     name = "fsdp"
 
-    def __init__(self, model: nn.Module, cfg: JobConfig, env: DistEnv, load_weights: WeightLoader | None) -> None:
-        shard_model(model, cfg, env)
+    def __init__(self, model: nn.Module, family: Family, loss: LossFn, cfg: JobConfig, env: DistEnv,
+                 load_weights: WeightLoader | None) -> None:
+        shard_model(model, family.blocks(model), cfg, env)
         if load_weights is not None:
             load_weights(model)  # each rank keeps its slices of the full tensors
-        super().__init__(model, model, cfg, env)  # fully_shard works in place
+        super().__init__(model, model, family, loss, cfg, env)  # fully_shard works in place
 
     def _sync(self, last: bool) -> contextlib.AbstractContextManager:
         self.model.set_requires_gradient_sync(last)
@@ -101,7 +104,7 @@ class FSDPEngine(TorchEngine):
     @contextlib.contextmanager
     def full_weights(self):
         """Every parameter whole on every rank inside the block, so any method of the model runs (sampling
-        calls an encoder-decoder's encode and decode, which FSDP's forward hooks never see)."""
+        that calls methods other than forward, which FSDP's forward hooks never see)."""
         sharded = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         for module in sharded:
             module.unshard()

@@ -1,6 +1,8 @@
 """The optimizer every engine steps: AdamW, with weight decay on weight matrices only; or, with optim.name
 muon, Muon for the hidden matrices and that same AdamW for the rest."""
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn as nn
 
@@ -8,23 +10,24 @@ from lm.config import OptimConfig
 from lm.distributed.muon import Muon
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, world_size: int = 1, rank: int = 0) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, heads: Sequence[nn.Module] = (), world_size: int = 1,
+                    rank: int = 0) -> torch.optim.AdamW:
     """AdamW with weight decay on weight matrices only: biases, norms and embeddings are not decayed.
 
     Under muon the weights of the Linear layers inside the model (every hidden matrix) form a third group
-    stepped by Muon, with weight decay; the output head stays with AdamW, like the embeddings: its rows
-    score one token each, they are not a map between hidden spaces whose directions Muon evens out.
-    `world_size` and `rank` (of the default process group) let Muon's ranks share its work under ddp.
+    stepped by Muon, with weight decay; the output layers `heads` (`Family.output_layers`) stay with AdamW,
+    like the embeddings: their rows score one token each, they are not a map between hidden spaces whose
+    directions Muon evens out. `world_size` and `rank` (of the default process group) let Muon's ranks share
+    its work under ddp.
     """
     decay, no_decay, matrices = [], [], []
     seen: set[int] = set()
-    head = getattr(model, "lm_head", None)
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             if id(param) in seen or not param.requires_grad:
                 continue  # the tied output head shares the embedding's Parameter
             seen.add(id(param))
-            if cfg.name == "muon" and isinstance(module, nn.Linear) and module is not head and name == "weight":
+            if cfg.name == "muon" and isinstance(module, nn.Linear) and module not in heads and name == "weight":
                 matrices.append(param)
                 continue
             skip = isinstance(module, (nn.Embedding, nn.LayerNorm, nn.RMSNorm)) or name == "bias"
@@ -53,19 +56,3 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float, cfg: OptimConfig) -> Non
     for Muon's matrices. Read from the config, not the groups, which a resumed checkpoint overwrites."""
     for group in optimizer.param_groups:
         group["lr"] = lr * cfg.muon_lr / cfg.lr if group.get("muon") else lr
-
-
-def training_loss(model: nn.Module, batch: list[torch.Tensor], z_loss: float,
-                  poison: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One micro-batch's forward through `model` (a wrapper's call, so its hooks run): the loss to
-    backpropagate, cross-entropy + z_loss * mean(log Z^2), and the detached (2,) pair (cross-entropy, mean
-    log Z^2), the second 0 without optim.z_loss. `poison` makes both NaN (the non-finite guard's tests)."""
-    if z_loss:
-        terms = model(*batch, with_z=True)[1]  # (2,)
-        loss = terms[0] + z_loss * terms[1]
-    else:
-        loss = model(*batch)[1]
-        terms = torch.stack([loss, torch.zeros_like(loss)])
-    if poison:
-        loss, terms = loss * float("nan"), terms * float("nan")
-    return loss, terms.detach()

@@ -2,7 +2,9 @@
 either engine writes and reads at any world size."""
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -12,7 +14,10 @@ from torch.distributed.tensor import DTensor
 
 from lm.config import JobConfig
 from lm.distributed.env import DistEnv
-from lm.distributed.optim import build_optimizer, set_lr, training_loss
+from lm.distributed.optim import build_optimizer, set_lr
+from lm.models.family import Family, LossFn, Run
+
+T = TypeVar("T")
 
 
 class TorchEngine:
@@ -20,10 +25,12 @@ class TorchEngine:
 
     name: str
     autocast: contextlib.AbstractContextManager = contextlib.nullcontext()
+    skips_nonfinite = True
 
-    def __init__(self, model: nn.Module, train_model: nn.Module, cfg: JobConfig, env: DistEnv) -> None:
-        self.model, self.train_model, self.cfg, self.env = model, train_model, cfg, env
-        self.optimizer = build_optimizer(model, cfg.optim, env.world_size, env.rank)
+    def __init__(self, model: nn.Module, train_model: nn.Module, family: Family, loss: LossFn, cfg: JobConfig,
+                 env: DistEnv) -> None:
+        self.model, self.train_model, self.loss, self.cfg, self.env = model, train_model, loss, cfg, env
+        self.optimizer = build_optimizer(model, cfg.optim, family.output_layers(model), env.world_size, env.rank)
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr, self.cfg.optim)
@@ -32,10 +39,9 @@ class TorchEngine:
         """Reduce gradients only in the backward of the `last` micro-batch."""
         raise NotImplementedError
 
-    def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int,
-                         poison: bool = False) -> torch.Tensor:
+    def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int) -> torch.Tensor:
         with self._sync(last), self.autocast:
-            loss, terms = training_loss(self.train_model, batch, self.cfg.optim.z_loss, poison)
+            loss, terms = self.loss(self.model, self.train_model, batch)
             (loss / num_micro).backward()
         return terms
 
@@ -64,9 +70,10 @@ class TorchEngine:
         return all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
                    for p in self.model.parameters())
 
-    def eval_outputs(self, batch: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def evaluate(self, fn: Callable[[nn.Module, Run], T]) -> T:
+        # the model itself, not DDP's wrapper: evaluation reduces no gradient (FSDP's model is its own wrapper)
         with self.autocast:
-            return self.model(*batch)
+            return fn(self.model, self.model)
 
     def train(self, mode: bool) -> None:
         self.model.train(mode)

@@ -8,7 +8,9 @@ import contextlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn as nn
@@ -16,9 +18,12 @@ import torch.nn as nn
 from lm.config import JobConfig, use_bf16
 from lm.distributed.activation import checkpoint_blocks
 from lm.distributed.env import DistEnv
-from lm.distributed.optim import build_optimizer, set_lr, training_loss
-from lm.distributed.weights import WeightLoader, materialize
+from lm.distributed.materialize import WeightLoader, materialize
+from lm.distributed.optim import build_optimizer, set_lr
 from lm.errors import ConfigError
+from lm.models.family import Family, LossFn, Run
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -117,25 +122,25 @@ class DeepSpeedEngine:
     """DeepSpeed ZeRO stage 1-3 around our model and our AdamW; DeepSpeed's own checkpoints."""
 
     name = "deepspeed"
+    skips_nonfinite = False  # without fp16 loss scaling it applies every step before its norm is known
 
-    def __init__(self, model: nn.Module, cfg: JobConfig, env: DistEnv, load_weights: WeightLoader | None,
-                 load_universal: bool = False) -> None:
-        self.cfg, self.env, self.load_universal = cfg, env, load_universal
+    def __init__(self, model: nn.Module, family: Family, loss: LossFn, cfg: JobConfig, env: DistEnv,
+                 load_weights: WeightLoader | None, load_universal: bool = False) -> None:
+        self.cfg, self.env, self.loss, self.load_universal = cfg, env, loss, load_universal
         if cfg.train.compile:  # not wired up (nor tried) inside DeepSpeed's engine
             log.warning("train.compile is not applied under parallel.engine=deepspeed; the model runs eager")
         # whole and final before initialize: DeepSpeed copies the weights into its fp32 master partitions
         self.model = materialize(model, env.device, load_weights)
-        checkpoint_blocks(self.model, cfg.parallel.activation_checkpointing)
-        self.engine, self.optimizer = initialize(self.model, build_optimizer(self.model, cfg.optim), cfg, env,
-                                                 load_universal)
+        checkpoint_blocks(family.blocks(self.model), cfg.parallel.activation_checkpointing)
+        optimizer = build_optimizer(self.model, cfg.optim, family.output_layers(self.model))
+        self.engine, self.optimizer = initialize(self.model, optimizer, cfg, env, load_universal)
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr, self.cfg.optim)
 
-    def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int,
-                         poison: bool = False) -> torch.Tensor:
+    def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int) -> torch.Tensor:
         """DeepSpeed divides the loss by its accumulation steps and steps the optimizer on the last one."""
-        loss, terms = training_loss(self.engine, batch, self.cfg.optim.z_loss, poison)
+        loss, terms = self.loss(self.model, self.engine, batch)
         self.engine.backward(loss)
         self.engine.step()
         return terms
@@ -152,8 +157,8 @@ class DeepSpeedEngine:
         """Whether this rank's partition of the fp32 master weights holds only finite values."""
         return all(bool(torch.isfinite(p).all()) for group in self.optimizer.param_groups for p in group["params"])
 
-    def eval_outputs(self, batch: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
-        return self.engine(*batch)
+    def evaluate(self, fn: Callable[[nn.Module, Run], T]) -> T:
+        return fn(self.model, self.engine)
 
     def train(self, mode: bool) -> None:
         self.engine.train(mode)

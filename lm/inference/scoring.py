@@ -1,12 +1,12 @@
-"""Scoring a model on token streams: loss (nats per token) of a decoder over strided windows, of an
-encoder-decoder on its span-corruption task, and the unigram baseline.
+"""Scoring a model on token streams: loss (nats per token) of a next-token model over strided windows, of any
+other model on its own pretraining task, and the unigram baseline.
 
-A decoder-only model (GPT or LSTM) scores long inputs with strided windows: every token is scored exactly
-once, and every window after the first keeps at least `seq_len - stride` tokens of context before the
-tokens it scores; an LSTM starts each window from a zero state, as it started each training window. An
-encoder-decoder is scored on its pretraining task: each window of seq_len + 1 tokens is span-corrupted
-exactly as the trainer's validation does (window k's noise drawn from (train.seed, k)), and the loss is
-over the target tokens (sentinels and masked spans).
+A next-token model (`Family.causal_lm`: the GPT, the LSTM) scores long inputs with strided windows: every
+token is scored exactly once, and every window after the first keeps at least `seq_len - stride` tokens of
+context before the tokens it scores; an LSTM starts each window from a zero state, as it started each training
+window. Any other family is scored on its pretraining task, window by window (`score_windows`): each window of
+seq_len + 1 tokens goes through the objective exactly as the trainer's validation does (window k with the key
+k: an encoder-decoder's span corruption, an encoder's masking), and the loss is the family's over its targets.
 """
 
 from pathlib import Path
@@ -16,17 +16,15 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from lm.data.masking import IGNORE as IGNORE_LABEL
-from lm.data.objectives import MaskedLM, SpanCorruption, document_positions
+from lm.data.objectives import Objective, document_positions
 from lm.data.shards import check_token_ids, open_shard, read_manifest
 from lm.errors import DataError
 from lm.io import read_utf8
+from lm.models.family import Family
 from lm.tokenizer import document_prefix
 
-__all__ = [
-    "eval_windows", "first_tokens", "score_span_corruption", "score_stream", "text_tokens", "unigram_entropy",
-    "val_streams",
-]
+__all__ = ["eval_windows", "first_tokens", "score_stream", "score_windows", "text_tokens", "unigram_entropy",
+           "val_streams"]
 
 
 def eval_windows(n_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
@@ -65,11 +63,10 @@ def score_stream(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, strid
             rows = np.stack([tokens[s:e + 1] for s, e, _ in chunk]).astype(np.int64)
             x = torch.from_numpy(rows[:, :-1]).to(device)  # (B, T)
             y = torch.from_numpy(rows[:, 1:]).to(device)  # (B, T)
-            if document_eot is None:
-                logits, _ = model(x)
-            else:
+            positions = None
+            if document_eot is not None:
                 positions = torch.from_numpy(document_positions(rows[:, :-1], document_eot)).to(device)  # (B, T)
-                logits, _ = model(x, None, positions)
+            logits = model.logits(model(x, positions))  # (B, T, padded_vocab_size)
             losses = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
             losses = losses.view(len(chunk), length)
             # target j of a window sits at stream index start + 1 + j
@@ -89,47 +86,26 @@ def stream_windows(streams: list[np.ndarray], seq_len: int) -> list[np.ndarray]:
     return [np.asarray(s[j * seq_len:(j + 1) * seq_len + 1]) for s in streams for j in range((len(s) - 1) // seq_len)]
 
 
-def score_masked_lm(model: torch.nn.Module, streams: list[np.ndarray], objective: MaskedLM, seq_len: int,
-                    batch_size: int, device: torch.device, progress: tqdm | None = None) -> tuple[float, int, int]:
-    """Summed NLL (nats) of an encoder's masked tokens, the masked tokens scored, and those it predicts right
-    (argmax), over every window of the streams, each masked with its sample id as key as validation does."""
+@torch.no_grad()
+def score_windows(family: Family, model: torch.nn.Module, streams: list[np.ndarray], objective: Objective,
+                  seq_len: int, batch_size: int, device: torch.device,
+                  progress: tqdm | None = None) -> tuple[float, int, int | None]:
+    """Summed NLL (nats) of the targets the family scores, their count, and how many it predicts right (None
+    where the family reports no accuracy), over every window of seq_len + 1 tokens of the streams (window k put
+    through the objective with the key k, as validation does)."""
     rows = stream_windows(streams, seq_len)
-    nll, count, correct = 0.0, 0, 0
+    nll, count, correct = 0.0, 0, None
     for i in range(0, len(rows), batch_size):
         keys = np.arange(i, min(i + batch_size, len(rows)), dtype=np.int64)
         batch = [torch.from_numpy(t).to(device) for t in objective(np.stack(rows[i:i + batch_size]), keys)]
-        logits, loss = model(*batch)  # logits (N, V) of the N masked positions
-        labels = batch[1]  # (B, T)
-        targets = labels[labels != IGNORE_LABEL]  # (N,)
-        nll += loss.double().item() * targets.numel()
-        count += targets.numel()
-        correct += int((logits.argmax(-1) == targets).sum())
+        scored = family.score_batch(model, model, batch)
+        nll += scored.loss.double().item() * scored.count
+        count += scored.count
+        if scored.correct is not None:
+            correct = (correct or 0) + int(scored.correct)
         if progress is not None:
             progress.update(len(keys) * seq_len)
     return nll, count, correct
-
-
-def score_span_corruption(model: torch.nn.Module, streams: list[np.ndarray], objective: SpanCorruption,
-                          batch_size: int, device: torch.device, progress: tqdm | None = None) -> tuple[float, int]:
-    """Summed target NLL (nats) and target tokens scored, over every window of the streams.
-
-    Windows are cut like the loader's (window j of a stream starts at token j * seq_len and holds
-    seq_len + 1 tokens) and numbered across streams, so on the val shards window k is corrupted with the
-    key k, the sample id the trainer's validation uses.
-    """
-    seq_len = objective.window_len - 1
-    rows = stream_windows(streams, seq_len)
-    nll, count = 0.0, 0
-    for i in range(0, len(rows), batch_size):
-        keys = np.arange(i, min(i + batch_size, len(rows)), dtype=np.int64)
-        batch = objective(np.stack(rows[i:i + batch_size]), keys)
-        src, tgt_in, tgt_out = (torch.from_numpy(t).to(device) for t in batch)
-        _, loss = model(src, tgt_in, tgt_out)
-        nll += loss.double().item() * tgt_out.numel()  # no padding in a full window: every target counts
-        count += tgt_out.numel()
-        if progress is not None:
-            progress.update(len(keys) * seq_len)
-    return nll, count
 
 
 def unigram_entropy(streams: list[np.ndarray]) -> float:

@@ -1,5 +1,6 @@
-"""Model code: imports only torch and this package.
+"""The model families, one folder each (`gpt/`, `encdec/`, `encoder/`, `lstm/`: its config, its model, its
+spec), the spec every family fills in (`family.py`), the registry that finds one by model.arch (`registry.py`),
+and the layers, losses, sizes and sampling loops the families share.
 
-Import from the submodules (`lm.models.gpt`, `lm.models.config`, ...): this file stays empty so that
-reading a config does not import torch.
+Import from the submodules: this file stays empty so that reading a config does not import torch.
 """

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lm.models.config import ModelConfig
+from lm.models.config import TransformerConfig
 from lm.models.kv_cache import LayerKVCache
 from lm.models.layers import apply_rope
 
@@ -70,7 +70,7 @@ class SelfAttention(nn.Module):
     The fused projection's output rows are [q heads; k heads; v heads], as in GPT-2's c_attn.
     """
 
-    def __init__(self, cfg: ModelConfig, causal: bool) -> None:
+    def __init__(self, cfg: TransformerConfig, causal: bool) -> None:
         super().__init__()
         self.causal = causal
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
@@ -130,7 +130,7 @@ class CrossAttention(nn.Module):
     """Decoder queries attend to the encoder's output (the memory); keys/values come from the memory only,
     so during decoding they are projected once (`memory_kv`) and reused for every new token."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.dropout = cfg.dropout

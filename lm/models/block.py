@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from lm.models.attention import CrossAttention, SelfAttention
-from lm.models.config import ModelConfig
+from lm.models.config import TransformerConfig
 from lm.models.kv_cache import LayerKVCache
 from lm.models.layers import MLP, make_norm
 
@@ -17,7 +17,7 @@ class Block(nn.Module):
     Pre-norm (GPT-2): x + f(norm(x)). Post-norm (the original transformer): norm(x + f(x)).
     """
 
-    def __init__(self, cfg: ModelConfig, causal: bool = True, cross: bool = False) -> None:
+    def __init__(self, cfg: TransformerConfig, causal: bool = True, cross: bool = False) -> None:
         super().__init__()
         self.post_norm = cfg.norm_position == "post"
         self.ln_1 = make_norm(cfg)

@@ -1,23 +1,48 @@
-"""Autoregressive sampling with a KV cache (or an LSTM's recurrent state).
+"""Autoregressive sampling of a next-token model with a cache (a KV cache, or an LSTM's recurrent state).
 
-Decoder-only LMs (GPT, LSTM): prefill the prompt into the cache once, then decode token by token (or,
-without a cache, run the whole sequence again for every token: the baseline the cache is measured
-against). The LSTM's `new_cache` is its per-layer (h, c) state, fed and updated like a KV cache, so the
-same loop serves both. Encoder-decoder: encode the source once and project its cross-attention keys
-and values once, then decode token by token from the start id, the decoder's own keys and values cached.
+Prefill the prompt into the cache once, then decode token by token (or, without a cache, run the whole
+sequence again for every token: the baseline the cache is measured against). Any model with the
+`DecoderLM` methods samples here: the GPT's `new_cache` is a KV cache, the LSTM's its per-layer (h, c) state,
+fed and updated alike. `filter_logits` and `pick_token` serve the encoder-decoder's sampler too.
 """
 
+import logging
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from lm.models.encdec import EncoderDecoder
-from lm.models.gpt import GPT
-from lm.models.lstm import LSTMLM
+from lm.errors import PromptError
 
-DecoderLM = GPT | LSTMLM
-"""The models `generate` and `generate_batch` sample from: `forward(idx, cache=, last_only=)`, `new_cache`."""
+log = logging.getLogger("lm.sample")
+
+
+class DecoderLM(Protocol):
+    """What `generate` and `generate_batch` need of a model (an nn.Module): a config with block_size and
+    vocab_size, a forward from ids (and a cache) to hidden states, `logits` of those, and `new_cache`."""
+
+    cfg: object
+
+    def __call__(self, idx: torch.Tensor, positions: None = None, cache: object = None) -> torch.Tensor: ...
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor: ...
+
+    def new_cache(self, batch_size: int, max_len: int, device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None) -> object: ...
+
+
+def fit_prompt(ids: list[int], max_new_tokens: int, block_size: int) -> list[int]:
+    """Keep the tail of a prompt so that prompt + generated tokens fit the model's context."""
+    if max_new_tokens >= block_size:
+        raise PromptError(f"--max-new-tokens: {max_new_tokens} leaves no room for a prompt in the "
+                         f"model's context of {block_size} tokens")
+    room = block_size - max_new_tokens
+    if len(ids) > room:
+        log.warning("prompt has %d tokens; keeping its last %d so that %d new tokens fit the context of %d",
+                    len(ids), room, max_new_tokens, block_size)
+        return ids[-room:]
+    return ids
 
 
 def filter_logits(
@@ -49,7 +74,7 @@ def filter_logits(
     return logits
 
 
-def _next_token(
+def pick_token(
     logits: torch.Tensor,
     temperature: float,
     top_k: int | None,
@@ -66,23 +91,24 @@ def _next_token(
 
 def _decode(model: DecoderLM, idx: torch.Tensor, steps: int, vocab_size: int, use_cache: bool, temperature: float,
             top_k: int | None, top_p: float | None, generator: torch.Generator | None) -> Iterator[torch.Tensor]:
-    """Yield `steps` next tokens (B,) after the prompts idx (B, T), each picked by `_next_token`.
+    """Yield `steps` next tokens (B,) after the prompts idx (B, T), each picked by `pick_token`.
 
     With the cache the prompt is prefilled once and each step feeds only the new token; without it each
     step runs the whole sequence so far (its last block_size tokens) through the model again.
     """
     block_size = model.cfg.block_size
     if use_cache:
-        weight = model.wte.weight
+        weight = next(model.parameters())  # the cache takes the weights' device and dtype
         cache = model.new_cache(idx.size(0), min(block_size, idx.size(1) + steps), weight.device, weight.dtype)
         x = idx
     for _ in range(steps):
         if use_cache:
-            logits, _ = model(x, cache=cache, last_only=True)  # (B, 1, padded_vocab_size)
+            h = model(x, cache=cache)
         else:
-            logits, _ = model(idx[:, -block_size:], last_only=True)
+            h = model(idx[:, -block_size:])
+        logits = model.logits(h[:, -1:])  # (B, 1, padded_vocab_size): the head on the last position alone
         # Slicing off the padding rows is the same as masking them to -inf, and cheaper.
-        token = _next_token(logits[:, -1, :vocab_size], temperature, top_k, top_p, generator)  # (B,)
+        token = pick_token(logits[:, -1, :vocab_size], temperature, top_k, top_p, generator)  # (B,)
         yield token
         if use_cache:
             x = token[:, None]  # decode: feed only the new token; the cache holds the rest
@@ -121,16 +147,13 @@ def generate(
     seed None draws from the global torch RNG. The caller truncates a prompt that would not fit:
     prompt plus max_new_tokens may exceed model.block_size by one, since the last token is never fed back.
     """
-    if not isinstance(model, (GPT, LSTMLM)):
-        raise TypeError(f"generate: takes a decoder-only model (GPT or LSTM), got {type(model).__name__}; "
-                        "an encoder-decoder decodes with generate_seq2seq")
     if not prompt:
         raise ValueError("generate: prompt must hold at least one token")
     _check_length(model, len(prompt), max_new_tokens, "generate")
     if temperature < 0.0:
         raise ValueError(f"generate: temperature must be >= 0, got {temperature}")
     vocab_size = model.cfg.vocab_size if vocab_size is None else vocab_size
-    weight = model.wte.weight
+    weight = next(model.parameters())
     generator = None if seed is None else torch.Generator(weight.device).manual_seed(seed)
 
     was_training = model.training
@@ -173,61 +196,5 @@ def generate_batch(
         tokens = list(_decode(model, idx, max_new_tokens, model.cfg.vocab_size, use_cache, temperature, top_k, top_p,
                               generator))
         return torch.stack(tokens, dim=1) if tokens else idx.new_empty(idx.size(0), 0)
-    finally:
-        model.train(was_training)
-
-
-@torch.no_grad()
-def generate_seq2seq(
-    model: EncoderDecoder,
-    source: list[int],
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    stop_ids: set[int] | None = None,
-    seed: int | None = None,
-) -> list[int]:
-    """Decode up to `max_new_tokens` target tokens for one source sequence and return them.
-
-    Any id below model.cfg.pad_id can be sampled (the tokenizer's ids and the sentinels); decoding stops
-    before a token in `stop_ids` (not returned). Sampling options and seeding are those of `generate`.
-    """
-    if not isinstance(model, EncoderDecoder):
-        raise TypeError(f"generate_seq2seq: takes an encoder-decoder, got {type(model).__name__}; "
-                        "a decoder-only model (GPT or LSTM) samples with generate")
-    cfg = model.cfg
-    if not source:
-        raise ValueError("generate_seq2seq: the source must hold at least one token")
-    if len(source) > cfg.block_size:
-        raise ValueError(
-            f"generate_seq2seq: source of {len(source)} tokens is longer than the encoder's positions "
-            f"(model.block_size={cfg.block_size})"
-        )
-    if not 0 <= max_new_tokens <= cfg.block_size:
-        raise ValueError(f"generate_seq2seq: max_new_tokens must be in [0, {cfg.block_size}], got {max_new_tokens}")
-    if temperature < 0.0:
-        raise ValueError(f"generate_seq2seq: temperature must be >= 0, got {temperature}")
-    weight = model.tgt_embed.weight
-    generator = None if seed is None else torch.Generator(weight.device).manual_seed(seed)
-    stop_ids = stop_ids or set()
-
-    was_training = model.training
-    model.eval()
-    try:
-        src = torch.tensor([source], dtype=torch.long, device=weight.device)  # (1, S)
-        memory_kv = model.memory_kv(model.encode(src))  # once per source, reused by every step
-        cache = model.new_cache(1, max(max_new_tokens, 1), weight.device, weight.dtype)
-        idx = torch.full((1, 1), cfg.pad_id, dtype=torch.long, device=weight.device)  # the start id
-        new_tokens: list[int] = []
-        for _ in range(max_new_tokens):
-            logits = model.decode(idx, memory_kv, cache=cache)  # (1, 1, padded_vocab_size)
-            token = _next_token(logits[:, -1, :cfg.pad_id], temperature, top_k, top_p, generator)  # (1,)
-            token_id = int(token.item())
-            if token_id in stop_ids:
-                break
-            new_tokens.append(token_id)
-            idx = token.view(1, 1)
-        return new_tokens
     finally:
         model.train(was_training)

@@ -6,10 +6,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lm.models.config import ModelConfig
+from lm.models.config import TransformerConfig
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
+def make_norm(cfg: TransformerConfig) -> nn.Module:
     """LayerNorm (with a bias only when cfg.bias) or RMSNorm, over d_model channels."""
     if cfg.norm == "rmsnorm":
         return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
@@ -23,7 +23,7 @@ class MLP(nn.Module):
     (rows [gate; up]) so both come out of a single matmul.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.kind = cfg.mlp
         hidden = cfg.ff_dim
@@ -61,7 +61,7 @@ def sinusoidal_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
     return pe
 
 
-def add_positions(x: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig, table: nn.Embedding | None
+def add_positions(x: torch.Tensor, positions: torch.Tensor, cfg: TransformerConfig, table: nn.Embedding | None
                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Token embeddings x (B, T, C) at `positions` ((T,), or (B, T) for packed documents), given their
     positions as model.pos says: the learned `table`'s rows or the sinusoids added, or x as it is and the

@@ -61,3 +61,20 @@ def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], h: torch
     total = sum(checkpoint(_chunk_loss, head, h_chunk, t_chunk, with_z, use_reentrant=False)
                 for h_chunk, t_chunk in pieces)
     return total / targets.numel()
+
+
+def next_token_loss(logits: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, targets: torch.Tensor,
+                    chunk: int = 0, with_z: bool = False) -> torch.Tensor:
+    """`head_loss` of the logits of hidden states h (B, T, C) against targets (B, T): whole, or with `chunk`
+    > 0 `chunk` positions at a time (`chunked_cross_entropy`), the full logits never built."""
+    if chunk:
+        return chunked_cross_entropy(logits, h, targets, chunk, with_z)
+    return head_loss(logits(h), targets, with_z)
+
+
+def with_z_loss(terms: torch.Tensor, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss to backpropagate, cross-entropy + z_loss * mean log Z^2, of `terms`: the (2,) pair of
+    `head_loss(..., with_z=True)`, or a scalar cross-entropy when z_loss is 0; and the detached (2,) pair."""
+    if z_loss:
+        return terms[0] + z_loss * terms[1], terms.detach()
+    return terms, torch.stack([terms, torch.zeros_like(terms)]).detach()

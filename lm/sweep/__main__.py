@@ -22,10 +22,10 @@ from lm.cli import positive_int, run
 from lm.config import JobConfig, config_diff, load_config
 from lm.errors import ConfigError, SweepError
 from lm.io import atomic_write_text
-from lm.plan.param_count import num_params
+from lm.models.registry import family_of
 from lm.report.figures import load_run, save_png, val_time_figure
 from lm.sweep.grid import expand, format_value, overrides, parse_grid, run_name
-from lm.sweep.table import csv_text, markdown, read_result
+from lm.sweep.results import csv_text, markdown, read_result
 
 log = logging.getLogger("lm.sweep")
 
@@ -168,8 +168,8 @@ def main(argv: list[str]) -> int:
         statuses[r.name] = launch(train_command(args.config, fixed, r, args.nproc), r)
         log.info("[%d/%d] %s: %s", i, len(runs), r.name, statuses[r.name])
 
-    results = [read_result(r.dir, r.settings, num_params(r.cfg.model, non_embedding=True), statuses[r.name])
-               for r in runs]
+    results = [read_result(r.dir, r.settings, family_of(r.cfg.model).num_params(r.cfg.model, non_embedding=True),
+                           statuses[r.name]) for r in runs]
     atomic_write_text(out / "results.md", markdown(results))
     atomic_write_text(out / "results.csv", csv_text(results))
     plotted = {r.label: load_run(r.dir) for r, res in zip(runs, results) if res.val_loss is not None}

@@ -1,7 +1,8 @@
 """Validation during training: the same fixed val set at every evaluation.
 
 Pretraining scores `train.eval_batches` micro-batches of each source's val windows per rank: the mean loss
-(val/loss, val/ppl), and for an encoder the share of masked tokens it predicts (val/accuracy). Fine-tuning
+(val/loss, val/ppl), and where the family scores predictions (an encoder's masked tokens) the share it
+predicts right (val/accuracy). Fine-tuning
 scores every held-out row of task.file once: loss plus accuracy and macro-F1 (classify) or MSE and Pearson's
 r (regress). Every number is reduced from sums over ranks, so fine-tuning metrics do not depend on the
 world size.
@@ -16,9 +17,9 @@ import torch.nn.functional as F
 from lm.config import JobConfig
 from lm.data.labelled import example_batches
 from lm.data.loader import val_batches
-from lm.data.masking import IGNORE
 from lm.distributed.engine import Engine
 from lm.distributed.env import DistEnv
+from lm.models.family import Family
 from lm.report.metrics import (
     REGRESSION_SUMS,
     classification_metrics,
@@ -27,41 +28,44 @@ from lm.report.metrics import (
     regression_metrics,
     regression_sums,
 )
-from lm.training.data import TrainingData, to_device
 from lm.training.task_data import TaskData
+from lm.training.token_data import TrainingData, to_device
 
 
 @torch.no_grad()
-def evaluate(engine: Engine, data: TrainingData | TaskData, cfg: JobConfig, env: DistEnv) -> dict[str, float]:
+def evaluate(engine: Engine, family: Family, data: TrainingData | TaskData, cfg: JobConfig,
+             env: DistEnv) -> dict[str, float]:
     """Validation metrics, a collective: every rank calls it. For a mixture, each source's val split is scored
     (val/<name>/loss, val/<name>/ppl) and val/loss is their mean weighted by the sources' shares of training."""
     engine.train(False)
     try:
         if isinstance(data, TaskData):
-            return _evaluate_task(engine, data, cfg, env)
-        return _evaluate_windows(engine, data, cfg, env)
+            return _evaluate_task(engine, family, data, cfg, env)
+        return _evaluate_windows(engine, family, data, cfg, env)
     finally:
         engine.train(True)
 
 
-def _evaluate_windows(engine: Engine, data: TrainingData, cfg: JobConfig, env: DistEnv) -> dict[str, float]:
-    masked = cfg.model.arch == "encoder"
+def _evaluate_windows(engine: Engine, family: Family, data: TrainingData, cfg: JobConfig,
+                      env: DistEnv) -> dict[str, float]:
+    """The mean of each micro-batch's loss; where the family scores predictions (an encoder's masked tokens),
+    also the share it predicts right."""
     losses, accuracies = [], []
     for windows in data.val_windows:
         total = torch.zeros((), device=env.device)
-        correct = torch.zeros(2, device=env.device)  # masked tokens predicted right, masked tokens
-        count = 0
+        correct = torch.zeros(2, device=env.device)  # targets predicted right, targets
+        count, scores_accuracy = 0, False
         for batch in val_batches(windows, cfg.train.micro_batch_size, env.rank, env.world_size,
                                  cfg.train.eval_batches, data.objective):
             batch = to_device(batch, env.device)
-            logits, loss = engine.eval_outputs(batch)
-            total += loss.float()
+            scored = engine.evaluate(lambda model, run, batch=batch: family.score_batch(model, run, batch))
+            total += scored.loss
             count += 1
-            if masked:  # logits (N, V) of the N masked positions, in the order of labels' non-ignored entries
-                targets = batch[1][batch[1] != IGNORE]  # (N,)
-                correct += torch.stack([(logits.argmax(-1) == targets).sum(), targets.new_tensor(targets.numel())])
+            if scored.correct is not None:
+                scores_accuracy = True
+                correct += torch.stack([scored.correct, scored.correct.new_tensor(scored.count)])
         losses.append(env.all_reduce_mean(total / max(count, 1)).item())
-        if masked:
+        if scores_accuracy:
             right, n = env.all_reduce_mean(correct).tolist()
             accuracies.append(right / n)
     metrics: dict[str, float] = {}
@@ -72,17 +76,19 @@ def _evaluate_windows(engine: Engine, data: TrainingData, cfg: JobConfig, env: D
             metrics[f"val/{source.name}/accuracy"] = accuracy
     loss = math.fsum(share * loss for share, loss in zip(data.shares, losses))
     metrics = {"val/loss": loss, "val/ppl": perplexity(loss), **metrics}
-    if masked:
+    if accuracies:
         metrics["val/accuracy"] = math.fsum(share * a for share, a in zip(data.shares, accuracies))
     return metrics
 
 
-def _evaluate_task(engine: Engine, data: TaskData, cfg: JobConfig, env: DistEnv) -> dict[str, float]:
+def _evaluate_task(engine: Engine, family: Family, data: TaskData, cfg: JobConfig, env: DistEnv) -> dict[str, float]:
     """Every val row once over the ranks; the losses and metrics from sums (`task_sums`)."""
     sums = np.zeros(task_sums_size(data.kind, data.num_classes))
     for ids, labels, keep, weight in example_batches(data.val_examples, data.val_labels, cfg.train.micro_batch_size,
                                                      env.rank, env.world_size, cfg.model.pad_id):
-        outputs, _ = engine.eval_outputs(to_device((ids, labels, keep), env.device))
+        ids_t, keep_t = to_device((ids, keep), env.device)
+        outputs = engine.evaluate(lambda model, run, ids_t=ids_t, keep_t=keep_t:
+                                  family.task_outputs(model, run, ids_t, keep_t))
         sums += task_sums(data.kind, data.num_classes, outputs, labels, weight)
     if env.is_distributed:
         total = torch.from_numpy(sums).to(env.device)

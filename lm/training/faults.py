@@ -1,4 +1,5 @@
-"""Fault injection for the fault-tolerance tests, read once from the environment; unset in real runs.
+"""Fault injection for the fault-tolerance tests, read from the environment and wrapped around a built trainer
+from outside: nothing in the trainer, the engines or the optimizers knows of it. Unset in real runs.
 
 LM_FAULT_NAN_STEPS=3,4   rank 0's loss at these steps (numbered from 1, as logged) is made NaN
 LM_FAULT_KILL=R:S        rank R SIGKILLs itself right after step S, on torchrun's first attempt only
@@ -9,44 +10,43 @@ LM_FAULT_KILL_SAVE=R:S   rank R SIGKILLs itself inside the save of step S, right
 
 import os
 import signal
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lm.training.trainer import Trainer
 
 
-@dataclass
-class Faults:
-    """The faults the environment asks for (see the module docstring)."""
+def install_faults(trainer: "Trainer") -> None:
+    """Wrap `trainer`'s engine (its loss, its save) and add a step hook, as the LM_FAULT_* variables ask."""
+    rank, engine = trainer.env.rank, trainer.engine
+    nan_steps = {int(s) for s in os.environ.get("LM_FAULT_NAN_STEPS", "").split(",") if s}
+    if nan_steps and rank == 0:
+        loss = engine.loss
 
-    nan_steps: set[int] = field(default_factory=set)
-    kill_after: tuple[int, int] | None = None  # (rank, step)
-    kill_save: tuple[int, int] | None = None  # (rank, step)
+        def loss_or_nan(*args):
+            value, terms = loss(*args)
+            if trainer.step + 1 in nan_steps:  # the step being taken, as it will be logged
+                return value * float("nan"), terms * float("nan")
+            return value, terms
 
-    @classmethod
-    def from_env(cls) -> "Faults":
-        faults = cls()
-        if steps := os.environ.get("LM_FAULT_NAN_STEPS"):
-            faults.nan_steps = {int(s) for s in steps.split(",")}
-        faults.kill_after = _rank_step("LM_FAULT_KILL")
-        faults.kill_save = _rank_step("LM_FAULT_KILL_SAVE")
-        return faults
-
-    def nan_at(self, step: int, rank: int) -> bool:
-        return rank == 0 and step in self.nan_steps
-
-    def maybe_kill(self, step: int, rank: int) -> None:
-        if _first_attempt() and self.kill_after == (rank, step):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def arm_save(self, engine, step: int, rank: int) -> None:
-        """Before the save of `step`: make `engine.save` kill this rank once its files are written."""
-        if not (_first_attempt() and self.kill_save == (rank, step)):
-            return
+        engine.loss = loss_or_nan
+    if not _first_attempt():
+        return
+    if (kill_after := _rank_step("LM_FAULT_KILL")) and kill_after[0] == rank:
+        trainer.after_step.append(lambda step: step == kill_after[1] and _die())
+    if (kill_save := _rank_step("LM_FAULT_KILL_SAVE")) and kill_save[0] == rank:
         save = engine.save
 
         def save_then_die(*args, **kwargs):
             save(*args, **kwargs)
-            os.kill(os.getpid(), signal.SIGKILL)
+            if trainer.step == kill_save[1]:
+                _die()
 
         engine.save = save_then_die
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _rank_step(name: str) -> tuple[int, int] | None:

@@ -3,6 +3,7 @@ a scheduler sends. What `lm.train` and `lm.finetune` run once they have a config
 
 from lm.config import JobConfig
 from lm.distributed.env import init_distributed
+from lm.training.faults import install_faults
 from lm.training.preemption import StopSignals
 from lm.training.trainer import Trainer
 
@@ -14,6 +15,8 @@ def run_job(cfg: JobConfig) -> None:
     with StopSignals() as signals:
         env = init_distributed(cfg.train.device)
         try:
-            Trainer(cfg, env).fit(signals)
+            trainer = Trainer(cfg, env)
+            install_faults(trainer)  # the fault-tolerance tests' LM_FAULT_* variables; nothing in a real run
+            trainer.fit(signals)
         finally:
             env.close()

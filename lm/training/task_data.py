@@ -1,5 +1,5 @@
 """The data a fine-tuning run trains on: task.file's labelled rows, tokenized, split into train and val, and
-the loader over the train rows (`lm.data.labelled`). The counterpart of `lm.training.data` for token shards."""
+the loader over the train rows (`lm.data.labelled`). The counterpart of `lm.training.token_data` for token shards."""
 
 import hashlib
 from dataclasses import dataclass
@@ -12,7 +12,7 @@ from lm.data.labelled import ExampleLoader, encode_examples, read_labelled, spli
 from lm.distributed.env import DistEnv
 from lm.errors import DataError
 from lm.tokenizer import model_tokenizer
-from lm.training.data import check_batch_split
+from lm.training.token_data import check_batch_split
 
 
 @dataclass
@@ -43,7 +43,7 @@ class TaskData:
 def read_task_rows(cfg: JobConfig, path: str | Path) -> tuple[list[np.ndarray], np.ndarray]:
     """Every row of a labelled file as token ids ([CLS] + text, at most data.seq_len ids) and its labels,
     checked against the model's head (`read_labelled`)."""
-    texts, labels = read_labelled(Path(path), cfg.task.text_column, cfg.task.label_column, cfg.model.head,
+    texts, labels = read_labelled(Path(path), cfg.task.text_column, cfg.task.label_column, cfg.model.task_head,
                                   cfg.model.num_classes)
     tokenizer = model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
     return encode_examples(texts, tokenizer.encode_ordinary, cfg.model.cls_id, cfg.data.seq_len), labels
@@ -62,5 +62,5 @@ def open_task_data(cfg: JobConfig, env: DistEnv) -> TaskData:
                         f"(train.batch_size={cfg.train.batch_size})")
     loader = ExampleLoader([examples[i] for i in train_idx], labels[train_idx], cfg.train.seed, env.rank,
                            env.world_size, cfg.train.batch_size, cfg.train.micro_batch_size, cfg.model.pad_id)
-    return TaskData(cfg.model.head, cfg.model.num_classes, loader, [examples[i] for i in val_idx], labels[val_idx],
+    return TaskData(cfg.model.task_head, cfg.model.num_classes, loader, [examples[i] for i in val_idx], labels[val_idx],
                     hashlib.sha256(path.read_bytes()).hexdigest(), str(path), len(train_idx))

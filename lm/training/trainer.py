@@ -1,34 +1,27 @@
 """The training loop: one optimizer step per global batch, logging, validation and checkpoints.
 
-A run is put together in a fixed order: the data is checked and opened (`lm.training.data`), the
-checkpoint to resume from is chosen and checked (`lm.checkpoint.resume`), the model is built on the meta
-device and handed to the engine, which allocates, draws and wraps it (`lm.distributed.engine`), and the
-checkpoint layer loads a resumed run's state into that engine.
+The trainer asks the model's family (`lm.models.family`) what differs by model, and the engine what differs by
+kind of parallelism; `lm.training.setup` puts the run together before the first step.
 """
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from lm.checkpoint.loading import init_from_loader
-from lm.checkpoint.resume import changed_settings, check_resume, find_resume, load_checkpoint
+from lm.checkpoint.resume import changed_settings, load_checkpoint
 from lm.checkpoint.store import checkpoint_root
 from lm.config import JobConfig, save_config
-from lm.distributed.engine import Engine, build_engine
 from lm.distributed.env import DistEnv
-from lm.distributed.weights import WeightLoader
 from lm.errors import TrainingError
-from lm.models.factory import build_model
+from lm.models.registry import family_of
 from lm.plan.disk import checkpoint_bytes
-from lm.plan.flops import flops_per_token, peak_flops
-from lm.plan.param_count import num_params
+from lm.plan.flops import peak_flops
 from lm.report.metrics import perplexity
 from lm.tokenizer import load_tokenizer
-from lm.training.data import open_training_data, to_device
 from lm.training.evaluate import evaluate
-from lm.training.faults import Faults
 from lm.training.logger import MetricLogger, TrainWindow, hparams, val_line
 from lm.training.nonfinite import SkippedSteps
 from lm.training.preemption import StopSignals
@@ -36,19 +29,10 @@ from lm.training.run_dir import check_run_paths, lock_run_dir
 from lm.training.samples import periodic_sample
 from lm.training.save import last_good, probe_output_dir, save_run
 from lm.training.schedule import lr_at
-from lm.training.task_data import open_task_data
+from lm.training.setup import build_run_engine, choose_start, open_data
+from lm.training.token_data import to_device
 
 log = logging.getLogger("lm.train")
-
-
-def build_run_engine(cfg: JobConfig, env: DistEnv, load_weights: WeightLoader | None, load_universal: bool) -> Engine:
-    """The model of `cfg` built on the meta device and handed to the engine, which draws its weights from
-    train.seed (the same on every engine and world size) or, for a new run with checkpoint.init_from,
-    loads them with `load_weights` (`init_from_loader`)."""
-    torch.manual_seed(cfg.train.seed)
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    return build_engine(model, cfg, env, load_weights, load_universal)
 
 
 class Trainer:
@@ -56,9 +40,11 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
+        self.family = family_of(cfg.model)
+        self.after_step: list[Callable[[int], object]] = []
+        """Called with the step number once each step is done (evaluated, sampled, saved when due)."""
         check_run_paths(cfg)
-        # a fine-tuning head reads labelled rows; every other model reads token shards
-        self.data = open_task_data(cfg, env) if cfg.task.file else open_training_data(cfg, env)
+        self.data = open_data(cfg, env)
         self.out_dir = Path(cfg.train.out_dir)
         self.ckpt_root = checkpoint_root(self.out_dir)
         # held until fit() ends; released at once if setting up fails, so a refused run leaves no trace
@@ -72,23 +58,18 @@ class Trainer:
     def _set_up(self) -> None:
         """Everything that reads the run directory, under its lock: resume, engine, counters, config."""
         cfg, env = self.cfg, self.env
-        resume_from = find_resume(self.ckpt_root, cfg.checkpoint.resume, env, cfg.checkpoint.allow_unverified)
-        load_universal = resume_from is not None and check_resume(resume_from, cfg, self.data.identity(), env)
-        load_weights = None
-        if resume_from is None and cfg.checkpoint.init_from:
-            load_weights = init_from_loader(Path(cfg.checkpoint.init_from), cfg)
-        self.engine = build_run_engine(cfg, env, load_weights, load_universal)
+        start = choose_start(cfg, env, self.ckpt_root, self.data.identity())
+        self.engine = build_run_engine(cfg, self.family, env, start.load_weights, start.load_universal)
         self.model = self.engine.model
         self.loader = self.data.loader
         self.step, self.tokens_seen = 0, 0
         self.elapsed_before = 0.0  # wall seconds trained by earlier processes of this run (before a resume)
         self.fit_started: float | None = None
-        if resume_from is not None:
-            self._resume(resume_from)
-        self.faults = Faults.from_env()
+        if start.resume_from is not None:
+            self._resume(start.resume_from)
         self.skipped = SkippedSteps(env.device)
-        self.n_params = num_params(cfg.model, non_embedding=True)
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, cfg.data.mlm_rate)
+        self.n_params = self.family.num_params(cfg.model, non_embedding=True)
+        self.flops_per_token = self.family.flops_per_token(cfg.model, cfg.data.seq_len, cfg.data)
         self.peak_flops = peak_flops(env.device)
         if env.is_main and self.step < cfg.train.steps:  # a finished run is left as it is
             probe_output_dir(self.out_dir, checkpoint_bytes(cfg))
@@ -96,8 +77,8 @@ class Trainer:
         if env.is_main:
             log.info("model: %.2fM parameters (non-embedding), %d ranks on %s, engine %s",
                      self.n_params / 1e6, env.world_size, env.device, self.engine.name)
-        # an encoder generates no text: its periodic samples are off whatever log.sample_every says
-        self.samples = bool(cfg.log.sample_every) and cfg.model.arch != "encoder"
+        # a family that writes no text (an encoder) has no periodic samples, whatever log.sample_every says
+        self.samples = bool(cfg.log.sample_every) and self.family.generates
         self.tokenizer = load_tokenizer(cfg.data.tokenizer) if self.samples else None
 
     def _resume(self, path: Path) -> None:
@@ -144,9 +125,9 @@ class Trainer:
             window.add(loss, applied)
             last = self.step == cfg.train.steps
             log_step = self.step % cfg.log.every == 0 or last
-            # read at log steps: the other engines skip a non-finite step on the device, so it can wait;
-            # DeepSpeed cannot skip one (and already waited for its norm, a Python float): every step
-            if log_step or self.engine.name == "deepspeed":
+            # read at log steps when the engine skips a non-finite step on the device, so it can wait; one that
+            # cannot skip it (DeepSpeed, which already waited for its norm, a Python float): every step
+            if log_step or not self.engine.skips_nonfinite:
                 self._check_nonfinite()
             if log_step:
                 history.append(self._log_train(window, lr, grad_norm))
@@ -161,7 +142,7 @@ class Trainer:
         """Evaluate, sample and save when due; whether the run stops here for a signal (saved first)."""
         cfg = self.cfg
         if self.step % cfg.train.eval_every == 0 or last:
-            val = evaluate(self.engine, self.data, cfg, self.env)
+            val = evaluate(self.engine, self.family, self.data, cfg, self.env)
             sources = [s.name for s in self.data.sources] if self.data.is_mixture else []
             self.metrics.log(self.step, self.tokens_seen, self.elapsed_s(), val, val_line(val, sources))
             history.append({"step": self.step, **val})
@@ -170,7 +151,8 @@ class Trainer:
         saved = self.step % cfg.checkpoint.every == 0 or last
         if saved:
             self.save()
-        self.faults.maybe_kill(self.step, self.env.rank)
+        for hook in self.after_step:
+            hook(self.step)
         # every rank must stop at the same step, though a signal may reach only some of them; they agree at
         # log steps only, so the step itself stays free of this collective and host sync
         if last or self.step % cfg.log.every or not self._stop_agreed(signals):
@@ -217,7 +199,7 @@ class Trainer:
 
     def log_sample(self) -> None:
         """Continue log.sample_prompt with the current weights; rank 0 logs the text (every rank samples)."""
-        text = periodic_sample(self.engine, self.cfg, self.tokenizer, self.env)
+        text = periodic_sample(self.engine, self.family, self.cfg, self.tokenizer, self.env)
         self.metrics.log_text("sample", self.step, text)
         if self.env.is_main:
             log.info("step %d | sample: %r", self.step, text)
@@ -232,8 +214,8 @@ class Trainer:
         if new:
             log.warning("step %d: %d optimizer steps skipped since the last check for a NaN/inf loss or gradient "
                         "norm (%d in all)", self.step, new, self.skipped.total)
-        # DeepSpeed has already applied the step, so its weights may no longer be finite: stop at once
-        limit = 1 if self.engine.name == "deepspeed" else self.cfg.train.max_nonfinite_steps
+        # an engine that cannot skip has already applied the step, so its weights may no longer be finite: stop
+        limit = self.cfg.train.max_nonfinite_steps if self.engine.skips_nonfinite else 1
         if longest >= limit:
             raise TrainingError(
                 f"step {self.step}: {longest} steps in a row with a non-finite loss or gradient "
@@ -247,13 +229,12 @@ class Trainer:
         and z-loss term, the grad norm and whether the optimizer step was applied (not skipped for a
         non-finite norm), the last two 0-dim; all on the device."""
         micro_batches = self.loader.next_batch()
-        poison = self.faults.nan_at(self.step + 1, self.env.rank)
         loss_sum = torch.zeros(2, device=self.env.device)  # cross-entropy, z-loss term
         for i, batch in enumerate(micro_batches):
-            # (x, y) for the GPT, (src, tgt_in, tgt_out) for the encoder-decoder: the model's own arguments
+            # the objective's batch ((x, y) for a next-token model, ...), which the family's loss reads
             loss_sum += self.engine.forward_backward(to_device(batch, self.env.device),
                                                      last=i == len(micro_batches) - 1,
-                                                     num_micro=len(micro_batches), poison=poison)
+                                                     num_micro=len(micro_batches))
         grad_norm, applied = self.engine.optimizer_step()
         return loss_sum / len(micro_batches), grad_norm, applied
 
@@ -261,5 +242,4 @@ class Trainer:
         """Checkpoint the run (a collective; see `save_run`)."""
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed_s(),
                  **self.loader.state_dict(), "data": self.data.identity()}
-        self.faults.arm_save(self.engine, self.step, self.env.rank)
         return save_run(self.engine, self.ckpt_root, state, self.cfg, self.env)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from lm.bench import __main__ as bench
 from lm.bench.data import bench_loader, bench_prepare
-from lm.bench.sampling import bench_sampling
+from lm.bench.sampling_speed import bench_sampling
 from lm.bench.training import bench_engine, bench_model, profile_step, sdpa_kernel
 from lm.cli import run
 from lm.config import load_config

@@ -6,7 +6,8 @@ from lm.checkpoint.store import checkpoint_root, complete_checkpoints, resolve_c
 from lm.config import load_config
 from lm.distributed.env import init_distributed
 from lm.errors import CheckpointError, ConfigError
-from lm.training.trainer import build_run_engine
+from lm.models.registry import family_of
+from lm.training.setup import build_run_engine
 
 TINY = ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=16", "--model.block_size=16", "--data.seq_len=8"]
 
@@ -14,7 +15,7 @@ TINY = ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=16", "--model.
 def setup(seed=0):
     """A ddp engine (one process) after one optimizer step, so AdamW has state to save."""
     cfg = load_config(None, [*TINY, f"--train.seed={seed}"])
-    engine = build_run_engine(cfg, init_distributed("cpu"), load_weights=None, load_universal=False)
+    engine = build_run_engine(cfg, family_of(cfg.model), init_distributed("cpu"))
     engine.forward_backward([torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long)], True, 1)
     engine.optimizer_step()
     return cfg, engine

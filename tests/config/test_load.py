@@ -28,7 +28,7 @@ def test_text_that_reads_as_a_yaml_mapping_is_taken_literally():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("--model.n_layr=2", "model.n_layr: unknown key"),
+        ("--model.n_layr=2", "model.n_layr: not a key of a decoder-only GPT"),
         ("--modle.n_layer=2", "modle: unknown key"),
         ("--model.n_layer=two", "model.n_layer: expected int, got str"),
         ("--model.n_layer=2.5", "model.n_layer: expected int, got float"),

@@ -2,24 +2,25 @@ import pytest
 import torch
 
 from lm.distributed.activation import checkpoint_blocks
-from lm.models.config import ModelConfig
-from lm.models.factory import build_model
+from lm.models.registry import config_class, family_of
+
+KEYS = {"gpt": dict(n_head=2), "encdec": dict(n_head=2, n_sentinels=3, pos="sinusoidal"), "lstm": {}}
 
 
 @pytest.mark.parametrize("arch", ["gpt", "encdec", "lstm"])
 @pytest.mark.parametrize("every", [1, 2])
 def test_activation_checkpointing_gives_the_same_gradients_as_none(arch, every):
-    cfg = ModelConfig(arch=arch, vocab_size=100, block_size=16, n_layer=3, n_head=2, d_model=16, n_sentinels=3,
-                      pos="sinusoidal" if arch == "encdec" else "learned")
+    cfg = config_class(arch)(vocab_size=100, block_size=16, n_layer=3, d_model=16, **KEYS[arch])
+    family = family_of(cfg)
     batch = [torch.randint(0, 100, (2, 8)) for _ in range(3 if arch == "encdec" else 2)]
     grads = []
     for wrap in (False, True):
         torch.manual_seed(0)
-        model = build_model(cfg)
+        model = family.build(cfg)
         if wrap:
             blocks = 6 if arch == "encdec" else 3  # an LSTM's layers are its blocks
-            assert checkpoint_blocks(model, every) == (blocks + every - 1) // every
-        model(*batch)[1].backward()
+            assert checkpoint_blocks(family.blocks(model), every) == (blocks + every - 1) // every
+        family.loss(model, model, batch)[0].backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert grads[0].keys() == grads[1].keys()  # same names: checkpoints do not notice
     for name in grads[0]:

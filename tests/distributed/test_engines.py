@@ -16,12 +16,21 @@ from lm.distributed.zero import deepspeed_config
 from lm.errors import CheckpointError, ConfigError
 
 TINY = [
-    "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
+    "--model.n_layer=2", "--model.d_model=32", "--model.block_size=32",
     "--data.seq_len=16", "--train.batch_size=8", "--train.micro_batch_size=2", "--train.device=cpu",
     "--train.eval_every=3", "--train.eval_batches=2", "--log.every=1", "--log.tensorboard=false",
     "--checkpoint.every=3", "--checkpoint.keep=5", "--optim.lr=3e-3", "--schedule.warmup_steps=2",
     "--train.steps=6",
 ]
+HEADS = ["--model.n_head=2"]
+"""What TINY adds for a family with attention heads (lm's but the LSTM)."""
+ATTENTION = ("gpt", "encdec", "encoder")
+
+
+def heads_for(flags: tuple[str, ...] | list[str]) -> list[str]:
+    """HEADS when the last --model.arch in `flags` (gpt when none) has attention heads."""
+    arch = ([f.split("=", 1)[1] for f in flags if f.startswith("--model.arch=")] or ["gpt"])[-1]
+    return HEADS if arch in ATTENTION else []
 ENGINES = {
     "ddp": ["--parallel.engine=ddp"],
     "fsdp": ["--parallel.engine=fsdp"],
@@ -40,8 +49,8 @@ RESHARD_REL = 1e-3
 def train(nproc: int, out: Path, data_dir: Path, *extra: str) -> dict[int, float]:
     """Run lm.train on `nproc` processes (torchrun for 2) and return its logged train loss per step."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    cmd = [sys.executable, *launcher, "-m", "lm.train", *TINY, f"--data.dir={data_dir}", f"--train.out_dir={out}",
-           *extra]
+    cmd = [sys.executable, *launcher, "-m", "lm.train", *TINY, *heads_for(extra), f"--data.dir={data_dir}",
+           f"--train.out_dir={out}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve()))
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -204,7 +213,7 @@ def test_fsdp_offload_on_a_cpu_run_is_refused_before_anything_is_written(tiny_da
     from lm.distributed.env import init_distributed
     from lm.training.trainer import Trainer
 
-    cfg = load_config(None, [*TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={tmp_path / 'run'}",
+    cfg = load_config(None, [*TINY, *HEADS, f"--data.dir={tiny_data_dir}", f"--train.out_dir={tmp_path / 'run'}",
                              "--parallel.engine=fsdp", "--parallel.cpu_offload=true"])
     try:
         with pytest.raises(ConfigError, match="parallel.cpu_offload: FSDP2 offloads a GPU run's shards"):
@@ -218,7 +227,7 @@ def test_fsdp_offload_on_a_cpu_run_is_refused_before_anything_is_written(tiny_da
 def test_deepspeed_says_that_it_does_not_compile(tiny_data_dir, tmp_path):
     # a process of its own: DeepSpeed keeps its groups module-wide, so a second engine in a process whose
     # first group was destroyed fails
-    cmd = [sys.executable, "-m", "lm.train", *TINY, "--train.steps=1", "--parallel.engine=deepspeed",
+    cmd = [sys.executable, "-m", "lm.train", *TINY, *HEADS, "--train.steps=1", "--parallel.engine=deepspeed",
            "--parallel.zero_stage=1", "--train.compile=true", f"--data.dir={tiny_data_dir}",
            f"--train.out_dir={tmp_path / 'run'}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -235,16 +244,17 @@ def test_an_engine_draws_the_weights_a_cpu_build_would_and_lets_a_loader_replace
 
     from lm.distributed.engine import build_engine
     from lm.distributed.env import DistEnv
-    from lm.models.factory import build_model
+    from lm.models.registry import family_of
 
-    cfg = load_config(None, [*TINY, "--train.device=cpu"])
+    cfg = load_config(None, [*TINY, *HEADS, "--train.device=cpu"])
+    family = family_of(cfg.model)
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     torch.manual_seed(5)
-    reference = build_model(cfg.model)
+    reference = family.build(cfg.model)
     torch.manual_seed(5)
     with torch.device("meta"):
-        model = build_model(cfg.model)
-    engine = build_engine(model, cfg, env)
+        model = family.build(cfg.model)
+    engine = build_engine(model, family, cfg, env)
     assert engine.model is model and model.lm_head.weight is model.wte.weight  # materialised and tied again
     for (name, expected), actual in zip(reference.state_dict().items(), model.state_dict().values()):
         assert torch.equal(expected, actual), name
@@ -255,6 +265,6 @@ def test_an_engine_draws_the_weights_a_cpu_build_would_and_lets_a_loader_replace
                 p.zero_()
 
     with torch.device("meta"):
-        other = build_model(cfg.model)
-    zeros = build_engine(other, cfg, env, load_weights=zero_all)
+        other = family.build(cfg.model)
+    zeros = build_engine(other, family, cfg, env, load_weights=zero_all)
     assert all(not p.any() for p in zeros.model.parameters())

@@ -13,8 +13,8 @@ from lm.config import load_config
 from lm.data.objectives import NextToken
 from lm.distributed.engine import build_engine
 from lm.distributed.env import init_distributed
-from lm.models.factory import build_model
-from tests.distributed.test_engines import TINY, train
+from lm.models.registry import family_of
+from tests.distributed.test_engines import HEADS, TINY, train
 
 EOT = 50256
 # A window's tokens (T + 1 = 25): the tail of a document, then documents of 6, 3 and 9 tokens, each closed by
@@ -41,23 +41,29 @@ def packed_rows() -> np.ndarray:
 def _worker(rank: int, port: int, engine: str, pos: str, out: dict) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cfg = load_config(None, [*TINY, f"--parallel.engine={engine}", f"--model.pos={pos}", "--data.document_mask=true"])
+    cfg = load_config(None, [*TINY, *HEADS, f"--parallel.engine={engine}", f"--model.pos={pos}",
+                             "--data.document_mask=true"])
     env = init_distributed("cpu")
+    family = family_of(cfg.model)
     torch.manual_seed(cfg.train.seed)
     with torch.device("meta"):
-        model = build_model(cfg.model)
-    eng = build_engine(model, cfg, env)
+        model = family.build(cfg.model)
+    eng = build_engine(model, family, cfg, env)
+
+    def loss_of(batch: list[torch.Tensor]) -> float:
+        return eng.evaluate(lambda model, run: family.score_batch(model, run, batch)).loss.item()
+
     eng.train(False)
     x, y, positions = NextToken(document_eot=EOT)(packed_rows(), np.zeros(2, dtype=np.int64))
     with torch.no_grad():
-        packed = eng.eval_outputs([torch.from_numpy(t) for t in (x, y, positions)])[1].item()
+        packed = loss_of([torch.from_numpy(t) for t in (x, y, positions)])
         # each document alone, from position 0 and without any mask: (loss x tokens) summed over documents
         total = 0.0
         for row in range(2):
             starts = [*np.flatnonzero(positions[row] == 0).tolist(), x.shape[1]]
             for a, b in zip(starts, starts[1:]):
                 doc = [torch.from_numpy(t[row:row + 1, a:b].copy()) for t in (x, y)]
-                total += eng.eval_outputs(doc)[1].item() * (b - a)
+                total += loss_of(doc) * (b - a)
     out[rank] = (packed, total / x.size, [len(np.flatnonzero(p == 0)) for p in positions])
     env.close()
 

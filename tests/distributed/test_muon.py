@@ -8,8 +8,8 @@ import torch.nn as nn
 from lm.config import OptimConfig
 from lm.distributed.muon import Muon, newton_schulz
 from lm.distributed.optim import build_optimizer, set_lr
-from lm.models.config import ModelConfig
-from lm.models.gpt import GPT
+from lm.models.gpt.config import GPTConfig
+from lm.models.gpt.model import GPT
 
 
 def with_singular_values(m: int, n: int, values: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -97,12 +97,13 @@ def test_a_step_with_found_inf_changes_nothing():
 
 def groups_of(model: nn.Module, cfg: OptimConfig) -> list[set[str]]:
     names = {id(p): name for name, p in model.named_parameters()}
-    return [{names[id(p)] for p in group["params"]} for group in build_optimizer(model, cfg).param_groups]
+    groups = build_optimizer(model, cfg, [model.lm_head]).param_groups
+    return [{names[id(p)] for p in group["params"]} for group in groups]
 
 
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
-    model = GPT(ModelConfig(n_layer=2, n_head=2, d_model=16, block_size=8, vocab_size=64, pos="rope",
-                            norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False))
+    model = GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, block_size=8, vocab_size=64, pos="rope",
+                          norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False))
     adamw = groups_of(model, OptimConfig())
     decay, no_decay, matrices = groups_of(model, OptimConfig(name="muon"))
     assert matrices == adamw[0] - {"lm_head.weight"}  # every decayed Linear weight but the head's
@@ -111,16 +112,16 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
 
 
 def test_a_tied_gpt_under_muon_has_no_empty_group():
-    model = GPT(ModelConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=64))
-    opt = build_optimizer(model, OptimConfig(name="muon"))
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=64))
+    opt = build_optimizer(model, OptimConfig(name="muon"), [model.lm_head])
     # AdamW's decayed group would hold only the head, which is the embedding: it is left out, not left empty
     assert [group["muon"] for group in opt.param_groups] == [False, True]
     assert all(group["params"] for group in opt.param_groups)
 
 
 def test_the_schedule_scales_muon_lr_as_it_scales_lr():
-    model = GPT(ModelConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=64))
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=64))
     cfg = OptimConfig(name="muon", lr=1e-3, muon_lr=0.02)
-    opt = build_optimizer(model, cfg)
+    opt = build_optimizer(model, cfg, [model.lm_head])
     set_lr(opt, 5e-4, cfg)  # half the peak
     assert [group["lr"] for group in opt.param_groups] == [5e-4, pytest.approx(0.01)]

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from lm.bench.training import random_batch, sdpa_kernel
 from lm.config import load_config
 from lm.distributed.env import DistEnv
+from lm.models.registry import family_of
 from lm.training.nonfinite import SkippedSteps
-from lm.training.trainer import build_run_engine
+from lm.training.setup import build_run_engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -40,12 +41,20 @@ def test_a_training_step_never_waits_for_the_host(engine, optim):
 
 
 def sync_free_steps(cfg, device: torch.device) -> None:
-    built = build_run_engine(cfg, DistEnv(rank=0, local_rank=0, world_size=1, device=device), None, False)
+    built = build_run_engine(cfg, family_of(cfg.model), DistEnv(rank=0, local_rank=0, world_size=1, device=device))
     x = random_batch(cfg, 4, device)
     batch = [x[:, :-1], x[:, 1:]]
+    loss, poisoned = built.loss, [False]
+
+    def loss_or_nan(*args):  # a NaN loss from the test's side, as lm.training.faults makes one
+        value, terms = loss(*args)
+        return (value * float("nan"), terms * float("nan")) if poisoned[0] else (value, terms)
+
+    built.loss = loss_or_nan
 
     def step(poison: bool) -> torch.Tensor:
-        built.forward_backward(batch, last=True, num_micro=1, poison=poison)
+        poisoned[0] = poison
+        built.forward_backward(batch, last=True, num_micro=1)
         return built.optimizer_step()[1]
 
     step(False)  # warm-up: lazy initialisation (cuBLAS handles, FSDP's first all-gather) may synchronise

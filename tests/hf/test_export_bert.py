@@ -12,19 +12,20 @@ import yaml
 from safetensors.torch import load_file, save_file
 from transformers import BertForMaskedLM
 
-from lm.checkpoint.weights import tied_names
+from lm.checkpoint.model_weights import tied_names
 from lm.cli import run
 from lm.config import load_config
 from lm.errors import ExportError
 from lm.export import main
-from lm.hf.export import write_export
-from lm.hf.mapping import hf_target, weight_plan
-from lm.models.config import ModelConfig
-from lm.models.encoder import Encoder
+from lm.hf.export_files import write_export
+from lm.hf.targets import pick_target
+from lm.models.encoder.config import EncoderConfig
+from lm.models.encoder.model import Encoder
+from lm.models.registry import get_family
 from tests.models.test_parity_hf import random_model
 
 VOCAB = 300  # + [MASK], [CLS], padding = 303 ids, padded to 320 rows
-BERT = dict(arch="encoder", norm_position="post")
+BERT = dict(norm_position="post")
 TOKEN_TYPES = "bert.embeddings.token_type_embeddings.weight"
 
 
@@ -34,21 +35,31 @@ def offline(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
-def tiny_config(**overrides: object) -> ModelConfig:
+def tiny_config(**overrides: object) -> EncoderConfig:
     fields = dict(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, d_model=64, d_ff=96, norm_eps=1e-6,
                   **BERT)
     fields.update(overrides)
-    return ModelConfig(**fields)
+    return EncoderConfig(**fields)
 
 
-def random_encoder(cfg: ModelConfig, seed: int = 0) -> Encoder:
+def bert_target(cfg: EncoderConfig):
+    """The transformers class the encoder family maps `cfg` to (ExportError when none reproduces it)."""
+    return pick_target(cfg, get_family("encoder").hf_targets, cfg.title)
+
+
+def export(model: Encoder, out: Path) -> list[str]:
+    """The export as `lm.export` does it: the target first, then the files."""
+    return write_export(model, bert_target(model.cfg), None, "gpt2", out)[0]
+
+
+def random_encoder(cfg: EncoderConfig, seed: int = 0) -> Encoder:
     """Every parameter drawn anew (`random_model`), so no zero or one left by the init hides a misplaced tensor."""
     return random_model(cfg, seed)
 
 
 def exported(model: Encoder, out: Path) -> BertForMaskedLM:
     """`model` written by the export and read back by transformers alone, with nothing missing or left over."""
-    write_export(model, None, "gpt2", out)
+    export(model, out)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     hf, info = BertForMaskedLM.from_pretrained(out, local_files_only=True, output_loading_info=True)
     assert not any(info.values()), info
@@ -58,7 +69,7 @@ def exported(model: Encoder, out: Path) -> BertForMaskedLM:
     return hf.eval()
 
 
-def ids_of(cfg: ModelConfig, shape: tuple[int, int], seed: int) -> torch.Tensor:
+def ids_of(cfg: EncoderConfig, shape: tuple[int, int], seed: int) -> torch.Tensor:
     """Random ids over every id the model knows, [MASK] and [CLS] included, each row starting with [CLS]."""
     ids = torch.randint(0, cfg.total_vocab_size, shape, generator=torch.Generator().manual_seed(seed))
     ids[:, 0] = cfg.cls_id
@@ -70,9 +81,9 @@ def test_transformers_gives_our_logits(tmp_path):
     hf = exported(model, tmp_path / "bert")
     ids = ids_of(model.cfg, (3, 32), seed=1)
     with torch.no_grad():
-        ours, loss = model(ids)
+        ours = model.mlm_logits(model(ids))
         theirs = hf(ids).logits
-    assert loss is None and ours.shape == theirs.shape == (3, 32, 320) and theirs.std() > 0.3
+    assert ours.shape == theirs.shape == (3, 32, 320) and theirs.std() > 0.3
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
@@ -86,9 +97,9 @@ def test_transformers_gives_our_logits_under_a_padding_mask(tmp_path):
     keep = torch.arange(20)[None, :] < torch.tensor([20, 13, 5])[:, None]  # (B, T)
     ids[~keep] = cfg.pad_id
     with torch.no_grad():
-        ours = model(ids, keep=keep)[0]
+        ours = model.mlm_logits(model(ids, keep))
         theirs = hf(ids, attention_mask=keep.long()).logits
-        unpadded = model(ids[1:2, :13])[0]
+        unpadded = model.mlm_logits(model(ids[1:2, :13]))
     torch.testing.assert_close(ours[keep], theirs[keep], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(theirs[1, :13], unpadded[0], atol=1e-5, rtol=1e-5)  # padding changes nothing
 
@@ -99,9 +110,9 @@ def test_the_written_tensors_are_ours(tmp_path):
     model = random_encoder(tiny_config())
     cfg = model.cfg
     out = tmp_path / "bert"
-    write_export(model, None, "gpt2", out)
+    export(model, out)
     written = load_file(out / "model.safetensors")
-    plan = weight_plan(cfg, "bert")
+    plan = bert_target(cfg).plan(cfg)
     assert set(written) == {part.name for parts in plan.values() for part in parts} | {TOKEN_TYPES}
     ours = model.state_dict()
     assert set(ours) - set(plan) == {"lm_head.weight"}  # tied: the embedding
@@ -131,7 +142,7 @@ def test_the_written_tensors_are_ours(tmp_path):
 def test_what_bert_cannot_reproduce_is_refused_by_name_writing_nothing(tmp_path, overrides, have, needs):
     model = random_encoder(tiny_config(**overrides))
     with pytest.raises(ExportError) as err:
-        write_export(model, None, "gpt2", tmp_path / "out")
+        export(model, tmp_path / "out")
     assert str(err.value) == (f"cannot export to Hugging Face: no transformers model has this combination ({have}): "
                               f"BertForMaskedLM (BERT) needs {needs}")
     assert list(tmp_path.iterdir()) == []
@@ -139,10 +150,10 @@ def test_what_bert_cannot_reproduce_is_refused_by_name_writing_nothing(tmp_path,
 
 def test_every_key_in_the_way_is_named_in_one_message():
     with pytest.raises(ExportError) as err:
-        hf_target(tiny_config(norm_position="pre", pos="rope", mlp="swiglu"))
+        bert_target(tiny_config(norm_position="pre", pos="rope", mlp="swiglu"))
     assert ("(model.pos=rope, model.norm_position=pre, model.mlp=swiglu): BertForMaskedLM (BERT) needs "
             "model.pos=learned, model.norm_position=post, model.mlp=gelu") in str(err.value)
-    assert hf_target(tiny_config()) == "bert"
+    assert bert_target(tiny_config()).hf_class == "BertForMaskedLM"
 
 
 def consolidated(model: Encoder, path: Path) -> Path:
@@ -169,7 +180,7 @@ def test_the_cli_exports_a_consolidated_encoder_and_prints_its_special_ids(tmp_p
     hf = BertForMaskedLM.from_pretrained(out, local_files_only=True).eval()
     ids = ids_of(model.cfg, (2, 32), seed=4)
     with torch.no_grad():
-        torch.testing.assert_close(model(ids)[0], hf(ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model.mlm_logits(model(ids)), hf(ids).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_the_cli_refuses_a_pre_norm_encoder_in_one_line_before_out_exists(tmp_path, capsys):

@@ -6,9 +6,11 @@ import json
 import pytest
 import torch
 
-from lm.hf.export import export_hf
-from lm.models.config import ModelConfig
-from lm.models.gpt import GPT
+from lm.hf.export_files import export_hf
+from lm.hf.targets import pick_target
+from lm.models.gpt.config import GPTConfig
+from lm.models.gpt.model import GPT
+from lm.models.registry import get_family
 from lm.tokenizer import load_tokenizer
 
 TEXT = "Fair is foul, and foul is fair:\nHover through the fog and filthy air.\n"
@@ -22,14 +24,18 @@ def offline(monkeypatch):
 
 def tiny_model() -> GPT:
     torch.manual_seed(0)
-    return GPT(ModelConfig(vocab_size=400, block_size=16, n_layer=1, n_head=2, d_model=16)).eval()
+    return GPT(GPTConfig(vocab_size=400, block_size=16, n_layer=1, n_head=2, d_model=16)).eval()
+
+
+def export(model: GPT, tokenizer, name: str, out):
+    return export_hf(model, pick_target(model.cfg, get_family("gpt").hf_targets, "a GPT"), tokenizer, name, out)
 
 
 def test_tokenizer_and_its_config_are_copied(tokenizer_jsons, tmp_path):
     from transformers import AutoTokenizer
 
     path = tokenizer_jsons["metaspace"]
-    written = export_hf(tiny_model(), load_tokenizer(str(path)), str(path), tmp_path)
+    written = export(tiny_model(), load_tokenizer(str(path)), str(path), tmp_path)
     names = {p.name for p in written}
     assert {"tokenizer.json", "tokenizer_config.json", "config.json", "model.safetensors"} <= names
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -47,7 +53,7 @@ def test_a_config_is_written_when_the_tokenizer_has_none(tokenizer_jsons, tmp_pa
     from transformers import AutoTokenizer
 
     path = tokenizer_jsons["eot"]
-    export_hf(tiny_model(), load_tokenizer(str(path)), str(path), tmp_path)
+    export(tiny_model(), load_tokenizer(str(path)), str(path), tmp_path)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert config == {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
                       "model_max_length": 16, "clean_up_tokenization_spaces": False}

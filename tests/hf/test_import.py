@@ -11,11 +11,12 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from lm.errors import CheckpointError
-from lm.hf.importing import read_hf_model
-from lm.hf.mapping import Part, hf_config, hf_state_dict, row_spans
-from lm.hf.weights import load_hf_weights
-from lm.models.config import ModelConfig
-from lm.models.gpt import GPT
+from lm.hf.import_weights import load_hf_weights
+from lm.hf.targets import Part, Target, hf_state_dict, pick_target, row_spans
+from lm.models.gpt.config import GPTConfig
+from lm.models.gpt.model import GPT
+from lm.models.hf_checkpoint import read_hf_model
+from lm.models.registry import get_family
 
 VOCAB = 300  # not a multiple of 64: an imported model keeps exactly these rows
 ROTARY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -49,9 +50,14 @@ def hf_checkpoint(kind: str, directory: Path, shard: str | None = None, seed: in
 
 def imported(directory: Path) -> GPT:
     source = read_hf_model(directory)
-    model = GPT(ModelConfig(**source.fields))
+    assert source.arch == "gpt"
+    model = GPT(GPTConfig(**source.fields))
     load_hf_weights(source, model)
     return model.eval()
+
+
+def target(cfg: GPTConfig) -> Target:
+    return pick_target(cfg, get_family("gpt").hf_targets, cfg.title)
 
 
 def assert_same_logits(ours: torch.Tensor, theirs: torch.Tensor) -> None:
@@ -66,7 +72,7 @@ def test_imported_models_give_transformers_logits(kind, tmp_path):
     assert model.cfg.padded_vocab_size == VOCAB  # no padding rows in the softmax
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert_same_logits(model(idx)[0], hf(idx).logits)
+        assert_same_logits(model.logits(model(idx)), hf(idx).logits)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
@@ -79,14 +85,16 @@ def test_a_sharded_save_imports_alike_and_decodes_through_the_kv_cache(kind, tmp
     cache = model.new_cache(batch_size=2, max_len=20)
     with torch.no_grad():
         # a prompt, then single tokens, then a chunk after a non-empty cache
-        ours = torch.cat([model(idx[:, a:b], cache=cache)[0] for a, b in [(0, 8), (8, 9), (9, 10), (10, 20)]], 1)
+        ours = torch.cat([model.logits(model(idx[:, a:b], cache=cache))
+                          for a, b in [(0, 8), (8, 9), (9, 10), (10, 20)]], 1)
         assert_same_logits(ours, hf(idx).logits)
 
 
 @pytest.mark.parametrize("kind", ["gpt2-untied", "llama", "qwen2", "mistral"])
 def test_import_then_export_gives_back_the_same_tensors(kind, tmp_path):
     hf = hf_checkpoint(kind, tmp_path)
-    exported = hf_state_dict(imported(tmp_path))
+    model = imported(tmp_path)
+    exported = hf_state_dict(model, target(model.cfg))
     theirs = {name: t for name, t in hf.state_dict().items()
               if not (hf.config.tie_word_embeddings and name == "lm_head.weight")}
     assert sorted(exported) == sorted(theirs)
@@ -101,18 +109,18 @@ def test_import_then_export_gives_back_the_same_tensors(kind, tmp_path):
 ], ids=["gpt2", "llama", "qwen2"])
 def test_export_then_import_gives_our_logits(overrides, tmp_path):
     # our own model pads its vocabulary to 64 rows; the export drops the padding and the import keeps none
-    cfg = ModelConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, d_model=64, **overrides)
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, d_model=64, **overrides)
     torch.manual_seed(3)
     ours = GPT(cfg).eval()
     with torch.no_grad():
         for p in ours.parameters():
             p.add_(torch.randn_like(p) * 0.05)  # biases and gains off their init
-    (tmp_path / "config.json").write_text(json.dumps(hf_config(cfg)))
-    save_file(hf_state_dict(ours), tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(target(cfg).config(cfg, None, torch.float32)))
+    save_file(hf_state_dict(ours, target(cfg)), tmp_path / "model.safetensors", metadata={"format": "pt"})
     again = imported(tmp_path)
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        assert_same_logits(again(idx)[0], ours(idx)[0][..., :VOCAB])
+        assert_same_logits(again.logits(again(idx)), ours.logits(ours(idx))[..., :VOCAB])
 
 
 def test_weights_of_another_precision_are_cast_to_the_models(tmp_path):
@@ -207,7 +215,7 @@ def test_an_older_gpt2_file_without_the_prefix_and_with_mask_buffers_imports(tmp
     model = imported(tmp_path)
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        assert_same_logits(model(idx)[0], hf(idx).logits)
+        assert_same_logits(model.logits(model(idx)), hf(idx).logits)
 
 
 def test_a_weight_stored_as_integers_is_refused_before_any_is_read(tmp_path):

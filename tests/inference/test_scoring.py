@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from lm.inference.scoring import eval_windows, score_stream, unigram_entropy
-from lm.models.config import ModelConfig
-from lm.models.gpt import GPT
+from lm.models.gpt.config import GPTConfig
+from lm.models.gpt.model import GPT
 
 
 @pytest.mark.parametrize("n, seq_len, stride", [(2, 4, 2), (10, 4, 4), (11, 4, 1), (50, 8, 3), (7, 16, 8)])
@@ -29,8 +29,11 @@ class Uniform(torch.nn.Module):
         super().__init__()
         self.vocab = vocab
 
-    def forward(self, idx):
-        return torch.zeros(*idx.shape, self.vocab), None
+    def forward(self, idx, positions=None):
+        return torch.zeros(*idx.shape, 1)  # (B, T, C): the hidden states say nothing
+
+    def logits(self, h):
+        return h.new_zeros(*h.shape[:-1], self.vocab)
 
 
 def test_uniform_model_perplexity_is_vocab_size():
@@ -42,16 +45,17 @@ def test_uniform_model_perplexity_is_vocab_size():
 
 def test_perplexity_equals_exp_mean_nll_by_hand():
     torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=100, block_size=16, n_layer=2, n_head=2, d_model=16)).eval()
+    model = GPT(GPTConfig(vocab_size=100, block_size=16, n_layer=2, n_head=2, d_model=16)).eval()
     tokens = np.random.default_rng(0).integers(0, 100, 12)
     nll, count = score_stream(model, tokens, seq_len=16, stride=8, batch_size=2, device=torch.device("cpu"))
     x = torch.as_tensor(tokens[:-1])[None]
     y = torch.as_tensor(tokens[1:])
-    logp = torch.log_softmax(model(x)[0][0].double(), dim=-1)
+    logits = model.logits(model(x))[0]  # (T, V)
+    logp = torch.log_softmax(logits.double(), dim=-1)
     by_hand = -logp[torch.arange(11), y].mean().item()
     assert count == 11
     assert nll / count == pytest.approx(by_hand, abs=1e-6)
-    assert math.exp(nll / count) == pytest.approx(math.exp(F.cross_entropy(model(x)[0][0], y).item()), rel=1e-5)
+    assert math.exp(nll / count) == pytest.approx(math.exp(F.cross_entropy(logits, y).item()), rel=1e-5)
 
 
 def test_unigram_entropy_by_hand():
@@ -62,7 +66,7 @@ def test_unigram_entropy_by_hand():
 
 def test_a_document_masked_stream_scores_as_its_documents_one_by_one():
     torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=100, block_size=32, n_layer=2, n_head=2, d_model=32, dropout=0.0)).eval()
+    model = GPT(GPTConfig(vocab_size=100, block_size=32, n_layer=2, n_head=2, d_model=32, dropout=0.0)).eval()
     eot, rng = 99, np.random.default_rng(0)
     docs = [rng.integers(0, 99, n) for n in (5, 9, 3)]
     # each document opens with the end-of-text token that closed the one before, and is closed by one

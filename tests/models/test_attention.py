@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from lm.models.attention import SelfAttention, attend, causal_mask
-from lm.models.config import ModelConfig
+from lm.models.gpt.config import GPTConfig
 from lm.models.kv_cache import KVCache, LayerKVCache
 
-CFG = ModelConfig(vocab_size=100, block_size=32, n_layer=2, n_head=2, d_model=32)
+CFG = GPTConfig(vocab_size=100, block_size=32, n_layer=2, n_head=2, d_model=32)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
@@ -70,7 +70,7 @@ def test_self_attention_with_cache_in_chunks_equals_full() -> None:
 
 def test_dropout_only_in_training() -> None:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=100, block_size=32, n_layer=2, n_head=2, d_model=32, dropout=0.5)
+    cfg = GPTConfig(vocab_size=100, block_size=32, n_layer=2, n_head=2, d_model=32, dropout=0.5)
     attn = SelfAttention(cfg, causal=True)
     x = torch.randn(1, 6, cfg.d_model)
     assert not torch.equal(attn(x), attn(x))

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from lm.models.attention import SelfAttention, document_causal_mask
-from lm.models.config import ModelConfig
-from lm.models.gpt import GPT
+from lm.models.gpt.config import GPTConfig
+from lm.models.gpt.model import GPT
 from lm.models.layers import apply_rope, rope_angles, sinusoidal_positions
+from lm.models.registry import get_family
 
 VARIANTS = {
     "learned": dict(pos="learned"),
@@ -26,7 +27,14 @@ def tiny_model(seed: int = 0, **overrides: object) -> GPT:
     torch.manual_seed(seed)
     fields = dict(vocab_size=100, block_size=32, n_layer=2, n_head=2, d_model=32, dropout=0.0)
     fields.update(overrides)
-    return GPT(ModelConfig(**fields)).eval()
+    return GPT(GPTConfig(**fields)).eval()
+
+
+def logits_and_loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor,
+                    positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of idx and the family's loss of the batch (x, y[, positions])."""
+    batch = [idx, targets] if positions is None else [idx, targets, positions]
+    return model.logits(model(idx, positions)), get_family("gpt").loss(model, model, batch)[0]
 
 
 def packed_positions(lengths: list[int]) -> torch.Tensor:
@@ -85,14 +93,14 @@ def test_packed_documents_score_as_if_alone(variant: str) -> None:
     idx = torch.randint(0, 100, (2, T))
     targets = torch.randint(0, 100, (2, T))
     positions = torch.stack([packed_positions(lengths) for lengths in DOC_LENGTHS])  # (2, T)
-    logits, loss = model(idx, targets, positions)
+    logits, loss = logits_and_loss(model, idx, targets, positions)
 
     losses, counts = [], []
     for b, lengths in enumerate(DOC_LENGTHS):
         start = 0
         for n in lengths:
             doc = slice(start, start + n)
-            alone, doc_loss = model(idx[b : b + 1, doc], targets[b : b + 1, doc])
+            alone, doc_loss = logits_and_loss(model, idx[b : b + 1, doc], targets[b : b + 1, doc])
             torch.testing.assert_close(logits[b : b + 1, doc], alone, rtol=0, atol=1e-5)
             losses.append(doc_loss)
             counts.append(n)
@@ -105,12 +113,12 @@ def test_packed_documents_score_as_if_alone(variant: str) -> None:
 def test_without_positions_nothing_changes(variant: str) -> None:
     model = tiny_model(**VARIANTS[variant])
     idx, targets = torch.randint(0, 100, (2, T)), torch.randint(0, 100, (2, T))
-    logits, loss = model(idx, targets)
-    logits_none, loss_none = model(idx, targets, None)
-    assert torch.equal(logits, logits_none) and torch.equal(loss, loss_none)
+    logits, loss = logits_and_loss(model, idx, targets)
+    logits_none = model.logits(model(idx, None))
+    assert torch.equal(logits, logits_none)
     # one document filling the window: the masked path, so equal only to rounding
     one_doc = torch.arange(T).expand(2, T)
-    logits_one, loss_one = model(idx, targets, one_doc)
+    logits_one, loss_one = logits_and_loss(model, idx, targets, one_doc)
     torch.testing.assert_close(logits_one, logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(loss_one, loss, rtol=0, atol=1e-5)
 
@@ -121,14 +129,14 @@ def test_gradients_flow_through_the_mask_path_and_stay_inside_each_document() ->
     positions = packed_positions([5, 7])[None]  # (1, 12)
     embedded = []
     model.wte.register_forward_hook(lambda module, args, out: embedded.append(out) or out.retain_grad())
-    logits, _ = model(idx, positions=positions)
+    logits = model.logits(model(idx, positions=positions))
     logits[0, 5:].logsumexp(-1).sum().backward()  # a function of the second document's logits alone
     grad = embedded[0].grad  # (1, 12, C)
     assert grad[0, :5].abs().max() == 0  # nothing reaches the first document's tokens
     assert (grad[0, 5:].abs().amax(-1) > 0).all()
 
     model.zero_grad()
-    _, loss = model(idx, torch.randint(0, 100, (1, 12)), positions)
+    _, loss = logits_and_loss(model, idx, torch.randint(0, 100, (1, 12)), positions)
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     assert model.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
@@ -136,7 +144,7 @@ def test_gradients_flow_through_the_mask_path_and_stay_inside_each_document() ->
 
 def test_causal_self_attention_with_a_document_mask_keeps_documents_apart() -> None:
     torch.manual_seed(0)
-    attn = SelfAttention(ModelConfig(n_head=2, d_model=16, dropout=0.0), causal=True)
+    attn = SelfAttention(GPTConfig(n_head=2, d_model=16, dropout=0.0), causal=True)
     x = torch.randn(1, 7, 16)
     y = attn(x, mask=document_causal_mask(packed_positions([3, 4])[None]))
     torch.testing.assert_close(y[:, :3], attn(x[:, :3]), rtol=0, atol=1e-6)
@@ -150,12 +158,10 @@ def test_positions_of_the_wrong_shape_are_refused() -> None:
         model(idx, positions=torch.arange(8))
 
 
-def test_positions_with_a_cache_or_last_only_are_refused() -> None:
+def test_positions_with_a_cache_are_refused() -> None:
     model = tiny_model()
     idx = torch.randint(0, 100, (1, 8))
     positions = torch.arange(8)[None]
-    with pytest.raises(ValueError, match="cannot be combined with a KV cache or last_only"):
+    with pytest.raises(ValueError, match="cannot be combined with a KV cache"):
         model(idx, positions=positions, cache=model.new_cache(1, 16))
-    with pytest.raises(ValueError, match="cannot be combined with a KV cache or last_only"):
-        model(idx, positions=positions, last_only=True)
 

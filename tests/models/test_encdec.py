@@ -4,16 +4,21 @@ import pytest
 import torch
 import torch.nn as nn
 
+from lm.config import load_config
 from lm.errors import ConfigError
-from lm.models.config import ModelConfig
-from lm.models.encdec import EncoderDecoder, padding_mask
-from lm.models.factory import build_model
-from lm.models.generate import generate_seq2seq
+from lm.models.encdec.config import EncDecConfig
+from lm.models.encdec.model import EncoderDecoder, padding_mask
+from lm.models.encdec.sampling import generate_seq2seq
 from lm.models.layers import sinusoidal_positions
-from lm.plan.param_count import num_params
+from lm.models.registry import get_family
 
-CFG = ModelConfig(arch="encdec", vocab_size=200, block_size=24, n_layer=2, n_head=4, d_model=32, pos="sinusoidal",
-                  n_sentinels=5, norm_position="post", mlp="relu")
+ENCDEC = get_family("encdec")
+CFG = EncDecConfig(vocab_size=200, block_size=24, n_layer=2, n_head=4, d_model=32, pos="sinusoidal", n_sentinels=5,
+                   norm_position="post", mlp="relu")
+
+
+def logits(model: EncoderDecoder, *args: torch.Tensor, **kw: object) -> torch.Tensor:
+    return model.logits(model(*args, **kw))
 
 
 def randomised(model: nn.Module, seed: int = 0) -> nn.Module:
@@ -70,7 +75,7 @@ def test_post_ln_matches_torch_nn_transformer_with_our_embeddings_and_head() -> 
     tgt = torch.randint(0, CFG.vocab_size, (3, 7))
     keep = padding_mask(src, CFG.pad_id)
     with torch.no_grad():
-        ours, _ = model(src, tgt, src_mask=keep)
+        ours = logits(model, src, tgt, src_mask=keep)
         src_x = model._embed(src, model.source_embedding, None, 0)  # our embeddings and positions ...
         tgt_x = model._embed(tgt, model.tgt_embed, None, 0)
         out = ref(src_x, tgt_x, tgt_mask=nn.Transformer.generate_square_subsequent_mask(7), tgt_is_causal=True,
@@ -93,16 +98,16 @@ def test_embeddings_are_scaled_by_sqrt_d_model_plus_sinusoids() -> None:
 
 @pytest.mark.parametrize("norm_position", ["pre", "post"])
 def test_extra_source_padding_changes_no_output(norm_position: str) -> None:
-    cfg = ModelConfig(**{**CFG.__dict__, "norm_position": norm_position})
+    cfg = EncDecConfig(**{**CFG.__dict__, "norm_position": norm_position})
     torch.manual_seed(0)
     model = randomised(EncoderDecoder(cfg))
     src = torch.randint(0, cfg.vocab_size, (2, 9))
     tgt = torch.randint(0, cfg.vocab_size, (2, 6))
     padded = torch.cat([src, torch.full((2, 5), cfg.pad_id)], dim=1)  # (2, 14)
     with torch.no_grad():
-        plain, _ = model(src, tgt)
-        masked, _ = model(padded, tgt, src_mask=padding_mask(padded, cfg.pad_id))
-        unmasked, _ = model(padded, tgt)
+        plain = logits(model, src, tgt)
+        masked = logits(model, padded, tgt, src_mask=padding_mask(padded, cfg.pad_id))
+        unmasked = logits(model, padded, tgt)
     torch.testing.assert_close(masked, plain, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(unmasked, plain, atol=1e-3)  # the mask is what makes the padding invisible
 
@@ -114,28 +119,28 @@ def test_padding_mask_is_none_without_padding() -> None:
 
 def test_kv_cache_decoding_equals_full_recomputation() -> None:
     torch.manual_seed(0)
-    model = randomised(EncoderDecoder(ModelConfig(**{**CFG.__dict__, "norm_position": "pre", "n_kv_head": 2})))
+    model = randomised(EncoderDecoder(EncDecConfig(**{**CFG.__dict__, "norm_position": "pre", "n_kv_head": 2})))
     src = torch.randint(0, CFG.vocab_size, (2, 10))
     tgt = torch.randint(0, CFG.vocab_size, (2, 8))
     with torch.no_grad():
-        full, _ = model(src, tgt)
+        full = logits(model, src, tgt)
         memory_kv = model.memory_kv(model.encode(src))
         cache = model.new_cache(2, 8)
-        steps = [model.decode(tgt[:, :3], memory_kv, cache=cache)]  # a chunk, then one token at a time
-        steps += [model.decode(tgt[:, t:t + 1], memory_kv, cache=cache) for t in range(3, 8)]
+        steps = [model.logits(model.decode(tgt[:, :3], memory_kv, cache=cache))]  # a chunk, then one at a time
+        steps += [model.logits(model.decode(tgt[:, t:t + 1], memory_kv, cache=cache)) for t in range(3, 8)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
 def test_generate_seq2seq_greedy_equals_recomputing_everything_each_step() -> None:
     torch.manual_seed(0)
-    model = randomised(EncoderDecoder(ModelConfig(**{**CFG.__dict__, "norm_position": "pre"})), seed=3)
+    model = randomised(EncoderDecoder(EncDecConfig(**{**CFG.__dict__, "norm_position": "pre"})), seed=3)
     source = torch.randint(0, CFG.vocab_size, (10,)).tolist()
     fast = generate_seq2seq(model, source, max_new_tokens=12, temperature=0.0)
     tokens = [CFG.pad_id]
     with torch.no_grad():
         for _ in range(12):
-            logits, _ = model(torch.tensor([source]), torch.tensor([tokens]))
-            tokens.append(int(logits[0, -1, :CFG.pad_id].argmax()))
+            out = logits(model, torch.tensor([source]), torch.tensor([tokens]))
+            tokens.append(int(out[0, -1, :CFG.pad_id].argmax()))
     assert fast == tokens[1:] and len(fast) == 12
     stop = fast[4]
     assert generate_seq2seq(model, source, 12, temperature=0.0, stop_ids={stop}) == fast[:fast.index(stop)]
@@ -156,26 +161,28 @@ def test_source_longer_than_the_encoder_positions_is_refused() -> None:
 def test_vocabulary_holds_sentinels_and_padding() -> None:
     assert (CFG.sentinel_start, CFG.pad_id, CFG.total_vocab_size, CFG.padded_vocab_size) == (200, 205, 206, 256)
     with pytest.raises(ConfigError, match="model.n_sentinels: encdec needs at least 1"):
-        ModelConfig(arch="encdec", n_sentinels=0)
+        EncDecConfig(n_sentinels=0)
     with pytest.raises(ConfigError, match="model.pos: rope is for arch gpt"):
-        ModelConfig(arch="encdec", pos="rope")
+        EncDecConfig(pos="rope")
+    with pytest.raises(ConfigError, match=r"model.rope_theta: not a key of an encoder-decoder \(model.arch=encdec\)"):
+        load_config(None, ["--model.arch=encdec", "--model.rope_theta=500"])
 
 
 @pytest.mark.parametrize("share", [True, False])
 def test_shared_or_separate_embeddings_and_tied_head(share: bool) -> None:
     torch.manual_seed(0)
-    model = build_model(ModelConfig(**{**CFG.__dict__, "share_embeddings": share}))
+    model = ENCDEC.build(EncDecConfig(**{**CFG.__dict__, "share_embeddings": share}))
     assert isinstance(model, EncoderDecoder)
     assert model.lm_head.weight is model.tgt_embed.weight
     assert (model.source_embedding is model.tgt_embed) == share
     emb = CFG.padded_vocab_size * CFG.d_model
     n = sum(p.numel() for p in model.parameters())  # a shared or tied tensor counted once
     assert n - (0 if share else emb) == sum(p.numel() for p in EncoderDecoder(CFG).parameters())
-    assert n == num_params(model.cfg)
+    assert n == ENCDEC.num_params(model.cfg)
 
 
 def test_same_seed_same_weights_and_loss_falls_when_fitting_one_batch() -> None:
-    cfg = ModelConfig(**{**CFG.__dict__, "norm_position": "pre"})
+    cfg = EncDecConfig(**{**CFG.__dict__, "norm_position": "pre"})
     torch.manual_seed(1)
     a = EncoderDecoder(cfg)
     torch.manual_seed(1)
@@ -187,20 +194,9 @@ def test_same_seed_same_weights_and_loss_falls_when_fitting_one_batch() -> None:
     opt = torch.optim.AdamW(a.parameters(), lr=3e-3)
     losses = []
     for _ in range(30):
-        _, loss = a(src, tgt_in, tgt)
+        loss, _ = ENCDEC.loss(a, a, [src, tgt_in, tgt])
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
     assert losses[0] > math.log(200) - 1 and losses[-1] < 0.5 * losses[0]
-
-
-def test_each_decoding_function_refuses_the_other_architecture() -> None:
-    from lm.models.generate import generate
-    from lm.models.gpt import GPT
-
-    gpt = GPT(ModelConfig(vocab_size=100, block_size=16, n_layer=1, n_head=2, d_model=16))
-    with pytest.raises(TypeError, match="generate_seq2seq: takes an encoder-decoder, got GPT"):
-        generate_seq2seq(gpt, [1, 2], 3)
-    with pytest.raises(TypeError, match=r"generate: takes a decoder-only model \(GPT or LSTM\), got EncoderDecoder"):
-        generate(EncoderDecoder(CFG), [1, 2], 3)

@@ -5,19 +5,23 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lm.config import load_config
+from lm.data.masking import IGNORE
 from lm.errors import ConfigError
-from lm.models.config import ModelConfig
-from lm.models.encoder import IGNORE, Encoder
-from lm.models.factory import build_model
+from lm.models.encdec.config import EncDecConfig
+from lm.models.encoder.config import EncoderConfig
+from lm.models.encoder.model import Encoder
 from lm.models.layers import sinusoidal_positions
+from lm.models.registry import get_family
 from tests.models.test_encdec import randomised
 
-CFG = ModelConfig(arch="encoder", vocab_size=200, block_size=24, n_layer=2, n_head=4, d_model=32, pos="sinusoidal",
-                  norm_position="post", mlp="relu")
+ENCODER = get_family("encoder")
+CFG = EncoderConfig(vocab_size=200, block_size=24, n_layer=2, n_head=4, d_model=32, pos="sinusoidal",
+                    norm_position="post", mlp="relu")
 
 
-def config(**changes) -> ModelConfig:
-    return ModelConfig(**{**CFG.__dict__, **changes})
+def config(**changes) -> EncoderConfig:
+    return EncoderConfig(**{**CFG.__dict__, **changes})
 
 
 def reference_encoder(model: Encoder) -> nn.TransformerEncoder:
@@ -66,7 +70,7 @@ def test_trunk_matches_torch_nn_transformer_encoder(norm_position: str, padded: 
         keep[2, 4:] = False
         ids[~keep] = CFG.pad_id
     with torch.no_grad():
-        ours = model.encode(ids, keep)
+        ours = model(ids, keep)
         theirs = ref(embedded(model, ids), src_key_padding_mask=None if keep is None else ~keep)
     real = torch.ones(3, 13, dtype=torch.bool) if keep is None else keep
     assert (ours[real] - theirs[real]).abs().max() <= 1e-5
@@ -80,9 +84,9 @@ def test_the_key_padding_mask_is_what_hides_the_padding() -> None:
     ids[0, 8:] = CFG.pad_id
     keep = ids != CFG.pad_id
     with torch.no_grad():
-        alone = model.encode(ids[:, :8])
-        masked = model.encode(ids, keep)[:, :8]
-        unmasked = model.encode(ids)[:, :8]
+        alone = model(ids[:, :8])
+        masked = model(ids, keep)[:, :8]
+        unmasked = model(ids)[:, :8]
     assert (masked - alone).abs().max() <= 1e-5
     assert (unmasked - alone).abs().max() > 1e-2
 
@@ -98,9 +102,9 @@ def test_padding_changes_no_real_output_nor_the_pooled_score(pooling: str, norm_
     batch = torch.stack([torch.cat([example, torch.full((4,), cfg.pad_id)]), other])  # (2, 11)
     keep = batch != cfg.pad_id
     with torch.no_grad():
-        h_alone, h_batch = model.encode(example[None]), model.encode(batch, keep)
-        out_alone, _ = model(example[None])
-        out_batch, _ = model(batch, keep=keep)
+        h_alone, h_batch = model(example[None]), model(batch, keep)
+        out_alone = model.task_outputs(h_alone)
+        out_batch = model.task_outputs(h_batch, keep)
     assert (h_batch[0, :7] - h_alone[0]).abs().max() <= 1e-5
     assert (out_batch[0] - out_alone[0]).abs().max() <= 1e-5
     assert out_batch.shape == (2, 3)
@@ -121,16 +125,17 @@ def test_mlm_loss_is_cross_entropy_over_the_masked_positions_of_the_full_logits(
     labels[chosen] = ids[chosen]
     ids[chosen] = cfg.mask_id
     with torch.no_grad():
-        full, none = model(ids)
-        out, loss = model(ids, labels)
+        full = model.mlm_logits(model(ids))
+        loss, _ = ENCODER.loss(model, model, [ids, labels])
+        scored = ENCODER.score_batch(model, model, [ids, labels])
     n = int(chosen.sum())
-    assert none is None and full.shape == (3, 10, cfg.padded_vocab_size)
-    assert out.shape == (n, cfg.padded_vocab_size)
-    torch.testing.assert_close(out, full[chosen], atol=1e-5, rtol=1e-5)  # row-major order
+    assert full.shape == (3, 10, cfg.padded_vocab_size) and scored.count == n
     expected = F.cross_entropy(full[chosen], labels[chosen])
     assert loss.dtype == torch.float32 and abs(loss.item() - expected.item()) <= 1e-5
+    assert scored.loss.item() == loss.item()
+    assert scored.correct.item() == (full[chosen].argmax(-1) == labels[chosen]).sum().item()
     # the head by hand: dense, tanh-GELU, norm, the output layer tied to the embedding plus its bias
-    h = model.encode(ids)
+    h = model(ids)
     by_hand = model.mlm_norm(F.gelu(h @ model.mlm_dense.weight.T + model.mlm_dense.bias, approximate="tanh"))
     torch.testing.assert_close(full, by_hand @ model.wte.weight.T + model.lm_head.bias, atol=1e-5, rtol=1e-5)
 
@@ -138,25 +143,27 @@ def test_mlm_loss_is_cross_entropy_over_the_masked_positions_of_the_full_logits(
 def test_classify_and_regress_heads_give_cross_entropy_and_mean_squared_error() -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, CFG.vocab_size, (4, 9))
+    keep = torch.ones_like(ids, dtype=torch.bool)
     classifier = randomised(Encoder(config(head="classify", num_classes=5)))
     classes = torch.tensor([0, 4, 2, 2])
-    out, loss = classifier(ids, classes)
+    out = ENCODER.task_outputs(classifier, classifier, ids, keep)
+    loss, _ = ENCODER.loss(classifier, classifier, [ids, classes, keep])
     assert out.shape == (4, 5)
-    h0 = classifier.encode(ids)[:, 0]  # pooling first: the [CLS] position
+    h0 = classifier(ids)[:, 0]  # pooling first: the [CLS] position
     torch.testing.assert_close(out, h0 @ classifier.score.weight.T + classifier.score.bias)
     manual = -torch.log_softmax(out, dim=-1)[torch.arange(4), classes].mean()
     assert abs(loss.item() - manual.item()) <= 1e-6
 
     regressor = randomised(Encoder(config(head="regress", pooling="mean")))
     targets = torch.tensor([0.5, -1.0, 2.0, 0.0])
-    out, loss = regressor(ids, targets)
+    out = ENCODER.task_outputs(regressor, regressor, ids, keep)
+    loss, _ = ENCODER.loss(regressor, regressor, [ids, targets, keep])
     assert out.shape == (4,)
     assert abs(loss.item() - ((out - targets) ** 2).mean().item()) <= 1e-6
-    assert regressor(ids)[1] is None
 
 
 def test_mlm_overfits_one_batch() -> None:
-    cfg = ModelConfig(arch="encoder", vocab_size=50, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.0)
+    cfg = EncoderConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.0)
     torch.manual_seed(0)
     model = Encoder(cfg)
     ids = torch.randint(0, cfg.vocab_size, (4, 16))
@@ -170,7 +177,7 @@ def test_mlm_overfits_one_batch() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     losses = []
     for _ in range(150):
-        _, loss = model(ids, labels)
+        loss, _ = ENCODER.loss(model, model, [ids, labels])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -184,12 +191,12 @@ def test_mlm_overfits_one_batch() -> None:
 def test_every_position_and_norm_runs_forward_and_backward(pos: str, norm: str) -> None:
     cfg = config(pos=pos, norm=norm, norm_position="pre", mlp="swiglu", n_kv_head=2, dropout=0.1)
     torch.manual_seed(0)
-    model = build_model(cfg)
+    model = ENCODER.build(cfg)
     assert isinstance(model, Encoder) and hasattr(model, "wpe") == (pos == "learned")
     ids = torch.randint(0, cfg.vocab_size, (2, 12))
     labels = torch.where(torch.rand(2, 12) < 0.3, ids, IGNORE)
     labels[:, 1] = ids[:, 1]
-    _, loss = model(ids, labels)
+    loss, _ = ENCODER.loss(model, model, [ids, labels])
     loss.backward()
     assert torch.isfinite(loss) and loss.item() > 1.0
     for name, p in model.named_parameters():
@@ -202,8 +209,8 @@ def test_rope_positions_make_the_encoder_order_aware() -> None:
     model = randomised(Encoder(config(pos="rope")))
     ids = torch.randint(0, CFG.vocab_size, (1, 8))
     with torch.no_grad():
-        h = model.encode(ids)
-        swapped = model.encode(ids[:, [1, 0, *range(2, 8)]])
+        h = model(ids)
+        swapped = model(ids[:, [1, 0, *range(2, 8)]])
     assert (h[0, 0] - swapped[0, 1]).abs().max() > 1e-2  # without positions attention is order-blind
 
 
@@ -214,6 +221,7 @@ def test_trunk_names_are_the_same_under_every_head_and_the_head_is_tied() -> Non
     regressor = Encoder(config(norm_position="pre", head="regress"))
     head = ("mlm_dense.", "mlm_norm.", "lm_head.", "score.")
     trunks = [{k for k in m.state_dict() if not k.startswith(head)} for m in (mlm, classifier, regressor)]
+    assert [k for k in classifier.state_dict() if ENCODER.is_head_param(k)] == ["score.weight", "score.bias"]
     assert trunks[0] == trunks[1] == trunks[2]
     assert {"wte.weight", "emb_norm.weight", "ln_f.weight", "blocks.1.mlp.proj.weight"} <= trunks[0]
     assert {k for k in classifier.state_dict() if k.startswith(head)} == {"score.weight", "score.bias"}
@@ -235,7 +243,7 @@ def test_same_seed_same_weights() -> None:
 def test_vocabulary_holds_mask_cls_and_padding() -> None:
     assert (CFG.mask_id, CFG.cls_id, CFG.pad_id, CFG.total_vocab_size, CFG.padded_vocab_size) == (200, 201, 202, 203,
                                                                                                   256)
-    encdec = ModelConfig(arch="encdec", vocab_size=200, n_sentinels=5, pos="sinusoidal")
+    encdec = EncDecConfig(vocab_size=200, n_sentinels=5, pos="sinusoidal")
     assert (encdec.pad_id, encdec.total_vocab_size) == (205, 206)  # unchanged
 
 
@@ -245,27 +253,24 @@ def test_sequences_longer_than_block_size_are_refused() -> None:
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(arch="gpt", head="classify"), r"model.head: only arch encoder has a head to configure, got 'classify' "
-                                        r"with model.arch=gpt"),
-    (dict(arch="encdec", num_classes=3), r"model.num_classes: only arch encoder .* model.arch=encdec"),
-    (dict(arch="lstm", pooling="mean"), r"model.pooling: only arch encoder .* model.arch=lstm"),
-    (dict(arch="encoder", head="classify"), r"model.num_classes: head classify needs at least 2 classes, got 0"),
-    (dict(arch="encoder", head="classify", num_classes=1), r"model.num_classes: .* at least 2 classes, got 1"),
-    (dict(arch="encoder", num_classes=3), r"model.num_classes: only head classify has classes; head mlm needs "
-                                          r"model.num_classes=0, got 3"),
-    (dict(arch="encoder", head="regress", num_classes=2), r"model.num_classes: .* head regress needs"),
-    (dict(arch="encoder", head="classify", num_classes=2, pooling="max"),
+    (["--model.head=classify"], r"model.head: not a key of a decoder-only GPT \(model.arch=gpt\)"),
+    (["--model.arch=encdec", "--model.num_classes=3"], r"model.num_classes: not a key of an encoder-decoder"),
+    (["--model.arch=lstm", "--model.pooling=mean"], r"model.pooling: not a key of an LSTM \(model.arch=lstm\)"),
+    (["--model.arch=encoder", "--model.head=classify"], r"model.num_classes: head classify needs at least 2 classes"),
+    (["--model.arch=encoder", "--model.head=classify", "--model.num_classes=1"],
+     r"model.num_classes: .* at least 2 classes, got 1"),
+    (["--model.arch=encoder", "--model.num_classes=3"], r"model.num_classes: only head classify has classes; head "
+                                                        r"mlm needs model.num_classes=0, got 3"),
+    (["--model.arch=encoder", "--model.head=regress", "--model.num_classes=2"],
+     r"model.num_classes: .* head regress needs"),
+    (["--model.arch=encoder", "--model.head=classify", "--model.num_classes=2", "--model.pooling=max"],
      r"model.pooling: unknown value 'max'; expected one of \['first', 'mean'\]"),
-    (dict(arch="encoder", head="ner"), r"model.head: unknown value 'ner'; expected one of \['mlm', 'classify'"),
-    (dict(arch="encoder", loss_chunk=64), r"model.loss_chunk: chunked loss is for arch gpt and lstm; encoder"),
-    (dict(arch="encoder", qk_norm=True), r"model.qk_norm: only arch gpt"),
-    (dict(arch="encoder", logit_softcap=30.0), r"model.logit_softcap: .* arch gpt only"),
+    (["--model.arch=encoder", "--model.head=ner"], r"model.head: unknown value 'ner'; expected one of \['mlm', "),
+    (["--model.arch=encoder", "--model.loss_chunk=64"], r"model.loss_chunk: not a key of an encoder \(model.arch="
+                                                        r"encoder\); it takes \[.*'head'"),
+    (["--model.arch=encoder", "--model.qk_norm=true"], r"model.qk_norm: not a key of an encoder"),
+    (["--model.arch=encoder", "--model.logit_softcap=30"], r"model.logit_softcap: not a key of an encoder"),
 ])
-def test_config_refusals_name_the_key(changes: dict, message: str) -> None:
+def test_config_refusals_name_the_key(changes: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        ModelConfig(**changes)
-
-
-def test_the_encoder_class_refuses_another_arch() -> None:
-    with pytest.raises(ValueError, match="Encoder: model.arch is 'gpt'"):
-        Encoder(ModelConfig(vocab_size=100, block_size=8, n_layer=1, n_head=2, d_model=16))
+        load_config(None, changes)

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from lm.models.config import ModelConfig
 from lm.models.generate import filter_logits, generate, generate_batch
-from lm.models.gpt import GPT
+from lm.models.gpt.config import GPTConfig
+from lm.models.gpt.model import GPT
 
 INF = float("inf")
 
@@ -14,14 +14,14 @@ def tiny_model(seed: int = 0, **overrides: object) -> GPT:
     fields = dict(vocab_size=100, block_size=32, n_layer=2, n_head=2, d_model=32)
     fields.update(overrides)
     torch.manual_seed(seed)
-    return GPT(ModelConfig(**fields)).eval()
+    return GPT(GPTConfig(**fields)).eval()
 
 
 def greedy_without_cache(model: GPT, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Reference decoder: recompute the whole sequence every step."""
     seq = list(prompt)
     for _ in range(max_new_tokens):
-        logits, _ = model(torch.tensor([seq]))
+        logits = model.logits(model(torch.tensor([seq])))
         seq.append(int(logits[0, -1, : model.cfg.vocab_size].argmax()))
     return seq[len(prompt) :]
 
@@ -121,14 +121,14 @@ def test_eot_stops_generation_and_is_not_returned() -> None:
 
 def test_padding_rows_are_never_sampled(monkeypatch: pytest.MonkeyPatch) -> None:
     model = tiny_model()
-    real_forward = model.forward
+    real_logits = model.logits
 
-    def forward_favouring_padding(idx, targets=None, cache=None, last_only=False):
-        logits, loss = real_forward(idx, targets, cache=cache, last_only=last_only)
+    def logits_favouring_padding(h):
+        logits = real_logits(h).clone()
         logits[..., model.cfg.vocab_size :] = 100.0
-        return logits, loss
+        return logits
 
-    monkeypatch.setattr(model, "forward", forward_favouring_padding)
+    monkeypatch.setattr(model, "logits", logits_favouring_padding)
     assert all(t < 100 for t in generate(model, [1], 20, temperature=0.0))
     assert all(t < 100 for t in generate(model, [1], 20, temperature=1.0, seed=0))
     assert all(t < 10 for t in generate(model, [1], 20, temperature=5.0, seed=0, vocab_size=10))
@@ -162,7 +162,7 @@ def test_sampled_frequencies_follow_the_distribution() -> None:
     model = tiny_model(vocab_size=3)
     fixed = torch.full((64,), -INF)
     fixed[:3] = torch.tensor([0.5, 0.25, 0.25]).log()
-    model.forward = lambda idx, targets=None, cache=None, last_only=False: (fixed.expand(1, idx.size(1), 64), None)
+    model.logits = lambda h: fixed.expand(1, h.size(1), 64)
     tokens = [t for seed in range(40) for t in generate(model, [0], 32, seed=seed)]
     assert len(tokens) == 40 * 32
     for token, p in enumerate([0.5, 0.25, 0.25]):
@@ -208,15 +208,15 @@ def test_generate_batch_lengths():
         generate_batch(model, torch.zeros(2, 5, dtype=torch.long), 29)
 
 
-def test_last_only_logits_equal_the_last_row_of_all_logits():
+def test_a_decode_steps_logits_equal_the_last_row_of_all_logits():
     model = tiny_model(seed=6)
     idx = torch.randint(0, 100, (2, 9))
-    full, _ = model(idx)
-    last, _ = model(idx, last_only=True)
+    with torch.no_grad():
+        h = model(idx)
+        full = model.logits(h)
+        last = model.logits(h[:, -1:])  # one position without gradients: (V, C) @ (C, B)
     assert last.shape == (2, 1, full.size(-1))
     torch.testing.assert_close(last[:, 0], full[:, -1], rtol=0, atol=1e-6)  # one row: another matmul shape
-    with pytest.raises(ValueError, match="last_only is for sampling"):
-        model(idx, idx, last_only=True)
 
 
 def test_generate_batch_refuses_a_negative_temperature():

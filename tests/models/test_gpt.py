@@ -4,15 +4,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lm.models.config import ModelConfig
-from lm.models.gpt import GPT
-from lm.plan.param_count import num_params
+from lm.models.gpt.config import GPTConfig
+from lm.models.gpt.model import GPT
+from lm.models.registry import get_family
+
+GPT_FAMILY = get_family("gpt")
 
 
-def tiny_config(**overrides: object) -> ModelConfig:
+def tiny_config(**overrides: object) -> GPTConfig:
     fields = dict(vocab_size=100, block_size=32, n_layer=2, n_head=2, d_model=32)
     fields.update(overrides)
-    return ModelConfig(**fields)
+    return GPTConfig(**fields)
 
 
 def tiny_model(seed: int = 0, **overrides: object) -> GPT:
@@ -20,13 +22,22 @@ def tiny_model(seed: int = 0, **overrides: object) -> GPT:
     return GPT(tiny_config(**overrides)).eval()
 
 
+def logits(model: GPT, idx: torch.Tensor, **kw: object) -> torch.Tensor:
+    return model.logits(model(idx, **kw))
+
+
+def loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The training loss the family computes for a batch (x, y)."""
+    return GPT_FAMILY.loss(model, model, [idx, targets])[0]
+
+
 def test_logits_cover_the_padded_vocabulary() -> None:
     model = tiny_model()
     assert model.cfg.padded_vocab_size == 128 and model.cfg.padded_vocab_size % 64 == 0
-    assert ModelConfig(vocab_size=50257).padded_vocab_size == 50304
-    assert ModelConfig(vocab_size=128).padded_vocab_size == 128
-    logits, loss = model(torch.randint(0, 100, (3, 7)))
-    assert logits.shape == (3, 7, 128) and loss is None
+    assert GPTConfig(vocab_size=50257).padded_vocab_size == 50304
+    assert GPTConfig(vocab_size=128).padded_vocab_size == 128
+    h = model(torch.randint(0, 100, (3, 7)))
+    assert h.shape == (3, 7, 32) and model.logits(h).shape == (3, 7, 128)
 
 
 def test_changing_a_future_token_never_changes_earlier_logits() -> None:
@@ -34,21 +45,20 @@ def test_changing_a_future_token_never_changes_earlier_logits() -> None:
     idx = torch.randint(0, 100, (2, 16))
     later = idx.clone()
     later[:, 10:] = (later[:, 10:] + 1) % 100
-    logits, _ = model(idx)
-    logits_later, _ = model(later)
-    torch.testing.assert_close(logits_later[:, :10], logits[:, :10], rtol=0, atol=1e-6)
-    assert not torch.allclose(logits_later[:, 10:], logits[:, 10:])
+    before, after = logits(model, idx), logits(model, later)
+    torch.testing.assert_close(after[:, :10], before[:, :10], rtol=0, atol=1e-6)
+    assert not torch.allclose(after[:, 10:], before[:, 10:])
 
 
 def test_loss_is_mean_cross_entropy_in_float32() -> None:
     model = tiny_model()
     idx, targets = torch.randint(0, 100, (2, 9)), torch.randint(0, 100, (2, 9))
-    logits, loss = model(idx, targets)
-    log_probs = logits.double().log_softmax(dim=-1)
+    out, mean = logits(model, idx), loss(model, idx, targets)
+    log_probs = out.double().log_softmax(dim=-1)
     by_hand = -log_probs.gather(-1, targets[..., None]).mean()
-    assert loss.dtype == torch.float32
-    torch.testing.assert_close(loss.double(), by_hand, rtol=0, atol=1e-5)
-    torch.testing.assert_close(loss, F.cross_entropy(logits.view(18, -1), targets.view(18)))
+    assert mean.dtype == torch.float32
+    torch.testing.assert_close(mean.double(), by_hand, rtol=0, atol=1e-5)
+    torch.testing.assert_close(mean, F.cross_entropy(out.view(18, -1), targets.view(18)))
 
 
 def test_output_head_is_tied_to_token_embedding() -> None:
@@ -72,8 +82,8 @@ def test_num_params_counted_by_hand() -> None:
     model = tiny_model()
     # parameters() yields the tied head once; the planner counts from the config alone
     assert sum(p.numel() for p in model.parameters()) == wte + wpe + 2 * block + ln_f == 30592
-    assert num_params(model.cfg) == 30592
-    assert num_params(model.cfg, non_embedding=True) == wte + 2 * block + ln_f == 29568
+    assert GPT_FAMILY.num_params(model.cfg) == 30592
+    assert GPT_FAMILY.num_params(model.cfg, non_embedding=True) == wte + 2 * block + ln_f == 29568
 
 
 def test_no_biases_when_bias_is_false() -> None:
@@ -81,12 +91,12 @@ def test_no_biases_when_bias_is_false() -> None:
     assert not [name for name, _ in model.named_parameters() if name.endswith("bias")]
     # without the 2*32 LayerNorm biases and the linear biases of the count above
     expected = 128 * 32 + 32 * 32 + 2 * (32 + 32 * 96 + 32 * 32 + 32 + 32 * 128 + 128 * 32) + 32
-    assert sum(p.numel() for p in model.parameters()) == num_params(model.cfg) == expected
+    assert sum(p.numel() for p in model.parameters()) == GPT_FAMILY.num_params(model.cfg) == expected
 
 
 def test_init_statistics() -> None:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=1000, block_size=64, n_layer=8, n_head=4, d_model=256)
+    cfg = GPTConfig(vocab_size=1000, block_size=64, n_layer=8, n_head=4, d_model=256)
     model = GPT(cfg)
     residual_std = 0.02 / math.sqrt(2 * cfg.n_layer)
     for block in model.blocks:
@@ -132,10 +142,10 @@ VARIANTS = {
 def test_prefill_then_decode_logits_match_full_forward(variant: str) -> None:
     model = tiny_model(**VARIANTS[variant])
     idx = torch.randint(0, 100, (2, 12))
-    full, _ = model(idx)
+    full = logits(model, idx)
     cache = model.new_cache(batch_size=2, max_len=12)
-    prefill, _ = model(idx[:, :6], cache=cache)
-    steps = [model(idx[:, t : t + 1], cache=cache)[0] for t in range(6, 12)]
+    prefill = logits(model, idx[:, :6], cache=cache)
+    steps = [logits(model, idx[:, t : t + 1], cache=cache) for t in range(6, 12)]
     assert cache.length == 12
     torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, rtol=0, atol=1e-5)
 
@@ -144,9 +154,9 @@ def test_prefill_then_decode_logits_match_full_forward(variant: str) -> None:
 def test_multi_token_append_to_nonempty_cache_matches_full_forward(variant: str) -> None:
     model = tiny_model(**VARIANTS[variant])
     idx = torch.randint(0, 100, (2, 15))
-    full, _ = model(idx)
+    full = logits(model, idx)
     cache = model.new_cache(batch_size=2, max_len=20)
-    parts = [model(idx[:, a:b], cache=cache)[0] for a, b in [(0, 5), (5, 9), (9, 10), (10, 15)]]
+    parts = [logits(model, idx[:, a:b], cache=cache) for a, b in [(0, 5), (5, 9), (9, 10), (10, 15)]]
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=0, atol=1e-5)
 
 
@@ -194,21 +204,21 @@ def test_overfits_one_batch() -> None:
     idx = torch.randint(0, 100, (4, 32), generator=torch.Generator().manual_seed(1))
     inputs, targets = idx[:, :-1], idx[:, 1:]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    _, first_loss = model(inputs, targets)
+    first_loss = loss(model, inputs, targets)
     for _ in range(40):
-        _, loss = model(inputs, targets)
+        step_loss = loss(model, inputs, targets)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        step_loss.backward()
         optimizer.step()
-    _, last_loss = model(inputs, targets)
+    last_loss = loss(model, inputs, targets)
     assert first_loss.item() > 4.0
     assert last_loss.item() < first_loss.item() / 10
 
 
 def test_qk_norm_normalises_each_heads_queries_and_keys_before_attention():
     torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=100, block_size=16, n_layer=1, n_head=2, d_model=32, qk_norm=True,
-                            pos="rope"))
+    model = GPT(GPTConfig(vocab_size=100, block_size=16, n_layer=1, n_head=2, d_model=32, qk_norm=True,
+                          pos="rope"))
     attn = model.blocks[0].attn
     assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (16,)  # one weight over a head's channels
     seen = {}
@@ -218,7 +228,7 @@ def test_qk_norm_normalises_each_heads_queries_and_keys_before_attention():
     for t in (seen["q"], seen["k"]):  # (B, heads, T, hs), each head's vector of unit root-mean-square
         assert t.shape[-1] == 16
         assert torch.allclose(t.pow(2).mean(-1), torch.ones(t.shape[:-1]), atol=5e-3)  # eps 1e-5 on small q, k
-    no_norm = GPT(ModelConfig(vocab_size=100, block_size=16, n_layer=1, n_head=2, d_model=32, pos="rope"))
+    no_norm = GPT(GPTConfig(vocab_size=100, block_size=16, n_layer=1, n_head=2, d_model=32, pos="rope"))
     assert not hasattr(no_norm.blocks[0].attn, "q_norm")
 
 
@@ -226,7 +236,7 @@ def test_relu2_squares_the_relu():
     from lm.models.layers import MLP
 
     torch.manual_seed(0)
-    mlp = MLP(ModelConfig(vocab_size=100, block_size=16, n_layer=1, n_head=2, d_model=8, mlp="relu2"))
+    mlp = MLP(GPTConfig(vocab_size=100, block_size=16, n_layer=1, n_head=2, d_model=8, mlp="relu2"))
     x = torch.randn(2, 3, 8)
     assert torch.allclose(mlp(x), mlp.proj(torch.relu(mlp.fc(x)) ** 2))
 
@@ -235,16 +245,17 @@ def test_logit_softcap_bounds_the_logits_and_chunks_the_same():
     fields = dict(vocab_size=100, block_size=16, n_layer=1, n_head=2, d_model=32)
     idx, targets = torch.randint(0, 100, (2, 8)), torch.randint(0, 100, (2, 8))
     torch.manual_seed(0)
-    plain = GPT(ModelConfig(**fields))
+    plain = GPT(GPTConfig(**fields))
     torch.manual_seed(0)
-    capped = GPT(ModelConfig(**fields, logit_softcap=0.5))
-    raw, _ = plain(idx)
-    logits, loss = capped(idx, targets)
-    assert torch.allclose(logits, 0.5 * torch.tanh(raw / 0.5))  # the same weights, the logits squashed
-    assert logits.abs().max() < 0.5 and logits.dtype == torch.float32
-    assert loss.item() == pytest.approx(F.cross_entropy(logits.view(16, -1), targets.view(-1)).item())
-    sampled, _ = capped(idx, last_only=True)
-    assert torch.allclose(sampled[:, 0], logits[:, -1], atol=1e-6)
+    capped = GPT(GPTConfig(**fields, logit_softcap=0.5))
+    raw = logits(plain, idx)
+    out, mean = logits(capped, idx), loss(capped, idx, targets)
+    assert torch.allclose(out, 0.5 * torch.tanh(raw / 0.5))  # the same weights, the logits squashed
+    assert out.abs().max() < 0.5 and out.dtype == torch.float32
+    assert mean.item() == pytest.approx(F.cross_entropy(out.view(16, -1), targets.view(-1)).item())
+    with torch.no_grad():  # a decode step's head, (V, C) @ (C, B)
+        sampled = capped.logits(capped(idx)[:, -1:])
+    assert torch.allclose(sampled[:, 0], out[:, -1], atol=1e-6)
     torch.manual_seed(0)
-    chunked = GPT(ModelConfig(**fields, logit_softcap=0.5, loss_chunk=5))
-    assert chunked(idx, targets)[1].item() == pytest.approx(loss.item(), abs=1e-6)
+    chunked = GPT(GPTConfig(**fields, logit_softcap=0.5, loss_chunk=5))
+    assert loss(chunked, idx, targets).item() == pytest.approx(mean.item(), abs=1e-6)

@@ -4,18 +4,29 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lm.config import load_config
 from lm.errors import ConfigError
-from lm.models.config import ModelConfig
-from lm.models.factory import build_model
 from lm.models.generate import generate, generate_batch
-from lm.models.lstm import LSTMLM
-from lm.plan.param_count import num_params
+from lm.models.gpt.config import GPTConfig
+from lm.models.lstm.config import LSTMConfig
+from lm.models.lstm.model import LSTMLM
+from lm.models.registry import get_family
+
+LSTM = get_family("lstm")
 
 
-def tiny_config(**overrides: object) -> ModelConfig:
-    fields = dict(arch="lstm", vocab_size=100, block_size=32, n_layer=2, d_model=32)
+def tiny_config(**overrides: object) -> LSTMConfig:
+    fields = dict(vocab_size=100, block_size=32, n_layer=2, d_model=32)
     fields.update(overrides)
-    return ModelConfig(**fields)
+    return LSTMConfig(**fields)
+
+
+def logits(model: LSTMLM, idx: torch.Tensor, **kw: object) -> torch.Tensor:
+    return model.logits(model(idx, **kw))
+
+
+def loss(model: LSTMLM, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return LSTM.loss(model, model, [idx, targets])[0]
 
 
 def tiny_model(seed: int = 0, **overrides: object) -> LSTMLM:
@@ -23,29 +34,25 @@ def tiny_model(seed: int = 0, **overrides: object) -> LSTMLM:
     return LSTMLM(tiny_config(**overrides)).eval()
 
 
-def test_factory_builds_stacked_single_layer_lstms() -> None:
-    model = build_model(tiny_config(n_layer=3))
+def test_the_family_builds_stacked_single_layer_lstms() -> None:
+    model = LSTM.build(tiny_config(n_layer=3))
     assert isinstance(model, LSTMLM) and len(model.layers) == 3
+    assert LSTM.blocks(model) == list(model.layers)
     for layer in model.layers:  # one nn.LSTM per layer: the unit FSDP shards and checkpointing recomputes
         assert isinstance(layer, torch.nn.LSTM) and layer.num_layers == 1 and layer.batch_first
         assert (layer.input_size, layer.hidden_size) == (32, 32)
-    with pytest.raises(ValueError, match="model.arch is 'gpt'"):
-        LSTMLM(ModelConfig(vocab_size=100, n_layer=1, n_head=2, d_model=32))
 
 
 def test_logits_cover_the_padded_vocabulary_and_loss_is_float32_cross_entropy() -> None:
     model = tiny_model()
     idx, targets = torch.randint(0, 100, (2, 10)), torch.randint(0, 100, (2, 10))
-    logits, loss = model(idx, targets)
-    assert logits.shape == (2, 10, 128)  # 100 rounded up to a multiple of 64
-    assert loss.dtype == torch.float32 and loss.dim() == 0
-    assert loss.item() == pytest.approx(F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item(), rel=1e-6)
-    assert abs(loss.item() - math.log(128)) < 0.1  # small initial logits: close to uniform over the rows
-    assert model(idx)[1] is None
-    last, _ = model(idx, last_only=True)
-    torch.testing.assert_close(last, logits[:, -1:], rtol=0, atol=1e-6)
-    with pytest.raises(ValueError, match="last_only is for sampling"):
-        model(idx, targets, last_only=True)
+    out, mean = logits(model, idx), loss(model, idx, targets)
+    assert out.shape == (2, 10, 128)  # 100 rounded up to a multiple of 64
+    assert mean.dtype == torch.float32 and mean.dim() == 0
+    assert mean.item() == pytest.approx(F.cross_entropy(out.flatten(0, 1), targets.flatten()).item(), rel=1e-6)
+    assert abs(mean.item() - math.log(128)) < 0.1  # small initial logits: close to uniform over the rows
+    with pytest.raises(ValueError, match="positions must be None"):
+        model(idx, torch.zeros_like(idx))
 
 
 def test_changing_a_future_token_never_changes_earlier_logits() -> None:
@@ -53,8 +60,8 @@ def test_changing_a_future_token_never_changes_earlier_logits() -> None:
     idx = torch.randint(0, 100, (1, 12))
     changed = idx.clone()
     changed[0, 7] = (idx[0, 7] + 1) % 100
-    a, _ = model(idx)
-    b, _ = model(changed)
+    a = logits(model, idx)
+    b = logits(model, changed)
     assert torch.equal(a[:, :7], b[:, :7])
     assert not torch.allclose(a[:, 7:], b[:, 7:])
 
@@ -69,7 +76,7 @@ def test_parameters_counted_by_hand_and_by_the_planner() -> None:
     assert untied.lm_head.weight is not untied.wte.weight
     assert sum(p.numel() for p in untied.parameters()) == 2 * v * c + 2 * 2 * 4 * c * c
     for model in (tied, untied):  # no position table: nothing to leave out
-        assert num_params(model.cfg) == num_params(model.cfg, non_embedding=True) == sum(
+        assert LSTM.num_params(model.cfg) == LSTM.num_params(model.cfg, non_embedding=True) == sum(
             p.numel() for p in model.parameters())
 
 
@@ -98,16 +105,16 @@ def test_meta_build_then_init_weights_matches_normal_build() -> None:
         for name, tensor in expected.items():
             assert torch.equal(actual[name], tensor), name
         idx = torch.randint(0, 100, (2, 6))
-        assert torch.equal(model(idx)[0], reference(idx)[0])  # nn.LSTM's flat weights follow to_empty
+        assert torch.equal(logits(model, idx), logits(reference, idx))  # nn.LSTM's flat weights follow to_empty
 
 
 def test_recurrent_state_in_pieces_gives_the_full_forward_logits() -> None:
     model = tiny_model()
     idx = torch.randint(0, 100, (2, 15))
-    full, _ = model(idx)
+    full = logits(model, idx)
     state = model.new_cache(batch_size=2, max_len=15)
     assert len(state.layers) == 2 and state.layers[0][0].shape == (1, 2, 32) and state.length == 0
-    parts = [model(idx[:, a:b], cache=state)[0] for a, b in [(0, 5), (5, 9), (9, 10), (10, 15)]]
+    parts = [logits(model, idx[:, a:b], cache=state) for a, b in [(0, 5), (5, 9), (9, 10), (10, 15)]]
     assert state.length == 15
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="recurrent state overflow: 16 positions exceed its max_len=15"):
@@ -139,9 +146,9 @@ def test_greedy_decoding_with_the_state_equals_rerunning_the_sequence() -> None:
 def test_dropout_acts_in_training_only() -> None:
     model = tiny_model(dropout=0.5)
     idx = torch.randint(0, 100, (2, 8))
-    assert torch.equal(model(idx)[0], model(idx)[0])
+    assert torch.equal(model(idx), model(idx))
     model.train()
-    assert not torch.equal(model(idx)[0], model(idx)[0])
+    assert not torch.equal(model(idx), model(idx))
 
 
 def test_overfits_one_batch() -> None:
@@ -150,23 +157,26 @@ def test_overfits_one_batch() -> None:
     idx = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(1))
     inputs, targets = idx[:, :-1], idx[:, 1:]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.0)
-    _, first_loss = model(inputs, targets)
+    first_loss = loss(model, inputs, targets)
     for _ in range(80):
-        _, loss = model(inputs, targets)
+        step_loss = loss(model, inputs, targets)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        step_loss.backward()
         optimizer.step()
-    _, last_loss = model(inputs, targets)
+    last_loss = loss(model, inputs, targets)
     assert first_loss.item() > 4.0
     assert last_loss.item() < first_loss.item() / 3  # 32 random next tokens, memorised
 
 
-def test_an_lstm_ignores_the_attention_keys_a_gpt_checks() -> None:
+def test_an_lstm_takes_none_of_the_attention_keys() -> None:
     # d_model 30 does not split into the default 12 heads: an error for a GPT, no matter for an LSTM
     with pytest.raises(ConfigError, match="model.d_model: 30 is not divisible by model.n_head=12"):
-        ModelConfig(arch="gpt", d_model=30)
-    cfg = ModelConfig(arch="lstm", vocab_size=100, block_size=16, n_layer=1, d_model=30, pos="rope", n_kv_head=5)
+        GPTConfig(d_model=30)
+    cfg = LSTMConfig(vocab_size=100, block_size=16, n_layer=1, d_model=30)
     assert sum(p.numel() for p in LSTMLM(cfg).parameters()) == 128 * 30 + 8 * 30 * 30 + 8 * 30
-    with pytest.raises(ConfigError, match=r"model.arch: unknown value 'rnn'; expected one of "
-                                          r"\['gpt', 'encdec', 'lstm', 'encoder'\]"):
-        ModelConfig(arch="rnn")
+    # a key the LSTM does not read is refused by name, not ignored
+    with pytest.raises(ConfigError, match=r"model.pos: not a key of an LSTM \(model.arch=lstm\); it takes \['arch', "):
+        load_config(None, ["--model.arch=lstm", "--model.pos=rope"])
+    with pytest.raises(ConfigError, match=r"model.arch: unknown model family 'rnn'; expected one of "
+                                          r"\['gpt', 'encdec', 'encoder', 'lstm'"):
+        load_config(None, ["--model.arch=rnn"])

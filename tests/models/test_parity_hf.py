@@ -1,15 +1,17 @@
 """Numerical parity with Hugging Face transformers: our GPT and the transformers model built from the export
-mapping (`lm.export.hf_config` + `hf_state_dict`) give the same logits to 1e-5 on CPU in float32."""
+mapping (the family's `Target`: its config.json and `hf_state_dict`) give the same logits to 1e-5 on CPU in
+float32."""
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from lm.config import load_config
 from lm.errors import ExportError
-from lm.hf.mapping import hf_config, hf_state_dict, hf_target
-from lm.models.config import ModelConfig
-from lm.models.factory import build_model
-from lm.models.gpt import GPT
+from lm.hf.targets import Target, hf_state_dict, pick_target
+from lm.models.gpt.config import GPTConfig
+from lm.models.gpt.model import GPT
+from lm.models.registry import family_of
 
 VOCAB = 300  # not a multiple of 64: the mapping must drop our 20 padding rows
 GPT2 = {}
@@ -17,18 +19,22 @@ LLAMA = dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=2, 
              tie_embeddings=False)
 
 
-def tiny_config(**overrides: object) -> ModelConfig:
+def tiny_config(**overrides: object) -> GPTConfig:
     fields = dict(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, d_model=64, norm_eps=1e-5)
     fields.update(overrides)
-    return ModelConfig(**fields)
+    return GPTConfig(**fields)
 
 
-def random_model(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
+def target(cfg: GPTConfig) -> Target:
+    return pick_target(cfg, family_of(cfg).hf_targets, cfg.title)
+
+
+def random_model(cfg: GPTConfig, seed: int = 0) -> torch.nn.Module:
     """The model `cfg` describes with every parameter drawn anew, biases and norm gains included: zero biases
     or unit gains (the init) would let a dropped or misplaced tensor go unnoticed. Gains centre on 1 so
     logits stay O(1)."""
     torch.manual_seed(seed)
-    model = build_model(cfg)
+    model = family_of(cfg).build(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             is_gain = name.endswith(".weight") and p.dim() == 1
@@ -38,10 +44,10 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
 
 def hf_model(model: GPT, attn: str = "eager") -> PreTrainedModel:
     """The transformers model our mapping describes, holding our weights."""
-    fields = hf_config(model.cfg)
+    fields = target(model.cfg).config(model.cfg, None, torch.float32)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     hf = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
-    missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
+    missing, unexpected = hf.load_state_dict(hf_state_dict(model, target(model.cfg)), strict=False)
     assert unexpected == []
     # A tied head is not written: transformers ties lm_head to the embedding itself.
     assert missing == (["lm_head.weight"] if model.cfg.tie_embeddings else [])
@@ -68,7 +74,7 @@ def test_gpt2_logits_match_transformers(overrides, attn):
     assert type(hf).__name__ == "GPT2LMHeadModel"
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert_same_logits(model(idx)[0], hf(idx).logits)
+        assert_same_logits(model.logits(model(idx)), hf(idx).logits)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -84,7 +90,7 @@ def test_llama_logits_match_transformers(overrides, attn):
     assert type(hf).__name__ == "LlamaForCausalLM"
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert_same_logits(model(idx)[0], hf(idx).logits)
+        assert_same_logits(model.logits(model(idx)), hf(idx).logits)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -95,7 +101,7 @@ def test_qwen2_logits_match_transformers(attn):
     assert type(hf).__name__ == "Qwen2ForCausalLM" and hf.model.layers[0].self_attn.o_proj.bias is None
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert_same_logits(model(idx)[0], hf(idx).logits)
+        assert_same_logits(model.logits(model(idx)), hf(idx).logits)
 
 
 @pytest.mark.parametrize("overrides", [GPT2, LLAMA], ids=["gpt2", "llama"])
@@ -108,30 +114,29 @@ def test_incremental_decoding_matches_a_full_transformers_forward(overrides):
     cache = model.new_cache(batch_size=2, max_len=20)
     pieces = [(0, 8), *((t, t + 1) for t in range(8, 16)), (16, 20)]
     with torch.no_grad():
-        ours = torch.cat([model(idx[:, a:b], cache=cache)[0] for a, b in pieces], dim=1)
+        ours = torch.cat([model.logits(model(idx[:, a:b], cache=cache)) for a, b in pieces], dim=1)
         assert_same_logits(ours, hf(idx).logits)
     assert cache.length == 20
 
 
 def test_vocabulary_is_the_tokenizers_and_tied_heads_are_written_once():
-    tied = hf_state_dict(random_model(tiny_config()))
+    tied = hf_state_dict(random_model(tiny_config()), target(tiny_config()))
     assert tied["transformer.wte.weight"].shape == (VOCAB, 64) and "lm_head.weight" not in tied
-    untied = hf_state_dict(random_model(tiny_config(**LLAMA)))
+    untied = hf_state_dict(random_model(tiny_config(**LLAMA)), target(tiny_config(**LLAMA)))
     assert untied["lm_head.weight"].shape == untied["model.embed_tokens.weight"].shape == (VOCAB, 64)
     assert untied["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 16, 64)
     pointers = [t.untyped_storage().data_ptr() for t in untied.values()]
     assert len(set(pointers)) == len(pointers)  # safetensors refuses shared storage
-    config = hf_config(tiny_config(**LLAMA))
+    config = target(tiny_config(**LLAMA)).config(tiny_config(**LLAMA), None, torch.float32)
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 500.0}
     assert config["rope_theta"] == 500.0 and config["num_key_value_heads"] == 2
 
 
 @pytest.mark.parametrize("overrides, fragments", [
-    (dict(arch="encdec", pos="sinusoidal"), [
-        "(model.arch=encdec, model.pos=sinusoidal, model.norm=layernorm, model.mlp=gelu, model.bias=true, "
-        "model.qkv_bias=false)",
-        "GPT2LMHeadModel (GPT-2) needs model.arch=gpt, model.pos=learned;",
-        "LlamaForCausalLM (Llama) needs model.arch=gpt, model.pos=rope, model.norm=rmsnorm, model.mlp=swiglu",
+    (dict(pos="sinusoidal"), [
+        "(model.pos=sinusoidal, model.norm=layernorm, model.mlp=gelu, model.bias=true, model.qkv_bias=false)",
+        "GPT2LMHeadModel (GPT-2) needs model.pos=learned;",
+        "LlamaForCausalLM (Llama) needs model.pos=rope, model.norm=rmsnorm, model.mlp=swiglu",
     ]),
     (dict(norm="rmsnorm"), [
         "(model.norm=rmsnorm, model.pos=learned, model.mlp=gelu, model.bias=true, model.qkv_bias=false)",
@@ -142,11 +147,11 @@ def test_vocabulary_is_the_tokenizers_and_tied_heads_are_written_once():
     (dict(mlp="relu"), ["GPT2LMHeadModel (GPT-2) needs model.mlp=gelu;"]),
     (dict(n_kv_head=2), ["GPT2LMHeadModel (GPT-2) needs model.n_kv_head=0 (one key/value head per query head)"]),
     (dict(bias=False), ["GPT2LMHeadModel (GPT-2) needs model.bias=true;"]),
-], ids=["encdec", "rmsnorm-learned", "post-norm", "relu", "gpt2-gqa", "gpt2-no-bias"])
+], ids=["sinusoidal", "rmsnorm-learned", "post-norm", "relu", "gpt2-gqa", "gpt2-no-bias"])
 def test_unsupported_configs_name_their_keys(overrides, fragments):
     cfg = tiny_config(**overrides)
     with pytest.raises(ExportError) as err:
-        hf_config(cfg)
+        target(cfg)
     message = str(err.value)
     assert message.startswith("cannot export to Hugging Face: no transformers model has this combination")
     assert "\n" not in message
@@ -155,7 +160,15 @@ def test_unsupported_configs_name_their_keys(overrides, fragments):
 
 
 def test_each_config_maps_to_one_target():
-    assert hf_target(tiny_config()) == "gpt2" and hf_target(tiny_config(**LLAMA)) == "llama"
-    assert hf_target(tiny_config(**LLAMA, qkv_bias=True)) == "qwen2"
+    assert target(tiny_config()).name == "GPT-2" and target(tiny_config(**LLAMA)).name == "Llama"
+    assert target(tiny_config(**LLAMA, qkv_bias=True)).name == "Qwen2"
     # biases everywhere already include q/k/v: still Llama's attention_bias and mlp_bias
-    assert hf_target(tiny_config(**{**LLAMA, "bias": True}, qkv_bias=True)) == "llama"
+    assert target(tiny_config(**{**LLAMA, "bias": True}, qkv_bias=True)).name == "Llama"
+
+
+@pytest.mark.parametrize("arch, title", [("encdec", "an encoder-decoder"), ("lstm", "an LSTM")])
+def test_a_family_without_a_transformers_class_is_refused_by_name(arch, title):
+    cfg = load_config(None, [f"--model.arch={arch}"]).model
+    with pytest.raises(ExportError, match=rf"cannot export to Hugging Face: {title} \(model.arch={arch}\) has no "
+                                          "transformers counterpart"):
+        pick_target(cfg, family_of(cfg).hf_targets, cfg.title)

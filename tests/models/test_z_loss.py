@@ -1,5 +1,5 @@
-"""The z-loss term (optim.z_loss): the models return it beside the cross-entropy when asked, plain or chunked,
-and asking changes neither the cross-entropy nor anything when not asked."""
+"""The z-loss term (optim.z_loss): the next-token families' loss adds it to the cross-entropy when asked, plain or
+chunked, and asking changes neither the cross-entropy nor anything when not asked."""
 
 from dataclasses import replace
 
@@ -7,9 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lm.models.factory import build_model
 from lm.models.loss import chunked_cross_entropy, head_loss
-from tests.models.test_loss_chunk import B, T, tiny
+from tests.models.test_loss_chunk import B, T, build, family_loss, tiny
 
 
 def test_head_loss_with_z_is_the_cross_entropy_and_the_mean_squared_log_partition() -> None:
@@ -24,22 +23,23 @@ def test_head_loss_with_z_is_the_cross_entropy_and_the_mean_squared_log_partitio
 
 @pytest.mark.parametrize("arch", ["gpt", "lstm"])
 @pytest.mark.parametrize("chunk", [0, 5])
-def test_the_models_return_both_terms_and_their_gradients_match_the_formula(arch, chunk) -> None:
+def test_the_loss_adds_the_z_term_and_its_gradients_match_the_formula(arch, chunk) -> None:
     cfg = tiny(arch=arch, loss_chunk=chunk)
     torch.manual_seed(1)
     idx, targets = torch.randint(0, 100, (B, T)), torch.randint(0, 100, (B, T))
     torch.manual_seed(0)
-    model = build_model(cfg)
-    _, terms = model(idx, targets, with_z=True)
-    _, ce = model(idx, targets)
-    assert terms.shape == (2,)
+    model = build(cfg)
+    loss, terms = family_loss(model, idx, targets, z_loss=0.5)
+    ce, no_z = family_loss(model, idx, targets)
+    assert terms.shape == no_z.shape == (2,) and no_z[1] == 0
     torch.testing.assert_close(terms[0], ce, rtol=0, atol=1e-6)
-    (terms[0] + 0.5 * terms[1]).backward()
+    torch.testing.assert_close(loss, terms[0] + 0.5 * terms[1], rtol=0, atol=1e-6)
+    loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     # the same objective spelled out from the plain logits
     torch.manual_seed(0)
-    reference = build_model(replace(cfg, loss_chunk=0))
-    logits, _ = reference(idx)
+    reference = build(replace(cfg, loss_chunk=0))
+    logits = reference.logits(reference(idx))
     log_z = torch.logsumexp(logits, -1)  # (B, T)
     (F.cross_entropy(logits.view(B * T, -1), targets.view(-1)) + 0.5 * log_z.square().mean()).backward()
     for name, p in reference.named_parameters():

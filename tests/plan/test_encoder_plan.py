@@ -2,15 +2,15 @@
 import pytest
 
 from lm.config import load_config
-from lm.models.config import ModelConfig
-from lm.models.encoder import Encoder
-from lm.models.factory import build_model
-from lm.plan.flops import flops_per_token
+from lm.data.config import DataConfig
+from lm.models.encoder.config import EncoderConfig
+from lm.models.encoder.model import Encoder
+from lm.models.registry import get_family
 from lm.plan.memory import estimate_memory
-from lm.plan.param_count import num_params
 from tests.plan.test_memory import saved_bytes
 
-TINY = dict(arch="encoder", vocab_size=100, block_size=48, n_layer=2, n_head=2, d_model=16)
+ENCODER = get_family("encoder")
+TINY = dict(vocab_size=100, block_size=48, n_layer=2, n_head=2, d_model=16)
 
 
 @pytest.mark.parametrize("changes", [
@@ -21,14 +21,14 @@ TINY = dict(arch="encoder", vocab_size=100, block_size=48, n_layer=2, n_head=2, 
     {"head": "regress", "bias": False},
 ], ids=["mlm", "mlm-untied-post", "mlm-llama-style", "classify", "regress"])
 def test_encoder_parameter_count_equals_the_built_model(changes):
-    cfg = ModelConfig(**{**TINY, **changes})
-    assert num_params(cfg) == sum(p.numel() for p in build_model(cfg).parameters())
+    cfg = EncoderConfig(**{**TINY, **changes})
+    assert ENCODER.num_params(cfg) == sum(p.numel() for p in ENCODER.build(cfg).parameters())
 
 
 @pytest.mark.parametrize("head", ["mlm", "classify"])
 def test_encoder_flops_run_the_head_on_the_targets_alone(head):
     # counted on a built model here, from the config alone in flops_per_token
-    cfg = ModelConfig(**TINY, head=head, num_classes=3 if head == "classify" else 0)
+    cfg = EncoderConfig(**TINY, head=head, num_classes=3 if head == "classify" else 0)
     model = Encoder(cfg)
     trunk = sum(p.numel() for p in [*model.blocks.parameters(), *model.emb_norm.parameters(),
                                     *model.ln_f.parameters()])
@@ -40,9 +40,9 @@ def test_encoder_flops_run_the_head_on_the_targets_alone(head):
         head_weights, per_window = sum(p.numel() for p in model.score.parameters()), 1
     attention = 12 * 2 * 16 * 40
     expected = 6 * trunk + attention + 6 * head_weights * per_window / 40
-    assert flops_per_token(cfg, 40) == pytest.approx(expected, rel=1e-12)
+    assert ENCODER.flops_per_token(cfg, 40, DataConfig()) == pytest.approx(expected, rel=1e-12)
     if head == "mlm":  # BERT's rate: 6 targets of 39
-        assert flops_per_token(cfg, 40, mlm_rate=0.15) == pytest.approx(
+        assert ENCODER.flops_per_token(cfg, 40, DataConfig(mlm_rate=0.15)) == pytest.approx(
             6 * trunk + attention + 6 * head_weights * 6 / 40, rel=1e-12)
 
 

@@ -1,27 +1,38 @@
 import torch
 
+from lm.data.config import DataConfig
 from lm.data.span_corruption import corrupted_lengths
-from lm.models.config import ModelConfig
-from lm.models.encdec import EncoderDecoder
-from lm.plan.flops import flops_per_token, peak_flops
-from lm.plan.param_count import num_params
+from lm.models.encdec.config import EncDecConfig
+from lm.models.encdec.model import EncoderDecoder
+from lm.models.gpt.config import GPTConfig
+from lm.models.lstm.config import LSTMConfig
+from lm.models.registry import family_of
+from lm.plan.flops import peak_flops
+
+
+def flops_per_token(cfg, seq_len: int) -> float:
+    return family_of(cfg).flops_per_token(cfg, seq_len, DataConfig())
+
+
+def num_params(cfg) -> int:
+    return family_of(cfg).num_params(cfg)
 
 
 def test_flops_per_token_gpt2_small():
-    cfg = ModelConfig(n_layer=12, n_head=12, d_model=768, block_size=1024)
+    cfg = GPTConfig(n_layer=12, n_head=12, d_model=768, block_size=1024)
     n = num_params(cfg) - 1024 * 768  # the position table does no matmul
     assert n == 124_475_904 - 786_432
     assert flops_per_token(cfg, 1024) == 6 * n + 12 * 12 * 768 * 1024
 
 
 def test_an_lstm_does_no_attention():
-    cfg = ModelConfig(arch="lstm", vocab_size=100, n_layer=2, d_model=16)
+    cfg = LSTMConfig(vocab_size=100, n_layer=2, d_model=16)
     assert flops_per_token(cfg, 64) == 6 * num_params(cfg)
 
 
 def test_encdec_flops_count_encoder_on_source_and_decoder_on_target_tokens():
     # counted on a built model here, from the config alone in flops_per_token
-    cfg = ModelConfig(arch="encdec", vocab_size=100, block_size=32, n_layer=2, n_head=2, d_model=16, n_sentinels=3)
+    cfg = EncDecConfig(vocab_size=100, block_size=32, n_layer=2, n_head=2, d_model=16, n_sentinels=3)
     model = EncoderDecoder(cfg)
     per_block_enc = sum(p.numel() for p in model.encoder[0].parameters())
     per_block_dec = sum(p.numel() for p in model.decoder[0].parameters())

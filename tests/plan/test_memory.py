@@ -9,28 +9,32 @@ import torch
 
 from lm.config import load_config
 from lm.distributed.activation import checkpoint_blocks
-from lm.models.factory import build_model
-from lm.plan.memory import (
-    GIB,
-    checkpointed_blocks,
-    estimate_memory,
-    layer_activation_bytes,
-    lstm_layer_activation_bytes,
-)
-from lm.plan.param_count import block_params, num_params
-from lm.plan.table import pick, plan_rows, plan_table
-from lm.training.objective import build_objective
+from lm.models.lstm.family import layer_activation_bytes as lstm_layer_activation_bytes
+from lm.models.registry import family_of
+from lm.models.sizes import block_params, checkpointed_blocks, layer_activation_bytes
+from lm.plan.memory import GIB, estimate_memory
+from lm.plan.memory_table import pick, plan_rows, plan_table
 
-SMALL = ["--model.n_layer=2", "--model.n_head=4", "--model.d_model=64", "--model.block_size=64", "--data.seq_len=40"]
+SMALL = ["--model.n_layer=2", "--model.d_model=64", "--model.block_size=64", "--data.seq_len=40"]
+HEADS = ["--model.n_head=4"]  # every family but the LSTM has attention heads
 LLAMA = ["--model.pos=rope", "--model.norm=rmsnorm", "--model.mlp=swiglu", "--model.bias=false",
          "--model.n_kv_head=2", "--model.tie_embeddings=false"]
 ENCDEC = ["--model.arch=encdec", "--model.pos=sinusoidal", "--model.mlp=relu", "--model.n_sentinels=20"]
 LSTM = ["--model.arch=lstm"]
 
 
+def build(cfg):
+    return family_of(cfg).build(cfg)
+
+
+def num_params(cfg) -> int:
+    return family_of(cfg).num_params(cfg)
+
+
 def _cfg(*overrides: str, engine: str = "ddp", dtype: str = "bfloat16", micro: int = 3):
     extra = [f"--parallel.engine={engine}"] + (["--parallel.zero_stage=1"] if engine == "deepspeed" else [])
-    return load_config(None, [*SMALL, f"--train.dtype={dtype}", f"--train.micro_batch_size={micro}",
+    heads = [] if "--model.arch=lstm" in overrides else HEADS
+    return load_config(None, [*SMALL, *heads, f"--train.dtype={dtype}", f"--train.micro_batch_size={micro}",
                               f"--train.batch_size={micro}", *extra, *overrides])
 
 
@@ -47,7 +51,7 @@ def _cfg(*overrides: str, engine: str = "ddp", dtype: str = "bfloat16", micro: i
 ], ids=["gpt2", "llama-gqa", "post-norm", "qk-norm-relu2", "encdec", "encdec-untied", "lstm", "lstm-untied-no-bias"])
 def test_parameter_count_equals_the_built_model(overrides):
     cfg = _cfg(*overrides).model
-    assert num_params(cfg) == sum(p.numel() for p in build_model(cfg).parameters())
+    assert num_params(cfg) == sum(p.numel() for p in build(cfg).parameters())
 
 
 @pytest.mark.parametrize("preset, expected", [
@@ -56,7 +60,7 @@ def test_parameter_count_equals_the_built_model(overrides):
 def test_presets_count_their_parameters(preset, expected):
     cfg = load_config(f"configs/{preset}.yaml").model
     with torch.device("meta"):  # shapes only: a 7B model in CPU memory would take 29 GB
-        model = build_model(cfg)
+        model = build(cfg)
     assert num_params(cfg) == sum(p.numel() for p in model.parameters()) == expected
 
 
@@ -140,7 +144,7 @@ def test_activation_checkpointing_keeps_block_inputs_and_one_block():
     (12, 1, 0, 12), (12, 0, 0, 0), (6, 4, 0, 2), (7, 3, 0, 3), (4, 3, 4, 1), (4, 2, 4, 2),
 ])
 def test_checkpointed_blocks_are_every_nth_from_the_first(n_blocks, every, start, expected):
-    # lm.distributed.activation checkpoints model_blocks(model)[::every]: encoder blocks first, then decoder
+    # lm.distributed.activation checkpoints Family.blocks(model)[::every]: encoder blocks first, then decoder
     assert checkpointed_blocks(n_blocks, every, start) == expected
     assert expected == sum(1 for i in range(start, start + n_blocks) if every and i % every == 0)
 
@@ -150,10 +154,10 @@ def test_checkpointed_blocks_are_every_nth_from_the_first(n_blocks, every, start
 def test_checkpointed_blocks_agree_with_the_checkpointing_wrapper(arch, layers, every):
     cfg = _cfg(*arch, f"--model.n_layer={layers}").model
     with torch.device("meta"):
-        model = build_model(cfg)
+        model = build(cfg)
     stacks = 2 if cfg.arch == "encdec" else 1
     counted = sum(checkpointed_blocks(layers, every, start=i * layers) for i in range(stacks))
-    assert counted == checkpoint_blocks(model, every)
+    assert counted == checkpoint_blocks(family_of(cfg).blocks(model), every)
 
 
 def test_korthikanti_count_for_a_gpt3_layer():
@@ -183,13 +187,14 @@ def saved_bytes(cfg, bf16_weights: bool, autocast: bool) -> int:
     batch is its objective's); the model's parameters and autocast's bf16 weight copies (model state, not
     activations) are left out."""
     torch.manual_seed(0)
-    model = build_model(cfg.model)
+    family = family_of(cfg.model)
+    model = family.build(cfg.model)
     if bf16_weights:
         model = model.to(torch.bfloat16)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape)[::-1] for p in model.parameters()}
     rows = np.random.default_rng(0).integers(0, 50000, (cfg.train.micro_batch_size, cfg.data.seq_len + 1))
-    batch = build_objective(cfg.model, cfg.data.seq_len, 0, data=cfg.data)(rows, np.arange(len(rows)))
+    batch = family.objective(cfg.model, cfg.data, cfg.data.seq_len, 0)(rows, np.arange(len(rows)))
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -201,7 +206,7 @@ def saved_bytes(cfg, bf16_weights: bool, autocast: bool) -> int:
 
     cast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
-        model(*map(torch.from_numpy, batch))
+        family.loss(model, model, list(map(torch.from_numpy, batch)))
     return sum(saved.values())
 
 

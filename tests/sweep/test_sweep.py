@@ -92,7 +92,8 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--grid", "model.n_layr=1,2"], r"--grid model.n_layr=1: model.n_layr: unknown key; did you mean 'n_layer'"),
+    (["--grid", "model.n_layr=1,2"], r"--grid model.n_layr=1: model.n_layr: not a key of a decoder-only GPT "
+                                     r"\(model.arch=gpt\); did you mean 'n_layer'"),
     (["--grid", "model.n_layer=1,two"], r"--grid model.n_layer=two: model.n_layer: expected int, got str 'two'"),
     (["--grid", "optim.lr=1e-3,fast"], r"--grid optim.lr=fast: optim.lr: expected float, got str 'fast'"),
     (["--grid", "model.n_head=2,3"], r"--grid model.n_head=3: model.d_model: 32 is not divisible by model.n_head=3"),
@@ -158,8 +159,8 @@ def test_nproc_runs_each_combination_as_a_torchrun_job(base_config, tmp_path, ca
 
 
 def test_a_value_the_base_refuses_alone_is_fine_in_a_combination_that_accepts_it(base_config, tmp_path, capsys):
-    # d_model 33 splits into no 2 heads, which only a transformer has: with arch lstm the run is valid
+    # d_model 33 splits into none of the base's 2 heads, but into 3
     out = tmp_path / "sweep"
-    assert run(main, ["--config", str(base_config), "--grid", "model.arch=lstm", "model.d_model=33", "--out", str(out),
+    assert run(main, ["--config", str(base_config), "--grid", "model.n_head=3", "model.d_model=33", "--out", str(out),
                       "--dry-run"]) == 0
-    assert capsys.readouterr().out.strip().endswith("--model.arch=lstm --model.d_model=33")
+    assert capsys.readouterr().out.strip().endswith("--model.n_head=3 --model.d_model=33")

@@ -11,12 +11,13 @@ import torch
 
 from lm import eval as eval_tool
 from lm import sample
-from lm.checkpoint.weights import load_model_weights
+from lm.checkpoint.model_weights import load_model_weights
 from lm.cli import run
 from lm.config import load_config
 from lm.distributed.env import init_distributed
 from lm.errors import ConfigError
-from lm.models.encdec import EncoderDecoder
+from lm.models.encdec.model import EncoderDecoder
+from lm.models.registry import family_of
 from lm.training.trainer import Trainer
 
 TINY = [
@@ -54,8 +55,7 @@ def test_two_process_resume_is_bit_exact(arch, tiny_data_dir, tmp_path):
     assert sorted(resumed) == [4, 5, 6] and all(resumed[s] == full[s] for s in resumed)
     cfg = load_config(tmp_path / "full/config.yaml")
     assert cfg.model.arch == arch
-    from lm.models.factory import build_model
-    a, b = build_model(cfg.model), build_model(cfg.model)
+    a, b = family_of(cfg.model).build(cfg.model), family_of(cfg.model).build(cfg.model)
     load_model_weights(tmp_path / "full/checkpoints/step_00000006", a)
     load_model_weights(tmp_path / "resumed/checkpoints/step_00000006", b)
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
@@ -93,7 +93,7 @@ def test_eval_reads_the_architecture_from_the_checkpoint(encdec_run, capsys):
     assert abs(loss - history[-1]["val/loss"]) < 1.0
     with pytest.raises(SystemExit, match="2"):
         eval_tool.main(["--checkpoint", str(out), "--stride", "4"])
-    assert "--stride: applies to decoder-only checkpoints" in capsys.readouterr().err
+    assert "--stride: applies to next-token checkpoints; an encoder-decoder is scored" in capsys.readouterr().err
 
 
 def test_eval_on_the_trainers_validation_windows_gives_the_trainers_val_loss(encdec_run, tiny_data_dir, capsys):
@@ -105,20 +105,20 @@ def test_eval_on_the_trainers_validation_windows_gives_the_trainers_val_loss(enc
     from lm.checkpoint.loading import load_for_inference
     from lm.data.loader import SplitWindows, val_batches
     from lm.data.shards import open_shard, read_manifest
-    from lm.training.objective import build_objective
 
     _, out = encdec_run
     model, cfg, _ = load_for_inference(out, torch.device("cpu"))
-    objective = build_objective(cfg.model, 16, cfg.train.seed)
+    family = family_of(cfg.model)
+    objective = family.objective(cfg.model, cfg.data, 16, cfg.train.seed)
     windows = SplitWindows(tiny_data_dir, "val", 16)
     with torch.no_grad():
-        trainer_losses = [model(*map(torch.from_numpy, batch))[1].item()
+        trainer_losses = [family.score_batch(model, model, list(map(torch.from_numpy, batch))).loss.item()
                           for batch in val_batches(windows, 4, 0, 1, 3, objective)]
     shards = read_manifest(tiny_data_dir)["splits"]["val"]["shards"]
     streams = [open_shard(Path(tiny_data_dir) / s["file"]) for s in shards]
-    nll, count = eval_tool.score_span_corruption(model, [np.asarray(streams[0][:16 * 12 + 1])], objective, 4,
-                                                 torch.device("cpu"))
-    assert count == 12 * 5
+    nll, count, correct = eval_tool.score_windows(family, model, [np.asarray(streams[0][:16 * 12 + 1])], objective,
+                                                  16, 4, torch.device("cpu"))
+    assert count == 12 * 5 and correct is None
     assert nll / count == pytest.approx(sum(trainer_losses) / 3, rel=1e-6)
 
 

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from lm.checkpoint.model_weights import load_model_weights
 from lm.checkpoint.store import complete_checkpoints
-from lm.checkpoint.weights import load_model_weights
 from lm.config import load_config
 from lm.distributed.env import init_distributed
 from lm.errors import CheckpointError, TrainingError
-from lm.models.factory import build_model
+from lm.models.registry import family_of
+from lm.training.faults import install_faults
 from lm.training.trainer import Trainer
 
 TINY = [
@@ -34,7 +35,7 @@ def config(data_dir, out_dir, *extra):
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     cfg = load_config(run_dir / "config.yaml")
-    model = build_model(cfg.model)
+    model = family_of(cfg.model).build(cfg.model)
     load_model_weights(complete_checkpoints(run_dir / "checkpoints")[-1], model)
     return model.state_dict()
 
@@ -45,9 +46,16 @@ def assert_same_weights(a: Path, b: Path) -> None:
         assert torch.equal(wa[name], wb[name]), name
 
 
+def faulty_trainer(cfg) -> Trainer:
+    """A trainer with the faults the LM_FAULT_* variables ask for, as `lm.train` installs them."""
+    trainer = Trainer(cfg, init_distributed("cpu"))
+    install_faults(trainer)
+    return trainer
+
+
 def test_a_nan_step_is_skipped_and_counted(tiny_data_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("LM_FAULT_NAN_STEPS", "2")
-    history = Trainer(config(tiny_data_dir, tmp_path / "run", "--train.steps=4"), init_distributed("cpu")).fit()
+    history = faulty_trainer(config(tiny_data_dir, tmp_path / "run", "--train.steps=4")).fit()
     rows = {r["step"]: r for r in history if "train/loss" in r}
     assert [rows[s]["train/skipped_steps"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
     assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in rows.values())
@@ -61,7 +69,7 @@ def test_too_many_nan_steps_in_a_row_stop_the_run_naming_the_last_good_checkpoin
                  "--train.max_nonfinite_steps=3")
     with pytest.raises(TrainingError, match=r"step 5: 3 steps in a row with a non-finite loss or gradient norm .*"
                                             r"the last good checkpoint is .*step_00000004"):
-        Trainer(cfg, init_distributed("cpu")).fit()
+        faulty_trainer(cfg).fit()
 
 
 def test_a_limit_reached_between_log_steps_stops_the_run_at_the_next_one(tiny_data_dir, tmp_path, monkeypatch,
@@ -70,7 +78,7 @@ def test_a_limit_reached_between_log_steps_stops_the_run_at_the_next_one(tiny_da
     cfg = config(tiny_data_dir, tmp_path / "run", "--train.steps=8", "--log.every=4", "--train.max_nonfinite_steps=2")
     with caplog.at_level(logging.WARNING, logger="lm.train"), pytest.raises(
             TrainingError, match=r"step 4: 2 steps in a row with a non-finite .* the last good checkpoint is none"):
-        Trainer(cfg, init_distributed("cpu")).fit()
+        faulty_trainer(cfg).fit()
     assert "step 4: 2 optimizer steps skipped since the last check" in caplog.text
 
 

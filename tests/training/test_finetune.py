@@ -17,7 +17,7 @@ from lm.checkpoint.store import resolve_checkpoint
 from lm.checkpoint.trunk import check_trunk, load_trunk, saved_config
 from lm.cli import run
 from lm.config import load_config
-from lm.models.factory import build_model
+from lm.models.registry import family_of
 from tests.conftest import ENCODER, write_rows
 
 FT = ["--train.batch_size=16", "--train.micro_batch_size=8", "--train.device=cpu", "--log.every=5",
@@ -86,7 +86,7 @@ def test_the_trunk_comes_from_the_encoder_and_the_head_is_drawn(form, encoder_ru
     cfg = load_config(None, [*ENCODER, "--model.head=classify", "--model.num_classes=3", "--task.file=x.csv"])
     check_trunk(saved_config(source_path).model, cfg.model, source_path)
     torch.manual_seed(0)
-    model = build_model(cfg.model)
+    model = family_of(cfg.model).build(cfg.model)
     head_before = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("score.")}
     load_trunk(source_path, model)
     from lm.checkpoint.loading import load_for_inference

@@ -11,13 +11,14 @@ from lm import eval as eval_tool
 from lm import sample
 from lm.checkpoint.consolidated import consolidate
 from lm.checkpoint.loading import load_for_inference
-from lm.checkpoint.weights import tied_names
+from lm.checkpoint.model_weights import tied_names
 from lm.cli import run
+from lm.data.config import DataConfig
 from lm.distributed.env import init_distributed
 from lm.errors import ConfigError
-from lm.models.config import ModelConfig
-from lm.models.lstm import LSTMLM
-from lm.plan.flops import flops_per_token
+from lm.models.lstm.config import LSTMConfig
+from lm.models.lstm.model import LSTMLM
+from lm.models.registry import get_family
 from lm.training.trainer import Trainer
 from tests.training.test_trainer import check_resume_is_bit_for_bit, train_losses
 from tests.training.test_trainer import tiny_config as gpt_config
@@ -48,9 +49,10 @@ def test_the_trainer_trains_an_lstm(lstm_run):
 
 
 def test_flops_per_token_of_an_lstm_is_six_per_parameter(lstm_run):
-    cfg = ModelConfig(arch="lstm", vocab_size=50257, n_layer=2, d_model=32)
+    cfg = LSTMConfig(vocab_size=50257, n_layer=2, d_model=32)
     n = sum(p.numel() for p in LSTMLM(cfg).parameters())  # the tied head counted once
-    assert flops_per_token(cfg, 16) == flops_per_token(cfg, 1024) == 6 * n  # no attention term
+    lstm = get_family("lstm")
+    assert lstm.flops_per_token(cfg, 16, DataConfig()) == lstm.flops_per_token(cfg, 1024, DataConfig()) == 6 * n
     assert lstm_run[2] == 6 * n  # what the trainer reports MFU with
 
 
@@ -85,7 +87,7 @@ def test_sample_eval_and_consolidate_read_an_lstm_checkpoint(lstm_run, tmp_path,
     assert isinstance(from_file, LSTMLM) and tied_names(from_file) == {"lm_head.weight": "wte.weight"}
     idx = torch.randint(0, cfg.model.vocab_size, (2, 16))
     with torch.no_grad():
-        assert torch.equal(from_file(idx)[0], from_checkpoint(idx)[0])
+        assert torch.equal(from_file.logits(from_file(idx)), from_checkpoint.logits(from_checkpoint(idx)))
     # the consolidated file samples the same text as the checkpoint it came from
     assert run(sample.main, ["--checkpoint", str(merged), *flags]) == 0
     assert capsys.readouterr().out == text

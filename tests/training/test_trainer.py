@@ -11,18 +11,19 @@ import torch.distributed.checkpoint as dcp
 
 from lm import eval as eval_tool
 from lm import sample
+from lm.checkpoint.model_weights import load_model_weights
 from lm.checkpoint.store import complete_checkpoints
-from lm.checkpoint.weights import load_model_weights
 from lm.cli import run
 from lm.config import load_config
 from lm.distributed.env import init_distributed
 from lm.distributed.optim import build_optimizer
 from lm.errors import CheckpointError
-from lm.models.gpt import GPT
+from lm.models.gpt.model import GPT
 from lm.training.trainer import Trainer
+from tests.distributed.test_engines import heads_for
 
 TINY = [
-    "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
+    "--model.n_layer=2", "--model.d_model=32", "--model.block_size=32",
     "--data.seq_len=16", "--train.batch_size=4", "--train.micro_batch_size=2", "--train.device=cpu",
     "--train.eval_every=3", "--train.eval_batches=2", "--log.every=1", "--log.tensorboard=false",
     "--checkpoint.every=3", "--checkpoint.keep=5", "--optim.lr=3e-3", "--schedule.warmup_steps=2",
@@ -30,7 +31,8 @@ TINY = [
 
 
 def tiny_config(data_dir, out_dir, *extra):
-    return load_config(None, TINY + [f"--data.dir={data_dir}", f"--train.out_dir={out_dir}", *extra])
+    return load_config(None, [*TINY, *heads_for(extra), f"--data.dir={data_dir}", f"--train.out_dir={out_dir}",
+                              *extra])
 
 
 def train_losses(history):
@@ -106,7 +108,7 @@ def test_resume_modes(tiny_data_dir, tmp_path):
 def test_no_weight_decay_on_biases_norms_embeddings():
     cfg = load_config(None, ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=32"])
     model = GPT(cfg.model)
-    decay, no_decay = build_optimizer(model, cfg.optim).param_groups
+    decay, no_decay = build_optimizer(model, cfg.optim, [model.lm_head]).param_groups
     names = {id(p): n for n, p in model.named_parameters()}
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(names[id(p)].endswith("weight") and p.dim() == 2 for p in decay["params"])
@@ -117,7 +119,7 @@ def test_no_weight_decay_on_biases_norms_embeddings():
 def test_two_process_torchrun_loss_falls(tiny_data_dir, tmp_path, capsys):
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "lm.train", *TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}",
+           "-m", "lm.train", *TINY, *heads_for([]), f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}",
            "--train.steps=24", "--train.batch_size=8", "--train.eval_every=12", "--checkpoint.every=12",
            "--optim.lr=1e-2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
@@ -183,7 +185,7 @@ def test_tensorboard_holds_the_hparams_and_the_periodic_samples(tiny_data_dir, t
     from tensorboard.plugins.hparams import plugin_data_pb2
 
     from lm.tokenizer import load_tokenizer
-    from lm.training.samples import sample_text
+    from lm.training.samples import sample_options
 
     out = tmp_path / "tb_run"
     cfg = tiny_config(tiny_data_dir, out, "--train.steps=4", "--log.tensorboard=true", "--log.sample_every=2",
@@ -202,7 +204,10 @@ def test_tensorboard_holds_the_hparams_and_the_periodic_samples(tiny_data_dir, t
     # the step-4 text is what the final weights write for the fixed prompt and seed
     model = GPT(cfg.model)
     load_model_weights(out / "checkpoints/step_00000004", model)
-    assert samples[4] == sample_text(model, cfg, load_tokenizer("gpt2"), torch.device("cpu"))
+    with torch.no_grad():
+        again = trainer.family.sample(model, load_tokenizer("gpt2"), cfg.log.sample_prompt,
+                                      sample_options(cfg, torch.device("cpu")))
+    assert samples[4] == again
     assert len(samples[4]) > len("KING: the")
 
 

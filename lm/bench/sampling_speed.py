@@ -1,0 +1,60 @@
+"""Sampling throughput: our KV cache, no cache, and transformers' `generate` on the exported model.
+
+Every row decodes greedily from one end-of-text token per sequence for exactly `new_tokens` tokens, so
+all rows do the same work; the share of tokens equal to ours shows that they run the same model.
+"""
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lm.bench.common import median_seconds_interleaved
+from lm.config import JobConfig
+from lm.hf.export_files import export_hf
+from lm.hf.targets import pick_target
+from lm.models.generate import generate_batch
+from lm.models.registry import family_of
+from lm.tokenizer import load_tokenizer
+
+
+def exported_hf_model(model: torch.nn.Module, cfg: JobConfig, device: torch.device) -> torch.nn.Module:
+    """`model` written by `lm.export --to hf` and read back by transformers (SDPA attention)."""
+    from transformers import AutoModelForCausalLM
+
+    target = pick_target(cfg.model, family_of(cfg.model).hf_targets, cfg.model.title)
+    with tempfile.TemporaryDirectory() as tmp:
+        export_hf(model, target, load_tokenizer(cfg.data.tokenizer), cfg.data.tokenizer, Path(tmp))
+        hf = AutoModelForCausalLM.from_pretrained(tmp, local_files_only=True, attn_implementation="sdpa")
+    hf.generation_config.eos_token_id = None  # never stop early: every row makes all its tokens
+    return hf.to(device).eval()
+
+
+def bench_sampling(cfg: JobConfig, device: torch.device, batch: int, new_tokens: int, warmup: int,
+                   reps: int, reps_no_cache: int) -> list[dict]:
+    """Rows {"method", "batch", "tokens/s", "ms/token", "same tokens"} for one batch size."""
+    torch.manual_seed(0)
+    model = family_of(cfg.model).build(cfg.model).to(device).eval()
+    eot = load_tokenizer(cfg.data.tokenizer).eot_token
+    prompt = torch.full((batch, 1), eot, dtype=torch.long, device=device)  # (B, 1)
+    hf = exported_hf_model(model, cfg, device)
+    out: dict[str, torch.Tensor] = {}  # each method's tokens (B, new_tokens), by method name
+
+    def ours(name: str, use_cache: bool):
+        def run() -> None:
+            out[name] = generate_batch(model, prompt, new_tokens, temperature=0.0, use_cache=use_cache)
+        return run
+
+    def theirs() -> None:
+        with torch.no_grad():
+            tokens = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                 max_new_tokens=new_tokens, pad_token_id=eot)
+        out["transformers generate"] = tokens[:, 1:]
+
+    methods = {"ours, KV cache": ours("ours, KV cache", True), "ours, no cache": ours("ours, no cache", False),
+               "transformers generate": theirs}
+    seconds = median_seconds_interleaved(methods, device, min(warmup, 1), {
+        "ours, KV cache": reps, "ours, no cache": reps_no_cache, "transformers generate": reps})
+    return [{"method": method, "batch": batch, "tokens/s": batch * new_tokens / s, "ms/token": s * 1e3 / new_tokens,
+             "same tokens": (out[method] == out["ours, KV cache"]).float().mean().item()}
+            for method, s in seconds.items()]

@@ -1,0 +1,285 @@
+"""The job config: one dataclass per concern, composed into `JobConfig`.
+
+The model and data sections live beside their code (`lm.models.config`, `lm.data.config`), so that those
+layers import nothing above them; the sections here configure training. Every field has a one-line doc
+(the CLI's --help) and `__post_init__` refuses a bad value with `ConfigError` naming the key.
+"""
+
+from dataclasses import asdict, dataclass, field
+
+from lm.config.rules import DEVICES, DTYPES, one_of
+from lm.data.config import DataConfig
+from lm.errors import ConfigError
+from lm.models.config import ModelConfig
+from lm.models.registry import DEFAULT, config_class
+from lm.tokenizer import VOCAB_SIZES, is_tokenizer_file
+
+OPTIMIZERS = ("adamw", "muon")
+MUON_KEYS = ("muon_lr", "muon_momentum", "muon_ns_steps")
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    """adamw, or muon: Muon (orthogonalised momentum) for the hidden weight matrices, AdamW for the rest."""
+    lr: float = 6e-4
+    """Peak learning rate (AdamW; under muon, of the embeddings, head, norms and biases)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (not on biases, norms or embeddings)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+    muon_lr: float = 0.02
+    """muon only: peak learning rate of the Muon matrices; the schedule scales it as it scales optim.lr."""
+    muon_momentum: float = 0.95
+    """muon only: momentum of the Muon matrices (Nesterov)."""
+    muon_ns_steps: int = 5
+    """muon only: Newton-Schulz iterations that orthogonalise each matrix's update."""
+    z_loss: float = 0.0
+    """Weight of the z-loss, mean(logsumexp(logits)^2), added to the training loss (0 = off; GPT and LSTM)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(f"optim.name: expected {one_of(OPTIMIZERS)}, got {self.name!r}")
+        if self.name != "muon":
+            for key in MUON_KEYS:
+                if getattr(self, key) != getattr(OptimConfig, key):
+                    raise ConfigError(f"optim.{key}: only Muon has it, but optim.name is {self.name}; set "
+                                      f"optim.name=muon or drop optim.{key}")
+        if self.muon_lr <= 0:
+            raise ConfigError(f"optim.muon_lr: must be positive, got {self.muon_lr}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ConfigError(f"optim.muon_momentum: must be in [0, 1), got {self.muon_momentum}")
+        if self.muon_ns_steps < 1:
+            raise ConfigError(f"optim.muon_ns_steps: must be >= 1, got {self.muon_ns_steps}")
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr: must be positive, got {self.lr}")
+        for key in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"optim.{key}: must be in [0, 1), got {getattr(self, key)}")
+        for key in ("weight_decay", "grad_clip", "eps", "z_loss"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"optim.{key}: must be >= 0, got {getattr(self, key)}")
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = 100
+    """Steps of linear warmup from 0 to optim.lr."""
+    decay_steps: int = 0
+    """Step at which the cosine decay reaches min_lr_ratio * lr (0 means train.steps)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of optim.lr."""
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0 or self.decay_steps < 0:
+            raise ConfigError("schedule.warmup_steps and schedule.decay_steps must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"schedule.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    """Optimizer steps to train for."""
+    batch_size: int = 32
+    """Global batch in sequences per optimizer step (over all ranks and micro-steps)."""
+    micro_batch_size: int = 8
+    """Sequences per rank per forward/backward; accumulation makes up the rest."""
+    seed: int = 1337
+    """Seed for weights and data order."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    dtype: str = "auto"
+    """Autocast dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32."""
+    compile: bool = False
+    """torch.compile each transformer block (or LSTM layer) under ddp and fsdp; deepspeed runs eager."""
+    eval_every: int = 100
+    """Run validation every this many steps (and at the end)."""
+    eval_batches: int = 20
+    """Validation micro-batches per rank at each evaluation."""
+    out_dir: str = "runs/default"
+    """Run directory: resolved config, checkpoints and TensorBoard logs."""
+    max_nonfinite_steps: int = 5
+    """Steps with a NaN/inf loss or gradient norm are skipped; this many in a row stop the run (at a log step)."""
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "batch_size", "micro_batch_size", "eval_every", "eval_batches", "max_nonfinite_steps"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"train.{key}: must be positive, got {getattr(self, key)}")
+        if self.batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"train.batch_size: {self.batch_size} is not a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size}"
+            )
+        if self.device not in DEVICES:
+            raise ConfigError(f"train.device: expected {one_of(DEVICES)}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"train.dtype: expected {one_of(DTYPES)}, got {self.dtype!r}")
+
+
+ENGINES = ("ddp", "fsdp", "deepspeed")
+
+
+@dataclass
+class ParallelConfig:
+    engine: str = "ddp"
+    """How ranks share the work: ddp (replicated model), fsdp (FSDP2, sharded per block) or deepspeed (ZeRO)."""
+    zero_stage: int = 0
+    """deepspeed only: ZeRO stage 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters); 0 = not set."""
+    cpu_offload: bool = False
+    """fsdp and deepspeed: keep sharded parameters (fsdp) or optimizer state (deepspeed) in CPU memory."""
+    deepspeed_config: str = ""
+    """deepspeed only: a DeepSpeed JSON whose keys override the config generated from this job."""
+    activation_checkpointing: int = 0
+    """Recompute activations in the backward pass: 0 none, 1 every block (full), N every N-th block."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"parallel.engine: unknown engine {self.engine!r}; expected one of {list(ENGINES)}")
+        if self.engine == "deepspeed" and self.zero_stage not in (1, 2, 3):
+            raise ConfigError(f"parallel.zero_stage: deepspeed takes ZeRO stage 1, 2 or 3, got {self.zero_stage}")
+        if self.engine != "deepspeed":
+            for key, unset in (("zero_stage", 0), ("deepspeed_config", "")):
+                if getattr(self, key) != unset:
+                    raise ConfigError(f"parallel.{key}: only the deepspeed engine has it, but parallel.engine is "
+                                      f"{self.engine}; set parallel.engine=deepspeed or drop parallel.{key}")
+        if self.engine == "ddp" and self.cpu_offload:
+            raise ConfigError("parallel.cpu_offload: the ddp engine keeps a whole model per rank and cannot offload; "
+                              "use parallel.engine=fsdp or deepspeed")
+        if self.activation_checkpointing < 0:
+            raise ConfigError("parallel.activation_checkpointing: must be >= 0 (0 = none), "
+                              f"got {self.activation_checkpointing}")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 500
+    """Save a checkpoint every this many steps (and at the end)."""
+    keep: int = 3
+    """Complete checkpoints to keep; older ones are deleted after a successful save."""
+    resume: str = "auto"
+    """auto (newest complete checkpoint if any), never, or required (fail without one)."""
+    init_from: str = ""
+    """A consolidated .safetensors (lm.consolidate) whose weights start a new run; optimizer and data start fresh."""
+    allow_unverified: bool = False
+    """Resume from a checkpoint that has no manifest.json (an older lm's), whose files cannot be checked."""
+    allow_data_change: bool = False
+    """Resume though data.dir now holds other data than the checkpoint trained on (its loader position carries over)."""
+
+    def __post_init__(self) -> None:
+        if self.every <= 0 or self.keep <= 0:
+            raise ConfigError("checkpoint.every and checkpoint.keep must be positive")
+        if self.resume not in ("auto", "never", "required"):
+            raise ConfigError(f"checkpoint.resume: expected auto, never or required, got {self.resume!r}")
+
+
+@dataclass
+class LogConfig:
+    every: int = 10
+    """Log training metrics every this many steps."""
+    tensorboard: bool = True
+    """Also write metrics to TensorBoard under <out_dir>/tb (with the run's hyperparameters and samples)."""
+    sample_every: int = 500
+    """Every this many steps (and at the end) log a continuation of log.sample_prompt; 0 = never."""
+    sample_prompt: str = ""
+    """The periodic samples' prompt (empty: start from end-of-text); fixed, so the samples show the model learning."""
+    sample_tokens: int = 64
+    """New tokens per periodic sample, at most model.block_size - 1 (temperature 0.8, top-k 200, seed train.seed)."""
+
+    def __post_init__(self) -> None:
+        if self.every <= 0:
+            raise ConfigError(f"log.every: must be positive, got {self.every}")
+        if self.sample_every < 0:
+            raise ConfigError(f"log.sample_every: must be >= 0 (0 = never), got {self.sample_every}")
+        if self.sample_tokens <= 0:
+            raise ConfigError(f"log.sample_tokens: must be positive, got {self.sample_tokens}")
+
+
+TASK_FILE_SUFFIXES = (".csv", ".json", ".jsonl", ".parquet")
+
+
+@dataclass
+class TaskConfig:
+    file: str = ""
+    """Fine-tuning (model.head classify or regress): a labelled .csv, .jsonl/.json or .parquet file, a row each."""
+    text_column: str = "text"
+    """Column of task.file holding each example's text."""
+    label_column: str = "label"
+    """Column of task.file holding each label: a class 0..model.num_classes-1 (classify) or a number (regress)."""
+    val_fraction: float = 0.1
+    """Fraction of task.file's rows held out for validation (evenly spaced rows, the same in every run)."""
+
+    def __post_init__(self) -> None:
+        if self.file and not self.file.endswith(TASK_FILE_SUFFIXES):
+            raise ConfigError(f"task.file: {self.file!r} must end in one of {list(TASK_FILE_SUFFIXES)}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"task.val_fraction: must be in (0, 1), got {self.val_fraction}")
+        for key in ("text_column", "label_column"):
+            if not getattr(self, key).strip():
+                raise ConfigError(f"task.{key}: must name a column, got an empty string")
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=lambda: config_class(DEFAULT)())
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+
+    def __post_init__(self) -> None:
+        if self.data.seq_len > self.model.block_size:
+            raise ConfigError(
+                f"data.seq_len: {self.data.seq_len} exceeds model.block_size={self.model.block_size}"
+            )
+        model = self.model
+        if self.data.document_mask and not model.document_masking:
+            raise ConfigError(f"data.document_mask: {model.title} (model.arch={model.arch}) cannot keep attention "
+                              "inside each document of a window; set it to false")
+        if self.optim.name == "muon" and self.parallel.engine == "deepspeed":
+            raise ConfigError("optim.name: muon runs under parallel.engine ddp or fsdp; DeepSpeed steps its own "
+                              "optimizer over flattened partitions, where no matrix is whole. Use "
+                              "optim.name=adamw or another engine")
+        if self.optim.z_loss and not model.z_loss:
+            raise ConfigError(f"optim.z_loss: {model.title} (model.arch={model.arch}) adds no z-loss term to its "
+                              "loss; set it to 0")
+        self._check_task()
+        self._check_vocab_size()
+
+    def _check_task(self) -> None:
+        """A fine-tuning head trains on task.file; nothing else reads one."""
+        head = self.model.task_head
+        if head and not self.task.file:
+            raise ConfigError(f"task.file: model.head={head} trains on a labelled file; name it "
+                              "(a .csv, .jsonl or .parquet with the columns task.text_column and task.label_column)")
+        if self.task.file and not head:
+            raise ConfigError(f"task.file: only a fine-tuning head (an encoder's model.head classify or regress) reads "
+                              f"a labelled file, and model.arch={self.model.arch} trains on token shards; drop "
+                              "task.file")
+
+    def _check_vocab_size(self) -> None:
+        """model.vocab_size must equal a tiktoken encoding's size. A tokenizer.json is not read here (a config
+        stored in a checkpoint is read again where the file may not be): that the model holds its ids is
+        checked where training opens the data and where eval and sample load it (`check_vocab_size`)."""
+        if is_tokenizer_file(self.data.tokenizer):
+            return
+        expected = VOCAB_SIZES[self.data.tokenizer]
+        if self.model.vocab_size != expected:
+            raise ConfigError(
+                f"model.vocab_size: {self.model.vocab_size} does not match tokenizer "
+                f"{self.data.tokenizer!r}, which has {expected} ids"
+            )
+
+    def to_dict(self) -> dict:
+        """{section: {key: value}}, the layout of the YAML files."""
+        return asdict(self)

@@ -1,0 +1,143 @@
+"""A transformers checkpoint's safetensors weights loaded into our model, whole or one FSDP shard per rank.
+
+The directory holds `model.safetensors`, or shards listed by `model.safetensors.index.json`. Every name
+is checked against the plan of the family that reads the class (`HFReader.plan`) before a byte of weight data is
+read: a tensor we would not
+use (a q_norm, say) or one we need and cannot find is refused by name, and so is one of another shape. Each
+parameter is then read in place, one at a time (`lm.hf.safetensors_rows`), and a rank of an FSDP-sharded
+model reads only the rows it keeps: one contiguous byte range per stored tensor. GPT-2's Conv1D matrices are
+the exception: stored (in, out), a rank's rows are columns of the stored tensor, so it reads the whole tensor.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+
+from lm.errors import CheckpointError
+from lm.hf.importing import HFModel
+from lm.hf.safetensors_rows import DTYPES, StoredTensor, read_header, read_rows
+from lm.hf.targets import Part, Plan, row_spans
+
+__all__ = ["check_hf_weights", "load_hf_weights", "stored_names"]
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+# Buffers some transformers versions saved beside the weights: GPT-2's causal-mask tables and rotary
+# frequencies. They hold no learned value, and we compute both.
+_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+def _index(directory: Path) -> list[Path]:
+    """The safetensors files of the checkpoint: the index's, or the one file."""
+    if (directory / INDEX).is_file():
+        try:
+            weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
+            return sorted({directory / file for file in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{directory / INDEX}: not an index with a weight_map: {err}") from None
+    if (directory / SINGLE).is_file():
+        return [directory / SINGLE]
+    found = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
+    raise CheckpointError(f"{directory}: no {SINGLE} or {INDEX} (found: {', '.join(found) or 'no weights'}); lm "
+                          "imports safetensors: save the model with save_pretrained(safe_serialization=True)")
+
+
+def stored_names(source: HFModel) -> dict[str, StoredTensor]:
+    """The checkpoint's weights, each under the name the reader's plan gives it (transformers' current names),
+    read from the files' headers; the buffers that hold no weight are left out."""
+    return {source.reader.rename(name): tensor for path in _index(source.directory)
+            for name, tensor in read_header(path).items() if not name.endswith(_BUFFER_SUFFIXES)}
+
+
+def _listed(names: list[str], most: int = 8) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _check_names(plan: Plan, stored: dict[str, StoredTensor], tied: bool, origin: Path) -> None:
+    needed = {part.name for parts in plan.values() for part in parts}
+    missing = sorted(needed - set(stored))
+    # a tied head may be saved anyway, as a copy of the embedding
+    unused = sorted(set(stored) - needed - ({"lm_head.weight"} if tied else set()))
+    problems = ([f"missing {_listed(missing)}"] if missing else []) + \
+        ([f"holds tensors lm's model has no place for: {_listed(unused)}"] if unused else [])
+    if problems:
+        raise CheckpointError(f"{origin}: its weights do not match its config.json: " + "; ".join(problems))
+
+
+def _local_rows(param: torch.Tensor) -> tuple[int, int]:
+    """The rows [start, stop) of the whole parameter that this rank holds: all of them, or FSDP2's dim-0 shard
+    (torch.chunk's split: ceil(rows / ranks) per rank, the last ones shorter or empty)."""
+    if not isinstance(param, DTensor):
+        return 0, param.shape[0]
+    if param.device_mesh.ndim != 1 or param.placements != (Shard(0),):
+        raise CheckpointError(f"cannot import into a parameter placed as {param.placements} on a "
+                              f"{param.device_mesh.ndim}-D mesh; lm's FSDP shards dim 0 over one mesh dimension")
+    rows, ranks = param.shape[0], param.device_mesh.size()
+    chunk = math.ceil(rows / ranks)
+    start = min(param.device_mesh.get_local_rank() * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+def _check_tensors(plan: Plan, stored: dict[str, StoredTensor], params: dict[str, torch.Tensor]) -> None:
+    """Each stored tensor the plan reads is a float of the shape our parameter needs."""
+    for ours, parts in plan.items():
+        rest = tuple(params[ours].shape[1:])
+        for part in parts:
+            tensor = stored[part.name]
+            want = (rest[0], part.rows) if part.transposed else (part.rows, *rest)
+            if not tensor.is_float:
+                raise CheckpointError(f"{tensor.path}: {tensor.name} is stored as {tensor.stored_dtype}; lm imports "
+                                      f"floating-point weights ({', '.join(DTYPES)})")
+            if tensor.shape != want:
+                raise CheckpointError(f"{tensor.path}: {tensor.name} has shape {list(tensor.shape)}; its config.json "
+                                      f"implies {list(want)}")
+
+
+def _fill(local: torch.Tensor, spans: list[tuple[Part, int, int]], stored: dict[str, StoredTensor]) -> None:
+    """Copy the spans' rows, in order, into `local` (this rank's rows of one parameter)."""
+    at = 0
+    for part, lo, hi in spans:
+        tensor, dest = stored[part.name], local[at:at + hi - lo]
+        if part.transposed:  # our rows are its columns: read it whole
+            dest.copy_(read_rows(tensor, 0, tensor.shape[0])[:, lo:hi].t())
+        elif dest.dtype == tensor.dtype and dest.is_contiguous():
+            read_rows(tensor, lo, hi, out=dest)
+        else:
+            dest.copy_(read_rows(tensor, lo, hi))
+        at += hi - lo
+
+
+def check_hf_weights(source: HFModel, model: nn.Module) -> tuple[Plan, dict[str, StoredTensor]]:
+    """Refuse a checkpoint whose tensors are not what `model` (ours for `source.fields`, on any device, the
+    meta device included) needs: a name missing or unused, a shape that differs, a weight that is no float.
+    Reads the files' headers only. Returns the plan and the stored tensors it was checked against."""
+    cfg = model.cfg
+    plan = source.reader.plan(cfg)
+    stored = stored_names(source)
+    _check_names(plan, stored, cfg.tie_embeddings, source.directory)
+    params = dict(model.named_parameters())  # a tied head appears once, as wte.weight
+    if set(params) != set(plan):
+        raise CheckpointError(f"{source.directory}: lm's model has parameters {sorted(set(params) ^ set(plan))} "
+                              "that the import does not fill")
+    for ours, parts in plan.items():
+        if sum(part.rows for part in parts) != params[ours].shape[0]:
+            raise CheckpointError(f"{source.directory}: {ours} has {params[ours].shape[0]} rows, the checkpoint "
+                                  f"{sum(part.rows for part in parts)}; import with model.vocab_multiple=1")
+    _check_tensors(plan, stored, params)
+    return plan, stored
+
+
+@torch.no_grad()
+def load_hf_weights(source: HFModel, model: nn.Module) -> None:
+    """Fill `model` (ours for `source.fields`, materialised, whole or FSDP-sharded) with the checkpoint's
+    weights, cast to the model's dtype, once `check_hf_weights` passes."""
+    plan, stored = check_hf_weights(source, model)
+    params = dict(model.named_parameters())
+    for ours, parts in plan.items():
+        param = params[ours]
+        start, stop = _local_rows(param)
+        _fill(param.to_local() if isinstance(param, DTensor) else param, row_spans(parts, start, stop), stored)

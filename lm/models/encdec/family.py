@@ -1,0 +1,148 @@
+"""The encoder-decoder (model.arch encdec), trained by span corruption and sampled by filling masks."""
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lm.data.objectives import Objective, SpanCorruption
+from lm.data.span_corruption import corrupted_lengths
+from lm.errors import ConfigError, PromptError
+from lm.models.encdec.config import EncDecConfig
+from lm.models.family import Family, Run, SampleOptions, Scored
+from lm.models.loss import with_z_loss
+from lm.models.sizes import (
+    block_params,
+    checkpointed_blocks,
+    embedding_params,
+    final_norm_params,
+    layer_activation_bytes,
+    logits_bytes,
+    position_params,
+    stack_bytes,
+    stack_params,
+)
+
+if TYPE_CHECKING:
+    from lm.data.config import DataConfig
+
+
+def cross_memory_bytes(cfg: EncDecConfig, batch: int, memory_len: int, c: int, residual: int) -> int:
+    """All decoder layers' cross-attention inputs, computed outside the blocks: the keys and values of the
+    encoder output, and the encoder output their projection saves. Under autocast (a wider residual
+    stream than the matmuls) every layer casts and saves its own copy; otherwise they share one."""
+    m = batch * memory_len
+    keys_values = 2 * c * m * cfg.kv_heads * cfg.head_dim * cfg.n_layer
+    copies = cfg.n_layer if residual > c else 1
+    return keys_values + copies * c * m * cfg.d_model
+
+
+class EncDecFamily(Family):
+    name = "encdec"
+    config_class = EncDecConfig
+    samples_outside_forward = True  # encode, then decode step by step
+
+    def build(self, cfg: EncDecConfig) -> nn.Module:
+        from lm.models.encdec.model import EncoderDecoder
+
+        return EncoderDecoder(cfg)
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        return [*model.encoder, *model.decoder]
+
+    # ---- training --------------------------------------------------------------------------------
+
+    def objective(self, cfg: EncDecConfig, data: "DataConfig", seq_len: int, seed: int,
+                  document_eot: int | None = None) -> Objective:
+        """Span corruption of windows of seq_len + 1 tokens, with the sentinel and padding ids of its
+        vocabulary; refuses windows whose corrupted source or target is longer than the model's positions."""
+        objective = SpanCorruption(seed, cfg.sentinel_start, cfg.n_sentinels, cfg.pad_id, seq_len + 1)
+        if max(objective.lengths) > cfg.block_size:
+            raise ConfigError(
+                f"model.block_size: {cfg.block_size} is shorter than the corrupted windows of "
+                f"data.seq_len={seq_len} (source, target lengths {objective.lengths})"
+            )
+        return objective
+
+    def _cross_entropy(self, model: nn.Module, run: Run, batch: list[torch.Tensor]) -> torch.Tensor:
+        """Mean float32 cross-entropy over the non-padding targets of a batch (src, tgt_in, tgt_out)."""
+        src, tgt_in, tgt_out = batch
+        logits = model.logits(run(src, tgt_in))  # (B, T, padded_vocab_size)
+        # float32 softmax over the ~50k vocabulary, as in the GPT
+        return F.cross_entropy(logits.float().flatten(0, 1), tgt_out.reshape(-1), ignore_index=model.cfg.pad_id)
+
+    def loss(self, model: nn.Module, run: Run, batch: list[torch.Tensor],
+             z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        return with_z_loss(self._cross_entropy(model, run, batch), 0.0)
+
+    def score_batch(self, model: nn.Module, run: Run, batch: list[torch.Tensor]) -> Scored:
+        # a full window holds no padding: every target counts
+        return Scored(self._cross_entropy(model, run, batch).float(), batch[2].numel())
+
+    # ---- sizes -----------------------------------------------------------------------------------
+
+    def root_params(self, cfg: EncDecConfig) -> int:
+        """Target embedding, a source embedding of its own (share_embeddings false), an untied head, both stacks'
+        final norms, two learned position tables."""
+        tables = 1 + (not cfg.tie_embeddings) + (not cfg.share_embeddings)
+        return tables * embedding_params(cfg) + 2 * final_norm_params(cfg) + 2 * position_params(cfg)
+
+    def unit_params(self, cfg: EncDecConfig) -> int:
+        return block_params(cfg, cross=True)
+
+    def num_params(self, cfg: EncDecConfig, non_embedding: bool = False) -> int:
+        n = self.root_params(cfg) + cfg.n_layer * (block_params(cfg) + block_params(cfg, cross=True))
+        return n - 2 * position_params(cfg) if non_embedding else n
+
+    def flops_per_token(self, cfg: EncDecConfig, seq_len: int, data: "DataConfig") -> float:
+        """Training FLOPs per window token of span corruption of windows of seq_len + 1 tokens, each a source
+        of S and a target of T tokens (`corrupted_lengths`).
+
+        Per sample: 6 per parameter per token it touches (encoder blocks on the source tokens; decoder blocks
+        and the output head on the target tokens) plus the attention scores, 12 * n_layer * d_model times
+        (S^2 encoder + T^2 decoder + T*S cross). Divided by the seq_len tokens the sample was cut from, so
+        tokens/s and MFU compare with the GPT's at the same data rate.
+        """
+        S, T = corrupted_lengths(seq_len + 1)
+        encoder = stack_params(cfg)
+        decoder = stack_params(cfg, cross=True) + embedding_params(cfg)  # and the output head
+        per_sample = 6 * (encoder * S + decoder * T) + 12 * cfg.n_layer * cfg.d_model * (S * S + T * T + T * S)
+        return per_sample / seq_len
+
+    def activation_bytes(self, cfg: EncDecConfig, data: "DataConfig", micro_batch: int, act_bytes: int,
+                         residual_bytes: int, every: int, fused_attention: bool) -> tuple[int, int]:
+        """The encoder runs on the corrupted source (S tokens), the decoder on the target (U tokens);
+        cross-attention adds a norm, q and output and, outside the block, each layer's keys and values of the
+        encoder output and that output itself (`cross_memory_bytes`). Checkpointing counts blocks in model
+        order, the encoder's first."""
+        b, h, c, r = micro_batch, cfg.d_model, act_bytes, residual_bytes
+        src, tgt = corrupted_lengths(data.seq_len + 1)  # the span-corruption objective's source and target lengths
+        enc = layer_activation_bytes(cfg, b, src, c, r, fused_attention)
+        dec = layer_activation_bytes(cfg, b, tgt, c, r, fused_attention, memory_len=src)
+        k_enc, k_dec = checkpointed_blocks(cfg.n_layer, every), checkpointed_blocks(cfg.n_layer, every,
+                                                                                    start=cfg.n_layer)
+        blocks = (stack_bytes(cfg.n_layer, k_enc, enc, r * b * src * h)
+                  + stack_bytes(cfg.n_layer, k_dec, dec, r * b * tgt * h)
+                  + (max(enc, dec) if k_enc + k_dec else 0))
+        memory = cross_memory_bytes(cfg, b, src, c, r)
+        final_norm = r if cfg.norm_position == "pre" else 0
+        drop = 1 if cfg.dropout > 0 else 0
+
+        def tail(tokens: int) -> int:  # final norm and head input, embedding dropout mask
+            return (final_norm + c + drop) * tokens * h
+
+        logits = logits_bytes(b * tgt, cfg.padded_vocab_size, c)
+        return blocks + memory + tail(b * src) + tail(b * tgt) + logits, logits
+
+    # ---- inference -------------------------------------------------------------------------------
+
+    def sample(self, model: nn.Module, tokenizer, prompt: str, options: SampleOptions) -> str:
+        """The prompt with each `<mask>` filled (one at its end when it has none: a continuation)."""
+        from lm.models.encdec.sampling import fill_masks
+
+        cfg = model.cfg
+        if options.max_new_tokens > cfg.block_size:
+            raise PromptError(f"--max-new-tokens: {options.max_new_tokens} exceeds the decoder's positions "
+                             f"(model.block_size={cfg.block_size})")
+        return fill_masks(model, tokenizer, prompt, options)

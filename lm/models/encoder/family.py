@@ -1,0 +1,152 @@
+"""The encoder (model.arch encoder): masked-LM pretraining on token shards, then a classify or regress head
+fine-tuned on labelled rows (`lm.finetune`), its trunk loaded from the pretrained checkpoint."""
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lm.data.masking import IGNORE, target_count
+from lm.data.objectives import MaskedLM, Objective
+from lm.models.encoder import hf
+from lm.models.encoder.config import EncoderConfig
+from lm.models.family import Family, Run, Scored
+from lm.models.loss import with_z_loss
+from lm.models.sizes import (
+    block_params,
+    checkpointed_blocks,
+    embedding_params,
+    final_norm_params,
+    layer_activation_bytes,
+    linear_params,
+    logits_bytes,
+    norm_params,
+    position_params,
+    stack_bytes,
+)
+
+if TYPE_CHECKING:
+    from lm.data.config import DataConfig
+
+
+def head_params(cfg: EncoderConfig) -> int:
+    """The head modules: mlm, the dense layer, its norm and the output layer (its weight only when untied; its
+    bias, the one parameter tying leaves it, with `bias`); classify and regress, `score`."""
+    d, vocab = cfg.d_model, cfg.padded_vocab_size
+    if cfg.head != "mlm":
+        return linear_params(d, cfg.num_classes or 1, True)
+    output = (0 if cfg.tie_embeddings else vocab * d) + (vocab if cfg.bias else 0)
+    return linear_params(d, d, cfg.bias) + norm_params(cfg) + output
+
+
+class EncoderFamily(Family):
+    name = "encoder"
+    config_class = EncoderConfig
+    generates = False
+    head_keys = ("head", "num_classes", "pooling")
+    hf_targets = hf.TARGETS
+
+    def is_head_param(self, name: str) -> bool:
+        return name.startswith("score.")
+
+    def build(self, cfg: EncoderConfig) -> nn.Module:
+        from lm.models.encoder.model import Encoder
+
+        return Encoder(cfg)
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.blocks)
+
+    # ---- training --------------------------------------------------------------------------------
+
+    def objective(self, cfg: EncoderConfig, data: "DataConfig", seq_len: int, seed: int,
+                  document_eot: int | None = None) -> Objective:
+        """Masked LM with data's mlm_* keys (the run's, so evaluation masks as training did)."""
+        return MaskedLM(seed, cfg.vocab_size, cfg.mask_id, cfg.cls_id, data.mlm_rate, data.mlm_mask_fraction,
+                        data.mlm_random_fraction, document_eot)
+
+    def _masked(self, model: nn.Module, run: Run, batch: list[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Masked LM on a batch (ids, labels) or (ids, labels, keep, positions): the logits (N, V) of the N
+        predicted positions in row-major order, their targets (N,) and the mean cross-entropy. Selecting the
+        positions reads their count back from the device (one synchronisation per batch); the head then runs on
+        them alone."""
+        ids, labels, *rest = batch
+        h = run(ids, *rest)  # (B, T, C)
+        predicted = labels != IGNORE  # (B, T)
+        logits = model.mlm_logits(h[predicted])  # (N, padded_vocab_size)
+        targets = labels[predicted]
+        # float32 softmax over the vocabulary, as in the GPT
+        return logits, targets, F.cross_entropy(logits.float(), targets)
+
+    def _task_loss(self, out: torch.Tensor, labels: torch.Tensor, head: str) -> torch.Tensor:
+        """Cross-entropy of (B, n) logits against classes, or mean squared error of (B,) predictions."""
+        if head == "regress":
+            return F.mse_loss(out.float(), labels.float())
+        return F.cross_entropy(out.float(), labels)
+
+    def loss(self, model: nn.Module, run: Run, batch: list[torch.Tensor],
+             z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Masked LM on shards' windows; a fine-tuning head on labelled rows (ids, labels, keep)."""
+        head = model.cfg.task_head
+        if head is None:
+            return with_z_loss(self._masked(model, run, batch)[2], 0.0)
+        ids, labels, keep = batch
+        return with_z_loss(self._task_loss(self.task_outputs(model, run, ids, keep), labels, head), 0.0)
+
+    def score_batch(self, model: nn.Module, run: Run, batch: list[torch.Tensor]) -> Scored:
+        """Masked LM: the loss over the masked tokens and how many of them the argmax predicts."""
+        logits, targets, loss = self._masked(model, run, batch)
+        return Scored(loss.float(), targets.numel(), (logits.argmax(-1) == targets).sum())
+
+    def task_outputs(self, model: nn.Module, run: Run, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return model.task_outputs(run(ids, keep), keep)
+
+    # ---- sizes -----------------------------------------------------------------------------------
+
+    def root_params(self, cfg: EncoderConfig) -> int:
+        """Token embedding, its norm, the final norm, the head, learned positions."""
+        return (embedding_params(cfg) + norm_params(cfg) + final_norm_params(cfg) + head_params(cfg)
+                + position_params(cfg))
+
+    def unit_params(self, cfg: EncoderConfig) -> int:
+        return block_params(cfg)
+
+    def num_params(self, cfg: EncoderConfig, non_embedding: bool = False) -> int:
+        n = self.root_params(cfg) + cfg.n_layer * block_params(cfg)
+        return n - position_params(cfg) if non_embedding else n
+
+    def flops_per_token(self, cfg: EncoderConfig, seq_len: int, data: "DataConfig") -> float:
+        """The trunk (blocks, norms) runs on every token: 6 per parameter plus the attention scores (full, as
+        the encoder's attention is). The head runs on fewer: head mlm on the k targets of each window
+        (`lm.data.masking.target_count` of data.mlm_rate: the loss runs the head on those alone), a classify or
+        regress head once per sequence on the pooled vector. The output layer's weight counts whether tied or
+        not: the embedding lookup does no matmul, the head does."""
+        vocab_weight = embedding_params(cfg) if cfg.head == "mlm" and cfg.tie_embeddings else 0
+        head = head_params(cfg) + vocab_weight
+        trunk = self.num_params(cfg, non_embedding=True) - embedding_params(cfg) - head_params(cfg)
+        per_sequence = 1 if cfg.head != "mlm" else target_count(seq_len, data.mlm_rate)
+        attention = 12 * cfg.n_layer * cfg.d_model * seq_len
+        return 6 * trunk + attention + 6 * head * per_sequence / seq_len
+
+    def activation_bytes(self, cfg: EncoderConfig, data: "DataConfig", micro_batch: int, act_bytes: int,
+                         residual_bytes: int, every: int, fused_attention: bool) -> tuple[int, int]:
+        """Its blocks as the GPT's, on all s tokens of each sequence; outside them the embedding norm's input
+        r*t*h, the final norm's (pre-norm) and a dropout mask. The masked-LM head runs on the n = b*k targets
+        only: the inputs of its dense layer, GELU, norm and output layer, (3c + r)*n*h (autocast runs the norm in
+        fp32, as wide as the stream), and the logits of n positions. A classify or regress head saves only its
+        pooled input, c*b*h (a fine-tuning sequence counted as data.seq_len tokens, an upper bound of padded
+        examples)."""
+        b, s, h, c, r = micro_batch, data.seq_len, cfg.d_model, act_bytes, residual_bytes
+        t = b * s
+        full = layer_activation_bytes(cfg, b, s, c, r, fused_attention)
+        k = checkpointed_blocks(cfg.n_layer, every)
+        blocks = stack_bytes(cfg.n_layer, k, full, r * t * h) + (full if k else 0)  # + one recomputed block
+        final_norm = r if cfg.norm_position == "pre" else 0
+        trunk = (r + final_norm + (1 if cfg.dropout > 0 else 0)) * t * h  # embedding norm, final norm, mask
+        if cfg.head != "mlm":
+            return blocks + trunk + c * b * h, 0
+        n = b * target_count(s, data.mlm_rate)
+        logits = logits_bytes(n, cfg.padded_vocab_size, c)
+        return blocks + trunk + (3 * c + r) * n * h + logits, logits

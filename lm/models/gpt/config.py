@@ -1,0 +1,35 @@
+"""The decoder-only family's keys: the shared transformer keys, and the options only this family has."""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from lm.errors import ConfigError
+from lm.models.config import TransformerConfig
+
+
+@dataclass
+class GPTConfig(TransformerConfig):
+    """A decoder-only transformer: GPT-2 by default, Llama-style by options (see `TransformerConfig`)."""
+
+    arch: str = "gpt"
+    title: ClassVar[str] = "a decoder-only GPT"
+    document_masking: ClassVar[bool] = True
+    z_loss: ClassVar[bool] = True
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies (pos: rope)."""
+    qkv_bias: bool = False
+    """Biases on the query/key/value projection even without `bias`, as in Qwen2 (`bias` implies them)."""
+    qk_norm: bool = False
+    """RMSNorm on each head's queries and keys (learned weight of head size), before rotary positions."""
+    logit_softcap: float = 0.0
+    """Squash the logits into (-c, c) as c * tanh(logits / c), in float32 (Gemma 2, modded-nanogpt); 0: off."""
+    loss_chunk: int = 0
+    """Compute the output head and loss this many of the B*T positions at a time, recomputing each chunk's
+    logits in backward, so the full (B*T, vocab) logits never exist. 0: off, the whole head at once."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.logit_softcap < 0:
+            raise ConfigError(f"model.logit_softcap: must be >= 0 (0 = off), got {self.logit_softcap}")
+        if self.loss_chunk < 0:
+            raise ConfigError(f"model.loss_chunk: must be >= 0 (0 turns chunking off), got {self.loss_chunk}")

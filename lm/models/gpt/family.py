@@ -1,0 +1,74 @@
+"""The decoder-only family (model.arch gpt): GPT-2 by default, Llama, Mistral and Qwen2 by options."""
+
+from typing import TYPE_CHECKING
+
+import torch.nn as nn
+
+from lm.models.gpt import hf
+from lm.models.gpt.config import GPTConfig
+from lm.models.next_token import NextTokenFamily
+from lm.models.sizes import (
+    block_params,
+    checkpointed_blocks,
+    embedding_params,
+    final_norm_params,
+    layer_activation_bytes,
+    logits_bytes,
+    position_params,
+    stack_bytes,
+)
+
+if TYPE_CHECKING:
+    from lm.data.config import DataConfig
+
+
+class GPTFamily(NextTokenFamily):
+    name = "gpt"
+    config_class = GPTConfig
+    hf_targets = hf.TARGETS
+    hf_readers = hf.READERS
+
+    def build(self, cfg: GPTConfig) -> nn.Module:
+        from lm.models.gpt.model import GPT
+
+        return GPT(cfg)
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.blocks)
+
+    # ---- sizes -----------------------------------------------------------------------------------
+
+    def root_params(self, cfg: GPTConfig) -> int:
+        """Token embedding, untied head, final norm, learned positions."""
+        untied = 0 if cfg.tie_embeddings else embedding_params(cfg)
+        return embedding_params(cfg) + untied + final_norm_params(cfg) + position_params(cfg)
+
+    def unit_params(self, cfg: GPTConfig) -> int:
+        return block_params(cfg)
+
+    def num_params(self, cfg: GPTConfig, non_embedding: bool = False) -> int:
+        """Every parameter, a tied head counted once; `non_embedding` leaves out the position table (it does no
+        matmul) but keeps the token embedding, which tied is also the output layer (as in GPT-2's counts)."""
+        n = self.root_params(cfg) + cfg.n_layer * block_params(cfg)
+        return n - position_params(cfg) if non_embedding else n
+
+    def flops_per_token(self, cfg: GPTConfig, seq_len: int, data: "DataConfig") -> float:
+        """6 per parameter (forward + backward) plus the attention scores: 12 * n_layer * d_model * seq_len for
+        QK^T and AV in forward and backward (the PaLM appendix B estimate), counted for full rather than causal
+        attention."""
+        return 6 * self.num_params(cfg, non_embedding=True) + 12 * cfg.n_layer * cfg.d_model * seq_len
+
+    def activation_bytes(self, cfg: GPTConfig, data: "DataConfig", micro_batch: int, act_bytes: int,
+                         residual_bytes: int, every: int, fused_attention: bool) -> tuple[int, int]:
+        """The blocks (`lm.models.sizes`), one of them recomputed when any is checkpointed; then the final norm's
+        and the head's inputs and the embedding's dropout mask; then the logits (with model.loss_chunk, one
+        chunk's: forward keeps none and backward recomputes one chunk at a time)."""
+        b, s, h = micro_batch, data.seq_len, cfg.d_model
+        t = b * s
+        full = layer_activation_bytes(cfg, b, s, act_bytes, residual_bytes, fused_attention)
+        k = checkpointed_blocks(cfg.n_layer, every)
+        blocks = stack_bytes(cfg.n_layer, k, full, residual_bytes * t * h) + (full if k else 0)
+        final_norm = residual_bytes if cfg.norm_position == "pre" else 0
+        tail = (final_norm + act_bytes + (1 if cfg.dropout > 0 else 0)) * t * h
+        logits = logits_bytes(min(t, cfg.loss_chunk or t), cfg.padded_vocab_size, act_bytes)
+        return blocks + tail + logits, logits

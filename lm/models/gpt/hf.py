@@ -1,0 +1,256 @@
+"""The decoder family and transformers: the classes whose forward is one of our GPT configurations exactly.
+
+Export (`TARGETS`, in order of preference) and import (`READERS`):
+- GPT-2 (`GPT2LMHeadModel`): learned positions, LayerNorm, tanh-GELU, biases, multi-head attention, pre-norm.
+- Llama (`LlamaForCausalLM`): rotary positions, RMSNorm, SwiGLU, pre-norm; any number of key/value heads, with
+  biases on every projection or on none.
+- Qwen2 (`Qwen2ForCausalLM`): the Llama block with biases on the query/key/value projection alone
+  (`model.qkv_bias`), every layer full attention.
+- Mistral (`MistralForCausalLM`, import only: it exports as Llama): the Llama block without biases; its sliding
+  window only when it cannot bind (no window, or one at least max_position_embeddings long), since our
+  attention is full causal.
+
+Only options a class reproduces exactly are accepted. Knobs the class has in its config (GPT-2's n_inner and
+tie_word_embeddings, Llama's biases and key/value heads) are passed through; options it has no knob for (a
+post-norm block, rmsnorm with learned positions, QK-norm, a logit soft-cap) are refused rather than
+approximated, and so is anything in a config.json that would change the forward (rope scaling, a partial
+rotary factor, a head_dim other than hidden_size / num_attention_heads, another activation, a binding sliding
+window, ...).
+
+The embedding and an untied head cover the tokenizer's `vocab_size` rows: our padding rows (up to
+`vocab_multiple`) have no counterpart, and dropping them leaves the logits of every real id unchanged. An
+import keeps the checkpoint's own rows (`vocab_multiple` 1): padding them would add logits to every softmax.
+"""
+
+from typing import Any
+
+import torch
+
+from lm.hf.targets import ONE_KV_HEAD, HFReader, Need, Part, Plan, Target, equals
+from lm.models.gpt.config import GPTConfig
+
+__all__ = ["READERS", "TARGETS"]
+
+_ROTARY = (equals("pos", "rope"), equals("norm", "rmsnorm"), equals("mlp", "swiglu"), equals("norm_position", "pre"),
+           equals("qk_norm", False), equals("logit_softcap", 0.0))
+
+
+def _common(cfg: GPTConfig, hf_class: str, eos_token_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
+    """config.json keys every target shares. `eos_token_id` (our end-of-text id) also serves as the start token,
+    as in GPT-2 (the export puts a tokenizer's own BOS in its place)."""
+    return {
+        "architectures": [hf_class],
+        "vocab_size": cfg.vocab_size,
+        "bos_token_id": eos_token_id,
+        "eos_token_id": eos_token_id,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _gpt2_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
+    return {
+        "model_type": "gpt2",
+        **_common(cfg, "GPT2LMHeadModel", eos_token_id, dtype),
+        "n_positions": cfg.block_size,
+        "n_embd": cfg.d_model,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": cfg.ff_dim,
+        "activation_function": "gelu_new",  # the tanh approximation our MLP uses
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.dropout,
+        "layer_norm_epsilon": cfg.norm_eps,
+        "scale_attn_weights": True,
+    }
+
+
+def _rotary_config(cfg: GPTConfig, model_type: str, hf_class: str, eos_token_id: int | None,
+                   dtype: torch.dtype) -> dict[str, Any]:
+    return {
+        "model_type": model_type,
+        **_common(cfg, hf_class, eos_token_id, dtype),
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ff_dim,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.block_size,
+        "rms_norm_eps": cfg.norm_eps,
+        # transformers 5 reads rope_parameters; 4.x reads the top-level rope_theta and ignores the dict.
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta,
+        # Llama has dropout on attention weights only; ours also drops residuals and embeddings in training.
+        "attention_dropout": cfg.dropout,
+    }
+
+
+def _llama_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
+    return {**_rotary_config(cfg, "llama", "LlamaForCausalLM", eos_token_id, dtype), "head_dim": cfg.head_dim,
+            "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "pretraining_tp": 1}
+
+
+def _qwen2_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
+    # its biases on q/k/v are built in; no layer uses a sliding window
+    return {**_rotary_config(cfg, "qwen2", "Qwen2ForCausalLM", eos_token_id, dtype), "use_sliding_window": False,
+            "sliding_window": None, "max_window_layers": cfg.n_layer, "layer_types": ["full_attention"] * cfg.n_layer}
+
+
+def _with_vocab(cfg: GPTConfig, embed: str, body: Plan) -> Plan:
+    """The embedding, the body, and an untied head: the tokenizer's rows (a tied head is the embedding, so not
+    listed)."""
+    plan = {"wte.weight": (Part(embed, cfg.vocab_size),), **body}
+    if not cfg.tie_embeddings:
+        plan["lm_head.weight"] = (Part("lm_head.weight", cfg.vocab_size),)
+    return plan
+
+
+def gpt2_plan(cfg: GPTConfig) -> Plan:
+    d = cfg.d_model
+    plan: Plan = {"wpe.weight": (Part("transformer.wpe.weight", cfg.block_size),)}
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
+        for a, b, rows in (("ln_1", "ln_1", d), ("ln_2", "ln_2", d), ("attn.qkv", "attn.c_attn", 3 * d),
+                           ("attn.proj", "attn.c_proj", d), ("mlp.fc", "mlp.c_fc", cfg.ff_dim),
+                           ("mlp.proj", "mlp.c_proj", d)):
+            # the fused q/k/v rows [q; k; v] are c_attn's columns in the same order
+            plan[f"{ours}{a}.weight"] = (Part(f"{theirs}{b}.weight", rows, transposed=not a.startswith("ln")),)
+            plan[f"{ours}{a}.bias"] = (Part(f"{theirs}{b}.bias", rows),)
+    plan["ln_f.weight"] = (Part("transformer.ln_f.weight", d),)
+    plan["ln_f.bias"] = (Part("transformer.ln_f.bias", d),)
+    return _with_vocab(cfg, "transformer.wte.weight", plan)
+
+
+def llama_plan(cfg: GPTConfig) -> Plan:
+    """Llama, Mistral and Qwen2 share these names. Our fused q/k/v rows [q heads; k heads; v heads] are q_proj,
+    k_proj, v_proj, and the SwiGLU rows [gate; up] gate_proj, up_proj; both use rotary's half-split layout, so
+    no row is permuted."""
+    q_rows, kv_rows, d, ff = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.d_model, cfg.ff_dim
+    plan: Plan = {}
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        attn, mlp = f"{theirs}self_attn.", f"{theirs}mlp."
+        for p in ("weight", "bias"):
+            if p == "weight" or cfg.bias or cfg.qkv_bias:
+                plan[f"{ours}attn.qkv.{p}"] = (Part(f"{attn}q_proj.{p}", q_rows), Part(f"{attn}k_proj.{p}", kv_rows),
+                                               Part(f"{attn}v_proj.{p}", kv_rows))
+            if p == "weight" or cfg.bias:
+                plan[f"{ours}attn.proj.{p}"] = (Part(f"{attn}o_proj.{p}", d),)
+                plan[f"{ours}mlp.fc.{p}"] = (Part(f"{mlp}gate_proj.{p}", ff), Part(f"{mlp}up_proj.{p}", ff))
+                plan[f"{ours}mlp.proj.{p}"] = (Part(f"{mlp}down_proj.{p}", d),)
+        plan[f"{ours}ln_1.weight"] = (Part(f"{theirs}input_layernorm.weight", d),)
+        plan[f"{ours}ln_2.weight"] = (Part(f"{theirs}post_attention_layernorm.weight", d),)
+    plan["ln_f.weight"] = (Part("model.norm.weight", d),)
+    return _with_vocab(cfg, "model.embed_tokens.weight", plan)
+
+
+TARGETS = (
+    Target("GPT-2", "GPT2LMHeadModel", (
+        equals("pos", "learned"), equals("norm", "layernorm"), equals("mlp", "gelu"), equals("norm_position", "pre"),
+        equals("bias", True), equals("qk_norm", False), equals("logit_softcap", 0.0),
+        # GPT-2 attention has no grouped-query option: every query head has its own key/value head.
+        ONE_KV_HEAD,
+    ), _gpt2_config, gpt2_plan),
+    Target("Llama", "LlamaForCausalLM", (
+        *_ROTARY,
+        # Llama's attention_bias covers q, k, v and o alike
+        Need("qkv_bias", "false (or model.bias=true)", lambda cfg: cfg.bias or not cfg.qkv_bias),
+    ), _llama_config, llama_plan),
+    Target("Qwen2", "Qwen2ForCausalLM", (*_ROTARY, equals("bias", False), equals("qkv_bias", True)),
+           _qwen2_config, llama_plan),
+)
+
+
+# ---- import ------------------------------------------------------------------------------------
+
+def _rope_theta(hf: dict, problems: list[str]) -> float:
+    """The rotary base, from transformers 5's rope_parameters or 4.x's rope_theta/rope_scaling; anything
+    but plain rotary positions is a problem."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling")
+    if params.get("rope_type", "default") != "default":
+        problems.append(f"rope_parameters.rope_type={params['rope_type']!r} (lm has unscaled rotary positions)")
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) != "default":
+        problems.append(f"rope_scaling={scaling} (lm has unscaled rotary positions)")
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if factor != 1.0:
+        problems.append(f"partial_rotary_factor={factor} (lm rotates every channel of a head)")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _gpt2_fields(hf: dict, problems: list[str]) -> dict[str, Any]:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        problems.append(f"activation_function={act!r} (lm's GELU is the tanh approximation: gelu_new)")
+    for key, wanted in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                        ("add_cross_attention", False)):
+        if hf.get(key, wanted) != wanted:
+            problems.append(f"{key}={hf[key]} (lm needs {wanted})")
+    drops = {key: hf.get(key, 0.1) for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
+    if len(set(drops.values())) > 1:
+        problems.append(f"{', '.join(f'{k}={v}' for k, v in drops.items())} (lm has one model.dropout for all three)")
+    d = hf.get("n_embd", 768)
+    return dict(vocab_size=hf.get("vocab_size", 50257), block_size=hf.get("n_positions", 1024),
+                n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), d_model=d,
+                d_ff=hf.get("n_inner") or 4 * d, dropout=drops["resid_pdrop"], bias=True, pos="learned",
+                norm="layernorm", mlp="gelu", norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+                tie_embeddings=hf.get("tie_word_embeddings", True), vocab_multiple=1)
+
+
+def _rotary_fields(hf: dict, model_type: str, problems: list[str]) -> dict[str, Any]:
+    """The Llama-shaped classes: one block, with biases and windows as the class has them."""
+    d, n_head = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf['hidden_act']!r} (lm's SwiGLU gates with silu)")
+    if hf.get("head_dim") is not None and (d % n_head or hf["head_dim"] != d // n_head):
+        problems.append(f"head_dim={hf['head_dim']} (lm's heads are hidden_size / num_attention_heads = "
+                        f"{d}/{n_head} wide)")
+    if hf.get("pretraining_tp", 1) != 1:
+        problems.append(f"pretraining_tp={hf['pretraining_tp']} (lm needs 1)")
+    if hf.get("attention_dropout", 0.0):
+        problems.append(f"attention_dropout={hf['attention_dropout']} (lm's model.dropout also drops residuals; "
+                        "import with 0)")
+    bias, qkv_bias = False, model_type == "qwen2"
+    if model_type == "llama":
+        attn, mlp = hf.get("attention_bias", False), hf.get("mlp_bias", False)
+        if attn != mlp:
+            problems.append(f"attention_bias={attn} with mlp_bias={mlp} (lm's model.bias puts biases on every "
+                            "projection or on none)")
+        bias = bool(attn)
+    block = hf.get("max_position_embeddings", 2048)
+    window = hf.get("sliding_window")
+    if model_type == "mistral" and window is not None and window < block:
+        problems.append(f"sliding_window={window} below max_position_embeddings={block} (lm attends to every "
+                        "earlier position)")
+    if model_type == "qwen2":
+        if hf.get("use_sliding_window", False):
+            problems.append("use_sliding_window=true (lm attends to every earlier position)")
+        if any(kind != "full_attention" for kind in hf.get("layer_types") or []):
+            problems.append(f"layer_types={hf['layer_types']} (lm has full attention in every layer)")
+    return dict(vocab_size=hf.get("vocab_size", 32000), block_size=block, n_layer=hf.get("num_hidden_layers", 32),
+                n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head, d_model=d,
+                d_ff=hf.get("intermediate_size", 11008), dropout=0.0, bias=bias, qkv_bias=qkv_bias,
+                pos="rope", rope_theta=_rope_theta(hf, problems), norm="rmsnorm",
+                norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu",
+                tie_embeddings=hf.get("tie_word_embeddings", False), vocab_multiple=1)
+
+
+def _gpt2_name(name: str) -> str:
+    """Older GPT-2 files name the body's tensors without the `transformer.` prefix that save_pretrained writes."""
+    return name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
+
+
+def _rotary_reader(model_type: str) -> HFReader:
+    return HFReader(model_type, lambda hf, problems: _rotary_fields(hf, model_type, problems), llama_plan)
+
+
+READERS = {
+    "GPT2LMHeadModel": HFReader("gpt2", _gpt2_fields, gpt2_plan, _gpt2_name),
+    "LlamaForCausalLM": _rotary_reader("llama"),
+    "MistralForCausalLM": _rotary_reader("mistral"),
+    "Qwen2ForCausalLM": _rotary_reader("qwen2"),
+}

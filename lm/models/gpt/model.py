@@ -1,0 +1,123 @@
+"""GPT: a decoder-only transformer language model, GPT-2 by default and Llama-style by options.
+
+Token embeddings (plus learned or sinusoidal positions, or rotary positions inside attention) feed
+n_layer causal blocks; a final norm (pre-norm models) and an output head, tied to the token embedding by
+default, give logits over the (padded) vocabulary. `pos: rope`, `norm: rmsnorm`, `mlp: swiglu`,
+`n_kv_head` and `bias: false` together make a Llama block.
+
+References: Radford et al. 2019, "Language Models are Unsupervised Multitask Learners";
+Vaswani et al. 2017, "Attention Is All You Need"; Touvron et al. 2023, "LLaMA".
+"""
+
+import torch
+import torch.nn as nn
+
+from lm.models.attention import document_causal_mask
+from lm.models.block import Block
+from lm.models.gpt.config import GPTConfig
+from lm.models.init import init_weights_, residual_projections
+from lm.models.kv_cache import KVCache
+from lm.models.layers import add_positions, make_norm
+
+
+def check_positions(positions: torch.Tensor, idx: torch.Tensor, cache: KVCache | None) -> None:
+    """Reject per-document `positions` where they cannot apply: they must match idx (B, T), and they describe
+    one whole packed window, which a cache (extending one sequence) has not."""
+    if positions.shape != idx.shape:
+        raise ValueError(f"GPT.forward: positions has shape {tuple(positions.shape)}; it must match idx, "
+                         f"{tuple(idx.shape)}")
+    if cache is not None:
+        raise ValueError("GPT.forward: positions (packed documents) are for training and scoring whole windows; "
+                         "they cannot be combined with a KV cache")
+
+
+class GPT(nn.Module):
+    """Decoder-only language model; see the module docstring."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # The layers are built on the meta device so that their own default init neither costs time nor
+        # draws from the RNG: init_weights draws every value, so the same seed gives the same weights
+        # whether the model is built here or on the meta device and materialised later.
+        device = torch.get_default_device()
+        with torch.device("meta"):
+            self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+            if cfg.pos == "learned":
+                self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
+            self.drop = nn.Dropout(cfg.dropout)
+            self.blocks = nn.ModuleList(Block(cfg, causal=True) for _ in range(cfg.n_layer))
+            # A post-norm block already ends in a norm; pre-norm leaves the stream unnormalised.
+            self.ln_f = make_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
+            self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+        self.to_empty(device=device)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter from the global torch RNG, in a fixed order.
+
+        Call it after `to_empty()` on a model built on the meta device: that materialises each module's
+        parameters separately, which unties the output head from the token embedding, so the tie is
+        restored here before anything is drawn.
+        """
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        skip = {self.lm_head} if self.cfg.tie_embeddings else set()  # tied: drawn once, as the embedding
+        init_weights_(self, residual_projections(self.blocks), skip, self.cfg.n_layer)
+
+    def new_cache(
+        self,
+        batch_size: int,
+        max_len: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> KVCache:
+        """An empty KV cache for up to `max_len` positions of `batch_size` sequences."""
+        cfg = self.cfg
+        return KVCache(cfg.n_layer, batch_size, cfg.kv_heads, max_len, cfg.head_dim, device, dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (..., padded_vocab_size) of final-normed hidden states h (..., C); with model.logit_softcap,
+        c * tanh(logits / c) in float32, which keeps every logit inside (-c, c)."""
+        if h.dim() == 3 and h.size(1) == 1 and not torch.is_grad_enabled():
+            # a decode step: the head over a 50k vocabulary is most of its time, and (V, C) @ (C, B) reads the
+            # weight ~1.9x faster than (B, C) @ (C, V) on CPU at batch 8
+            logits = (self.lm_head.weight @ h[:, 0].t()).t()[:, None]  # (B, 1, padded_vocab_size), strided
+        else:
+            logits = self.lm_head(h)
+        c = self.cfg.logit_softcap
+        return c * torch.tanh(logits.float() / c) if c else logits
+
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """The final-normed hidden states (B, T, C) of token ids idx (B, T); `logits` turns them into logits.
+
+        `positions` (B, T) int, for windows packed from several documents: each token's position inside its
+        own document, 0 where a document starts. Attention then stays inside each document
+        (`document_causal_mask`) and position encodings restart at every document, so each document's
+        outputs are those it gets alone; without it, tokens sit at 0..T-1 and attend causally across the
+        whole window. With a cache, idx holds the T tokens after the cache.length already cached, and their
+        keys and values are appended to it.
+        """
+        cfg = self.cfg
+        T = idx.shape[1]
+        start = 0 if cache is None else cache.length
+        if start + T > cfg.block_size:
+            raise ValueError(
+                f"sequence of {start + T} tokens ({start} cached + {T} new) exceeds "
+                f"model.block_size={cfg.block_size}"
+            )
+
+        mask = None
+        if positions is None:
+            pos = torch.arange(start, start + T, device=idx.device)  # (T,)
+        else:
+            check_positions(positions, idx, cache)
+            pos = positions  # (B, T)
+            # built once here rather than in every block: all layers share it
+            mask = document_causal_mask(positions)  # (B, 1, T, T)
+        x, rope = add_positions(self.wte(idx), pos, cfg, getattr(self, "wpe", None))  # (B, T, C)
+        x = self.drop(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, None if cache is None else cache[i], mask)
+        return self.ln_f(x)

@@ -1,0 +1,68 @@
+"""What the next-token families (the GPT, the LSTM, a decoder a user adds) share: they read windows of tokens and
+predict each next one.
+
+Their batches are NextToken's (`lm.data.objectives`): (x, y), or (x, y, positions) with data.document_mask.
+The model's forward maps x (and positions) to hidden states (B, T, C) and `model.logits` those to logits; the
+loss is their cross-entropy against y, whole or `loss_chunk` positions at a time, with the z-loss term when
+asked (`lm.models.loss`). They sample by continuing a prompt (`lm.models.generate`), and lm.eval scores them
+over strided windows of any text.
+"""
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from lm.data.objectives import NextToken, Objective
+from lm.models.config import ModelConfig
+from lm.models.family import Family, Run, SampleOptions, Scored
+from lm.models.generate import fit_prompt, generate, generate_batch
+from lm.models.loss import next_token_loss, with_z_loss
+from lm.tokenizer import continuation_text, prompt_ids
+
+if TYPE_CHECKING:
+    from lm.data.config import DataConfig
+
+
+class NextTokenFamily(Family):
+    """A family of next-token models: the objective, loss, scores and sampling above. A subclass sets the
+    name, title and config class and builds its model, whose forward is `(idx, positions=None, cache=None) ->
+    hidden states` and which has `logits(h)` and `new_cache(...)` (`lm.models.generate.DecoderLM`)."""
+
+    causal_lm = True
+
+    def objective(self, cfg: ModelConfig, data: "DataConfig", seq_len: int, seed: int,
+                  document_eot: int | None = None) -> Objective:
+        return NextToken(document_eot)
+
+    def _cross_entropy(self, model: nn.Module, run: Run, batch: list[torch.Tensor], with_z: bool) -> torch.Tensor:
+        """Mean cross-entropy of the batch's next tokens (with_z: (2,), and the mean log Z^2)."""
+        x, y, *positions = batch
+        h = run(x, *positions)  # (B, T, C)
+        # model.loss_chunk where the family has it: the head and loss a chunk of positions at a time
+        return next_token_loss(model.logits, h, y, getattr(model.cfg, "loss_chunk", 0), with_z)
+
+    def loss(self, model: nn.Module, run: Run, batch: list[torch.Tensor],
+             z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        return with_z_loss(self._cross_entropy(model, run, batch, bool(z_loss)), z_loss)
+
+    def score_batch(self, model: nn.Module, run: Run, batch: list[torch.Tensor]) -> Scored:
+        return Scored(self._cross_entropy(model, run, batch, False).float(), batch[1].numel())
+
+    def sample(self, model: nn.Module, tokenizer, prompt: str, options: SampleOptions) -> str:
+        """The prompt (led by the tokenizer's BOS, or end-of-text) continued by up to options.max_new_tokens
+        tokens, its start dropped if prompt and new tokens would not fit the context."""
+        n = options.max_new_tokens
+        ids = fit_prompt(prompt_ids(tokenizer, prompt), n, model.cfg.block_size)
+        if options.stop_at_end:
+            new = generate(model, ids, n, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p,
+                           eot_id=tokenizer.eot_token, seed=options.seed)
+        else:
+            device = options.device or next(model.parameters()).device
+            generator = torch.Generator(device).manual_seed(options.seed)
+            idx = torch.tensor([ids], device=device)  # (1, T)
+            new = generate_batch(model, idx, n, temperature=options.temperature, top_k=options.top_k,
+                                 top_p=options.top_p, generator=generator)[0].tolist()
+            if tokenizer.eot_token in new:  # a fixed-length batch runs past the end of the text; show up to it
+                new = new[:new.index(tokenizer.eot_token)]
+        return prompt + continuation_text(tokenizer, ids, new)

@@ -1,0 +1,60 @@
+"""Putting a run together before its first step: the data it reads, where it starts from (a checkpoint of its
+own to resume, or weights to start from), and its model inside an engine.
+
+The order is fixed: the data is checked and opened (`lm.training.token_data` or `lm.training.task_data`), the
+checkpoint to resume from is chosen and checked (`lm.checkpoint.resume`), the model's family builds it on the
+meta device and the engine allocates, draws and wraps it (`lm.distributed.engine`); the trainer then loads a
+resumed run's state into that engine.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lm.checkpoint.loading import init_from_loader
+from lm.checkpoint.resume import check_resume, find_resume
+from lm.config import JobConfig
+from lm.distributed.engine import Engine, build_engine
+from lm.distributed.env import DistEnv
+from lm.distributed.materialize import WeightLoader
+from lm.models.family import Family
+from lm.training.task_data import TaskData, open_task_data
+from lm.training.token_data import TrainingData, open_training_data
+
+
+def open_data(cfg: JobConfig, env: DistEnv) -> TrainingData | TaskData:
+    """A fine-tuning head reads labelled rows (task.file); every other model reads token shards."""
+    return open_task_data(cfg, env) if cfg.task.file else open_training_data(cfg, env)
+
+
+def build_run_engine(cfg: JobConfig, family: Family, env: DistEnv, load_weights: WeightLoader | None = None,
+                     load_universal: bool = False) -> Engine:
+    """The model of `cfg` built by its family on the meta device and handed to the engine, which draws its
+    weights from train.seed (the same on every engine and world size) or, for a new run with
+    checkpoint.init_from, loads them with `load_weights` (`init_from_loader`)."""
+    torch.manual_seed(cfg.train.seed)
+    with torch.device("meta"):
+        model = family.build(cfg.model)
+    return build_engine(model, family, cfg, env, load_weights, load_universal)
+
+
+@dataclass
+class Start:
+    """Where a run starts: a checkpoint of its own (`resume_from`), or fresh weights, drawn or loaded."""
+
+    resume_from: Path | None
+    load_weights: WeightLoader | None
+    """Fills a new run's weights from checkpoint.init_from"""
+    load_universal: bool
+    """A DeepSpeed checkpoint is resumed through its universal form (another world size or ZeRO stage)"""
+
+
+def choose_start(cfg: JobConfig, env: DistEnv, ckpt_root: Path, data: dict) -> Start:
+    """The newest usable checkpoint under `ckpt_root` as checkpoint.resume allows, checked against the config
+    and the data (`data`: what state.json records of it); or, without one, checkpoint.init_from's weights."""
+    resume_from = find_resume(ckpt_root, cfg.checkpoint.resume, env, cfg.checkpoint.allow_unverified)
+    if resume_from is not None:
+        return Start(resume_from, None, check_resume(resume_from, cfg, data, env))
+    load_weights = init_from_loader(Path(cfg.checkpoint.init_from), cfg) if cfg.checkpoint.init_from else None
+    return Start(None, load_weights, False)

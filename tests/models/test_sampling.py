@@ -1,0 +1,29 @@
+"""Prompts in, text out: a next-token model's prompt fitted to its context (`lm.models.generate`), an
+encoder-decoder's `<mask>` prompts (`lm.models.encdec.sampling`)."""
+
+import logging
+
+import pytest
+
+from lm.errors import PromptError
+from lm.models.encdec.config import EncDecConfig
+from lm.models.encdec.sampling import encdec_source, split_spans
+from lm.models.generate import fit_prompt
+
+
+def test_split_spans_and_source_ids():
+    cfg = EncDecConfig(vocab_size=100, block_size=16, n_sentinels=5)
+    ids, pieces = encdec_source("ab<mask>cd", lambda s: [ord(c) - 90 for c in s], cfg)
+    assert ids == [7, 8, 100, 9, 10] and pieces == ["ab", "cd"]
+    assert encdec_source("ab", lambda s: [1] * len(s), cfg) == ([1, 1, 100], ["ab", ""])
+    assert split_spans([100, 5, 6, 101, 7], 2, 100) == [[5, 6], [7]]
+    assert split_spans([9, 101, 7], 3, 100) == [[], [7], []]
+
+
+def test_long_prompt_keeps_its_tail(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert fit_prompt(list(range(40)), max_new_tokens=8, block_size=32) == list(range(16, 40))
+    assert "keeping its last 24" in caplog.text
+    assert fit_prompt([1, 2], 8, 32) == [1, 2]
+    with pytest.raises(PromptError, match="--max-new-tokens: 32 leaves no room"):
+        fit_prompt([1], 32, 32)
