@@ -2,7 +2,7 @@
 # Every GPU measurement of docs/benchmarks.md, on one machine with a CUDA GPU, each part's output saved
 # under OUT (default runs/bench-gpu):
 #   tests     the CUDA-only tests (tests/gpu: no host sync in a step, a fused SDPA kernel, bf16 NCCL runs)
-#   training  lm.bench's training table (eager and compiled, against transformers) and its targets
+#   training  lm.bench's training table (eager and compiled, against transformers)
 #   engines   lm.bench's table of each engine (ddp, fsdp, DeepSpeed ZeRO 1-3)
 #   sampling  lm.bench's sampling table (KV cache, no cache, transformers' generate)
 #   profile   torch.profiler's top CUDA ops of a gpt2-124m step, ours and transformers'
