@@ -182,7 +182,11 @@ def read_stored_config(path: Path) -> JobConfig:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 base: dict | None = None) -> JobConfig:
     """Build a JobConfig from `base` ({section: {key: value}}, e.g. taken from a checkpoint's config), then an
-    optional YAML file's keys over it, then `section.key=value` override strings."""
+    optional YAML file's keys over it, then `section.key=value` override strings.
+
+    An override that switches model.arch to another family than the file's (`--config configs/demo.yaml
+    --model.arch=lstm`, or a sweep's grid) keeps the file's model keys that family takes and leaves out the
+    others, which were the file's family's; a key an override names must be the family's."""
     raw: dict = {section: dict(keys) for section, keys in (base or {}).items()}
     if path is not None:
         path = Path(path)
@@ -193,6 +197,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 raw[section] = {**raw[section], **keys}
             else:
                 raw[section] = keys
+    given_arch = raw.get("model", {}).get("arch", DEFAULT) if isinstance(raw.get("model"), dict) else None
     for item in overrides or []:
         key, eq, text = item.removeprefix("--").partition("=")
         if not eq:
@@ -203,7 +208,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if isinstance(value, (dict, list)) and not _is_list_key(key):
             value = text
         _merge(raw, key, value)
+    _switch_family(raw, given_arch, {item.removeprefix("--").partition("=")[0] for item in overrides or []})
     return _build_job(model_from_checkpoint(raw, _coerce))
+
+
+def _switch_family(raw: dict, given_arch: object, overridden: set[str]) -> None:
+    """When the overrides chose another family than `given_arch` (the base's and file's), drop the model keys
+    that came from the base or file and that family does not take."""
+    model = raw.get("model")
+    if "model.arch" not in overridden or not isinstance(model, dict) or model.get("arch") == given_arch:
+        return
+    taken = {f.name for f in dataclasses.fields(config_class(model.get("arch")))}
+    raw["model"] = {key: value for key, value in model.items() if key in taken or f"model.{key}" in overridden}
 
 
 def _build_job(raw: dict) -> JobConfig:

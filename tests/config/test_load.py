@@ -116,3 +116,17 @@ def test_a_mixture_comes_from_yaml_or_a_cli_flow_list_and_round_trips(tmp_path):
     assert [(s.dir, s.weight) for s in load_config(None, ["--data.dir=data/x"]).data.sources] == [("data/x", 1.0)]
     # a scalar key still takes YAML-looking text literally
     assert load_config(None, ["--log.sample_prompt=KING: hi"]).log.sample_prompt == "KING: hi"
+
+
+def test_an_override_that_switches_the_family_keeps_the_file_keys_the_family_takes(tmp_path):
+    # demo.yaml describes a GPT: the LSTM takes its width and depth, not its heads or positions
+    lstm = load_config("configs/demo.yaml", ["--model.arch=lstm"]).model
+    assert (lstm.arch, lstm.n_layer, lstm.d_model, lstm.block_size) == ("lstm", 4, 128, 256)
+    # a key given with the switch is the user's own, and must be the new family's
+    with pytest.raises(ConfigError, match=r"model.n_head: not a key of an LSTM \(model.arch=lstm\)"):
+        load_config("configs/demo.yaml", ["--model.arch=lstm", "--model.n_head=4"])
+    # a file that names the family itself is checked whole: an LSTM file holding a head count is a mistake
+    path = tmp_path / "lstm.yaml"
+    path.write_text("model:\n  arch: lstm\n  n_head: 4\n")
+    with pytest.raises(ConfigError, match=r"model.n_head: not a key of an LSTM"):
+        load_config(path)
