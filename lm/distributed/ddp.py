@@ -5,7 +5,7 @@ import contextlib
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lm.config import JobConfig, use_bf16
+from lm.config import JobConfig
 from lm.distributed.activation import checkpoint_blocks, compile_blocks
 from lm.distributed.env import DistEnv
 from lm.distributed.materialize import WeightLoader, materialize
@@ -36,7 +36,6 @@ class DDPEngine(TorchEngine):
 
     def __init__(self, model: nn.Module, family: Family, loss: LossFn, cfg: JobConfig, env: DistEnv,
                  load_weights: WeightLoader | None) -> None:
-        family.check_precision(cfg.model, env.device.type, use_bf16(cfg.train.dtype, env.device.type))
         materialize(model, env.device, load_weights)
         blocks = family.blocks(model)
         checkpoint_blocks(blocks, cfg.parallel.activation_checkpointing)

@@ -14,7 +14,7 @@ import torch
 
 from lm.checkpoint.loading import init_from_loader
 from lm.checkpoint.resume import check_resume, find_resume
-from lm.config import JobConfig
+from lm.config import JobConfig, use_bf16
 from lm.distributed.engine import Engine, build_engine
 from lm.distributed.env import DistEnv
 from lm.distributed.materialize import WeightLoader
@@ -32,7 +32,9 @@ def build_run_engine(cfg: JobConfig, family: Family, env: DistEnv, load_weights:
                      load_universal: bool = False) -> Engine:
     """The model of `cfg` built by its family on the meta device and handed to the engine, which draws its
     weights from train.seed (the same on every engine and world size) or, for a new run with
-    checkpoint.init_from, loads them with `load_weights` (`init_from_loader`)."""
+    checkpoint.init_from, loads them with `load_weights` (`init_from_loader`). A precision the family cannot
+    run on this device is refused here, under every engine, before any weights exist."""
+    family.check_precision(cfg.model, env.device.type, use_bf16(cfg.train.dtype, env.device.type))
     torch.manual_seed(cfg.train.seed)
     with torch.device("meta"):
         model = family.build(cfg.model)

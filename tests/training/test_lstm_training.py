@@ -93,9 +93,12 @@ def test_sample_eval_and_consolidate_read_an_lstm_checkpoint(lstm_run, tmp_path,
     assert capsys.readouterr().out == text
 
 
-def test_bf16_autocast_on_the_cpu_trains_or_is_refused_before_anything_is_written(tiny_data_dir, tmp_path):
-    # Whether oneDNN runs a bf16 LSTM depends on the CPU; the engine's answer must be the kernel's own.
-    cfg = tiny_config(tiny_data_dir, tmp_path / "run", "--train.dtype=bfloat16", "--train.steps=1")
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_bf16_on_the_cpu_trains_or_is_refused_before_anything_is_written(tiny_data_dir, tmp_path, engine):
+    # Whether oneDNN runs a bf16 LSTM depends on the CPU; every engine's answer must be the kernel's own
+    # (ddp autocasts, fsdp casts the parameters: the same kernel).
+    cfg = tiny_config(tiny_data_dir, tmp_path / "run", "--train.dtype=bfloat16", "--train.steps=1",
+                      f"--parallel.engine={engine}")
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             LSTMLM(cfg.model)(torch.zeros(1, 4, dtype=torch.long))
