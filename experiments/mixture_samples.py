@@ -1,4 +1,4 @@
-"""Which source a mixture model's samples read like (README: Mixtures and document masking).
+"""Which source a mixture model's samples read like (docs/experiments.md: A mixture of two corpora).
 
 Each run's final checkpoint writes N samples from end-of-text (a document's start); each sample is then
 scored by the two single-source runs (weights 1:0 and 0:1), and it counts as the source whose model gives
@@ -7,12 +7,15 @@ it the lower loss.
     python -m experiments.mixture_samples runs/mixture-1to0 runs/mixture-3to1 runs/mixture-1to3 runs/mixture-0to1
 """
 
+import argparse
 import sys
 
 import torch
 import torch.nn.functional as F
 
 from lm.checkpoint.loading import load_for_inference
+from lm.cli import positive_int
+from lm.cli import run as run_tool
 from lm.models.generate import generate
 from lm.tokenizer import load_tokenizer
 
@@ -27,7 +30,7 @@ def loss(model: torch.nn.Module, ids: list[int]) -> float:
     return F.cross_entropy(logits[0].float(), x[0, 1:]).item()
 
 
-def main(runs: list[str], samples: int = SAMPLES, tokens: int = TOKENS) -> None:
+def report(runs: list[str], samples: int = SAMPLES, tokens: int = TOKENS) -> None:
     cpu = torch.device("cpu")
     judges = [load_for_inference(run, cpu)[0] for run in (runs[0], runs[-1])]  # Shakespeare only, KJV only
     eot = load_tokenizer("gpt2").eot_token
@@ -41,5 +44,19 @@ def main(runs: list[str], samples: int = SAMPLES, tokens: int = TOKENS) -> None:
         print("  first sample:", repr(decode(texts[0][1:])[:160]))
 
 
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.mixture_samples",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="run directories; the first trained on Shakespeare alone, the last "
+                        "on the Bible alone")
+    parser.add_argument("--samples", type=positive_int, default=SAMPLES, help="samples per run")
+    parser.add_argument("--tokens", type=positive_int, default=TOKENS, help="tokens per sample")
+    args = parser.parse_args(argv)
+    if len(args.runs) < 2:
+        parser.error("give at least the two single-source runs (Shakespeare alone first, the Bible alone last)")
+    report(args.runs, args.samples, args.tokens)
+    return 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_tool(main))

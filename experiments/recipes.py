@@ -1,4 +1,4 @@
-"""The recipe comparison's report (README: A recipe that learns faster): run by launch/recipes.sh after its
+"""The recipe comparison's report (docs/experiments.md: The recipe comparison): run by launch/recipes.sh after its
 three learning-rate sweeps.
 
 For each preset (one sweep directory each) the run with the lowest final val loss is its best learning rate.
@@ -13,6 +13,7 @@ The last sweep is the recipe under test; the baseline is the better (lower final
 Sweep directories after `--ablations` are listed run by run in a table of their own.
 """
 
+import argparse
 import re
 import subprocess
 import sys
@@ -21,6 +22,8 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
+from lm.cli import run as run_tool
+from lm.errors import ConfigError
 from lm.report.figures import load_run, save_png
 
 HELD_OUT = "data/kjv"
@@ -62,10 +65,17 @@ def first_reaching(tokens: np.ndarray, loss: np.ndarray, target: float) -> float
     return float(tokens[i - 1] + frac * (tokens[i] - tokens[i - 1]))
 
 
-def main(sweeps: list[str], ablations: list[str]) -> None:
+def sweep_runs(sweep: Path) -> list[Path]:
+    """The run directories of a sweep directory, refused with one line when it holds none."""
+    if not (sweep / "runs").is_dir() or not any((sweep / "runs").iterdir()):
+        raise ConfigError(f"{sweep}: not a sweep directory with runs (python -m lm.sweep --out writes one)")
+    return sorted((sweep / "runs").iterdir())
+
+
+def report(sweeps: list[str], ablations: list[str]) -> None:
     best, sweep_lines = {}, []
     for sweep in map(Path, sweeps):
-        runs = sorted((sweep / "runs").iterdir())
+        runs = sweep_runs(sweep)
         finals = {run: final_val(run) for run in runs}
         best[sweep.name] = min(finals, key=finals.get)
         sweep_lines += [f"| {sweep.name} | {run.name.rsplit('-', 1)[0]} | {loss:.4f} |"
@@ -93,7 +103,7 @@ def main(sweeps: list[str], ablations: list[str]) -> None:
         print("\n| ablation | final val loss (trainer) | Shakespeare val, lm.eval | KJV val, lm.eval | tokens/s |\n"
               "|---|---|---|---|---|")
     for sweep in map(Path, ablations):
-        for run in sorted((sweep / "runs").iterdir()):
+        for run in sweep_runs(sweep):
             print(f"| {sweep.name}: {run.name.rsplit('-', 1)[0]} | {final_val(run):.4f} | {eval_loss(run):.4f} | "
                   f"{eval_loss(run, '--data-dir', HELD_OUT):.4f} | {tokens_per_s(load_run(run)):,.0f} |")
 
@@ -112,7 +122,16 @@ def main(sweeps: list[str], ablations: list[str]) -> None:
     print(f"\nwrote {FIGURE}")
 
 
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.recipes", description=__doc__.split("\n\n")[0])
+    parser.add_argument("sweeps", nargs="+", help="sweep directories, one per preset; the last is under test")
+    parser.add_argument("--ablations", nargs="*", default=[], help="sweep directories listed run by run")
+    args = parser.parse_args(argv)
+    if len(args.sweeps) < 2:
+        parser.error("give the baselines' sweep directories and then the recipe's: at least two")
+    report(args.sweeps, args.ablations)
+    return 0
+
+
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    cut = args.index("--ablations") if "--ablations" in args else len(args)
-    main(args[:cut], args[cut + 1:])
+    sys.exit(run_tool(main))
