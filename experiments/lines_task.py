@@ -1,4 +1,4 @@
-"""Labelled tasks built from the installed corpora, for the fine-tuning example of the README.
+"""Labelled tasks built from the installed corpora, for the fine-tuning example of docs/experiments.md.
 
     python -m experiments.lines_task --out data/lines.csv [--rows-per-class 2000] [--words 12] [--seed 0]
 

@@ -38,21 +38,23 @@ def encoder_base(path: Path, saved: JobConfig) -> dict:
             "checkpoint": {"init_from": str(path)}}
 
 
+def encoder_config(path: Path) -> JobConfig:
+    """The config of the checkpoint --encoder names, one of a family that fine-tunes a head."""
+    if not path.exists():
+        raise ConfigError(f"--encoder: no such file or directory {str(path)!r}")
+    saved = saved_config(path)
+    if not family_of(saved.model).head_keys:
+        raise ConfigError(f"--encoder: {path} holds {saved.model.title} (model.arch={saved.model.arch}), which "
+                          "has no fine-tuning head; lm.finetune trains a head on an encoder's checkpoint "
+                          "(model.arch=encoder)")
+    return saved
+
+
 def main(argv: list[str]) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--encoder")
     encoder = pre.parse_known_args(argv)[0].encoder
-    base = None
-    if encoder is not None:
-        path = Path(encoder)
-        if not path.exists():
-            raise ConfigError(f"--encoder: no such file or directory {encoder!r}")
-        saved = saved_config(path)
-        if not family_of(saved.model).head_keys:
-            raise ConfigError(f"--encoder: {path} holds {saved.model.title} (model.arch={saved.model.arch}), which "
-                              "has no fine-tuning head; lm.finetune trains a head on an encoder's checkpoint "
-                              "(model.arch=encoder)")
-        base = encoder_base(path, saved)
+    base = None if encoder is None else encoder_base(Path(encoder), encoder_config(Path(encoder)))
     cfg, _ = parse_cli(argv, DESCRIPTION, extra=_flags, prog="python -m lm.finetune", base=base)
     if cfg.model.task_head is None:
         head = getattr(cfg.model, "head", None)

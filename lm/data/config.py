@@ -71,8 +71,9 @@ class DataConfig:
     Mask 15% in Masked Language Modeling?") find higher rates than BERT's 0.15 train better at this scale."""
     mlm_mask_fraction: float = 0.8
     """Of the targets, the share shown as [MASK]: 0.8 as BERT (ModernBERT: 1.0, all [MASK]). Measured here
-    (README, "Encoder"): at 1.0 the pretrained encoder's features fine-tuned worse than a random encoder's;
-    with BERT's 80/10/10 the same 10-minute pretraining fine-tuned 3.5 points better."""
+    (docs/experiments.md, "Fine-tuning an encoder"): at 1.0 the pretrained encoder's features fine-tuned
+    worse than a random encoder's; with BERT's 80/10/10 the same 10-minute pretraining fine-tuned 3.5 points
+    better."""
     mlm_random_fraction: float = 0.1
     """Of the targets, the share shown as a uniformly random token id; the rest keep their own token, so
     mlm_mask_fraction + mlm_random_fraction <= 1. 0.1 as BERT: with some targets visible, the model must
