@@ -151,7 +151,7 @@ def check_optimizer(path: Path, cfg: JobConfig) -> None:
 
 
 def family_mismatch(saved: ModelConfig, current: ModelConfig) -> str:
-    """`is an LSTM (model.arch=lstm) but the config asks for a decoder-only GPT (model.arch=gpt)` when a
+    """`is an encoder (model.arch=encoder) but the config asks for a decoder-only GPT (model.arch=gpt)` when a
     checkpoint's model (`saved`) is of another family than the config's; empty when both are of one."""
     if saved.arch == current.arch:
         return ""

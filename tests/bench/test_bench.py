@@ -79,7 +79,7 @@ def test_the_command_prints_what_it_ran_on_its_tables_and_a_summary_of_the_ratio
     assert run(bench.main, ["--sections", "sampling", "--new-tokens", "4", "--reps", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out
     first = out.splitlines()[0]
-    assert first.startswith("device: cpu | ") and " | torch 2." in first and " | transformers " in first
+    assert first.startswith("device: CPU, ") and " | torch 2." in first and " | transformers " in first
     assert "sampling: 4 new tokens per sequence" in out and "transformers generate" in out
     summary = out[out.index("summary: ours against the baselines above"):]
     assert "sampling tokens/s vs transformers generate, batch 8, KV cache" in summary
