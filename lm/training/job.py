@@ -9,14 +9,19 @@ from lm.training.trainer import Trainer
 
 
 def run_job(cfg: JobConfig) -> None:
-    """Join the process group (torchrun's, or none), train `cfg` to its end or to a stop signal, leave the group."""
+    """Join the process group (torchrun's, or none) and train `cfg` to its end or to a stop signal.
+
+    The group is left open for the tool to end the process with `lm.cli.exit_without_teardown`. Destroying
+    it here would let the last reference to a gloo group go when the trainer does (DDP's reducer holds one),
+    and gloo's destructor joins its worker thread while holding the GIL, which that thread may still need to
+    release the last collective's tensors: a deadlock, seen as one rank of about 16 preempted 2-process runs
+    that never exited after "stopped at step N". Kept in the registry until the process ends, no group is
+    ever destroyed.
+    """
     # from the start: a scheduler's SIGTERM during setup (joining the group, building, loading) is kept and
     # honoured at the first log step, not lost
     with StopSignals() as signals:
         env = init_distributed(cfg.train.device)
-        try:
-            trainer = Trainer(cfg, env)
-            install_faults(trainer)  # the fault-tolerance tests' LM_FAULT_* variables; nothing in a real run
-            trainer.fit(signals)
-        finally:
-            env.close()
+        trainer = Trainer(cfg, env)
+        install_faults(trainer)  # the fault-tolerance tests' LM_FAULT_* variables; nothing in a real run
+        trainer.fit(signals)
