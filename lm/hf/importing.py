@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lm.errors import CheckpointError
+from lm.hf.config_schema import check_config_json
 
 if TYPE_CHECKING:
     from lm.hf.targets import HFReader
@@ -39,7 +40,7 @@ def is_hf_checkpoint(path: str | Path) -> bool:
 
 def read_config_json(directory: str | Path) -> tuple[dict[str, Any], Path]:
     """The settings of the checkpoint in `directory` and the file they came from; CheckpointError naming the
-    file when there is none or it is not a JSON object."""
+    file when there is none, it is not a JSON object, or a setting lm reads has the wrong type or range."""
     origin = Path(directory) / CONFIG_NAME
     try:
         hf = json.loads(origin.read_text())
@@ -49,4 +50,5 @@ def read_config_json(directory: str | Path) -> tuple[dict[str, Any], Path]:
         raise CheckpointError(f"{origin}: not readable JSON: {err}") from None
     if not isinstance(hf, dict):
         raise CheckpointError(f"{origin}: expected a JSON object of settings")
+    check_config_json(hf, origin)
     return hf, origin

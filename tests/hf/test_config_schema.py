@@ -1,0 +1,101 @@
+"""A config.json of the wrong types or ranges is refused by file and key before any family reads it: by
+`read_hf_model`, and through the tools, as one `error:` line with exit 2 that leaves the file as it was."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+from lm.cli import run
+from lm.errors import CheckpointError
+from lm.eval import main as eval_main
+from lm.hf.config_schema import KEYS, ROPE_KEYS
+from lm.models.hf_checkpoint import read_hf_model
+
+SMALL = {
+    "llama": dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32),
+    "gpt2": dict(vocab_size=300, n_positions=32, n_embd=64, n_layer=2, n_head=4),
+}
+
+
+def config_dir(model_type: str, directory: Path, edit: dict | None = None) -> Path:
+    """A directory holding the config.json transformers writes for a small `model_type`, with `edit` applied
+    (no weights: everything here is refused before any is read)."""
+    AutoConfig.for_model(model_type, **SMALL[model_type]).save_pretrained(directory)
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **(edit or {})}))
+    return directory
+
+
+@pytest.mark.parametrize("model_type", SMALL)
+def test_the_files_transformers_writes_pass(model_type, tmp_path):
+    assert read_hf_model(config_dir(model_type, tmp_path)).fields["vocab_size"] == 300
+
+
+# (class, edit, the message's end): the examples a user met, then one of each kind of check
+COUNT = "a positive integer up to 2147483647"
+BAD = [
+    ("llama", dict(rope_scaling="linear"), "rope_scaling: expected an object of settings or null, got 'linear'"),
+    ("llama", dict(num_hidden_layers="2"), f"num_hidden_layers: expected {COUNT}, got '2'"),
+    ("llama", dict(num_hidden_layers=True), f"num_hidden_layers: expected {COUNT}, got True"),
+    ("llama", dict(hidden_size=2.0), f"hidden_size: expected {COUNT}, got 2.0"),
+    ("llama", dict(intermediate_size=10**40), "intermediate_size: expected a positive integer"),
+    ("llama", dict(rms_norm_eps=-1e-6), "rms_norm_eps: expected a finite number above 0, got -1e-06"),
+    ("llama", dict(rope_theta=float("inf")), "rope_theta: expected a finite number above 0, got inf"),
+    ("llama", dict(attention_dropout=1.5), "attention_dropout: expected a number from 0 to 1, got 1.5"),
+    ("llama", dict(tie_word_embeddings="false"), "tie_word_embeddings: expected true or false, got 'false'"),
+    ("llama", dict(num_key_value_heads=0), f"num_key_value_heads: expected {COUNT} or null"),
+    ("llama", dict(architectures="LlamaForCausalLM"),
+     "architectures: expected a list of strings, got 'LlamaForCausalLM'"),
+    ("llama", dict(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}),
+     "rope_parameters.rope_theta: expected a finite number above 0, got '1e4'"),
+    ("llama", dict(rope_scaling={"type": 3}), "rope_scaling.type: expected a string, got 3"),
+    ("gpt2", dict(n_inner="big"), f"n_inner: expected {COUNT} or null, got 'big'"),
+    ("gpt2", dict(resid_pdrop=None), "resid_pdrop: expected a number from 0 to 1, got None"),
+]
+
+
+@pytest.mark.parametrize("model_type, edit, message", BAD, ids=[f"{t}-{next(iter(e))}" for t, e, _ in BAD])
+def test_a_value_of_the_wrong_type_or_range_is_named_with_its_file_and_key(model_type, edit, message, tmp_path):
+    with pytest.raises(CheckpointError) as err:
+        read_hf_model(config_dir(model_type, tmp_path, edit))
+    assert str(err.value).startswith(f"{tmp_path / 'config.json'}: ") and message in str(err.value)
+
+
+# Values of every JSON type and of awkward sizes, to put under any key lm reads
+VALUES = [None, True, False, 0, 1, 2, 3, -1, 7, 64, 2**31, 10**30, 0.0, 0.5, 1.0, 1e-6, -0.5, 1e308, float("inf"),
+          float("nan"), "", "2", "silu", "default", "linear", [], [1], ["LlamaForCausalLM"], ["x", 2], {},
+          {"rope_type": "llama3"}, {"factor": "2"}]
+
+
+def random_edits(seed: int, cases: int) -> list[tuple[str, dict]]:
+    """`cases` config.json edits of 1 to 3 keys that lm reads, nested rotary keys included, seeded."""
+    rng = random.Random(seed)
+    keys = [*KEYS, *(f"rope_parameters.{k}" for k in ROPE_KEYS)]
+    edits = []
+    for _ in range(cases):
+        edit: dict = {}
+        for key in rng.sample(keys, rng.randint(1, 3)):
+            value = rng.choice(VALUES)
+            outer, _, inner = key.partition(".")
+            if inner:
+                edit.setdefault(outer, {"rope_type": "default", "rope_theta": 1e4})[inner] = value
+            else:
+                edit[key] = value
+        edits.append((rng.choice(list(SMALL)), edit))
+    return edits
+
+
+def test_random_values_under_every_key_end_in_one_error_line_and_leave_the_file_alone(tmp_path, capsys):
+    """The tools' contract, over 120 seeded random edits: exit 2 with one `error:` line naming config.json or
+    (where the settings are valid) the missing weights, never a traceback, and config.json byte-identical."""
+    for i, (model_type, edit) in enumerate(random_edits(seed=0, cases=120)):
+        directory = config_dir(model_type, tmp_path / str(i), edit)
+        before = (directory / "config.json").read_bytes()
+        assert run(eval_main, ["--checkpoint", str(directory)]) == 2, edit
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and str(directory) in err[0], (edit, err)
+        assert (directory / "config.json").read_bytes() == before
