@@ -2,7 +2,6 @@
 the windows training reads. Lives beside the data code (as ModelConfig beside the models), so that
 preparing data imports nothing above this package."""
 
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,7 +102,7 @@ class DataConfig:
         self._check_mixture()
 
     def _check_mixture(self) -> None:
-        if self.mixture and math.fsum(s.weight for s in self.mixture) <= 0:
+        if self.mixture and not any(s.weight > 0 for s in self.mixture):
             raise ConfigError("data.mixture: the weights sum to 0; give at least one source a positive weight")
         names: dict[str, str] = {}
         for source in self.mixture:

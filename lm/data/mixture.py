@@ -21,7 +21,7 @@ from fractions import Fraction
 
 import numpy as np
 
-__all__ = ["MixtureDraws", "mixture_edges", "sample_order", "sources_at"]
+__all__ = ["MixtureDraws", "exact_shares", "mixture_edges", "sample_order", "sources_at"]
 
 _G = np.uint64(0x9E3779B97F4A7C15)  # round(2^64 / golden ratio), odd
 _PHASE_KEY = 0x6D6978  # b"mix": keeps the phase's random stream apart from the orders'
@@ -35,17 +35,23 @@ def sample_order(seed: int, epoch: int, num_samples: int, source: int = 0) -> np
     return np.random.default_rng(key).permutation(num_samples)
 
 
+def exact_shares(weights: Sequence[float]) -> list[Fraction]:
+    """Each weight over their sum, exactly: floats are binary fractions, so no sum overflows or rounds."""
+    exact = [Fraction(w) for w in weights]
+    total = sum(exact)
+    return [w / total for w in exact]
+
+
 def mixture_edges(weights: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
     """(edges, sources): source sources[i] owns [edges[i - 1], edges[i]) of [0, 2^64) (edges[-1] = 0 and the
     last one ends at 2^64), each share its weight over the sum. Only positive weights get a share, so a
     zero-weight source is never drawn. edges (P - 1,) uint64, sources (P,) int64 for P positive weights."""
-    exact = [Fraction(w) for w in weights]  # floats are binary fractions: the shares are exact
-    total = sum(exact)
+    exact = exact_shares(weights)
     positive = [i for i, w in enumerate(exact) if w > 0]
     edges, running = [], Fraction(0)
     for i in positive[:-1]:
         running += exact[i]
-        edges.append(int(running / total * 2**64))
+        edges.append(int(running * 2**64))
     return np.array(edges, dtype=np.uint64), np.array(positive, dtype=np.int64)
 
 

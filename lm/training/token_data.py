@@ -12,6 +12,7 @@ import torch
 from lm.config import JobConfig
 from lm.data.config import MixtureSource
 from lm.data.loader import SplitWindows, TokenLoader
+from lm.data.mixture import exact_shares
 from lm.data.objectives import Objective
 from lm.data.shards import check_manifest, document_eot, manifest_tokenizer, read_manifest, verify_hashes
 from lm.distributed.env import DistEnv
@@ -36,9 +37,9 @@ class TrainingData:
 
     @property
     def shares(self) -> list[float]:
-        """Each source's share of the training samples: its weight over the sum."""
-        total = sum(s.weight for s in self.sources)
-        return [s.weight / total for s in self.sources]
+        """Each source's share of the training samples: its weight over the sum, summed exactly (a float sum
+        of weights near 1e308 would overflow to inf)."""
+        return [float(share) for share in exact_shares([s.weight for s in self.sources])]
 
     def identity(self) -> dict:
         """What state.json records of the data a run trains on (`lm.checkpoint.resume.check_data` compares

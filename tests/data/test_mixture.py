@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from lm.data.loader import TokenLoader
-from lm.data.mixture import MixtureDraws, mixture_edges, mixture_phase, sample_order, sources_at
+from lm.data.mixture import MixtureDraws, exact_shares, mixture_edges, mixture_phase, sample_order, sources_at
 from tests.data.test_loader import make_data_dir
 
 T = 4
@@ -33,6 +33,12 @@ def test_a_zero_weight_source_is_never_drawn_and_shares_are_exact_fractions():
     edges, sources = mixture_edges([5, 0, 1])
     assert sources.tolist() == [0, 2] and edges.tolist() == [2**64 * 5 // 6]
     assert set(sources_at(np.arange(10_000), edges, sources, mixture_phase(0)).tolist()) == {0, 2}
+
+
+def test_weights_near_the_float_limit_share_as_any_equal_pair_does():
+    # a float sum of two weights of 1e308 overflows to inf; the shares are summed exactly
+    assert exact_shares([1e308, 1e308]) == [0.5, 0.5] and exact_shares([1e308, 0.0]) == [1, 0]
+    assert mixture_edges([1e308, 1e308])[0].tolist() == mixture_edges([1, 1])[0].tolist() == [2**63]
 
 
 def test_one_source_reads_exactly_the_single_directory_order():
