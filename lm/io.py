@@ -12,7 +12,7 @@ import hashlib
 import os
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from lm.errors import DataError
@@ -34,6 +34,19 @@ def sha256_file(path: str | Path) -> str:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def output_file_problem(path: Path, inputs: Sequence[Path] = ()) -> str | None:
+    """Why a tool may not write the file `path`, or None when it may: asked before any work, so a bad output
+    path costs nothing. Refused: a directory, a parent directory that is not there, one of the `inputs`."""
+    if path.is_dir():
+        return f"{path}: is a directory; name the file to write"
+    if not path.parent.is_dir():
+        return f"{path}: the directory {path.parent} does not exist"
+    for source in inputs:
+        if path.exists() and source.exists() and path.resolve() == source.resolve():
+            return f"{path}: is the input {source}; write the output to another file"
+    return None
 
 
 def temp_sibling(path: str | Path) -> Path:

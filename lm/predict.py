@@ -22,7 +22,7 @@ from lm.cli import positive_int, run
 from lm.data.labelled import encode_examples, example_batches, read_labelled, read_texts
 from lm.distributed.env import init_device
 from lm.errors import ConfigError
-from lm.io import atomic_path
+from lm.io import atomic_path, output_file_problem
 from lm.models.registry import family_of
 from lm.tokenizer import model_tokenizer
 from lm.training.evaluate import task_metrics, task_sums, task_sums_size
@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.out is not None and (problem := output_file_problem(args.out, [args.file])):
+        raise ConfigError(f"--out {problem}")
     device = init_device(args.device, "--device")
     model, cfg, source = load_for_inference(args.checkpoint, device)
     head = cfg.model.task_head
@@ -56,12 +58,16 @@ def main(argv: list[str]) -> int:
     family = family_of(cfg.model)
     text_column = args.text_column or cfg.task.text_column
     label_column = cfg.task.label_column if args.label_column is None else args.label_column
+    labels = None
     if label_column:
-        # a file only scored may lack a class: that says nothing against it
+        # a file only scored may lack a class: that says nothing against it; and without --label-column it
+        # may lack the run's label column: then it is predicted, not scored
         texts, labels = read_labelled(args.file, text_column, label_column, head, cfg.model.num_classes,
-                                      every_class=False)
+                                      every_class=False, labels_optional=args.label_column is None)
     else:
         texts = read_texts(args.file, text_column)
+    scored = labels is not None
+    if labels is None:
         labels = np.zeros(len(texts), dtype=np.int64 if head == "classify" else np.float64)
     tokenizer = model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
     examples = encode_examples(texts, tokenizer.encode_ordinary, cfg.model.cls_id, cfg.data.seq_len)
@@ -82,7 +88,7 @@ def main(argv: list[str]) -> int:
     if args.out is not None:
         _write(args.out, head, outputs)
         print(f"predictions: {args.out}")
-    if label_column:
+    if scored:
         for key, value in task_metrics(head, cfg.model.num_classes, sums).items():
             print(f"{key.removeprefix('val/')}: {value:.4f}")
     return 0

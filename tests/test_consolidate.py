@@ -141,7 +141,7 @@ def test_bad_inputs_fail_with_one_error_naming_the_path(trained_run, tmp_path):
     assert not out.exists() and list(tmp_path.glob(".*.tmp")) == []
 
     (broken / "state.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match=f"{broken / 'state.json'}: not valid JSON"):
+    with pytest.raises(CheckpointError, match=f"{broken / 'state.json'}: unreadable"):
         consolidate(broken, out)
 
     state = json.loads((resolve_checkpoint(trained_run) / "state.json").read_text())

@@ -23,7 +23,6 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from lm.checkpoint.manifest import verify_checkpoint
 from lm.checkpoint.model_weights import fill_tied, load_checkpoint_weights, tied_names
 from lm.checkpoint.store import read_config, read_state, resolve_checkpoint
 from lm.config import JobConfig, config_from_yaml
@@ -53,7 +52,6 @@ def consolidate(checkpoint: str | Path, out: str | Path, force: bool = False) ->
     if problem := output_problem(out, force):
         raise CheckpointError(problem)
     step_dir = resolve_checkpoint(checkpoint)
-    verify_checkpoint(step_dir, require_manifest=False)
     state = read_state(step_dir)
     cfg = read_config(step_dir)
     model = family_of(cfg.model).build(cfg.model)

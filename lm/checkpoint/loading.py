@@ -8,7 +8,6 @@ import torch
 import torch.nn as nn
 
 from lm.checkpoint.consolidated import load_consolidated, load_consolidated_weights, read_consolidated_config
-from lm.checkpoint.manifest import verify_checkpoint
 from lm.checkpoint.model_weights import load_checkpoint_weights, tied_names
 from lm.checkpoint.resume import family_mismatch, model_diff
 from lm.checkpoint.store import read_config, resolve_checkpoint
@@ -86,7 +85,6 @@ def load_for_inference(path: str | Path, device: torch.device) -> tuple[nn.Modul
         cfg = hf_job_config(path)
         return load_hf_model(read_hf_model(path)).to(device), cfg, path
     step_dir = resolve_checkpoint(path)
-    verify_checkpoint(step_dir, require_manifest=False)
     cfg = read_config(step_dir)
     model = family_of(cfg.model).build(cfg.model)
     load_checkpoint_weights(step_dir, model)

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from lm.checkpoint.manifest import verify_checkpoint
 from lm.checkpoint.store import describe_failure, read_state
 from lm.distributed.zero import DEEPSPEED_TAG
 from lm.errors import CheckpointError
@@ -73,9 +74,12 @@ def load_checkpoint_weights(step_dir: Path, model: nn.Module) -> None:
     """Load the weights of the checkpoint in `step_dir` (any engine, any world size) into `model`.
 
     `model` is the one its family builds from `read_config(step_dir).model`; every parameter must be present
-    and of the right shape (strict). Raises CheckpointError naming the directory when the files cannot
-    be read or do not fit the model.
+    and of the right shape (strict). The files are first checked against the checkpoint's manifest, as a
+    resume checks them, so every tool that reads weights refuses a damaged or changed file alike. Raises
+    CheckpointError naming the directory or file when the files are damaged, cannot be read or do not fit
+    the model.
     """
+    verify_checkpoint(step_dir, require_manifest=False)
     state = read_state(step_dir)
     engine = state.get("engine", "ddp")  # checkpoints older than the engine key were all DDP
     try:

@@ -32,10 +32,10 @@ _FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parqu
 
 def read_labelled(
     path: str | Path, text_column: str, label_column: str, kind: str, num_classes: int = 0,
-    every_class: bool = True,
-) -> tuple[list[str], np.ndarray]:
+    every_class: bool = True, labels_optional: bool = False,
+) -> tuple[list[str], np.ndarray | None]:
     """The texts and labels of a labelled file: (texts, labels (N,)), labels int64 for kind "classify"
-    and float64 for "regress".
+    and float64 for "regress"; labels None when `labels_optional` and the file has no `label_column`.
 
     Raises DataError naming the file and the column, row (counted from 0, a csv's header excluded) or
     value for: an unknown suffix, a missing or empty file, a missing column, a text that is not a
@@ -49,8 +49,13 @@ def read_labelled(
     if kind == "classify" and num_classes < 2:
         raise ValueError(f"a classifier needs num_classes >= 2, got {num_classes}")
     path = Path(path)
-    columns = _read_columns(path, (text_column, label_column))
-    texts, values = _texts(path, text_column, columns[text_column]), columns[label_column]
+    label = (label_column,)
+    columns = _read_columns(path, (text_column, *(() if labels_optional else label)),
+                            optional=label if labels_optional else ())
+    texts = _texts(path, text_column, columns[text_column])
+    if label_column not in columns:
+        return texts, None
+    values = columns[label_column]
     if kind == "regress":
         return texts, _numbers(path, label_column, values)
     return texts, _classes(path, label_column, values, num_classes, every_class)
@@ -69,8 +74,9 @@ def _texts(path: Path, column: str, values: list) -> list[str]:
     return values
 
 
-def _read_columns(path: Path, names: Sequence[str]) -> dict[str, list]:
-    """The columns `names` of a csv/json/jsonl/parquet file, read whole by Hugging Face datasets."""
+def _read_columns(path: Path, names: Sequence[str], optional: Sequence[str] = ()) -> dict[str, list]:
+    """The columns `names` of a csv/json/jsonl/parquet file, read whole by Hugging Face datasets, and those
+    of `optional` that it has."""
     fmt = _FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise DataError(f"{path}: unsupported extension {path.suffix!r}; expected one of {', '.join(_FORMATS)}")
@@ -112,7 +118,7 @@ def _read_columns(path: Path, names: Sequence[str]) -> dict[str, list]:
             raise DataError(f"{path}: no column {name!r}; the columns are {sorted(table.column_names)}")
     if table.num_rows == 0:
         raise DataError(f"{path}: no rows; expected labelled examples")
-    return {name: list(table[name]) for name in names}
+    return {name: list(table[name]) for name in (*names, *optional) if name in table.column_names}
 
 
 def _number(value: object) -> float | None:

@@ -5,6 +5,7 @@
 import json
 import math
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,24 @@ def test_a_classifier_learns_a_separable_task_and_predicts_it(encoder_run, separ
     accuracy = sum(line["prediction"] == row["label"] for line, row in zip(lines, separable_rows)) / len(lines)
     assert accuracy > 0.95
     assert f"accuracy: {accuracy:.4f}" in printed
+
+    # a file without the run's label column is predicted alike and not scored
+    unlabelled = write_rows(tmp_path / "unlabelled.jsonl", [{"text": row["text"]} for row in separable_rows])
+    again = tmp_path / "again.jsonl"
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(unlabelled), "--out", str(again)]) == 0
+    assert again.read_text() == preds.read_text() and "accuracy" not in capsys.readouterr().out
+    # unless --label-column asks for labels it lacks
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(unlabelled), "--label-column=label"]) == 2
+    assert "no column 'label'" in capsys.readouterr().err
+    # an output that cannot be written is refused before the model is loaded, and nothing is touched
+    before = task.read_bytes()
+    for bad, why in ((tmp_path, "is a directory"), (tmp_path / "nowhere" / "p.jsonl", "does not exist"),
+                     (task, "is the input")):
+        assert run(predict.main, ["--checkpoint", str(tmp_path / "no-run"), "--file", str(task),
+                                  "--out", str(bad)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: --out {bad}: ") and why in err[0], err
+    assert task.read_bytes() == before
 
 
 def test_a_regression_head_fits_a_linear_target(encoder_run, tmp_path):
@@ -144,6 +163,23 @@ def test_a_decoder_checkpoint_is_not_an_encoder(trained_run, separable_rows, tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "decoder-only GPT (model.arch=gpt)" in err[0] and str(trained_run) in err[0], err
     assert not out.exists()
+
+
+def test_a_changed_encoder_checkpoint_is_refused_as_a_resume_refuses_it(encoder_run, separable_rows, tmp_path,
+                                                                        capsys):
+    encoder = tmp_path / "encoder"
+    shutil.copytree(encoder_run, encoder)
+    shard = sorted(resolve_checkpoint(encoder).glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one changed byte: same size, another sha256
+    shard.write_bytes(bytes(data))
+    task = write_rows(tmp_path / "lines.csv", separable_rows)
+    out = tmp_path / "ft"
+    assert finetune_run(encoder, out, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
+                        "--train.steps=2") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {shard}: sha256 differs from the manifest (corrupt)"], err
+    assert not (out / "checkpoints").exists()
 
 
 def test_a_run_resumes_only_on_its_own_labelled_file(encoder_run, separable_rows, tmp_path, capsys):
