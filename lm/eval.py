@@ -80,7 +80,7 @@ def _streams(args: argparse.Namespace, cfg: JobConfig) -> tuple[list[np.ndarray]
             names = ", ".join(source.dir for source in cfg.data.mixture)
             raise ConfigError(f"--data-dir: {args.checkpoint} trained on a mixture; name the source to score ({names})")
         data_dir = args.data_dir or cfg.data.dir
-        streams, source = val_streams(data_dir, cfg.model.vocab_size), f"{data_dir} (val)"
+        streams, source = val_streams(data_dir, cfg.data.tokenizer, cfg.model.vocab_size), f"{data_dir} (val)"
     if args.max_tokens is not None:
         streams = first_tokens(streams, args.max_tokens)
     return streams, source, n_bytes

@@ -1,7 +1,11 @@
+"""lm.eval through its command line on the session's trained run: val shards, text files, and what it refuses."""
+
+import dataclasses
 
 import pytest
 
 from lm.cli import run
+from lm.data.prepare import prepare
 from lm.eval import main
 from lm.tokenizer import load_tokenizer
 
@@ -41,3 +45,14 @@ def test_cli_bad_window_flags(trained_run, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_:
         run(main, ["--checkpoint", str(trained_run), *flags])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_shards_of_another_tokenizer_are_named_as_such_not_as_damaged(trained_run, tiny_data_config, tmp_path,
+                                                                      capsys):
+    other = tmp_path / "cl100k"
+    prepare(dataclasses.replace(tiny_data_config, tokenizer="cl100k_base", dir=str(other)))
+    capsys.readouterr()
+    assert run(main, ["--checkpoint", str(trained_run), "--data-dir", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {other}: prepared with tokenizer 'cl100k_base', but "
+                                               "data.tokenizer='gpt2'"), err

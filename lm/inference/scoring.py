@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from lm.data.objectives import Objective, document_positions
-from lm.data.shards import check_token_ids, open_shard, read_manifest
+from lm.data.shards import check_manifest, check_token_ids, open_shard, read_manifest
 from lm.errors import DataError
 from lm.io import read_utf8
 from lm.models.family import Family
@@ -127,10 +127,13 @@ def text_tokens(path: Path, tokenizer) -> tuple[np.ndarray, int]:
     return np.asarray(ids, dtype=np.int64), len(text.encode("utf-8"))
 
 
-def val_streams(data_dir: str | Path, vocab_size: int) -> list[np.ndarray]:
-    """The val split of prepared data, one memory-mapped token stream per shard, each checked to hold only
-    ids below `vocab_size` (scoring reads every token anyway, so one pass more costs little)."""
+def val_streams(data_dir: str | Path, tokenizer: str, vocab_size: int) -> list[np.ndarray]:
+    """The val split of prepared data, one memory-mapped token stream per shard. The data must have been
+    prepared with the model's `tokenizer` (as training checks it: shards of another tokenizer are refused as
+    such, not as damaged files), and each shard must hold only ids below `vocab_size` (scoring reads every
+    token anyway, so one pass more costs little)."""
     manifest = read_manifest(data_dir)
+    check_manifest(manifest, tokenizer, vocab_size, data_dir)
     files = [Path(data_dir) / s["file"] for s in manifest["splits"]["val"]["shards"]]
     if not files:
         raise DataError(f"{data_dir}: the val split has no shards; prepare with data.val_fraction > 0")
