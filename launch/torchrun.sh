@@ -10,10 +10,12 @@
 # every process of the job at once, as Slurm's --signal does, is fine too: a worker takes several SIGTERMs
 # as one request. Ctrl-C (SIGINT) goes to torchrun, which forwards it: the workers save and exit, torchrun
 # exits 1; LM_STOP_GRACE (default 600) is how many seconds torchrun then gives them before SIGKILL.
+# torchrun runs as lm-torchrun (lm/torchrun.py): the same arguments, and a failed run ends on the workers'
+# own error line rather than torchrun's traceback.
 set -euo pipefail
 trap '' TERM
 export PET_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT" PET_SHUTDOWN_TIMEOUT="${LM_STOP_GRACE:-600}"
-torchrun "$@" &
+lm-torchrun "$@" &
 launcher=$!
 trap 'pkill -TERM -P "$launcher" || true' TERM  # torchrun's children are the workers
 while :; do

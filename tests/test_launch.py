@@ -4,6 +4,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -104,7 +105,7 @@ def test_two_nodes_rendezvous_and_train(tiny_data_dir, tmp_path):
     ({"NNODES": "2", "MASTER_ADDR": ""}, "error: MASTER_ADDR: set it to the host name or address of one node"),
 ], ids=["world-size", "zero-nodes", "word-nodes", "no-nodes", "bad-nproc", "node-rank", "no-master"])
 def test_multi_node_rejects_bad_input_before_torchrun(tmp_path, variables, message):
-    torchrun = stub(tmp_path, "torchrun")
+    torchrun = stub(tmp_path, "lm-torchrun")
     env = script_env(tmp_path, **{"MASTER_ADDR": "127.0.0.1", "NPROC_PER_NODE": "1", **variables})
     result = subprocess.run(["bash", "launch/multi_node.sh", "--train.steps=1"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=60)
@@ -114,7 +115,7 @@ def test_multi_node_rejects_bad_input_before_torchrun(tmp_path, variables, messa
 
 
 def test_multi_node_command_lines(tmp_path):
-    torchrun = stub(tmp_path, "torchrun")
+    torchrun = stub(tmp_path, "lm-torchrun")
     base = {"NNODES": "4", "NPROC_PER_NODE": "8", "MASTER_ADDR": "node0", "WORLD_SIZE": "32"}
     for variables in ({"RUN_ID": "r1", "MAX_RESTARTS": "3"}, {"NODE_RANK": "3", "MASTER_PORT": "1234"}):
         subprocess.run(["bash", "launch/multi_node.sh", "--config", "c.yaml"], cwd=REPO, check=True,
@@ -125,6 +126,29 @@ def test_multi_node_command_lines(tmp_path):
     assert static == ["--nnodes=4", "--nproc_per_node=8", "--rdzv_backend=static", "--node_rank=3",
                       "--master_addr=node0", "--master_port=1234", "--rdzv_id=lm", "--max-restarts=0",
                       "-m", "lm.train", "--config", "c.yaml"]
+
+
+def test_a_launched_run_that_refuses_its_input_ends_on_the_workers_error_line(tmp_path):
+    result = subprocess.run(["bash", "launch/single_node.sh", *TINY, f"--data.dir={tmp_path / 'none'}",
+                             f"--train.out_dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True,
+                            env=script_env(tmp_path, NPROC_PER_NODE="2"), timeout=120)
+    assert result.returncode == 2
+    # one line from each rank, and nothing of torchrun's: no banner, no failure table, no traceback
+    assert result.stderr.splitlines() == [f"error: data.dir: no directory '{tmp_path / 'none'}'; run "
+                                          "`python -m lm.prepare` first"] * 2, result.stderr
+    assert "torch/distributed" not in result.stdout
+
+
+def test_a_crashed_worker_ends_on_a_line_naming_its_rank_after_torchruns_log(tiny_data_dir, tmp_path):
+    result = subprocess.run(["bash", "launch/single_node.sh", *TINY, f"--data.dir={tiny_data_dir}",
+                             f"--train.out_dir={tmp_path / 'run'}", "--train.steps=4"], cwd=REPO, capture_output=True,
+                            text=True, env=script_env(tmp_path, NPROC_PER_NODE="2", LM_FAULT_KILL="1:2"), timeout=120)
+    assert result.returncode == 1
+    last = result.stderr.splitlines()[-1]
+    assert re.fullmatch(r"error: lm\.train: rank 1 \(pid \d+\) was killed by SIGKILL; its own output is above",
+                        last), result.stderr
+    # torchrun's log of the failure is shown (rank 0's own traceback too: its peer vanished), not torchrun's traceback
+    assert "exitcode: -9" in result.stderr and "ChildFailedError" not in result.stderr
 
 
 @pytest.mark.parametrize("target", ["script", "every process"])
@@ -163,7 +187,7 @@ def test_sigterm_to_a_launched_run_saves_and_every_process_exits_0(target, tiny_
 def test_single_node_uses_every_gpu_or_two_cpu_processes(tmp_path):
     import torch
 
-    torchrun = stub(tmp_path, "torchrun")
+    torchrun = stub(tmp_path, "lm-torchrun")
     subprocess.run(["bash", "launch/single_node.sh", "--config", "c.yaml"], cwd=REPO, check=True,
                    env=script_env(tmp_path), timeout=60)
     assert calls(torchrun) == [["--standalone", f"--nproc_per_node={torch.cuda.device_count() or 2}",
@@ -214,7 +238,7 @@ def test_slurm_script_runs_one_torchrun_per_node(tiny_data_dir, tmp_path):
 
 def test_slurm_script_two_gpu_nodes(tmp_path):
     script, env = slurm_job(tmp_path, ["gpu07", "gpu08"], SLURM_GPUS_PER_NODE="h100:8")
-    torchrun = stub(tmp_path, "torchrun")
+    torchrun = stub(tmp_path, "lm-torchrun")
     subprocess.run(["bash", str(script), "--config", "configs/gpt2-124m.yaml"], cwd=tmp_path, env=env,
                    check=True, timeout=60)
     expected = ["--nnodes=2", "--nproc_per_node=8", "--rdzv_backend=c10d", "--rdzv_endpoint=gpu07:29500",

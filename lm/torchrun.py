@@ -1,0 +1,86 @@
+"""`lm-torchrun ARGS` (or `python -m lm.torchrun ARGS`): torchrun with the same ARGS, ending a failed run on the
+project's own line.
+
+A worker that refuses its input prints one `error:` line and exits 2. torchrun would then print an error log
+line per worker, a ChildFailedError traceback and a failure table below it, so the user's last screenful is
+the launcher's and not the reason. Here torchrun's log is held back until the run ends: a run whose first
+failure exited 2 (an input error the worker has already named) ends with the workers' lines and exit status
+2, and the held log is dropped; any other ending (success, a crash, a signal, an exit 1) prints the held log
+and, for a failure, one `error:` line naming the rank and its exit code. The launch scripts start torchrun
+through this command (launch/torchrun.sh).
+"""
+
+import logging
+import os
+import signal
+import sys
+from logging.handlers import MemoryHandler
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args
+from torch.distributed.run import run as torchrun
+
+INPUT_ERROR = 2
+"""The exit status of a tool that refused its input with one `error:` line (`lm.cli.run`)."""
+
+
+def _hold_launcher_log() -> tuple[MemoryHandler, list[logging.Handler]]:
+    """Route torch.distributed's log records into a buffer instead of its stderr handlers."""
+    logger = logging.getLogger("torch.distributed")
+    shown = list(logger.handlers)
+    held = MemoryHandler(capacity=10**6, flushLevel=logging.CRITICAL + 1)
+    for handler in shown:
+        logger.removeHandler(handler)
+    logger.addHandler(held)
+    return held, shown
+
+
+def _show(held: MemoryHandler, shown: list[logging.Handler]) -> None:
+    for record in held.buffer:
+        for handler in shown:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+    held.buffer.clear()
+
+
+def _describe(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with status {exitcode}"
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if "OMP_NUM_THREADS" not in os.environ and args.nproc_per_node not in ("1", 1):
+        # what torchrun would set, without the banner it prints to say so on every run
+        os.environ["OMP_NUM_THREADS"] = "1"
+    held, shown = _hold_launcher_log()
+    try:
+        torchrun(args)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        if failure.exitcode == INPUT_ERROR:
+            return INPUT_ERROR
+        _show(held, shown)
+        print(f"error: {err.name}: rank {rank} (pid {failure.pid}) {_describe(failure.exitcode)}; its own output "
+              "is above", file=sys.stderr)
+        return 1
+    except SignalException as err:  # Ctrl-C or another signal torchrun handles: the workers were told to stop
+        _show(held, shown)
+        print(f"error: stopped by {err.sigval.name}", file=sys.stderr)
+        return 1
+    _show(held, shown)
+    return 0
+
+
+def cli() -> None:
+    """The `lm-torchrun` command."""
+    sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    cli()
