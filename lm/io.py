@@ -38,11 +38,15 @@ def sha256_file(path: str | Path) -> str:
 
 def output_file_problem(path: Path, inputs: Sequence[Path] = ()) -> str | None:
     """Why a tool may not write the file `path`, or None when it may: asked before any work, so a bad output
-    path costs nothing. Refused: a directory, a parent directory that is not there, one of the `inputs`."""
+    path costs nothing. Refused: a directory, a path below a file (missing parent directories are made, as
+    `atomic_path` makes them), one of the `inputs`."""
     if path.is_dir():
         return f"{path}: is a directory; name the file to write"
-    if not path.parent.is_dir():
-        return f"{path}: the directory {path.parent} does not exist"
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"{path}: {parent} is a file, not a directory"
+            break
     for source in inputs:
         if path.exists() and source.exists() and path.resolve() == source.resolve():
             return f"{path}: is the input {source}; write the output to another file"

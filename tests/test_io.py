@@ -5,7 +5,16 @@ import stat
 import pytest
 
 from lm.errors import DataError
-from lm.io import atomic_path, atomic_write_text, merge_dir, publish_dir, read_utf8, read_utf8_chunks, sha256_file
+from lm.io import (
+    atomic_path,
+    atomic_write_text,
+    merge_dir,
+    output_file_problem,
+    publish_dir,
+    read_utf8,
+    read_utf8_chunks,
+    sha256_file,
+)
 
 
 def test_sha256_file_streams_the_whole_file(tmp_path):
@@ -105,3 +114,15 @@ def test_read_utf8_chunks_gives_read_utf8s_error(tmp_path, data, message):
         assert str(chunked.value) == str(whole.value)
     with pytest.raises(DataError, match=r"none.txt: cannot read: No such file or directory"):
         list(read_utf8_chunks(tmp_path / "none.txt", 4))
+
+
+def test_an_output_file_is_refused_where_it_cannot_be_written(tmp_path):
+    source = tmp_path / "rows.csv"
+    source.write_text("text\n")
+    assert output_file_problem(tmp_path / "new" / "deeper" / "out.jsonl", [source]) is None  # parents are made
+    assert output_file_problem(tmp_path / "out.jsonl", [source]) is None
+    assert output_file_problem(tmp_path, [source]) == f"{tmp_path}: is a directory; name the file to write"
+    below = source / "x" / "out.jsonl"
+    assert output_file_problem(below) == f"{below}: {source} is a file, not a directory"
+    assert output_file_problem(tmp_path / "." / "rows.csv", [source]) == (
+        f"{tmp_path / 'rows.csv'}: is the input {source}; write the output to another file")

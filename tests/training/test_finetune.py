@@ -67,7 +67,7 @@ def test_a_classifier_learns_a_separable_task_and_predicts_it(encoder_run, separ
     assert "no column 'label'" in capsys.readouterr().err
     # an output that cannot be written is refused before the model is loaded, and nothing is touched
     before = task.read_bytes()
-    for bad, why in ((tmp_path, "is a directory"), (tmp_path / "nowhere" / "p.jsonl", "does not exist"),
+    for bad, why in ((tmp_path, "is a directory"), (task / "p.jsonl", "is a file, not a directory"),
                      (task, "is the input")):
         assert run(predict.main, ["--checkpoint", str(tmp_path / "no-run"), "--file", str(task),
                                   "--out", str(bad)]) == 2
