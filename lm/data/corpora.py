@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from lm.data.local_datasets import local_datasets
 from lm.data.pieces import Piece, split_pieces
 from lm.errors import DataError
 from lm.io import read_utf8, read_utf8_chunks
@@ -221,13 +222,8 @@ def _row_texts(path: Path, fmt: str, text_column: str) -> Iterator[str]:
 
 
 def _stream_rows(path: Path, fmt: str) -> Iterator[dict]:
-    # Local files never need the Hub; datasets reads these variables when it is first imported.
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    import datasets  # slow to import, so only when row files are used
-
     # Streaming writes nothing but a lock file; keep even that out of the user's home.
-    with tempfile.TemporaryDirectory(prefix="lm-datasets-") as cache:
+    with local_datasets() as datasets, tempfile.TemporaryDirectory(prefix="lm-datasets-") as cache:
         stream = None
         while True:
             try:

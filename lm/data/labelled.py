@@ -9,9 +9,7 @@ same way at every world size, so a run resumes on any number of ranks. Batches a
 longest example with pad_id, under a key-padding mask `keep` (True at real tokens).
 """
 
-import logging
 import math
-import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -19,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from lm.data.loader import rank_slice
+from lm.data.local_datasets import local_datasets
 from lm.data.mixture import sample_order
 from lm.data.prepare import is_val_document
 from lm.errors import DataError
@@ -84,35 +83,22 @@ def _read_columns(path: Path, names: Sequence[str], optional: Sequence[str] = ()
         raise DataError(f"{path}: no such file")
     if path.stat().st_size == 0:
         raise DataError(f"{path}: empty file; expected a header and labelled rows")
-    # Local files never need the Hub; datasets reads these variables when it is first imported.
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    import datasets  # slow to import, so only when a labelled file is read
-
-    # quiet while reading: its progress bars, and its own log line for a file we refuse in one line anyway
-    bars, logger = not datasets.are_progress_bars_disabled(), logging.getLogger("datasets")
-    level = logger.level
-    datasets.disable_progress_bars()
-    logger.setLevel(logging.CRITICAL)
     # datasets writes an Arrow copy before loading it; a temporary cache keeps it out of the user's home,
     # and keep_in_memory loads it whole, so the copy can go at once
     # a csv cell is read as written: pandas would otherwise turn "", "NA", "null", "None" ... into a missing value
     options = {"keep_default_na": False} if fmt == "csv" else {}
-    try:
-        with tempfile.TemporaryDirectory(prefix="lm-datasets-") as cache:
-            table = datasets.load_dataset(
-                fmt, data_files=[str(path)], split="train", cache_dir=cache, keep_in_memory=True, **options
-            )
-    # pyarrow's parse errors (ArrowInvalid) are ValueErrors, which datasets wraps when it meets them in a file
-    except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as err:
-        if "corresponds to no data" in str(err):
-            raise DataError(f"{path}: no rows; expected labelled examples") from err
-        cause = str(err.__cause__ or err).strip().splitlines() or [type(err).__name__]
-        raise DataError(f"{path}: cannot read as {fmt}: {cause[0]}") from err
-    finally:
-        logger.setLevel(level)
-        if bars:
-            datasets.enable_progress_bars()
+    with local_datasets() as datasets:
+        try:
+            with tempfile.TemporaryDirectory(prefix="lm-datasets-") as cache:
+                table = datasets.load_dataset(
+                    fmt, data_files=[str(path)], split="train", cache_dir=cache, keep_in_memory=True, **options
+                )
+        # pyarrow's parse errors (ArrowInvalid) are ValueErrors, which datasets wraps when it meets them in a file
+        except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as err:
+            if "corresponds to no data" in str(err):
+                raise DataError(f"{path}: no rows; expected labelled examples") from err
+            cause = str(err.__cause__ or err).strip().splitlines() or [type(err).__name__]
+            raise DataError(f"{path}: cannot read as {fmt}: {cause[0]}") from err
     for name in names:
         if name not in table.column_names:
             raise DataError(f"{path}: no column {name!r}; the columns are {sorted(table.column_names)}")

@@ -171,3 +171,17 @@ def test_content_hash(tmp_path):
     (tmp_path / "in" / "a.txt").write_text("alpha")
     (tmp_path / "in" / "b.jsonl").rename(tmp_path / "in" / "c.jsonl")
     assert find_corpus(source).content_hash("text") != base
+
+
+@pytest.mark.parametrize("name, content", [("a.jsonl", "not json\n"), ("a.json", "[{\"text\": \"a\"}"),
+                                           ("a.parquet", "not parquet")])
+def test_a_row_file_datasets_cannot_parse_is_our_one_line_and_none_of_its_log(name, content, tmp_path, capsys):
+    from lm.cli import run
+    from lm.prepare import main as prepare_main
+
+    (tmp_path / name).write_text(content)
+    assert run(prepare_main, [f"--data.source={tmp_path / name}", f"--data.dir={tmp_path / 'out'}"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [captured.err.strip()] and captured.err.startswith(
+        f"error: {tmp_path / name}: cannot read as "), captured.err
+    assert "Failed" not in captured.out and not (tmp_path / "out").exists(), captured.out
