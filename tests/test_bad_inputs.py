@@ -150,6 +150,12 @@ CASES = [
          r"parallel.engine: unknown engine 'megatron'; expected one of \['ddp', 'fsdp', 'deepspeed'\]"),
     Case("config: another engine's option", "train", train("--parallel.zero_stage=2"),
          r"parallel.zero_stage: only the deepspeed engine has it, but parallel.engine is ddp"),
+    Case("config: a DeepSpeed JSON value DeepSpeed refuses", "train",
+         train("--parallel.engine=deepspeed", "--parallel.zero_stage=2", "--parallel.deepspeed_config={ws}/ds.json",
+               out="{ws}/ds-run"),
+         r"parallel.deepspeed_config: {ws}/ds.json: DeepSpeedZeroConfig reduce_bucket_size: Input should be a valid "
+         r"integer, .* got 'x'",
+         setup=lambda ws: (ws / "ds.json").write_text('{"zero_optimization": {"reduce_bucket_size": "x"}}')),
     Case("config: seq_len beyond block_size", "train", train("--data.seq_len=64"),
          r"data.seq_len: 64 exceeds model.block_size=32"),
     Case("config: batch not divisible", "train", train("--train.batch_size=5"),

@@ -80,6 +80,12 @@ def deepspeed_config(cfg: JobConfig, world_size: int, device: torch.device, load
         if key in user and user[key] != ours[key]:
             raise ConfigError(f"parallel.deepspeed_config: {path} sets {key}={user[key]}, but this job has "
                               f"{ours[key]} ({source}); change the job's config instead, or drop the key")
+    user_zero = user.get("zero_optimization")
+    stage = user_zero.get("stage", cfg.parallel.zero_stage) if isinstance(user_zero, dict) else cfg.parallel.zero_stage
+    if stage != cfg.parallel.zero_stage:
+        raise ConfigError(f"parallel.deepspeed_config: {path} sets zero_optimization.stage={stage!r}, but this job "
+                          f"has {cfg.parallel.zero_stage} (parallel.zero_stage); change the job's config instead, "
+                          "or drop the key")
     for key in ("optimizer", "scheduler"):
         if key in user:
             raise ConfigError(f"parallel.deepspeed_config: {path} sets {key!r}; lm passes its own AdamW and "
@@ -98,10 +104,18 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: JobConfi
     # DeepSpeed reads its rank from the environment; a run started without a launcher has none
     for key, value in (("LOCAL_RANK", env.local_rank), ("RANK", env.rank), ("WORLD_SIZE", env.world_size)):
         os.environ.setdefault(key, str(value))
-    engine, ds_optimizer, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=deepspeed_config(cfg, env.world_size, env.device, load_universal),
-        dist_init_required=False,
-    )
+    from pydantic import ValidationError  # what DeepSpeed's config classes raise
+
+    try:
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=deepspeed_config(cfg, env.world_size, env.device, load_universal),
+            dist_init_required=False,
+        )
+    except ValidationError as err:  # a value of the user's JSON that DeepSpeed's schema refuses
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ConfigError(f"parallel.deepspeed_config: {cfg.parallel.deepspeed_config}: {err.title} {where}: "
+                          f"{first['msg']}, got {first.get('input')!r}") from None
     return engine, ds_optimizer
 
 

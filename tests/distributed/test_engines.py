@@ -157,6 +157,9 @@ def test_deepspeed_config_comes_from_ours_and_a_user_json_may_not_contradict_it(
     user.write_text(json.dumps({"train_batch_size": 64}))
     with pytest.raises(ConfigError, match=r"sets train_batch_size=64, but this job has 32 \(train.batch_size\)"):
         deepspeed_config(cfg, 2, torch.device("cpu"))
+    user.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    with pytest.raises(ConfigError, match=r"sets zero_optimization.stage=3, but this job has 2 \(parallel.zero_st"):
+        deepspeed_config(cfg, 2, torch.device("cpu"))
     user.write_text(json.dumps({"optimizer": {"type": "Adam"}}))
     with pytest.raises(ConfigError, match="sets 'optimizer'; lm passes its own AdamW"):
         deepspeed_config(cfg, 2, torch.device("cpu"))
