@@ -36,17 +36,22 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def file_above(path: Path) -> Path | None:
+    """The nearest existing ancestor of `path` if it is a file, so that nothing can be made below it; else None."""
+    for parent in path.parents:
+        if parent.exists():
+            return None if parent.is_dir() else parent
+    return None
+
+
 def output_file_problem(path: Path, inputs: Sequence[Path] = ()) -> str | None:
     """Why a tool may not write the file `path`, or None when it may: asked before any work, so a bad output
     path costs nothing. Refused: a directory, a path below a file (missing parent directories are made, as
     `atomic_path` makes them), one of the `inputs`."""
     if path.is_dir():
         return f"{path}: is a directory; name the file to write"
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                return f"{path}: {parent} is a file, not a directory"
-            break
+    if (above := file_above(path)) is not None:
+        return f"{path}: {above} is a file, not a directory"
     for source in inputs:
         if path.exists() and source.exists() and path.resolve() == source.resolve():
             return f"{path}: is the input {source}; write the output to another file"

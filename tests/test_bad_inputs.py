@@ -10,6 +10,7 @@ and every file's sha256) before and after.
 import hashlib
 import importlib
 import json
+import random
 import re
 import shutil
 from collections.abc import Callable
@@ -372,3 +373,65 @@ def test_bad_input_is_refused_by_name_and_changes_no_file(case, workspace, tmp_p
     assert len(lines) == 1, err
     assert re.search(case.error.replace("{ws}", re.escape(str(ws))), lines[0]), lines[0]
     assert digest(ws) == before
+
+
+RANDOM_TOOL_CASES = 48
+"""Seeded random command lines for the tools that read a checkpoint (README's figure of inputs tried counts them)."""
+FLAGS = {
+    "eval": ["--text", "--data-dir", "--seq-len", "--stride", "--batch-size", "--max-tokens", "--device"],
+    "sample": ["--prompt", "--prompt-file", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--num-samples",
+               "--seed", "--device"],
+    "export": ["--to", "--force"],
+    "consolidate": ["--force"],
+}
+OUTS = {"export": ["{ws}/out", "{ws}/exported", "{ws}/run", "{ws}/weights.safetensors", "{ws}/corpus/doc_0.txt/x"],
+        "consolidate": ["{ws}/out.safetensors", "{ws}/weights.safetensors", "{ws}/run", "{ws}/o.bin",
+                        "{ws}/corpus/doc_0.txt/o.safetensors"]}
+NUMBERS = ["0", "1", "-1", "2", "7", "33", "1e9", "nan", "inf", "0.5", "x", ""]
+PATHS = ["{ws}/run", "{ws}/weights.safetensors", "{ws}/corpus/doc_0.txt", "{ws}/binary.txt", "{ws}/none",
+         "{ws}/data", "{ws}", ""]
+VALUES_OF = {"--text": PATHS, "--data-dir": PATHS, "--prompt-file": PATHS, "--device": ["cpu", "cuda", "auto", "tpu"],
+             "--to": ["hf", "gpt2", "llama", ""], "--prompt": ["ROMEO:", "", "x " * 40, "<|endoftext|>", "\u00ff\n"]}
+"""Each flag's values: plausible and awkward ones of its kind (a number, for any flag not named here)."""
+
+
+def random_command(rng: random.Random) -> tuple[str, list[str]]:
+    """A tool that reads a checkpoint, the workspace's run or weights, and 1 to 3 of its flags at random values."""
+    tool = rng.choice(sorted(FLAGS))
+    argv = ["--checkpoint", rng.choice(["{ws}/run", "{ws}/weights.safetensors", "{ws}/run/checkpoints"])]
+    for flag in rng.sample(FLAGS[tool], rng.randint(1, min(3, len(FLAGS[tool])))):
+        argv += [flag] if flag == "--force" else [flag, rng.choice(VALUES_OF.get(flag, NUMBERS))]
+    if tool in OUTS:
+        argv.append(rng.choice(OUTS[tool]))
+    return tool, argv
+
+
+def test_random_command_lines_end_in_a_result_or_one_error_line(workspace, tmp_path, capsys, monkeypatch):
+    """Exit 0, or exit 2 with one `error:` line and no traceback; nothing outside the output changes, and the
+    output itself only where --force allows it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rng = random.Random(4)
+    for i in range(RANDOM_TOOL_CASES):
+        tool, argv = random_command(rng)
+        ws = tmp_path / f"ws{i}"
+        shutil.copytree(workspace, ws)
+        monkeypatch.chdir(ws)
+        argv = [a.replace("{ws}", str(ws)) for a in argv]
+        before = digest(ws)
+        try:
+            code = run(importlib.import_module(TOOLS[tool]).main, argv)
+        except SystemExit as exit_:  # argparse's usage errors
+            code = exit_.code
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and code in (0, 2), (tool, argv, code, err)
+        after = digest(ws)
+        if code == 2:
+            assert len([line for line in err.splitlines() if "error: " in line]) == 1, (tool, argv, err)
+            assert after == before, (tool, argv)
+        elif tool in OUTS:
+            out = Path(argv[-1]).relative_to(ws).as_posix()
+            changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+            assert all(k == out or k.startswith(out + "/") for k in changed), (tool, argv, changed)
+            assert "--force" in argv or all(k not in before for k in changed), (tool, argv, changed)
+        else:
+            assert after == before, (tool, argv)

@@ -27,7 +27,7 @@ from lm.checkpoint.model_weights import fill_tied, load_checkpoint_weights, tied
 from lm.checkpoint.store import read_config, read_state, resolve_checkpoint
 from lm.config import JobConfig, config_from_yaml
 from lm.errors import CheckpointError, ConfigError
-from lm.io import atomic_path
+from lm.io import atomic_path, output_file_problem
 from lm.models.registry import family_of
 
 log = logging.getLogger("lm.consolidate")
@@ -36,8 +36,8 @@ log = logging.getLogger("lm.consolidate")
 def output_problem(out: Path, force: bool) -> str | None:
     if out.suffix != ".safetensors":
         return f"{out}: the output must be a .safetensors file"
-    if out.is_dir():
-        return f"{out}: is a directory; name the .safetensors file to write"
+    if problem := output_file_problem(out):
+        return problem
     if out.exists() and not force:
         return f"{out}: exists; pass --force to replace it"
     return None

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from lm.hf.targets import Target, hf_state_dict
 from lm.hf.tokenizer_files import write_hf_tokenizer
-from lm.io import atomic_path, merge_dir, temp_sibling
+from lm.io import atomic_path, file_above, merge_dir, temp_sibling
 from lm.tokenizer import TOKENIZER_CONFIG, HFTokenizer, Tokenizer, is_tokenizer_file
 
 __all__ = ["copy_tokenizer_files", "export_hf", "output_problem", "write_export"]
@@ -108,6 +108,8 @@ def output_problem(out: Path, force: bool) -> str | None:
     """Why the export may not write into `out`, or None when it may."""
     if out.exists() and not out.is_dir():
         return f"{out}: exists and is not a directory"
+    if (above := file_above(out)) is not None:
+        return f"{out}: {above} is a file, not a directory"
     if out.is_dir() and any(out.iterdir()) and not force:
         return f"{out}: directory is not empty; pass --force to write the export's files into it (other files are kept)"
     return None
