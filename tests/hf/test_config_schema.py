@@ -65,6 +65,9 @@ def test_a_value_of_the_wrong_type_or_range_is_named_with_its_file_and_key(model
     assert str(err.value).startswith(f"{tmp_path / 'config.json'}: ") and message in str(err.value)
 
 
+RANDOM_CASES = 120
+"""Seeded random config.json edits (the README's figure of inputs tried counts them)."""
+
 # Values of every JSON type and of awkward sizes, to put under any key lm reads
 VALUES = [None, True, False, 0, 1, 2, 3, -1, 7, 64, 2**31, 10**30, 0.0, 0.5, 1.0, 1e-6, -0.5, 1e308, float("inf"),
           float("nan"), "", "2", "silu", "default", "linear", [], [1], ["LlamaForCausalLM"], ["x", 2], {},
@@ -90,9 +93,9 @@ def random_edits(seed: int, cases: int) -> list[tuple[str, dict]]:
 
 
 def test_random_values_under_every_key_end_in_one_error_line_and_leave_the_file_alone(tmp_path, capsys):
-    """The tools' contract, over 120 seeded random edits: exit 2 with one `error:` line naming config.json or
+    """The tools' contract, over RANDOM_CASES seeded random edits: exit 2 with one `error:` line naming config.json or
     (where the settings are valid) the missing weights, never a traceback, and config.json byte-identical."""
-    for i, (model_type, edit) in enumerate(random_edits(seed=0, cases=120)):
+    for i, (model_type, edit) in enumerate(random_edits(seed=0, cases=RANDOM_CASES)):
         directory = config_dir(model_type, tmp_path / str(i), edit)
         before = (directory / "config.json").read_bytes()
         assert run(eval_main, ["--checkpoint", str(directory)]) == 2, edit
