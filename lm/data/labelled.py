@@ -48,9 +48,8 @@ def read_labelled(
     if kind == "classify" and num_classes < 2:
         raise ValueError(f"a classifier needs num_classes >= 2, got {num_classes}")
     path = Path(path)
-    label = (label_column,)
-    columns = _read_columns(path, (text_column, *(() if labels_optional else label)),
-                            optional=label if labels_optional else ())
+    required, optional = ((text_column,), (label_column,)) if labels_optional else ((text_column, label_column), ())
+    columns = _read_columns(path, required, optional)
     texts = _texts(path, text_column, columns[text_column])
     if label_column not in columns:
         return texts, None
