@@ -88,7 +88,7 @@ def _check_tensors(plan: Plan, stored: dict[str, StoredTensor], params: dict[str
         rest = tuple(params[ours].shape[1:])
         for part in parts:
             tensor = stored[part.name]
-            want = (rest[0], part.rows) if part.transposed else (part.rows, *rest)
+            want = (rest[0], part.stored_rows) if part.transposed else (part.stored_rows, *rest)
             if not tensor.is_float:
                 raise CheckpointError(f"{tensor.path}: {tensor.name} is stored as {tensor.stored_dtype}; lm imports "
                                       f"floating-point weights ({', '.join(DTYPES)})")
@@ -102,6 +102,7 @@ def _fill(local: torch.Tensor, spans: list[tuple[Part, int, int]], stored: dict[
     at = 0
     for part, lo, hi in spans:
         tensor, dest = stored[part.name], local[at:at + hi - lo]
+        lo, hi = lo + part.offset, hi + part.offset  # its rows (columns when transposed)
         if part.transposed:  # our rows are its columns: read it whole
             dest.copy_(read_rows(tensor, 0, tensor.shape[0])[:, lo:hi].t())
         elif dest.dtype == tensor.dtype and dest.is_contiguous():

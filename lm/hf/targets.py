@@ -45,12 +45,21 @@ ONE_KV_HEAD = Need("n_kv_head", "0 (one key/value head per query head)", lambda 
 
 @dataclass(frozen=True)
 class Part:
-    """One transformers tensor that fills `rows` consecutive rows (dim 0) of one of our parameters."""
+    """One transformers tensor, or `rows` of its rows from `offset` on, that fills `rows` consecutive rows (dim 0)
+    of one of our parameters."""
 
     name: str
     rows: int
     transposed: bool = False
     """Stored (in, out), as GPT-2's Conv1D layers are: our rows are its columns."""
+    offset: int = 0
+    """Where our rows start in its rows (columns when transposed): GPT-2's c_attn holds our q, k and v"""
+    of: int = 0
+    """How many rows (columns when transposed) it has, when more than `rows`"""
+
+    @property
+    def stored_rows(self) -> int:
+        return self.of or self.rows
 
 
 Plan = dict[str, tuple[Part, ...]]
@@ -116,12 +125,12 @@ def pick_target(cfg: Any, targets: tuple[Target, ...], family: str) -> Target:
                       f"({have}): {per_target}")
 
 
-def split_rows(tensor: torch.Tensor, parts: tuple[Part, ...]) -> dict[str, torch.Tensor]:
-    """Our tensor cut into its transformers tensors: each part's rows, transposed back where it is stored so."""
-    out, start = {}, 0
+def split_rows(tensor: torch.Tensor, parts: tuple[Part, ...]) -> list[tuple[Part, torch.Tensor]]:
+    """Our tensor cut into its parts' rows, each transposed back where it is stored so."""
+    out, start = [], 0
     for part in parts:
         piece = tensor[start:start + part.rows]
-        out[part.name] = piece.t() if part.transposed else piece
+        out.append((part, piece.t() if part.transposed else piece))
         start += part.rows
     return out
 
@@ -150,8 +159,13 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 def hf_state_dict(model: nn.Module, target: Target) -> dict[str, torch.Tensor]:
     """The transformers weights of `model` under `target`'s names, each a standalone contiguous tensor."""
     sd = model.state_dict()
-    out: dict[str, torch.Tensor] = {}
+    pieces: dict[str, list[tuple[Part, torch.Tensor]]] = {}
     for ours, parts in target.plan(model.cfg).items():
-        out.update(split_rows(sd[ours], parts))
+        for part, piece in split_rows(sd[ours], parts):
+            pieces.setdefault(part.name, []).append((part, piece))
+    out: dict[str, torch.Tensor] = {}
+    for name, found in pieces.items():  # several of ours fill one of theirs (GPT-2's c_attn) in offset order
+        found.sort(key=lambda item: item[0].offset)
+        out[name] = torch.cat([piece for _, piece in found], dim=1 if found[0][0].transposed else 0)
     out.update(target.extra(model.cfg, sd))
     return {k: _own(v) for k, v in out.items()}

@@ -36,6 +36,17 @@ def attend(
     return y.transpose(1, 2).reshape(B, T, nh * hs)
 
 
+def split_fused_qkv(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """Read a state dict saved before q, k and v were separate projections: its fused `qkv` rows [q; k; v]
+    become the three (a load_state_dict pre-hook, so consolidated checkpoints of older runs still load)."""
+    for p in ("weight", "bias"):
+        fused = state_dict.pop(f"{prefix}qkv.{p}", None)
+        if fused is not None:
+            sizes = [module.q.out_features, module.k.out_features, module.v.out_features]
+            for name, part in zip("qkv", fused.split(sizes)):
+                state_dict[f"{prefix}{name}.{p}"] = part
+
+
 def causal_mask(num_queries: int, start: int, device: torch.device | None = None) -> torch.Tensor:
     """Boolean mask (T, start + T) letting query i, at absolute position start + i, see keys 0..start + i."""
     query_pos = torch.arange(start, start + num_queries, device=device)
@@ -65,24 +76,28 @@ def key_padding_mask(keep: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class SelfAttention(nn.Module):
-    """Multi-head (or grouped-query) self-attention, causal for decoders, with one fused q/k/v projection.
+    """Multi-head (or grouped-query) self-attention, causal for decoders.
 
-    The fused projection's output rows are [q heads; k heads; v heads], as in GPT-2's c_attn.
+    q, k and v are three projections rather than one fused matmul: each one's rows are whole heads, so a
+    tensor-parallel rank keeps its own heads of all three by splitting each along its rows (a fused [q; k; v]
+    matrix cut into equal parts would give one rank all the queries and another the keys).
     """
 
     def __init__(self, cfg: TransformerConfig, causal: bool) -> None:
         super().__init__()
         self.causal = causal
-        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
-        # One matmul for q, k and v instead of three keeps the GPU busy with fewer, larger kernels.
-        qkv_rows = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, qkv_rows, bias=cfg.bias or cfg.qkv_bias)
+        bias = cfg.bias or cfg.qkv_bias
+        self.q = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=bias)
+        self.k = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.v = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
         if cfg.qk_norm:  # bounds the attention logits, which lets a high learning rate stay stable
             self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
             self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+        self._register_load_state_dict_pre_hook(split_fused_qkv, with_module=True)
 
     def forward(
         self,
@@ -97,10 +112,13 @@ class SelfAttention(nn.Module):
         With a cache (causal only), x holds the T positions after those already cached. mask: bool, for a
         non-causal layer the key padding (B, 1, 1, T); for a causal one (no cache) the whole mask, causal
         triangle included, e.g. `document_causal_mask` (B, 1, T, T); None for plain causal or no padding.
+        Head counts come from the projections' outputs: under tensor parallelism a rank holds some of the heads.
         """
         B, T, C = x.shape
-        qkv = self.qkv(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)  # (B, nh|nkv, T, hs)
+        hs = self.head_dim
+        q = self.q(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.v(x).view(B, T, -1, hs).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)  # over each head's hs channels
         if rope is not None:

@@ -16,27 +16,40 @@ def make_norm(cfg: TransformerConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
+def split_fused_gate(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """Read a SwiGLU state dict saved before gate and up were separate: its `fc` rows [gate; up] become
+    `gate` and `fc` (a load_state_dict pre-hook, so consolidated checkpoints of older runs still load)."""
+    if module.kind != "swiglu":
+        return
+    for p in ("weight", "bias"):
+        name = f"{prefix}fc.{p}"
+        if f"{prefix}gate.{p}" not in state_dict and name in state_dict:
+            state_dict[f"{prefix}gate.{p}"], state_dict[name] = state_dict[name].chunk(2)
+
+
 class MLP(nn.Module):
     """Position-wise feed-forward network d -> ff_dim -> d, with GELU, ReLU, ReLU squared or SwiGLU.
 
-    SwiGLU computes proj(silu(gate(x)) * up(x)); `fc` holds gate and up stacked as one matrix
-    (rows [gate; up]) so both come out of a single matmul.
+    SwiGLU computes proj(silu(gate(x)) * fc(x)), `fc` being its up projection. gate and fc are separate
+    matrices so that a tensor-parallel rank keeps the same hidden units of both by splitting each along its rows.
     """
 
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.kind = cfg.mlp
         hidden = cfg.ff_dim
-        self.fc = nn.Linear(cfg.d_model, 2 * hidden if cfg.mlp == "swiglu" else hidden, bias=cfg.bias)
+        if cfg.mlp == "swiglu":
+            self.gate = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
+        self.fc = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
         self.proj = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
+        self._register_load_state_dict_pre_hook(split_fused_gate, with_module=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T, C) -> (B, T, C)."""
-        h = self.fc(x)  # (B, T, hidden) or (B, T, 2 * hidden)
+        h = self.fc(x)  # (B, T, hidden)
         if self.kind == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = F.silu(self.gate(x)) * h
         elif self.kind == "relu":
             h = F.relu(h)
         elif self.kind == "relu2":  # the modded-nanogpt MLP: sparse like ReLU, smooth at 0 like GELU

@@ -1,8 +1,8 @@
 """Sizes of the shared transformer layers, from a config alone: parameters, and the bytes a block saves for
 backward. The transformer families add up their models from these (`family.py` of each); nothing is built.
 
-Parameters. Per block: two norms, the fused q/k/v and output projections (grouped-query heads shrink k and
-v), the MLP (SwiGLU's first matrix is 2 x d_ff wide), with qk_norm one RMSNorm of head size each for q and k,
+Parameters. Per block: two norms, the q, k, v and output projections (grouped-query heads shrink k and
+v), the MLP (SwiGLU has a gate matrix beside its up matrix), with qk_norm one RMSNorm of head size each for q and k,
 and in an encoder-decoder's decoder block the cross-attention sublayer (a norm, q, fused k/v, output).
 
 Activations, per micro-batch of b sequences of s tokens on each device (hidden h = d_model, a heads,
@@ -16,9 +16,10 @@ of matmul inputs and outputs (2 in bf16, 4 in float32); r is the residual stream
 save (`lm.plan.memory` says which an engine has):
   attention: norm input r*t*h + q/k/v projection input c*t*h + q c*t*h + k and v 2c*t*k*hd
              + output, which is also the projection's input, c*t*h + softmax logsumexp 4*b*a*s
-             + with rope c*t*(h + k*hd): the rotated q and k are new tensors, and v, a view of the
-               fused q/k/v output, keeps that whole output alive
+             (with rope the kernel saves the rotated q and k instead, and the unrotated ones are freed)
   MLP:       norm input r*t*h + first matrix input c*t*h + c*t*f * (2 gelu, 1 relu, 2 relu2, 4 swiglu)
+  Under autocast (c < r) each linear casts its input to a copy of its own: q, k and v save three copies of
+  theirs, SwiGLU's gate and up two.
   dropout > 0: a 1-byte mask per dropout (t*h each), as CUDA stores them.
 For GPT-2's block in bf16 under fsdp that is 32*t*h + 4*b*a*s bytes. `scaled_dot_product_attention`
 runs a fused kernel (flash or memory-efficient) for our calls on a GPU, so the a*s^2 attention matrix
@@ -115,8 +116,15 @@ def layer_activation_bytes(
         n += attention_bytes(cfg, batch, seq, memory_len, c, residual_bytes, fused_attention, self_attention=False)
     # relu saves only its output, the next input; relu2 its output and the square's
     hidden = {"gelu": 2, "relu": 1, "relu2": 2, "swiglu": 4}[cfg.mlp]
-    n += residual_bytes * t * h + c * t * h + hidden * c * t * f + (t * h if drop else 0)
+    inputs = cast_copies(2 if cfg.mlp == "swiglu" else 1, c, residual_bytes)  # SwiGLU: gate's and up's
+    n += residual_bytes * t * h + inputs * c * t * h + hidden * c * t * f + (t * h if drop else 0)
     return n
+
+
+def cast_copies(linears: int, c: int, residual: int) -> int:
+    """How many copies of one input the `linears` that read it save: under autocast (matmuls narrower than the
+    residual stream) each casts the input to its own copy; otherwise they share the one tensor."""
+    return linears if c < residual else 1
 
 
 def attention_bytes(cfg: TransformerConfig, batch: int, q_len: int, kv_len: int, c: int, residual: int,
@@ -124,13 +132,11 @@ def attention_bytes(cfg: TransformerConfig, batch: int, q_len: int, kv_len: int,
     """One attention sublayer's saved tensors: norm, projection inputs, q (k, v for self-attention), output."""
     h, heads = cfg.d_model, cfg.n_head
     t = batch * q_len
-    n = residual * t * h + c * t * h + c * t * h  # norm input, projection input, q
+    # norm input, projection input(s), q: self-attention's x feeds q, k and v; cross-attention's feeds q alone
+    n = residual * t * h + cast_copies(3 if self_attention else 1, c, residual) * c * t * h + c * t * h
     if self_attention:
         kv = cfg.kv_heads * cfg.head_dim
         n += 2 * c * t * kv
-        if cfg.pos == "rope":
-            # rotation makes new q and k, but v stays a view of the fused q/k/v output and keeps all of it alive
-            n += c * t * (h + kv)
     scores = batch * heads * q_len * kv_len
     if fused:
         # the kernel returns (B, T, nh, hs) memory, so the output projection's input is the same tensor

@@ -139,7 +139,7 @@ def test_gradients_flow_through_the_mask_path_and_stay_inside_each_document() ->
     _, loss = logits_and_loss(model, idx, torch.randint(0, 100, (1, 12)), positions)
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
-    assert model.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
+    assert model.blocks[0].attn.q.weight.grad.abs().sum() > 0
 
 
 def test_causal_self_attention_with_a_document_mask_keeps_documents_apart() -> None:

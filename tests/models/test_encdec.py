@@ -17,6 +17,11 @@ CFG = EncDecConfig(vocab_size=200, block_size=24, n_layer=2, n_head=4, d_model=3
                    norm_position="post", mlp="relu")
 
 
+def qkv(attn, p: str):
+    """Our q, k and v stacked as torch's in_proj rows [q; k; v]."""
+    return torch.cat([getattr(attn.q, p), getattr(attn.k, p), getattr(attn.v, p)])
+
+
 def logits(model: EncoderDecoder, *args: torch.Tensor, **kw: object) -> torch.Tensor:
     return model.logits(model(*args, **kw))
 
@@ -49,14 +54,14 @@ def reference_transformer(model: EncoderDecoder) -> nn.Transformer:
 
     with torch.no_grad():
         for ours, theirs in zip(model.encoder, ref.encoder.layers):
-            theirs.self_attn.in_proj_weight.copy_(ours.attn.qkv.weight)
-            theirs.self_attn.in_proj_bias.copy_(ours.attn.qkv.bias)
+            theirs.self_attn.in_proj_weight.copy_(qkv(ours.attn, "weight"))
+            theirs.self_attn.in_proj_bias.copy_(qkv(ours.attn, "bias"))
             copy(theirs.self_attn.out_proj, ours.attn.proj)
             copy(theirs.linear1, ours.mlp.fc), copy(theirs.linear2, ours.mlp.proj)
             copy(theirs.norm1, ours.ln_1), copy(theirs.norm2, ours.ln_2)
         for ours, theirs in zip(model.decoder, ref.decoder.layers):
-            theirs.self_attn.in_proj_weight.copy_(ours.attn.qkv.weight)
-            theirs.self_attn.in_proj_bias.copy_(ours.attn.qkv.bias)
+            theirs.self_attn.in_proj_weight.copy_(qkv(ours.attn, "weight"))
+            theirs.self_attn.in_proj_bias.copy_(qkv(ours.attn, "bias"))
             copy(theirs.self_attn.out_proj, ours.attn.proj)
             theirs.multihead_attn.in_proj_weight.copy_(torch.cat([ours.cross.q.weight, ours.cross.kv.weight]))
             theirs.multihead_attn.in_proj_bias.copy_(torch.cat([ours.cross.q.bias, ours.cross.kv.bias]))

@@ -20,6 +20,11 @@ CFG = EncoderConfig(vocab_size=200, block_size=24, n_layer=2, n_head=4, d_model=
                     norm_position="post", mlp="relu")
 
 
+def qkv(attn, p: str):
+    """Our q, k and v stacked as torch's in_proj rows [q; k; v]."""
+    return torch.cat([getattr(attn.q, p), getattr(attn.k, p), getattr(attn.v, p)])
+
+
 def config(**changes) -> EncoderConfig:
     return EncoderConfig(**{**CFG.__dict__, **changes})
 
@@ -41,8 +46,8 @@ def reference_encoder(model: Encoder) -> nn.TransformerEncoder:
 
     with torch.no_grad():
         for ours, theirs in zip(model.blocks, ref.layers, strict=True):
-            theirs.self_attn.in_proj_weight.copy_(ours.attn.qkv.weight)  # both stack rows [q; k; v]
-            theirs.self_attn.in_proj_bias.copy_(ours.attn.qkv.bias)
+            theirs.self_attn.in_proj_weight.copy_(qkv(ours.attn, "weight"))  # rows [q; k; v]
+            theirs.self_attn.in_proj_bias.copy_(qkv(ours.attn, "bias"))
             copy(theirs.self_attn.out_proj, ours.attn.proj)
             copy(theirs.linear1, ours.mlp.fc), copy(theirs.linear2, ours.mlp.proj)
             copy(theirs.norm1, ours.ln_1), copy(theirs.norm2, ours.ln_2)
@@ -201,7 +206,7 @@ def test_every_position_and_norm_runs_forward_and_backward(pos: str, norm: str) 
     assert torch.isfinite(loss) and loss.item() > 1.0
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
-    assert model.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
+    assert model.blocks[0].attn.q.weight.grad.abs().sum() > 0
 
 
 def test_rope_positions_make_the_encoder_order_aware() -> None:

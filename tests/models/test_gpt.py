@@ -72,7 +72,7 @@ def test_num_params_counted_by_hand() -> None:
     wte, wpe = 128 * 32, 32 * 32
     block = (
         2 * 32  # ln_1
-        + 32 * 96 + 96  # qkv
+        + 3 * (32 * 32 + 32)  # q, k, v
         + 32 * 32 + 32  # attn proj
         + 2 * 32  # ln_2
         + 32 * 128 + 128  # mlp fc
@@ -102,9 +102,9 @@ def test_init_statistics() -> None:
     for block in model.blocks:
         assert block.attn.proj.weight.std().item() == pytest.approx(residual_std, rel=0.03)
         assert block.mlp.proj.weight.std().item() == pytest.approx(residual_std, rel=0.03)
-        assert block.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.03)
+        assert block.attn.k.weight.std().item() == pytest.approx(0.02, rel=0.03)
         assert block.mlp.fc.weight.std().item() == pytest.approx(0.02, rel=0.03)
-        assert torch.equal(block.attn.qkv.bias, torch.zeros_like(block.attn.qkv.bias))
+        assert torch.equal(block.attn.v.bias, torch.zeros_like(block.attn.v.bias))
         assert torch.equal(block.ln_1.weight, torch.ones_like(block.ln_1.weight))
         assert torch.equal(block.ln_2.bias, torch.zeros_like(block.ln_2.bias))
     assert model.wte.weight.std().item() == pytest.approx(0.02, rel=0.03)
@@ -165,8 +165,9 @@ def test_llama_options_build_the_llama_layers() -> None:
     block = model.blocks[0]
     assert isinstance(block.ln_1, torch.nn.RMSNorm) and isinstance(model.ln_f, torch.nn.RMSNorm)
     assert not hasattr(model, "wpe")
-    assert block.attn.qkv.weight.shape == ((4 + 2 * 2) * 8, 32)  # 4 query heads, 2 key/value heads of 8
-    assert block.mlp.fc.weight.shape == (2 * 128, 32)  # gate and up: 8/3 * 32 rounded up to 64 -> 128
+    # 4 query heads, 2 key/value heads of 8
+    assert block.attn.q.weight.shape == (4 * 8, 32) and block.attn.k.weight.shape == (2 * 8, 32)
+    assert block.mlp.gate.weight.shape == block.mlp.fc.weight.shape == (128, 32)  # 8/3 * 32 rounded up to 64 -> 128
     assert model.lm_head.weight is not model.wte.weight
     assert all(m.bias is None for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert model.new_cache(1, 8).layers[0].k.shape == (1, 2, 8, 8)  # cached per key/value head

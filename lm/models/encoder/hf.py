@@ -42,7 +42,7 @@ def bert_config(cfg: EncoderConfig, eos_token_id: int | None, dtype: torch.dtype
 
 
 def bert_plan(cfg: EncoderConfig) -> Plan:
-    """BertForMaskedLM's names. Our fused q/k/v rows [q; k; v] are query, key and value; each post-norm block's
+    """BertForMaskedLM's names. Our q, k and v are query, key and value; each post-norm block's
     ln_1 and ln_2 are the LayerNorms after its attention and its feed-forward. The embedding covers every
     row (see `bert_config`); the tied output layer is the embedding, and its bias is cls.predictions.bias."""
     d, ff = cfg.d_model, cfg.ff_dim
@@ -54,10 +54,9 @@ def bert_plan(cfg: EncoderConfig) -> Plan:
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.", f"bert.encoder.layer.{i}."
         attn = f"{theirs}attention.self."
-        for p in ("weight", "bias"):
-            plan[f"{ours}attn.qkv.{p}"] = (Part(f"{attn}query.{p}", d), Part(f"{attn}key.{p}", d),
-                                           Part(f"{attn}value.{p}", d))
-        layers.update({f"{ours}attn.proj": (f"{theirs}attention.output.dense", d),
+        layers.update({f"{ours}attn.q": (f"{attn}query", d), f"{ours}attn.k": (f"{attn}key", d),
+                       f"{ours}attn.v": (f"{attn}value", d),
+                       f"{ours}attn.proj": (f"{theirs}attention.output.dense", d),
                        f"{ours}ln_1": (f"{theirs}attention.output.LayerNorm", d),
                        f"{ours}mlp.fc": (f"{theirs}intermediate.dense", ff),
                        f"{ours}mlp.proj": (f"{theirs}output.dense", d),

@@ -114,21 +114,20 @@ def gpt2_plan(cfg: GPTConfig) -> Plan:
     plan: Plan = {"wpe.weight": (Part("transformer.wpe.weight", cfg.block_size),)}
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
-        for a, b, rows in (("ln_1", "ln_1", d), ("ln_2", "ln_2", d), ("attn.qkv", "attn.c_attn", 3 * d),
-                           ("attn.proj", "attn.c_proj", d), ("mlp.fc", "mlp.c_fc", cfg.ff_dim),
-                           ("mlp.proj", "mlp.c_proj", d)):
-            # the fused q/k/v rows [q; k; v] are c_attn's columns in the same order
+        for a, b, rows in (("ln_1", "ln_1", d), ("ln_2", "ln_2", d), ("attn.proj", "attn.c_proj", d),
+                           ("mlp.fc", "mlp.c_fc", cfg.ff_dim), ("mlp.proj", "mlp.c_proj", d)):
             plan[f"{ours}{a}.weight"] = (Part(f"{theirs}{b}.weight", rows, transposed=not a.startswith("ln")),)
             plan[f"{ours}{a}.bias"] = (Part(f"{theirs}{b}.bias", rows),)
+        for n, proj in enumerate("qkv"):  # c_attn's columns are our q, k and v in that order
+            plan[f"{ours}attn.{proj}.weight"] = (Part(f"{theirs}attn.c_attn.weight", d, True, n * d, 3 * d),)
+            plan[f"{ours}attn.{proj}.bias"] = (Part(f"{theirs}attn.c_attn.bias", d, False, n * d, 3 * d),)
     plan["ln_f.weight"] = (Part("transformer.ln_f.weight", d),)
     plan["ln_f.bias"] = (Part("transformer.ln_f.bias", d),)
     return _with_vocab(cfg, "transformer.wte.weight", plan)
 
 
 def llama_plan(cfg: GPTConfig) -> Plan:
-    """Llama, Mistral and Qwen2 share these names. Our fused q/k/v rows [q heads; k heads; v heads] are q_proj,
-    k_proj, v_proj, and the SwiGLU rows [gate; up] gate_proj, up_proj; both use rotary's half-split layout, so
-    no row is permuted."""
+    """Llama, Mistral and Qwen2 share these names; both use rotary's half-split layout, so no row is permuted."""
     q_rows, kv_rows, d, ff = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.d_model, cfg.ff_dim
     plan: Plan = {}
     for i in range(cfg.n_layer):
@@ -136,11 +135,12 @@ def llama_plan(cfg: GPTConfig) -> Plan:
         attn, mlp = f"{theirs}self_attn.", f"{theirs}mlp."
         for p in ("weight", "bias"):
             if p == "weight" or cfg.bias or cfg.qkv_bias:
-                plan[f"{ours}attn.qkv.{p}"] = (Part(f"{attn}q_proj.{p}", q_rows), Part(f"{attn}k_proj.{p}", kv_rows),
-                                               Part(f"{attn}v_proj.{p}", kv_rows))
+                for proj, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+                    plan[f"{ours}attn.{proj}.{p}"] = (Part(f"{attn}{proj}_proj.{p}", rows),)
             if p == "weight" or cfg.bias:
                 plan[f"{ours}attn.proj.{p}"] = (Part(f"{attn}o_proj.{p}", d),)
-                plan[f"{ours}mlp.fc.{p}"] = (Part(f"{mlp}gate_proj.{p}", ff), Part(f"{mlp}up_proj.{p}", ff))
+                plan[f"{ours}mlp.gate.{p}"] = (Part(f"{mlp}gate_proj.{p}", ff),)
+                plan[f"{ours}mlp.fc.{p}"] = (Part(f"{mlp}up_proj.{p}", ff),)
                 plan[f"{ours}mlp.proj.{p}"] = (Part(f"{mlp}down_proj.{p}", d),)
         plan[f"{ours}ln_1.weight"] = (Part(f"{theirs}input_layernorm.weight", d),)
         plan[f"{ours}ln_2.weight"] = (Part(f"{theirs}post_attention_layernorm.weight", d),)
