@@ -138,6 +138,10 @@ class ParallelConfig:
     """deepspeed only: a DeepSpeed JSON whose keys override the config generated from this job."""
     activation_checkpointing: int = 0
     """Recompute activations in the backward pass: 0 none, 1 every block (full), N every N-th block."""
+    tp: int = 1
+    """Tensor-parallel ranks (keep them within a node): each block's heads and hidden units, the embedding's and
+    the head's vocabulary split over tp ranks, the sequence between blocks too. fsdp only; data parallelism
+    (FSDP2) takes the rest of the world size, world size / tp."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -155,6 +159,11 @@ class ParallelConfig:
         if self.activation_checkpointing < 0:
             raise ConfigError("parallel.activation_checkpointing: must be >= 0 (0 = none), "
                               f"got {self.activation_checkpointing}")
+        if self.tp < 1:
+            raise ConfigError(f"parallel.tp: must be >= 1 (1 = no tensor parallelism), got {self.tp}")
+        if self.tp > 1 and self.engine != "fsdp":
+            raise ConfigError(f"parallel.tp: tensor parallelism composes with FSDP2 (parallel.engine=fsdp); the "
+                              f"{self.engine} engine is data-parallel only. Set parallel.engine=fsdp or parallel.tp=1")
 
 
 @dataclass
@@ -253,8 +262,22 @@ class JobConfig:
         if self.optim.z_loss and not model.z_loss:
             raise ConfigError(f"optim.z_loss: {model.title} (model.arch={model.arch}) adds no z-loss term to its "
                               "loss; set it to 0")
+        self._check_tensor_parallel()
         self._check_task()
         self._check_vocab_size()
+
+    def _check_tensor_parallel(self) -> None:
+        """What the model and the sequence must allow for parallel.tp ranks (the world size is checked at launch,
+        `lm.distributed.layout`)."""
+        tp = self.parallel.tp
+        if tp == 1:
+            return
+        problem = self.model.tensor_parallel_problem(tp)
+        if problem:
+            raise ConfigError(f"parallel.tp={tp}: {problem}")
+        if self.data.seq_len % tp:
+            raise ConfigError(f"parallel.tp={tp}: data.seq_len={self.data.seq_len} does not split into {tp} "
+                              f"sequence slices (sequence parallelism); use a multiple of {tp}")
 
     def _check_task(self) -> None:
         """A fine-tuning head trains on task.file; nothing else reads one."""

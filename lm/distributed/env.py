@@ -26,10 +26,23 @@ class DistEnv:
     local_rank: int
     world_size: int
     device: torch.device
+    tp: int = 1
+    """Tensor-parallel ranks: consecutive ranks form one tensor-parallel group (`lm.distributed.layout`)."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place among the data-parallel replicas: the ranks of one tensor-parallel group read the
+        same batches."""
+        return self.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """How many different batches the world reads at once: world size / tp."""
+        return self.world_size // self.tp
 
     @property
     def is_distributed(self) -> bool:
@@ -97,13 +110,19 @@ def init_device(requested: str, key: str, index: int = 0) -> torch.device:
     return device
 
 
-def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistEnv:
-    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU), or run alone.
+def launched_world_size() -> int:
+    """The number of processes torchrun started (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(device: str = "auto", timeout_s: int = 1800, tp: int = 1) -> DistEnv:
+    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU), or run alone; `tp`
+    tensor-parallel ranks per group (`lm.distributed.layout.check_world` checked that it divides the world).
 
     Started without torchrun (no WORLD_SIZE in the environment), this is a one-process run and no
     process group is created, so `python -m lm.train` works on a laptop without any launcher.
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = launched_world_size()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = init_device(device, "train.device", local_rank)
@@ -128,7 +147,7 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistEnv:
             **store,
         )
         log.info("joined process group: rank %d/%d, backend %s", rank, world_size, backend)
-    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev)
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev, tp=tp)
 
 
 def ensure_process_group(env: DistEnv) -> None:

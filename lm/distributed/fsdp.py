@@ -19,7 +19,9 @@ from torch.overrides import TorchFunctionMode
 from lm.config import JobConfig, use_bf16
 from lm.distributed.activation import checkpoint_blocks, compile_blocks
 from lm.distributed.env import DistEnv
+from lm.distributed.layout import device_mesh
 from lm.distributed.materialize import WeightLoader
+from lm.distributed.tensor_parallel import apply_tensor_parallel
 from lm.distributed.torch_engine import TorchEngine
 from lm.errors import ConfigError
 from lm.models.family import Family, LossFn
@@ -58,10 +60,11 @@ def mixed_precision(cfg: JobConfig, device: torch.device) -> MixedPrecisionPolic
     return MixedPrecisionPolicy()
 
 
-def shard_model(model: nn.Module, blocks: list[nn.Module], cfg: JobConfig, env: DistEnv) -> nn.Module:
-    """`model` (built on the meta device) sharded in place with fully_shard per block (`blocks`, its family's)
+def shard_model(model: nn.Module, family: Family, cfg: JobConfig, env: DistEnv) -> nn.Module:
+    """`model` (built on the meta device) sharded in place with fully_shard per block (its family's `blocks`)
     and at the root, then allocated and initialised per rank: every rank draws the whole model's numbers and
-    keeps its slices.
+    keeps its slices. With parallel.tp > 1 the family's tensor-parallel plan splits the model over the mesh's
+    "tp" dimension first, and FSDP2 shards over its "dp" dimension (2-D parallelism).
 
     Call after seeding the global RNG, as for an unsharded model. With train.compile each block is
     compiled on its own (`compile_blocks`), as under ddp.
@@ -69,8 +72,13 @@ def shard_model(model: nn.Module, blocks: list[nn.Module], cfg: JobConfig, env: 
     if cfg.parallel.cpu_offload and env.device.type != "cuda":
         raise ConfigError("parallel.cpu_offload: FSDP2 offloads a GPU run's shards to host memory; this run is "
                           "on the CPU already, so drop parallel.cpu_offload")
-    checkpoint_blocks(blocks, cfg.parallel.activation_checkpointing)
+    blocks = family.blocks(model)
     options = {"mp_policy": mixed_precision(cfg, env.device)}
+    if env.tp > 1:
+        mesh = device_mesh(env)
+        apply_tensor_parallel(model, family.tensor_parallel(model), mesh["tp"])
+        options["mesh"] = mesh["dp"]
+    checkpoint_blocks(blocks, cfg.parallel.activation_checkpointing)
     if cfg.parallel.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
     if cfg.train.compile:
@@ -92,7 +100,7 @@ class FSDPEngine(TorchEngine):
 
     def __init__(self, model: nn.Module, family: Family, loss: LossFn, cfg: JobConfig, env: DistEnv,
                  load_weights: WeightLoader | None) -> None:
-        shard_model(model, family.blocks(model), cfg, env)
+        shard_model(model, family, cfg, env)
         if load_weights is not None:
             load_weights(model)  # each rank keeps its slices of the full tensors
         super().__init__(model, model, family, loss, cfg, env)  # fully_shard works in place

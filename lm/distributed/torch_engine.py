@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from lm.config import JobConfig
 from lm.distributed.env import DistEnv
 from lm.distributed.optim import build_optimizer, set_lr
+from lm.distributed.tensor_parallel import parallel_loss, whole
 from lm.models.family import Family, LossFn, Run
 
 T = TypeVar("T")
@@ -40,10 +41,12 @@ class TorchEngine:
         raise NotImplementedError
 
     def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int) -> torch.Tensor:
-        with self._sync(last), self.autocast:
+        # under tensor parallelism the logits are split over the vocabulary: the loss and its backward run on
+        # those slices (parallel_loss), and the logged terms come back whole
+        with self._sync(last), self.autocast, parallel_loss(self.env.tp):
             loss, terms = self.loss(self.model, self.train_model, batch)
             (loss / num_micro).backward()
-        return terms
+        return whole(terms)
 
     def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip the global gradient norm and step, unless the norm is NaN or inf: then the step is
@@ -72,8 +75,8 @@ class TorchEngine:
 
     def evaluate(self, fn: Callable[[nn.Module, Run], T]) -> T:
         # the model itself, not DDP's wrapper: evaluation reduces no gradient (FSDP's model is its own wrapper)
-        with self.autocast:
-            return fn(self.model, self.model)
+        with self.autocast, parallel_loss(self.env.tp):
+            return whole(fn(self.model, self.model))
 
     def train(self, mode: bool) -> None:
         self.model.train(mode)

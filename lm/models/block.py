@@ -53,7 +53,7 @@ class Block(nn.Module):
             # projected here, inside the block's forward, so that sharding wrappers (FSDP2) have
             # gathered this block's weights
             memory_kv = self.cross.memory_kv(memory)
-        x = self._residual(x, self.ln_1, lambda h: self.attn(h, rope, cache, mask))
+        x = self._residual(x, self.ln_1, lambda h: self.attn(h, rope=rope, cache=cache, mask=mask))
         if memory_kv is not None:
             x = self._residual(x, self.ln_cross, lambda h: self.cross(h, memory_kv, memory_mask))
         return self._residual(x, self.ln_2, self.mlp)

@@ -64,6 +64,14 @@ class ModelConfig:
     z_loss: ClassVar[bool] = False
     """Whether the family's loss adds the z-loss term (optim.z_loss)."""
 
+    tensor_parallel_refusal: ClassVar[str] = "has no tensor-parallel plan"
+    """Why the family does not split over tensor-parallel ranks (`tensor_parallel_problem`), if it does not."""
+
+    def tensor_parallel_problem(self, tp: int) -> str | None:
+        """Why this model cannot split over `tp` tensor-parallel ranks (a heads count that tp does not divide,
+        say), or None when it can."""
+        return f"{self.title} (model.arch={self.arch}) {self.tensor_parallel_refusal}"
+
     def __post_init__(self) -> None:
         for key in ("vocab_size", "block_size", "n_layer", "d_model", "vocab_multiple"):
             if getattr(self, key) <= 0:

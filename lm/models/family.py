@@ -9,7 +9,8 @@ mapping ask the family, never which family they have:
 - config: its dataclass, which also says what the job's other sections may ask of it (document masking,
   z-loss, a fine-tuning head: `ModelConfig`), read without importing torch;
 - model: how to build it (on the meta device too), its repeated blocks (what FSDP shards and activation
-  checkpointing recomputes), its output layers, a device check;
+  checkpointing recomputes), its output layers, a device check, and how it splits over tensor-parallel ranks
+  (`tensor_parallel`: a style per module, which `lm.distributed.tensor_parallel` applies);
 - training: the objective that turns token windows into its batches, the loss of a batch, the scores of a
   validation batch;
 - sizes: parameters, FLOPs per token, and the activation bytes the memory planner adds per micro-batch;
@@ -21,6 +22,7 @@ and targets in an order the family picks) and its `loss` and `score_batch` read 
 tensor, the final hidden states (the trunk); a family's loss applies the output head to them.
 """
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -41,6 +43,31 @@ Run = Callable[..., "torch.Tensor"]
 LossFn = Callable[["nn.Module", Run, list["torch.Tensor"]], tuple["torch.Tensor", "torch.Tensor"]]
 """A micro-batch's loss: (model, its forward through the engine, batch) -> (loss to backpropagate, the detached
 (2,) loss and z-loss term the trainer logs): a family's `loss` with the run's optim.z_loss."""
+
+
+class TPStyle(enum.Enum):
+    """What one module is under tensor parallelism, in a family's plan (`Family.tensor_parallel`). Between
+    blocks each rank holds a slice of the sequence; inside a sublayer each rank holds some heads or hidden units."""
+
+    COLUMNS = "columns"
+    """A Linear whose output rows split over ranks (q, k, v: whole heads; an MLP's first matrices: hidden units)"""
+    ROWS = "rows"
+    """A Linear whose input columns split over ranks (a sublayer's output projection); its output, summed over
+    ranks, comes back as sequence slices"""
+    SEQUENCE = "sequence"
+    """A norm over channels, run on each rank's slice of the sequence"""
+    HEADS = "heads"
+    """A norm over each head's channels (QK-norm), run on each rank's heads (B, nh, T, hs)"""
+    GATHER = "gather"
+    """A sublayer whose first input arrives as sequence slices and is gathered whole"""
+    SCATTER = "scatter"
+    """The first block: its first input arrives whole on every rank and is cut into sequence slices"""
+    EMBEDDING = "embedding"
+    """The token embedding: vocabulary rows split; every rank gets the whole embedded sequence"""
+    HEAD = "head"
+    """The output head: vocabulary rows split, logits left split for a vocabulary-parallel loss"""
+    REPLICATE = "replicate"
+    """Whole on every rank, fed whole inputs (a learned position table)"""
 
 
 @dataclass
@@ -125,6 +152,11 @@ class Family:
         them to AdamW."""
         head = getattr(model, "lm_head", None)
         return [] if head is None else [head]
+
+    def tensor_parallel(self, model: "nn.Module") -> dict[str, TPStyle]:
+        """Module name -> its style under tensor parallelism (parallel.tp > 1). A family without a plan says why
+        in its config's `tensor_parallel_problem`, so such a run is refused before it starts."""
+        raise NotImplementedError
 
     def check_precision(self, cfg: ModelConfig, device_type: str, bf16: bool) -> None:
         """Refuse, with ConfigError, bf16 autocast (`bf16`) on a device type this family cannot run it on,

@@ -7,8 +7,8 @@ checkpointing: forward keeps only the chunk's summed loss, and backward recomput
 time, so at most one chunk's logits exist at once. The price is a second head matmul per chunk.
 
 The z-loss term (optim.z_loss) is the mean of log Z^2, Z the softmax's normaliser at each position: it pulls
-the logits' log-partition towards 0, which keeps them from drifting large. It reuses the logsumexp the
-cross-entropy computes anyway.
+the logits' log-partition towards 0, which keeps them from drifting large. The logsumexp is computed beside
+the cross-entropy rather than shared with it, so both also run on logits split over the vocabulary.
 """
 
 from collections.abc import Callable
@@ -25,9 +25,10 @@ def _summed_loss(logits: torch.Tensor, targets: torch.Tensor, with_z: bool) -> t
     logits = logits.float()
     if not with_z:
         return F.cross_entropy(logits, targets, reduction="sum")
+    # cross_entropy rather than log_z - logits[target]: logits split over the vocabulary (tensor parallelism)
+    # cannot be indexed by target, while cross_entropy and logsumexp reduce over the split
     log_z = torch.logsumexp(logits, dim=-1)  # (n,)
-    cross_entropy = log_z - logits.gather(1, targets[:, None]).squeeze(1)  # (n,)
-    return torch.stack([cross_entropy.sum(), log_z.square().sum()])
+    return torch.stack([F.cross_entropy(logits, targets, reduction="sum"), log_z.square().sum()])
 
 
 def head_loss(logits: torch.Tensor, targets: torch.Tensor, with_z: bool = False) -> torch.Tensor:

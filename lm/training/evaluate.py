@@ -55,7 +55,7 @@ def _evaluate_windows(engine: Engine, family: Family, data: TrainingData, cfg: J
         total = torch.zeros((), device=env.device)
         correct = torch.zeros(2, device=env.device)  # targets predicted right, targets
         count, scores_accuracy = 0, False
-        for batch in val_batches(windows, cfg.train.micro_batch_size, env.rank, env.world_size,
+        for batch in val_batches(windows, cfg.train.micro_batch_size, env.dp_rank, env.dp_size,
                                  cfg.train.eval_batches, data.objective):
             batch = to_device(batch, env.device)
             scored = engine.evaluate(lambda model, run, batch=batch: family.score_batch(model, run, batch))
@@ -85,7 +85,7 @@ def _evaluate_task(engine: Engine, family: Family, data: TaskData, cfg: JobConfi
     """Every val row once over the ranks; the losses and metrics from sums (`task_sums`)."""
     sums = np.zeros(task_sums_size(data.kind, data.num_classes))
     for ids, labels, keep, weight in example_batches(data.val_examples, data.val_labels, cfg.train.micro_batch_size,
-                                                     env.rank, env.world_size, cfg.model.pad_id):
+                                                     env.dp_rank, env.dp_size, cfg.model.pad_id):
         ids_t, keep_t = to_device((ids, keep), env.device)
         outputs = engine.evaluate(lambda model, run, ids_t=ids_t, keep_t=keep_t:
                                   family.task_outputs(model, run, ids_t, keep_t))
@@ -93,7 +93,7 @@ def _evaluate_task(engine: Engine, family: Family, data: TaskData, cfg: JobConfi
     if env.is_distributed:
         total = torch.from_numpy(sums).to(env.device)
         torch.distributed.all_reduce(total)
-        sums = total.cpu().numpy()
+        sums = total.cpu().numpy() / env.tp  # the ranks of a tensor-parallel group scored the same rows
     return task_metrics(data.kind, data.num_classes, sums)
 
 

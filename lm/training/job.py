@@ -2,7 +2,8 @@
 a scheduler sends. What `lm.train` and `lm.finetune` run once they have a config."""
 
 from lm.config import JobConfig
-from lm.distributed.env import init_distributed
+from lm.distributed.env import init_distributed, launched_world_size
+from lm.distributed.layout import check_world
 from lm.training.faults import install_faults
 from lm.training.preemption import StopSignals
 from lm.training.trainer import Trainer
@@ -20,8 +21,9 @@ def run_job(cfg: JobConfig) -> None:
     """
     # from the start: a scheduler's SIGTERM during setup (joining the group, building, loading) is kept and
     # honoured at the first log step, not lost
+    check_world(cfg, launched_world_size())  # a layout that does not fit: refused before any group forms
     with StopSignals() as signals:
-        env = init_distributed(cfg.train.device)
+        env = init_distributed(cfg.train.device, tp=cfg.parallel.tp)
         trainer = Trainer(cfg, env)
         install_faults(trainer)  # the fault-tolerance tests' LM_FAULT_* variables; nothing in a real run
         trainer.fit(signals)

@@ -60,7 +60,7 @@ def open_task_data(cfg: JobConfig, env: DistEnv) -> TaskData:
         raise DataError(f"task.file: {path} has {len(train_idx)} training rows after holding out "
                         f"task.val_fraction={cfg.task.val_fraction}, fewer than one batch "
                         f"(train.batch_size={cfg.train.batch_size})")
-    loader = ExampleLoader([examples[i] for i in train_idx], labels[train_idx], cfg.train.seed, env.rank,
-                           env.world_size, cfg.train.batch_size, cfg.train.micro_batch_size, cfg.model.pad_id)
+    loader = ExampleLoader([examples[i] for i in train_idx], labels[train_idx], cfg.train.seed, env.dp_rank,
+                           env.dp_size, cfg.train.batch_size, cfg.train.micro_batch_size, cfg.model.pad_id)
     return TaskData(cfg.model.task_head, cfg.model.num_classes, loader, [examples[i] for i in val_idx], labels[val_idx],
                     hashlib.sha256(path.read_bytes()).hexdigest(), str(path), len(train_idx))

@@ -73,7 +73,7 @@ def open_training_data(cfg: JobConfig, env: DistEnv) -> TrainingData:
         eot = [document_eot(m, s.dir) for s, m in zip(sources, manifests)][0]
     objective = family_of(cfg.model).objective(cfg.model, cfg.data, cfg.data.seq_len, cfg.train.seed, eot)
     dirs = [s.dir for s in sources]
-    loader = TokenLoader(dirs, "train", cfg.data.seq_len, cfg.train.seed, env.rank, env.world_size,
+    loader = TokenLoader(dirs, "train", cfg.data.seq_len, cfg.train.seed, env.dp_rank, env.dp_size,
                          cfg.train.batch_size, cfg.train.micro_batch_size, objective, [s.weight for s in sources])
     val = [SplitWindows(d, "val", cfg.data.seq_len) for d in dirs]
     return TrainingData(sources, bool(cfg.data.mixture), manifests, objective, loader, val)
@@ -81,10 +81,12 @@ def open_training_data(cfg: JobConfig, env: DistEnv) -> TrainingData:
 
 def check_batch_split(cfg: JobConfig, env: DistEnv) -> None:
     """Every rank's share of a global batch is a whole number of micro-batches."""
-    if cfg.train.batch_size % (cfg.train.micro_batch_size * env.world_size):
+    if cfg.train.batch_size % (cfg.train.micro_batch_size * env.dp_size):
+        replicas = f"data-parallel replicas ({env.dp_size}: world size {env.world_size} / parallel.tp {env.tp})" \
+            if env.tp > 1 else f"world size ({env.world_size})"
         raise ConfigError(
             f"train.batch_size: {cfg.train.batch_size} is not a multiple of train.micro_batch_size "
-            f"({cfg.train.micro_batch_size}) x world size ({env.world_size})"
+            f"({cfg.train.micro_batch_size}) x {replicas}"
         )
 
 

@@ -75,10 +75,14 @@ class Trainer:
             probe_output_dir(self.out_dir, checkpoint_bytes(cfg))
             save_config(cfg, self.out_dir / "config.yaml")
         if env.is_main:
-            log.info("model: %.2fM parameters (non-embedding), %d ranks on %s, engine %s",
-                     self.n_params / 1e6, env.world_size, env.device, self.engine.name)
+            layout = f" (tensor-parallel {env.tp} x data-parallel {env.dp_size})" if env.tp > 1 else ""
+            log.info("model: %.2fM parameters (non-embedding), %d ranks%s on %s, engine %s",
+                     self.n_params / 1e6, env.world_size, layout, env.device, self.engine.name)
         # a family that writes no text (an encoder) has no periodic samples, whatever log.sample_every says
-        self.samples = bool(cfg.log.sample_every) and self.family.generates
+        self.samples = bool(cfg.log.sample_every) and self.family.generates and env.tp == 1
+        if cfg.log.sample_every and env.tp > 1 and env.is_main:
+            log.info("no periodic samples under parallel.tp > 1 (a tensor-parallel model decodes no single "
+                     "tokens yet); sample from a checkpoint with lm.sample")
         self.tokenizer = load_tokenizer(cfg.data.tokenizer) if self.samples else None
 
     def _resume(self, path: Path) -> None:

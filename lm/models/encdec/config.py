@@ -15,6 +15,9 @@ class EncDecConfig(TransformerConfig):
 
     arch: str = "encdec"
     title: ClassVar[str] = "an encoder-decoder"
+    tensor_parallel_refusal: ClassVar[str] = (
+        "has no tensor-parallel plan yet: its two stacks and cross-attention are not split; "
+        "train it with parallel.tp=1 (FSDP2 shards it over every rank)")
     share_embeddings: bool = True
     """Encoder and decoder share one token embedding."""
     n_sentinels: int = 100

@@ -18,6 +18,9 @@ class EncoderConfig(TransformerConfig):
 
     arch: str = "encoder"
     title: ClassVar[str] = "an encoder"
+    tensor_parallel_refusal: ClassVar[str] = (
+        "has no tensor-parallel plan yet: its fine-tuning heads and masked-token "
+        "scoring are not split; train it with parallel.tp=1 (FSDP2 shards it over every rank)")
     document_masking: ClassVar[bool] = True
     rope_theta: float = 10000.0
     """Base of the rotary frequencies (pos: rope)."""

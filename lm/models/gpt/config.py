@@ -1,5 +1,6 @@
 """The decoder-only family's keys: the shared transformer keys, and the options only this family has."""
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -26,6 +27,23 @@ class GPTConfig(TransformerConfig):
     loss_chunk: int = 0
     """Compute the output head and loss this many of the B*T positions at a time, recomputing each chunk's
     logits in backward, so the full (B*T, vocab) logits never exist. 0: off, the whole head at once."""
+
+    def tensor_parallel_problem(self, tp: int) -> str | None:
+        """Each rank keeps n_head / tp query heads, n_kv_head / tp key/value heads, d_ff / tp hidden units and
+        a 1/tp slice of the (padded) vocabulary, so tp must divide all four."""
+        sizes = {"query heads (model.n_head)": self.n_head, "key/value heads (model.n_kv_head)": self.kv_heads,
+                 "feed-forward units (model.d_ff)": self.ff_dim, "padded vocabulary rows": self.padded_vocab_size}
+        for what, n in sizes.items():
+            if n % tp:
+                common = math.gcd(*sizes.values())
+                fits = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
+                found = f"{tp} tensor-parallel ranks are more than its {n} {what}" if tp > n else \
+                    f"its {n} {what} do not split over {tp} tensor-parallel ranks"
+                return f"{found}; a tp that splits this model: {fits}"
+        if self.loss_chunk:
+            return ("model.loss_chunk cuts the positions into chunks, and the vocabulary-parallel loss needs "
+                    "each rank's whole slice of logits; set model.loss_chunk=0 (the logits are 1/tp per rank)")
+        return None
 
     def __post_init__(self) -> None:
         super().__post_init__()

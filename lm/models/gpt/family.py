@@ -4,6 +4,7 @@ from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
+from lm.models.family import TPStyle
 from lm.models.gpt import hf
 from lm.models.gpt.config import GPTConfig
 from lm.models.next_token import NextTokenFamily
@@ -35,6 +36,28 @@ class GPTFamily(NextTokenFamily):
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(model.blocks)
+
+    def tensor_parallel(self, model: nn.Module) -> dict[str, TPStyle]:
+        """Megatron's split with sequence parallelism: each block's q, k, v and first MLP matrices by heads and
+        hidden units, its two output projections back to sequence slices; norms on sequence slices; the
+        embedding and the head by vocabulary rows. Positions are added while the embedded sequence is whole,
+        and the first block cuts it, so learned, sinusoidal and rotary positions all work."""
+        plan = {"wte": TPStyle.EMBEDDING, "blocks.0": TPStyle.SCATTER, "lm_head": TPStyle.HEAD}
+        if model.cfg.norm_position == "pre":
+            plan["ln_f"] = TPStyle.SEQUENCE
+        if model.cfg.pos == "learned":
+            plan["wpe"] = TPStyle.REPLICATE
+        for i, block in enumerate(model.blocks):
+            b = f"blocks.{i}."
+            plan |= {b + "ln_1": TPStyle.SEQUENCE, b + "attn": TPStyle.GATHER, b + "attn.q": TPStyle.COLUMNS,
+                     b + "attn.k": TPStyle.COLUMNS, b + "attn.v": TPStyle.COLUMNS, b + "attn.proj": TPStyle.ROWS,
+                     b + "ln_2": TPStyle.SEQUENCE, b + "mlp": TPStyle.GATHER, b + "mlp.fc": TPStyle.COLUMNS,
+                     b + "mlp.proj": TPStyle.ROWS}
+            if hasattr(block.mlp, "gate"):
+                plan[b + "mlp.gate"] = TPStyle.COLUMNS
+            if hasattr(block.attn, "q_norm"):
+                plan |= {b + "attn.q_norm": TPStyle.HEADS, b + "attn.k_norm": TPStyle.HEADS}
+        return plan
 
     # ---- sizes -----------------------------------------------------------------------------------
 

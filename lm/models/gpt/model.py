@@ -119,5 +119,5 @@ class GPT(nn.Module):
         x, rope = add_positions(self.wte(idx), pos, cfg, getattr(self, "wpe", None))  # (B, T, C)
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, None if cache is None else cache[i], mask)
+            x = block(x, rope=rope, cache=None if cache is None else cache[i], mask=mask)
         return self.ln_f(x)
