@@ -124,6 +124,8 @@ class TrainConfig:
 
 
 ENGINES = ("ddp", "fsdp", "deepspeed")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 
 
 @dataclass
@@ -141,7 +143,15 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel ranks (keep them within a node): each block's heads and hidden units, the embedding's and
     the head's vocabulary split over tp ranks, the sequence between blocks too. fsdp only; data parallelism
-    (FSDP2) takes the rest of the world size, world size / tp."""
+    (FSDP2) takes the rest of the world size, world size / (tp x pp)."""
+    pp: int = 1
+    """Pipeline-parallel ranks (they may span nodes): the model's layers cut into pp x pp_stages_per_rank stages;
+    the micro-batches of train.micro_batch_size flow through them. fsdp only."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (one forward, one backward: less
+    memory) or interleaved_1f1b (several stages per rank: a smaller bubble)."""
+    pp_stages_per_rank: int = 1
+    """Stages each pipeline rank holds: 1 for gpipe and 1f1b, 2 or more for interleaved_1f1b."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -164,6 +174,32 @@ class ParallelConfig:
         if self.tp > 1 and self.engine != "fsdp":
             raise ConfigError(f"parallel.tp: tensor parallelism composes with FSDP2 (parallel.engine=fsdp); the "
                               f"{self.engine} engine is data-parallel only. Set parallel.engine=fsdp or parallel.tp=1")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        if self.pp < 1:
+            raise ConfigError(f"parallel.pp: must be >= 1 (1 = no pipeline parallelism), got {self.pp}")
+        if self.pp > 1 and self.engine != "fsdp":
+            raise ConfigError(f"parallel.pp: pipeline parallelism composes with FSDP2 (parallel.engine=fsdp); the "
+                              f"{self.engine} engine is data-parallel only. Set parallel.engine=fsdp or parallel.pp=1")
+        if self.pp_schedule in ZERO_BUBBLE:
+            raise ConfigError(f"parallel.pp_schedule: {self.pp_schedule} is refused: with FSDP2 torch's zero-bubble "
+                              "schedules run without error but compute wrong gradients (checked on torch 2.13); "
+                              f"use one of {list(PP_SCHEDULES)}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ConfigError(f"parallel.pp_schedule: expected {one_of(PP_SCHEDULES)}, got {self.pp_schedule!r}")
+        interleaved = self.pp_schedule == "interleaved_1f1b"
+        if interleaved and self.pp_stages_per_rank < 2:
+            raise ConfigError(f"parallel.pp_stages_per_rank: interleaved_1f1b takes 2 or more stages per rank, got "
+                              f"{self.pp_stages_per_rank}")
+        if not interleaved and self.pp_stages_per_rank != 1:
+            raise ConfigError(f"parallel.pp_stages_per_rank: {self.pp_schedule} runs one stage per rank, got "
+                              f"{self.pp_stages_per_rank}; use parallel.pp_schedule=interleaved_1f1b for more")
+
+    @property
+    def pipeline_stages(self) -> int:
+        """How many stages the model is cut into (1 without pipeline parallelism)."""
+        return self.pp * self.pp_stages_per_rank if self.pp > 1 else 1
 
 
 @dataclass
@@ -263,8 +299,25 @@ class JobConfig:
             raise ConfigError(f"optim.z_loss: {model.title} (model.arch={model.arch}) adds no z-loss term to its "
                               "loss; set it to 0")
         self._check_tensor_parallel()
+        self._check_pipeline()
         self._check_task()
         self._check_vocab_size()
+
+    def _check_pipeline(self) -> None:
+        """What the model and the batch must allow for parallel.pp stages (the world size is checked at launch)."""
+        if self.parallel.pp == 1:
+            return
+        stages = self.parallel.pipeline_stages
+        problem = self.model.pipeline_problem(stages)
+        if problem:
+            raise ConfigError(f"parallel.pp={self.parallel.pp}: {problem}")
+        if self.data.document_mask:
+            raise ConfigError("data.document_mask: under parallel.pp > 1 each window's document positions would "
+                              "have to reach every stage, which they do not yet; set data.document_mask=false")
+        if self.checkpoint.init_from:
+            raise ConfigError("checkpoint.init_from: a pipeline-parallel run cannot start from a consolidated or "
+                              "Hugging Face checkpoint yet; start it with parallel.pp=1, save, and resume that run "
+                              "with parallel.pp (checkpoints resume under any layout)")
 
     def _check_tensor_parallel(self) -> None:
         """What the model and the sequence must allow for parallel.tp ranks (the world size is checked at launch,

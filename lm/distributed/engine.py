@@ -22,6 +22,7 @@ from lm.distributed.ddp import DDPEngine
 from lm.distributed.env import DistEnv, ensure_process_group
 from lm.distributed.fsdp import FSDPEngine
 from lm.distributed.materialize import WeightLoader
+from lm.distributed.pipeline import PipelineEngine
 from lm.distributed.zero import DeepSpeedEngine
 from lm.models.family import Family, LossFn, Run
 
@@ -43,6 +44,10 @@ class Engine(Protocol):
     def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int) -> torch.Tensor:
         """One micro-batch: forward, backward of `loss` / num_micro, gradients reduced on the `last` one.
         Returns the detached (2,) loss and z-loss term."""
+
+    def accumulate(self, batches: list[list[torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward of one step's micro-batches (on the device); the summed detached (2,) loss and
+        z-loss terms, on every rank. A pipeline runs them through its schedule, the others one by one."""
 
     def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip and step; returns the gradient norm before clipping and whether the step was applied,
@@ -80,5 +85,7 @@ def build_engine(model: nn.Module, family: Family, cfg: JobConfig, env: DistEnv,
         return DDPEngine(model, family, loss, cfg, env, load_weights)
     ensure_process_group(env)  # FSDP2 and DeepSpeed shard over a group even when it has one rank
     if cfg.parallel.engine == "fsdp":
+        if env.pp > 1:
+            return PipelineEngine(model, family, loss, cfg, env)
         return FSDPEngine(model, family, loss, cfg, env, load_weights)
     return DeepSpeedEngine(model, family, loss, cfg, env, load_weights, load_universal)

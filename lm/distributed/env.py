@@ -28,6 +28,8 @@ class DistEnv:
     device: torch.device
     tp: int = 1
     """Tensor-parallel ranks: consecutive ranks form one tensor-parallel group (`lm.distributed.layout`)."""
+    pp: int = 1
+    """Pipeline-parallel ranks: the outermost dimension of the layout, world size / pp ranks per stage."""
 
     @property
     def is_main(self) -> bool:
@@ -35,14 +37,19 @@ class DistEnv:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's place among the data-parallel replicas: the ranks of one tensor-parallel group read the
-        same batches."""
-        return self.rank // self.tp
+        """This rank's place among the data-parallel replicas: the ranks of one tensor-parallel group, and the
+        stages of one pipeline, read the same batches."""
+        return (self.rank // self.tp) % self.dp_size
 
     @property
     def dp_size(self) -> int:
-        """How many different batches the world reads at once: world size / tp."""
-        return self.world_size // self.tp
+        """How many different batches the world reads at once: world size / (tp x pp)."""
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def pp_rank(self) -> int:
+        """Which pipeline rank this is (0 holds the first stage)."""
+        return self.rank // (self.tp * self.dp_size)
 
     @property
     def is_distributed(self) -> bool:
@@ -115,9 +122,10 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(device: str = "auto", timeout_s: int = 1800, tp: int = 1) -> DistEnv:
-    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU), or run alone; `tp`
-    tensor-parallel ranks per group (`lm.distributed.layout.check_world` checked that it divides the world).
+def init_distributed(device: str = "auto", timeout_s: int = 1800, tp: int = 1, pp: int = 1) -> DistEnv:
+    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU), or run alone; `tp` and `pp` are
+    the layout's tensor- and pipeline-parallel sizes (`lm.distributed.layout.check_world` checked that they
+    divide the world).
 
     Started without torchrun (no WORLD_SIZE in the environment), this is a one-process run and no
     process group is created, so `python -m lm.train` works on a laptop without any launcher.
@@ -147,7 +155,7 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800, tp: int = 1) -
             **store,
         )
         log.info("joined process group: rank %d/%d, backend %s", rank, world_size, backend)
-    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev, tp=tp)
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev, tp=tp, pp=pp)
 
 
 def ensure_process_group(env: DistEnv) -> None:

@@ -11,6 +11,7 @@ import inspect
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -30,10 +31,26 @@ from lm.models.family import Family, LossFn
 _RANDOM_INITS = {init: inspect.signature(init) for init in (torch.nn.init.normal_, torch.nn.init.uniform_)}
 
 
+_DISCARD_CHUNK = 1 << 20
+
+
+def discard_draws(func, numel: int, arguments: dict) -> None:
+    """Advance the global CPU generator exactly as `func` (normal_ or uniform_) drawing `numel` values would,
+    a chunk at a time so memory stays small. The fills draw 16 values at a time and redo a short tail on their
+    last 16, so every chunk but the last is a multiple of 16 and the last is the whole remainder plus one chunk:
+    the generator then ends where one whole draw leaves it (tests/distributed/test_pipeline.py checks it)."""
+    chunks, rest = divmod(numel, _DISCARD_CHUNK)
+    sizes = [numel] if chunks == 0 else [_DISCARD_CHUNK] * (chunks - 1) + [_DISCARD_CHUNK + rest]
+    scratch = torch.empty(max(sizes))
+    for size in sizes:
+        func(scratch[:size], **arguments)
+
+
 class FullTensorInit(TorchFunctionMode):
     """Inside this mode, `nn.init.normal_` or `nn.init.uniform_` of a sharded parameter draws the whole
-    tensor from the global CPU generator and copies this rank's slice: every rank consumes the same random
-    numbers, in the same order, as an unsharded model would."""
+    tensor from the global CPU generator and copies this rank's slice, and of a parameter left on the meta device
+    (another pipeline stage's) draws and drops its numbers: every rank consumes the same random numbers, in the
+    same order, as an unsharded model would."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -42,6 +59,9 @@ class FullTensorInit(TorchFunctionMode):
         bound = _RANDOM_INITS[func].bind(*args, **kwargs)
         bound.apply_defaults()
         param = bound.arguments.pop("tensor")
+        if param.is_meta:  # another pipeline stage's: consume its numbers so this stage's come out the same
+            discard_draws(func, param.numel(), bound.arguments)
+            return param
         if not isinstance(param, DTensor):
             return func(*args, **kwargs)
         full = torch.empty(param.shape, dtype=param.dtype)
@@ -60,6 +80,35 @@ def mixed_precision(cfg: JobConfig, device: torch.device) -> MixedPrecisionPolic
     return MixedPrecisionPolicy()
 
 
+def parallelize(roots: list[nn.Module], blocks: list[nn.Module], family: Family, model: nn.Module, cfg: JobConfig,
+                env: DistEnv, mesh: DeviceMesh | None) -> None:
+    """Parallelise the model's parts `roots` (the whole model, or this rank's pipeline stages) in place, still on
+    the meta device: the family's tensor-parallel plan over the mesh's "tp" dimension (parallel.tp > 1), activation
+    checkpointing and torch.compile per block, FSDP2 per block in `blocks` and per root over the "dp" dimension (the
+    whole world without a mesh); then allocate each root's shards on this rank's device."""
+    if cfg.parallel.cpu_offload and env.device.type != "cuda":
+        raise ConfigError("parallel.cpu_offload: FSDP2 offloads a GPU run's shards to host memory; this run is "
+                          "on the CPU already, so drop parallel.cpu_offload")
+    options = {"mp_policy": mixed_precision(cfg, env.device)}
+    if mesh is not None:
+        options["mesh"] = mesh["dp"]
+    if env.tp > 1:
+        plan = family.tensor_parallel(model)
+        for root in roots:  # a stage takes the plan's entries for the modules it holds
+            names = {name for name, _ in root.named_modules()}
+            apply_tensor_parallel(root, {name: style for name, style in plan.items() if name in names}, mesh["tp"])
+    checkpoint_blocks(blocks, cfg.parallel.activation_checkpointing)
+    if cfg.parallel.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    if cfg.train.compile:
+        compile_blocks(blocks)
+    for block in blocks:
+        fully_shard(block, **options)
+    for root in roots:
+        fully_shard(root, **options)  # the embeddings, final norm and head: gathered once per forward
+        root.to_empty(device="cpu" if cfg.parallel.cpu_offload else env.device)
+
+
 def shard_model(model: nn.Module, family: Family, cfg: JobConfig, env: DistEnv) -> nn.Module:
     """`model` (built on the meta device) sharded in place with fully_shard per block (its family's `blocks`)
     and at the root, then allocated and initialised per rank: every rank draws the whole model's numbers and
@@ -69,24 +118,8 @@ def shard_model(model: nn.Module, family: Family, cfg: JobConfig, env: DistEnv) 
     Call after seeding the global RNG, as for an unsharded model. With train.compile each block is
     compiled on its own (`compile_blocks`), as under ddp.
     """
-    if cfg.parallel.cpu_offload and env.device.type != "cuda":
-        raise ConfigError("parallel.cpu_offload: FSDP2 offloads a GPU run's shards to host memory; this run is "
-                          "on the CPU already, so drop parallel.cpu_offload")
-    blocks = family.blocks(model)
-    options = {"mp_policy": mixed_precision(cfg, env.device)}
-    if env.tp > 1:
-        mesh = device_mesh(env)
-        apply_tensor_parallel(model, family.tensor_parallel(model), mesh["tp"])
-        options["mesh"] = mesh["dp"]
-    checkpoint_blocks(blocks, cfg.parallel.activation_checkpointing)
-    if cfg.parallel.cpu_offload:
-        options["offload_policy"] = CPUOffloadPolicy()
-    if cfg.train.compile:
-        compile_blocks(blocks)
-    for block in blocks:
-        fully_shard(block, **options)
-    fully_shard(model, **options)  # the embeddings, final norm and head: gathered once per forward
-    model.to_empty(device="cpu" if cfg.parallel.cpu_offload else env.device)
+    mesh = device_mesh(env) if env.tp > 1 else None
+    parallelize([model], family.blocks(model), family, model, cfg, env, mesh)
     with FullTensorInit():
         model.init_weights()
     return model

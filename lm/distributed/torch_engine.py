@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from lm.config import JobConfig
 from lm.distributed.env import DistEnv
+from lm.distributed.micro_batches import MicroBatchLoop
 from lm.distributed.optim import build_optimizer, set_lr
 from lm.distributed.tensor_parallel import parallel_loss, whole
 from lm.models.family import Family, LossFn, Run
@@ -21,7 +22,7 @@ from lm.models.family import Family, LossFn, Run
 T = TypeVar("T")
 
 
-class TorchEngine:
+class TorchEngine(MicroBatchLoop):
     """The parts of an engine that plain torch provides; `DDPEngine` and `FSDPEngine` add the wrapping."""
 
     name: str
@@ -57,9 +58,9 @@ class TorchEngine:
         reduction, so all ranks skip together.
         """
         clip = self.cfg.optim.grad_clip or float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        if isinstance(norm, DTensor):  # sharded gradients: the norm is itself sharded until reduced
-            norm = norm.full_tensor()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = self.grad_norm([p.grad for p in params])
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
         applied = torch.isfinite(norm)
         # The skip is decided on the device: the fused AdamW leaves weights, moments and step counts
         # alone where found_inf is 1, so the host never waits for the norm before queuing the next step.
@@ -67,6 +68,11 @@ class TorchEngine:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm, applied
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The 2-norm of all the model's gradients, whole (a 0-dim tensor on the device)."""
+        norm = torch.nn.utils.get_total_norm(grads)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm  # sharded gradients: reduce the norm
 
     def parameters_finite(self) -> bool:
         """Whether this rank's (shard of the) weights holds only finite values."""

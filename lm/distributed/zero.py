@@ -19,6 +19,7 @@ from lm.config import JobConfig, use_bf16
 from lm.distributed.activation import checkpoint_blocks
 from lm.distributed.env import DistEnv
 from lm.distributed.materialize import WeightLoader, materialize
+from lm.distributed.micro_batches import MicroBatchLoop
 from lm.distributed.optim import build_optimizer, set_lr
 from lm.errors import ConfigError
 from lm.models.family import Family, LossFn, Run
@@ -132,7 +133,7 @@ def convert_to_universal(step_dir: Path, tag: str, out_tag: str) -> None:
     ds_to_universal.main(args)
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(MicroBatchLoop):
     """DeepSpeed ZeRO stage 1-3 around our model and our AdamW; DeepSpeed's own checkpoints."""
 
     name = "deepspeed"

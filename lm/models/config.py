@@ -72,6 +72,13 @@ class ModelConfig:
         say), or None when it can."""
         return f"{self.title} (model.arch={self.arch}) {self.tensor_parallel_refusal}"
 
+    pipeline_refusal: ClassVar[str] = "has no pipeline stages"
+    """Why the family does not cut into pipeline stages (`pipeline_problem`), if it does not."""
+
+    def pipeline_problem(self, stages: int) -> str | None:
+        """Why this model cannot be cut into `stages` pipeline stages, or None when it can."""
+        return f"{self.title} (model.arch={self.arch}) {self.pipeline_refusal}"
+
     def __post_init__(self) -> None:
         for key in ("vocab_size", "block_size", "n_layer", "d_model", "vocab_multiple"):
             if getattr(self, key) <= 0:

@@ -158,6 +158,15 @@ class Family:
         in its config's `tensor_parallel_problem`, so such a run is refused before it starts."""
         raise NotImplementedError
 
+    def pipeline_stage(self, model: "nn.Module", layers: range, sequence_shards: int = 1) -> "nn.Module":
+        """The pipeline stage of `model` (built, on the meta device too) that runs its blocks `layers` (with the
+        embeddings when layers start at 0, the head when they end at the last block): a module sharing the
+        model's own submodules under their whole-model names. Its forward takes the previous stage's output (token
+        ids on the first stage), and the last stage's output is what the family's loss reads from `run`.
+        `sequence_shards`: how many tensor-parallel sequence slices the stream between stages is cut into. A
+        family without stages says why in its config's `pipeline_problem`."""
+        raise NotImplementedError
+
     def check_precision(self, cfg: ModelConfig, device_type: str, bf16: bool) -> None:
         """Refuse, with ConfigError, bf16 autocast (`bf16`) on a device type this family cannot run it on,
         before any step would."""

@@ -75,14 +75,15 @@ class Trainer:
             probe_output_dir(self.out_dir, checkpoint_bytes(cfg))
             save_config(cfg, self.out_dir / "config.yaml")
         if env.is_main:
-            layout = f" (tensor-parallel {env.tp} x data-parallel {env.dp_size})" if env.tp > 1 else ""
+            layout = f" (pipeline {env.pp} x data-parallel {env.dp_size} x tensor-parallel {env.tp})" \
+                if max(env.tp, env.pp) > 1 else ""
             log.info("model: %.2fM parameters (non-embedding), %d ranks%s on %s, engine %s",
                      self.n_params / 1e6, env.world_size, layout, env.device, self.engine.name)
         # a family that writes no text (an encoder) has no periodic samples, whatever log.sample_every says
-        self.samples = bool(cfg.log.sample_every) and self.family.generates and env.tp == 1
-        if cfg.log.sample_every and env.tp > 1 and env.is_main:
-            log.info("no periodic samples under parallel.tp > 1 (a tensor-parallel model decodes no single "
-                     "tokens yet); sample from a checkpoint with lm.sample")
+        self.samples = bool(cfg.log.sample_every) and self.family.generates and env.tp == env.pp == 1
+        if cfg.log.sample_every and max(env.tp, env.pp) > 1 and env.is_main:
+            log.info("no periodic samples under parallel.tp or parallel.pp > 1 (a split model decodes no "
+                     "single tokens yet); sample from a checkpoint with lm.sample")
         self.tokenizer = load_tokenizer(cfg.data.tokenizer) if self.samples else None
 
     def _resume(self, path: Path) -> None:
@@ -233,12 +234,8 @@ class Trainer:
         and z-loss term, the grad norm and whether the optimizer step was applied (not skipped for a
         non-finite norm), the last two 0-dim; all on the device."""
         micro_batches = self.loader.next_batch()
-        loss_sum = torch.zeros(2, device=self.env.device)  # cross-entropy, z-loss term
-        for i, batch in enumerate(micro_batches):
-            # the objective's batch ((x, y) for a next-token model, ...), which the family's loss reads
-            loss_sum += self.engine.forward_backward(to_device(batch, self.env.device),
-                                                     last=i == len(micro_batches) - 1,
-                                                     num_micro=len(micro_batches))
+        # the objective's batches ((x, y) for a next-token model, ...), which the family's loss reads
+        loss_sum = self.engine.accumulate([to_device(batch, self.env.device) for batch in micro_batches])
         grad_norm, applied = self.engine.optimizer_step()
         return loss_sum / len(micro_batches), grad_norm, applied
 

@@ -118,6 +118,6 @@ def test_a_world_size_that_tp_does_not_divide_is_refused_before_any_process_grou
         capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
-        "error: parallel.tp=2 does not divide the world size 3 (ranks torchrun started); use one of 1, 3, or "
-        "start a multiple of 2 ranks")
+        "error: parallel.tp=2 does not divide the world size 3 (ranks torchrun started); the product must be one "
+        "of 1, 3, or start a multiple of 2 ranks")
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()

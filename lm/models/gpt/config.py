@@ -45,6 +45,17 @@ class GPTConfig(TransformerConfig):
                     "each rank's whole slice of logits; set model.loss_chunk=0 (the logits are 1/tp per rank)")
         return None
 
+    def pipeline_problem(self, stages: int) -> str | None:
+        """Every stage holds one block or more; the embedding sits on the first stage and the head on the last,
+        so they cannot share one weight."""
+        if stages > self.n_layer:
+            return (f"{stages} pipeline stages (parallel.pp x parallel.pp_stages_per_rank) are more than the "
+                    f"model's {self.n_layer} layers (model.n_layer); use at most {self.n_layer}")
+        if self.tie_embeddings:
+            return ("the token embedding sits on the first pipeline stage and the output head on the last, so "
+                    "they cannot share one weight; set model.tie_embeddings=false")
+        return None
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.logit_softcap < 0:

@@ -37,6 +37,11 @@ class GPTFamily(NextTokenFamily):
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(model.blocks)
 
+    def pipeline_stage(self, model: nn.Module, layers: range, sequence_shards: int = 1) -> nn.Module:
+        from lm.models.gpt.model import GPTStage
+
+        return GPTStage(model, layers, sequence_shards)
+
     def tensor_parallel(self, model: nn.Module) -> dict[str, TPStyle]:
         """Megatron's split with sequence parallelism: each block's q, k, v and first MLP matrices by heads and
         hidden units, its two output projections back to sequence slices; norms on sequence slices; the

@@ -17,7 +17,7 @@ from lm.models.block import Block
 from lm.models.gpt.config import GPTConfig
 from lm.models.init import init_weights_, residual_projections
 from lm.models.kv_cache import KVCache
-from lm.models.layers import add_positions, make_norm
+from lm.models.layers import add_positions, make_norm, rope_angles
 
 
 def check_positions(positions: torch.Tensor, idx: torch.Tensor, cache: KVCache | None) -> None:
@@ -121,3 +121,46 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, rope=rope, cache=None if cache is None else cache[i], mask=mask)
         return self.ln_f(x)
+
+
+class GPTStage(nn.Module):
+    """One pipeline stage of a GPT: its blocks `layers`, with the embeddings when it is the first stage and the
+    final norm and head when it is the last. The modules are the whole model's own, not copies, under the same
+    names (`blocks.<i>`), so a stage's state dict holds the whole model's keys for its part and checkpoints move
+    between layouts.
+
+    `sequence_shards`: how many slices the residual stream between stages is cut into along the sequence (the
+    tensor-parallel ranks, 1 without them): a later stage receives T / sequence_shards positions of each window,
+    and its rotary angles are those of all T.
+    """
+
+    def __init__(self, gpt: GPT, layers: range, sequence_shards: int = 1) -> None:
+        super().__init__()
+        self.cfg, self.sequence_shards = gpt.cfg, sequence_shards
+        self.is_first, self.is_last = layers.start == 0, layers.stop == gpt.cfg.n_layer
+        if self.is_first:
+            self.wte, self.drop = gpt.wte, gpt.drop
+            if hasattr(gpt, "wpe"):
+                self.wpe = gpt.wpe
+        self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in layers})
+        if self.is_last:
+            self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) into the first stage, the previous stage's output into the others -> this stage's
+        output (B, T, C), final-normed on the last stage (whose `logits` make the logits)."""
+        cfg = self.cfg
+        if self.is_first:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x, rope = add_positions(self.wte(x), pos, cfg, getattr(self, "wpe", None))  # (B, T, C)
+            x = self.drop(x)
+        else:
+            pos = torch.arange(x.shape[1] * self.sequence_shards, device=x.device)
+            rope = rope_angles(pos, cfg.head_dim, cfg.rope_theta) if cfg.pos == "rope" else None
+        for block in self.blocks.values():
+            x = block(x, rope=rope)
+        return self.ln_f(x) if self.is_last else x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The last stage's logits of final-normed hidden states h (see `GPT.logits`)."""
+        return GPT.logits(self, h)

@@ -15,6 +15,9 @@ class LSTMConfig(ModelConfig):
 
     arch: str = "lstm"
     title: ClassVar[str] = "an LSTM"
+    pipeline_refusal: ClassVar[str] = (
+        "has no pipeline stages yet: a few LSTM layers fit one device; train it with "
+        "parallel.pp=1")
     tensor_parallel_refusal: ClassVar[str] = (
         "has no tensor-parallel plan: each LSTM step mixes every hidden unit with "
         "every other, so splitting units over ranks costs a collective per token; train it with parallel.tp=1")

@@ -1,0 +1,100 @@
+"""Pipeline parallelism (parallel.pp) composed with FSDP2 and tensor parallelism on real gloo groups: the same
+losses as one process on the same global batches under each schedule, checkpoints that resume under other
+layouts, weights drawn as one process draws them, and the layouts refused before a run."""
+
+import pytest
+import torch
+
+from lm.config import load_config
+from lm.distributed.fsdp import discard_draws
+from lm.distributed.pipeline import stage_layers
+from lm.errors import ConfigError
+from tests.distributed.test_engines import resume_copy, train
+
+# a 4-block decoder with the Llama options (grouped-query attention) and an untied head, which a pipeline needs
+LLAMA4 = ["--parallel.engine=fsdp", "--model.n_layer=4", "--model.n_head=4", "--model.n_kv_head=2",
+          "--model.pos=rope", "--model.norm=rmsnorm", "--model.mlp=swiglu", "--model.bias=false",
+          "--model.tie_embeddings=false", "--train.steps=10", "--checkpoint.every=5", "--train.eval_every=5"]
+PP2 = ["--parallel.pp=2"]
+INTERLEAVED = ["--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_stages_per_rank=2"]
+SAME_REL = 1e-5  # float32 rounding of sums taken in another order; a pipeline alone is bit-exact here
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data_dir, tmp_path_factory):
+    """The one-process run every layout is compared with: its directory and its losses per step."""
+    out = tmp_path_factory.mktemp("pipeline") / "one"
+    return out, train(1, out, tiny_data_dir, *LLAMA4)
+
+
+def assert_same(got: dict[int, float], want: dict[int, float], steps) -> None:
+    assert sorted(got) == list(steps)
+    for step in steps:
+        assert got[step] == pytest.approx(want[step], rel=SAME_REL), (step, got, want)
+
+
+@pytest.mark.parametrize("layout", [PP2, INTERLEAVED], ids=["pp2xfsdp2-1f1b", "pp2xfsdp2-interleaved"])
+def test_four_ranks_train_like_one_process(layout, reference, tiny_data_dir, tmp_path):
+    assert_same(train(4, tmp_path / "run", tiny_data_dir, *LLAMA4, *layout), reference[1], range(1, 11))
+
+
+def test_gpipe_on_two_stages_trains_like_one_process(reference, tiny_data_dir, tmp_path):
+    flags = [*PP2, "--parallel.pp_schedule=gpipe"]
+    assert_same(train(2, tmp_path / "run", tiny_data_dir, *LLAMA4, *flags), reference[1], range(1, 11))
+
+
+def test_tp2_by_pp2_trains_like_one_process_and_checkpoints_move_between_layouts(reference, tiny_data_dir,
+                                                                                  tmp_path):
+    one_dir, one = reference
+    assert_same(train(4, tmp_path / "tp2pp2", tiny_data_dir, *LLAMA4, *PP2, "--parallel.tp=2"), one, range(1, 11))
+    # one process -> pipeline 2 (interleaved) x FSDP2 2
+    run = resume_copy(one_dir, tmp_path / "to_pipeline", step=5)
+    assert_same(train(4, run, tiny_data_dir, *LLAMA4, *INTERLEAVED), one, range(6, 11))
+    # tensor 2 x pipeline 2 -> one process
+    run = resume_copy(tmp_path / "tp2pp2", tmp_path / "from_pipeline", step=5)
+    assert_same(train(1, run, tiny_data_dir, *LLAMA4), one, range(6, 11))
+
+
+@pytest.mark.parametrize("n_layer, stages, sizes", [(4, 2, [2, 2]), (5, 3, [1, 2, 2]), (7, 4, [1, 2, 2, 2]),
+                                                    (6, 4, [1, 2, 2, 1]), (3, 3, [1, 1, 1]), (9, 2, [4, 5])])
+def test_stages_split_the_blocks_evenly_the_middle_ones_first(n_layer, stages, sizes):
+    split = stage_layers(n_layer, stages)
+    assert [len(r) for r in split] == sizes
+    assert [i for r in split for i in r] == list(range(n_layer))
+
+
+@pytest.mark.parametrize("fill", [lambda t, **kw: t.normal_(**kw), lambda t, **kw: t.uniform_(**kw)],
+                         ids=["normal", "uniform"])
+@pytest.mark.parametrize("numel", [1, 15, 16, 17, 1000, (1 << 20), (1 << 20) + 5, 3 * (1 << 20) + 17])
+def test_skipping_a_parameter_leaves_the_generator_where_drawing_it_would(fill, numel):
+    torch.manual_seed(3)
+    fill(torch.empty(numel))
+    want = torch.rand(4)
+    torch.manual_seed(3)
+    discard_draws(fill, numel, {})
+    assert torch.equal(torch.rand(4), want)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--parallel.pp=2"], "parallel.pp: pipeline parallelism composes with FSDP2 (parallel.engine=fsdp)"),
+    (["--parallel.engine=fsdp", "--parallel.pp=2", "--model.tie_embeddings=true"],
+     "parallel.pp=2: the token embedding sits on the first pipeline stage and the output head on the last"),
+    (["--parallel.engine=fsdp", "--parallel.pp=4", "--model.n_layer=2", "--model.tie_embeddings=false"],
+     "parallel.pp=4: 4 pipeline stages (parallel.pp x parallel.pp_stages_per_rank) are more than the model's 2 "
+     "layers (model.n_layer); use at most 2"),
+    (["--parallel.engine=fsdp", "--parallel.pp=2", "--parallel.pp_schedule=zbv_zero_bubble"],
+     "parallel.pp_schedule: zbv_zero_bubble is refused: with FSDP2 torch's zero-bubble schedules run without error "
+     "but compute wrong gradients"),
+    (["--parallel.engine=fsdp", "--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b"],
+     "parallel.pp_stages_per_rank: interleaved_1f1b takes 2 or more stages per rank, got 1"),
+    (["--parallel.engine=fsdp", "--parallel.pp=2", "--parallel.pp_schedule=looped"],
+     "parallel.pp_schedule: expected gpipe, 1f1b or interleaved_1f1b, got 'looped'"),
+    (["--parallel.engine=fsdp", "--parallel.pp=2", "--model.tie_embeddings=false", "--data.document_mask=true"],
+     "data.document_mask: under parallel.pp > 1"),
+    (["--parallel.engine=fsdp", "--parallel.pp=2", "--model.arch=encoder"], "parallel.pp=2: an encoder "
+     "(model.arch=encoder) has no pipeline stages"),
+])
+def test_a_pipeline_the_model_cannot_take_is_refused_by_the_config(flags, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["--model.block_size=32", "--data.seq_len=16", "--model.vocab_size=96", *flags])
+    assert message in str(err.value)
