@@ -4,8 +4,11 @@ import argparse
 import logging
 import math
 import os
+import subprocess
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 from lm.errors import LMError
@@ -68,3 +71,25 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
+
+
+def train_command(nproc: int, args: list[str]) -> list[str]:
+    """`lm.train` with `args`: one process, or a torchrun job of `nproc` on this machine."""
+    if nproc > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                "-m", "lm.train", *args]
+    return [sys.executable, "-m", "lm.train", *args]
+
+
+def run_logged(command: list[str], log_path: Path) -> str:
+    """Run `command` with its output appended to `log_path` (its directory made); "finished", or why not:
+    the exit status and the run's last `error:` line."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as out:
+        out.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
+        out.flush()
+        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
+    if code == 0:
+        return "finished"
+    errors = [line for line in log_path.read_text().splitlines() if line.startswith("error:")]
+    return f"failed (exit {code}{': ' + errors[-1].removeprefix('error: ') if errors else ''}; see {log_path})"

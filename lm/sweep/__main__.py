@@ -13,12 +13,11 @@ import json
 import logging
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from lm.checkpoint.store import checkpoint_root, complete_checkpoints
-from lm.cli import positive_int, run
+from lm.cli import positive_int, run, run_logged, train_command
 from lm.config import JobConfig, config_diff, load_config
 from lm.errors import ConfigError, SweepError
 from lm.io import atomic_write_text
@@ -100,28 +99,6 @@ def finished(run: Run) -> bool:
     return bool(found) and int(found[-1].name.removeprefix("step_")) >= run.cfg.train.steps
 
 
-def train_command(config: str, fixed: list[str], run: Run, nproc: int) -> list[str]:
-    launcher = [sys.executable, "-m", "lm.train"]
-    if nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                    "-m", "lm.train"]
-    return [*launcher, "--config", config, *fixed, *overrides(run.settings), f"--train.out_dir={run.dir}"]
-
-
-def launch(command: list[str], run: Run) -> str:
-    """Train one run, its output appended to <run dir>/train.log; returns its status for the table."""
-    run.dir.mkdir(parents=True, exist_ok=True)
-    log_path = run.dir / "train.log"
-    with open(log_path, "a") as out:
-        out.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
-        out.flush()
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
-    if code == 0:
-        return "finished"
-    errors = [line for line in log_path.read_text().splitlines() if line.startswith("error:")]
-    return f"failed (exit {code}{': ' + errors[-1].removeprefix('error: ') if errors else ''}; see {log_path})"
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lm.sweep", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
@@ -165,7 +142,9 @@ def main(argv: list[str]) -> int:
             statuses[r.name] = "finished"
             continue
         log.info("[%d/%d] %s: training (log: %s)", i, len(runs), r.name, r.dir / "train.log")
-        statuses[r.name] = launch(train_command(args.config, fixed, r, args.nproc), r)
+        command = train_command(args.nproc, ["--config", args.config, *fixed, *overrides(r.settings),
+                                             f"--train.out_dir={r.dir}"])
+        statuses[r.name] = run_logged(command, r.dir / "train.log")
         log.info("[%d/%d] %s: %s", i, len(runs), r.name, statuses[r.name])
 
     results = [read_result(r.dir, r.settings, family_of(r.cfg.model).num_params(r.cfg.model, non_embedding=True),

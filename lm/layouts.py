@@ -1,0 +1,162 @@
+"""`python -m lm.layouts --config CFG --layout 1 --layout 4:tp=2 ...`: train one short job under several layouts
+and print their losses side by side.
+
+A layout is `NPROC` or `NPROC:key=value,...` with keys of the `parallel` section: `4:tp=2` is tensor-parallel 2
+x FSDP2 2 on 4 processes, `4:pp=2,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2` an interleaved pipeline,
+`1` one process. Every layout trains the same config from the same seed on the same global batches, each into
+OUT/<layout>/ with its log beside it (engine fsdp unless a layout names another), one after another on this
+machine. The table that follows gives each layout's train loss per step and the largest difference between
+layouts at that step; the last line the largest of all. Layouts that train the same model agree to float
+rounding (about 1e-6 relative in float32); --max-rel turns a larger difference into exit status 1. Other
+`--section.key=value` arguments override the config for every layout.
+"""
+
+import argparse
+import json
+import logging
+import math
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from lm.cli import positive_int, run, run_logged, train_command
+from lm.config import load_config
+from lm.distributed.layout import check_world
+from lm.errors import ConfigError
+
+log = logging.getLogger("lm.layouts")
+
+
+@dataclass(frozen=True)
+class Layout:
+    text: str
+    """as given: `4:tp=2`"""
+    nproc: int
+    settings: tuple[tuple[str, str], ...]
+    """parallel.<key> = value pairs"""
+
+    @property
+    def overrides(self) -> list[str]:
+        keys = dict(self.settings)
+        engine = [] if "engine" in keys else ["--parallel.engine=fsdp"]
+        return [*engine, *(f"--parallel.{key}={value}" for key, value in self.settings)]
+
+    @property
+    def dir_name(self) -> str:
+        return self.text.replace(":", "_").replace(",", "_").replace("=", "")
+
+
+def parse_layout(text: str) -> Layout:
+    """`NPROC` or `NPROC:key=value,...`; ConfigError naming the part that is not."""
+    nproc_text, _, rest = text.partition(":")
+    if not nproc_text.isdigit() or int(nproc_text) < 1:
+        raise ConfigError(f"--layout {text}: expected NPROC or NPROC:key=value,... with a process count first, "
+                          "e.g. 4:tp=2")
+    settings = []
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key or not value:
+            raise ConfigError(f"--layout {text}: {item!r} is not key=value (a key of the parallel section)")
+        settings.append((key.removeprefix("parallel."), value))
+    return Layout(text, int(nproc_text), tuple(settings))
+
+
+def check_layout(config: str | None, fixed: list[str], layout: Layout) -> None:
+    """The config each layout trains, checked before anything runs (the world size included)."""
+    try:
+        cfg = load_config(config, [*fixed, *layout.overrides])
+        check_world(cfg, layout.nproc)
+    except ConfigError as err:
+        raise ConfigError(f"--layout {layout.text}: {err}") from None
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    """The train loss of each logged step of the run in `out`."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["train/loss"] for row in rows if "train/loss" in row}
+
+
+def table(layouts: list[Layout], losses: list[dict[int, float]]) -> tuple[str, tuple[float, int, str, str]]:
+    """The side-by-side table, and the largest difference: (nats, step, layout, layout)."""
+    width = max(12, *(len(layout.text) + 2 for layout in layouts))
+    lines = ["step".ljust(6) + "".join(layout.text.rjust(width) for layout in layouts) + "max diff".rjust(12)]
+    worst = (0.0, 0, layouts[0].text, layouts[0].text)
+    for step in sorted(set().union(*losses)):
+        values = [run.get(step) for run in losses]
+        present = [(v, layout.text) for v, layout in zip(values, layouts) if v is not None]
+        low, high = min(present), max(present)
+        spread = high[0] - low[0]
+        if spread > worst[0] or math.isnan(spread):
+            worst = (spread, step, low[1], high[1])
+        cells = "".join(("-" if v is None else f"{v:.6f}").rjust(width) for v in values)
+        lines.append(f"{step:<6}{cells}{spread:>12.2e}")
+    return "\n".join(lines), worst
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lm.layouts", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+        epilog="example: python -m lm.layouts --config configs/llama-tiny.yaml --layout 1 --layout 4:tp=2 "
+               "--layout 4:pp=2 --steps 10")
+    parser.add_argument("--config", help="the YAML config every layout trains (default: lm's defaults)")
+    parser.add_argument("--layout", action="append", required=True, metavar="NPROC[:key=value,...]",
+                        help="a layout to train under; give two or more")
+    parser.add_argument("--steps", type=positive_int, default=10, help="optimizer steps per layout (default 10)")
+    parser.add_argument("--out", help="a new directory for the runs, kept (default: a temporary one, removed at "
+                        "the end)")
+    parser.add_argument("--max-rel", type=float, metavar="R",
+                        help="exit 1 when two layouts' losses at a step differ by more than R relative")
+    args, fixed = parser.parse_known_args(argv)
+    for item in fixed:
+        if not item.startswith("--") or "." not in item.split("=", 1)[0]:
+            parser.error(f"unrecognized argument {item!r}; config overrides look like --section.key=value")
+    if len(args.layout) < 2:
+        parser.error("--layout: give two or more layouts to compare")
+    layouts = [parse_layout(text) for text in args.layout]
+    run_keys = [f"--train.steps={args.steps}", "--log.every=1", f"--train.eval_every={args.steps}",
+                f"--checkpoint.every={args.steps}", "--log.sample_every=0", "--log.tensorboard=false"]
+    fixed = [*fixed, *run_keys]
+    for layout in layouts:
+        check_layout(args.config, fixed, layout)
+    if args.out and Path(args.out).exists() and (not Path(args.out).is_dir() or any(Path(args.out).iterdir())):
+        raise ConfigError(f"--out {args.out}: exists and is not an empty directory; name a new one (every "
+                          "layout trains from step 0)")
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="lm-layouts-"))
+    base = ["--config", args.config] if args.config else []
+    try:
+        # every layout reads the same shards: prepare them once (lm.prepare reuses data that is already there)
+        code = subprocess.run([sys.executable, "-m", "lm.prepare", *base, *fixed]).returncode
+        if code:
+            raise ConfigError(f"lm.prepare failed for the config (exit {code}; its error is above)")
+        losses, failed = [], []
+        for i, layout in enumerate(layouts, 1):
+            run_dir = out / layout.dir_name
+            log.info("[%d/%d] %s: training (log: %s.log)", i, len(layouts), layout.text, run_dir)
+            command = train_command(layout.nproc, [*base, *fixed, *layout.overrides, f"--train.out_dir={run_dir}"])
+            status = run_logged(command, run_dir.with_suffix(".log"))
+            if status != "finished":
+                failed.append(f"{layout.text}: {status}")
+            losses.append(train_losses(run_dir) if (run_dir / "metrics.jsonl").is_file() else {})
+    finally:
+        if not args.out:
+            shutil.rmtree(out, ignore_errors=True)
+    if failed:
+        for line in failed:
+            print(f"error: --layout {line}", file=sys.stderr)
+        return 1
+    text, (spread, step, low, high) = table(layouts, losses)
+    print(text)
+    reference = abs(losses[0][step]) or 1.0
+    print(f"largest difference: {spread:.3e} nats ({spread / reference:.2e} relative) at step {step}, between "
+          f"{low} and {high}")
+    if args.max_rel is not None and spread / reference > args.max_rel:
+        print(f"error: the layouts differ by more than --max-rel {args.max_rel}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))
