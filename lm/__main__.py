@@ -16,6 +16,7 @@ TOOLS = {
     "eval": ("lm.eval", "loss, perplexity and bits per byte of a checkpoint"),
     "sample": ("lm.sample", "generate text from a checkpoint"),
     "sweep": ("lm.sweep.__main__", "train a grid of configs and compare them in a table and a plot"),
+    "layouts": ("lm.layouts", "train one short job under several parallel layouts and compare their losses"),
     "plot": ("lm.plot", "loss and perplexity curves of runs as a PNG"),
     "bench": ("lm.bench.__main__", "training, sampling and data throughput, ours beside transformers"),
     "export": ("lm.export", "write a checkpoint as a Hugging Face transformers model"),

@@ -140,13 +140,16 @@ def main(argv: list[str]) -> int:
             if status != "finished":
                 failed.append(f"{layout.text}: {status}")
             losses.append(train_losses(run_dir) if (run_dir / "metrics.jsonl").is_file() else {})
-    finally:
+    except BaseException:
         if not args.out:
             shutil.rmtree(out, ignore_errors=True)
-    if failed:
+        raise
+    if failed:  # the logs the lines point to are kept, in the temporary directory too
         for line in failed:
             print(f"error: --layout {line}", file=sys.stderr)
         return 1
+    if not args.out:
+        shutil.rmtree(out, ignore_errors=True)
     text, (spread, step, low, high) = table(layouts, losses)
     print(text)
     reference = abs(losses[0][step]) or 1.0

@@ -23,6 +23,26 @@ def check_world(cfg: JobConfig, world_size: int) -> None:
         raise ConfigError(f"{what} does not divide the world size {world_size} (ranks torchrun started); "
                           f"the product must be one of {', '.join(map(str, fits))}, or start a multiple of "
                           f"{tp * pp} ranks")
+    if pp > 1:
+        check_micro_batches(cfg, world_size // (tp * pp))
+
+
+def check_micro_batches(cfg: JobConfig, replicas: int) -> None:
+    """What torch's pipeline schedules need of a step's micro-batches: 1F1B at least one per stage, interleaved
+    1F1B a whole number per round of pp (a step whose batch does not split evenly is refused by the loader)."""
+    par, train = cfg.parallel, cfg.train
+    n = train.batch_size // (train.micro_batch_size * replicas)
+    split = (f"train.batch_size {train.batch_size} / (train.micro_batch_size {train.micro_batch_size} x "
+             f"{replicas} data-parallel replicas)")
+    if par.pp_schedule != "gpipe" and n < par.pp:
+        raise ConfigError(f"parallel.pp={par.pp}: {par.pp_schedule} needs at least one micro-batch per pipeline "
+                          f"rank, and a step has {n} ({split}); raise train.batch_size or lower "
+                          "train.micro_batch_size")
+    rounds = max(1, n // par.pp)
+    if par.pp_schedule == "interleaved_1f1b" and n % rounds:
+        raise ConfigError(f"parallel.pp={par.pp}: interleaved_1f1b runs the micro-batches in rounds of "
+                          f"{par.pp}, and a step's {n} ({split}) are not {rounds} whole rounds; use a multiple "
+                          f"of {par.pp}")
 
 
 def device_mesh(env: DistEnv) -> DeviceMesh:

@@ -7,6 +7,7 @@ import torch
 
 from lm.config import load_config
 from lm.distributed.fsdp import discard_draws
+from lm.distributed.layout import check_world
 from lm.distributed.pipeline import stage_layers
 from lm.errors import ConfigError
 from tests.distributed.test_engines import resume_copy, train
@@ -98,3 +99,31 @@ def test_a_pipeline_the_model_cannot_take_is_refused_by_the_config(flags, messag
     with pytest.raises(ConfigError) as err:
         load_config(None, ["--model.block_size=32", "--data.seq_len=16", "--model.vocab_size=96", *flags])
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("world, flags, message", [
+    (4, ["--parallel.pp=2", "--train.batch_size=4", "--train.micro_batch_size=2"],
+     "parallel.pp=2: 1f1b needs at least one micro-batch per pipeline rank, and a step has 1 (train.batch_size 4 / "
+     "(train.micro_batch_size 2 x 2 data-parallel replicas)); raise train.batch_size or lower "
+     "train.micro_batch_size"),
+    (2, [*INTERLEAVED, "--train.batch_size=10", "--train.micro_batch_size=2"],
+     "parallel.pp=2: interleaved_1f1b runs the micro-batches in rounds of 2, and a step's 5 (train.batch_size 10 / "
+     "(train.micro_batch_size 2 x 1 data-parallel replicas)) are not 2 whole rounds; use a multiple of 2"),
+    (6, ["--parallel.pp=4"], "parallel.pp=4 does not divide the world size 6 (ranks torchrun started); the product "
+     "must be one of 1, 2, 3, 6, or start a multiple of 4 ranks"),
+])
+def test_a_pipeline_the_world_cannot_feed_is_refused_before_any_group(world, flags, message):
+    cfg = load_config(None, ["--parallel.engine=fsdp", "--model.tie_embeddings=false", "--model.n_layer=4", *flags])
+    with pytest.raises(ConfigError) as err:
+        check_world(cfg, world)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("world, flags", [
+    (4, ["--parallel.pp=2", "--parallel.pp_schedule=gpipe", "--train.batch_size=4", "--train.micro_batch_size=2"]),
+    (2, [*INTERLEAVED, "--train.batch_size=12", "--train.micro_batch_size=2"]),
+    (8, ["--parallel.pp=2", "--parallel.tp=2", "--train.batch_size=8", "--train.micro_batch_size=2"]),
+])
+def test_layouts_the_world_can_feed_pass(world, flags):
+    check_world(load_config(None, ["--parallel.engine=fsdp", "--model.tie_embeddings=false", "--model.n_layer=4",
+                                   *flags]), world)
