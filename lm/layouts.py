@@ -96,6 +96,16 @@ def table(layouts: list[Layout], losses: list[dict[int, float]]) -> tuple[str, t
     return "\n".join(lines), worst
 
 
+def runs_dir(out: str | None) -> Path:
+    """Where the runs go: --out, new or empty, or a new temporary directory."""
+    if out is None:
+        return Path(tempfile.mkdtemp(prefix="lm-layouts-"))
+    if Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
+        raise ConfigError(f"--out {out}: exists and is not an empty directory; name a new one (every layout "
+                          "trains from step 0)")
+    return Path(out)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lm.layouts", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
@@ -121,10 +131,7 @@ def main(argv: list[str]) -> int:
     fixed = [*fixed, *run_keys]
     for layout in layouts:
         check_layout(args.config, fixed, layout)
-    if args.out and Path(args.out).exists() and (not Path(args.out).is_dir() or any(Path(args.out).iterdir())):
-        raise ConfigError(f"--out {args.out}: exists and is not an empty directory; name a new one (every "
-                          "layout trains from step 0)")
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="lm-layouts-"))
+    out = runs_dir(args.out)
     base = ["--config", args.config] if args.config else []
     try:
         # every layout reads the same shards: prepare them once (lm.prepare reuses data that is already there)

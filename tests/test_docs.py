@@ -23,6 +23,7 @@ import pytest
 import lm.config.load
 import lm.errors
 import lm.finetune
+import lm.layouts
 import lm.sweep.__main__
 from lm.__main__ import TOOLS
 from lm.config import load_config
@@ -145,6 +146,8 @@ def check_main(module_name: str, argv: list[str], monkeypatch: pytest.MonkeyPatc
         # lm.sweep parses its own way (the base overrides are its unknown arguments): it has checked every
         # combination's config when it first writes its directory
         patch.setattr(lm.sweep.__main__, "claim_sweep_dir", parsed)
+        # lm.layouts too: it has checked every layout's config and world size before it picks its directory
+        patch.setattr(lm.layouts, "runs_dir", parsed)
         patch.setattr(subprocess, "run", no_process)
         patch.setattr(subprocess, "Popen", no_process)
         module = importlib.import_module(module_name)
