@@ -16,6 +16,10 @@ def _flags(parser: argparse.ArgumentParser) -> None:
                         help="--dry-run: devices to plan for (default: WORLD_SIZE, else 1)")
     parser.add_argument("--gpu-gib", type=finite_float, default=80.0,
                         help="--dry-run: device memory in GiB that the 'fits' column checks against (default 80)")
+    parser.add_argument("--nodes", type=positive_int, default=None,
+                        help="--dry-run: also plan the tensor/pipeline/data-parallel layouts of this many nodes")
+    parser.add_argument("--gpus-per-node", type=positive_int, default=None,
+                        help="--dry-run: GPUs per node for the layouts (default 8)")
 
 
 def _planned_world_size(nproc: int | None) -> int:
@@ -29,9 +33,12 @@ def _planned_world_size(nproc: int | None) -> int:
         raise ConfigError(f"--nproc: not given, and WORLD_SIZE={text!r} is not a positive integer") from None
 
 
-def dry_run(cfg: JobConfig, world_size: int, device_gib: float) -> None:
-    """Print what the config would train and how much memory each engine needs per device."""
+def dry_run(cfg: JobConfig, world_size: int, device_gib: float, nodes: int | None = None,
+            gpus_per_node: int | None = None) -> None:
+    """Print what the config would train and how much memory each engine needs per device; with `nodes`, also
+    the layouts of that many nodes of `gpus_per_node` GPUs and the one to pick."""
     from lm.models.registry import family_of
+    from lm.plan.layouts import layout_table
     from lm.plan.memory_table import plan_table
 
     m = cfg.model
@@ -41,6 +48,9 @@ def dry_run(cfg: JobConfig, world_size: int, device_gib: float) -> None:
           + (f" zero_stage={cfg.parallel.zero_stage}" if cfg.parallel.engine == "deepspeed" else "")
           + f" cpu_offload={cfg.parallel.cpu_offload} activation_checkpointing={cfg.parallel.activation_checkpointing}")
     print(plan_table(cfg, world_size, device_gib))
+    if nodes is not None:
+        print()
+        print(layout_table(cfg, nodes, gpus_per_node, device_gib))
 
 
 def main(argv: list[str]) -> int:
@@ -48,10 +58,20 @@ def main(argv: list[str]) -> int:
                                 "Run under torchrun for several processes.",
                           extra=_flags, prog="python -m lm.train")
     if not args.dry_run:
-        if args.nproc is not None:
-            raise ConfigError("--nproc: only --dry-run takes it; torchrun sets the world size of a real run")
+        for flag, value in (("--nproc", args.nproc), ("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
+            if value is not None:
+                raise ConfigError(f"{flag}: only --dry-run takes it; torchrun sets the world size of a real run")
     else:
-        dry_run(cfg, _planned_world_size(args.nproc), args.gpu_gib)
+        nodes, per_node = args.nodes, args.gpus_per_node
+        if per_node is not None and nodes is None:
+            nodes = 1
+        if nodes is not None:
+            per_node = per_node or 8
+            if args.nproc is not None and args.nproc != nodes * per_node:
+                raise ConfigError(f"--nproc {args.nproc}: --nodes {nodes} x --gpus-per-node {per_node} is "
+                                  f"{nodes * per_node} GPUs; give one or the other")
+            args.nproc = nodes * per_node
+        dry_run(cfg, _planned_world_size(args.nproc), args.gpu_gib, nodes, per_node)
         return 0
     # imported here so that --dry-run needs neither torch.distributed nor the trainer
     from lm.training.job import run_job

@@ -30,9 +30,13 @@ Activation checkpointing every n-th block (`lm.distributed.activation`: blocks 0
 order, ceil(L / n) of L) keeps only each checkpointed block's input, r*t*h bytes, plus one block's
 full activations while it is recomputed in backward. The other blocks keep everything.
 
-The logits, t*V*(c + 4 + 4 + 4) bytes for the padded vocabulary V: the model's logits, the fp32 log-softmax
-output the loss saves, and at the start of backward the fp32 gradients of that log-softmax's output and
-input. For GPT-2 small (V = 50k, d_model 768) that is twice all its blocks.
+The logits, t*V*(4 + 4 + 4) bytes for the padded vocabulary V: the fp32 log-softmax output the loss saves,
+and at the start of backward the fp32 gradients of that log-softmax's output and input. The head's own output
+(c bytes) is not among them: nothing saves it for backward (the float cast and the log-softmax need only their
+outputs), so it is freed once the loss is computed; a 16-bit model's float32 copy likewise. Measured on the CPU
+at float32 (tests/plan/test_layouts.py), a step's peak is the estimate without that term. A logit soft-cap
+saves its tanh's fp32 output as well (4 more; the family adds it). For GPT-2 small (V = 50k, d_model 768)
+that is about twice all its blocks.
 
 Checked against the bytes autograd actually saves (tests/plan/test_memory.py, on the CPU): within 2% per
 block. Not modelled: torch.compile, which fuses some saved tensors away; the CPU's unfused RMSNorm, which also
@@ -163,6 +167,7 @@ def stack_bytes(n_layer: int, checkpointed: int, full: int, boundary: int) -> in
     return checkpointed * boundary + (n_layer - checkpointed) * full
 
 
-def logits_bytes(positions: int, vocab: int, act_bytes: int) -> int:
-    """The logits of `positions` positions, their fp32 log-softmax and both gradients (see the module docstring)."""
-    return positions * vocab * (act_bytes + 12)
+def logits_bytes(positions: int, vocab: int) -> int:
+    """The fp32 log-softmax of the logits of `positions` positions and both its gradients (see the module
+    docstring)."""
+    return positions * vocab * 12

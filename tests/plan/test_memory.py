@@ -56,6 +56,8 @@ def test_parameter_count_equals_the_built_model(overrides):
 
 @pytest.mark.parametrize("preset, expected", [
     ("gpt2-124m", 124_475_904), ("gpt-1.3b", 1_315_819_520), ("llama-7b", 7_297_830_912),
+    # Meta's 8,030,261,248 and 70,553,706,496 less 2 x (128,256 - 100,288) x d_model of embedding and head rows
+    ("llama3-8b", 7_801_147_392), ("llama3-70b", 70_095_478_784),
 ])
 def test_presets_count_their_parameters(preset, expected):
     cfg = load_config(f"configs/{preset}.yaml").model
@@ -169,17 +171,19 @@ def test_korthikanti_count_for_a_gpt3_layer():
     assert got == s * b * h * 34 + 5 * a * s * s * b
 
 
-def test_logits_take_their_logits_log_softmax_and_both_gradients():
+def test_logits_take_their_log_softmax_and_both_gradients():
     cfg = _cfg(micro=5)
     t, vocab = 5 * 40, cfg.model.padded_vocab_size
-    assert estimate_memory(cfg, 1).logits == t * vocab * (2 + 4 + 4 + 4)
-    assert estimate_memory(_cfg(micro=5, dtype="float32"), 1).logits == t * vocab * (4 + 4 + 4 + 4)
+    assert estimate_memory(cfg, 1).logits == t * vocab * (4 + 4 + 4)
+    assert estimate_memory(_cfg(micro=5, dtype="float32"), 1).logits == t * vocab * (4 + 4 + 4)
+    # a soft-cap's tanh keeps its fp32 output too
+    assert estimate_memory(_cfg("--model.logit_softcap=15", micro=5), 1).logits == t * vocab * (4 + 4 + 4 + 4)
 
 
 def test_a_chunked_loss_holds_one_chunk_of_logits():
     t, vocab = 5 * 40, _cfg().model.padded_vocab_size
-    assert estimate_memory(_cfg("--model.loss_chunk=64", micro=5), 1).logits == 64 * vocab * (2 + 4 + 4 + 4)
-    assert estimate_memory(_cfg("--model.loss_chunk=1000", micro=5), 1).logits == t * vocab * (2 + 4 + 4 + 4)
+    assert estimate_memory(_cfg("--model.loss_chunk=64", micro=5), 1).logits == 64 * vocab * (4 + 4 + 4)
+    assert estimate_memory(_cfg("--model.loss_chunk=1000", micro=5), 1).logits == t * vocab * (4 + 4 + 4)
 
 
 def saved_bytes(cfg, bf16_weights: bool, autocast: bool) -> int:

@@ -132,7 +132,7 @@ class EncDecFamily(Family):
         def tail(tokens: int) -> int:  # final norm and head input, embedding dropout mask
             return (final_norm + c + drop) * tokens * h
 
-        logits = logits_bytes(b * tgt, cfg.padded_vocab_size, c)
+        logits = logits_bytes(b * tgt, cfg.padded_vocab_size)
         return blocks + memory + tail(b * src) + tail(b * tgt) + logits, logits
 
     # ---- inference -------------------------------------------------------------------------------

@@ -148,5 +148,5 @@ class EncoderFamily(Family):
         if cfg.head != "mlm":
             return blocks + trunk + c * b * h, 0
         n = b * target_count(s, data.mlm_rate)
-        logits = logits_bytes(n, cfg.padded_vocab_size, c)
+        logits = logits_bytes(n, cfg.padded_vocab_size)
         return blocks + trunk + (3 * c + r) * n * h + logits, logits

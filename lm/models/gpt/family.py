@@ -98,5 +98,8 @@ class GPTFamily(NextTokenFamily):
         blocks = stack_bytes(cfg.n_layer, k, full, residual_bytes * t * h) + (full if k else 0)
         final_norm = residual_bytes if cfg.norm_position == "pre" else 0
         tail = (final_norm + act_bytes + (1 if cfg.dropout > 0 else 0)) * t * h
-        logits = logits_bytes(min(t, cfg.loss_chunk or t), cfg.padded_vocab_size, act_bytes)
+        positions = min(t, cfg.loss_chunk or t)
+        # a soft-cap's tanh saves its fp32 output for backward
+        logits = logits_bytes(positions, cfg.padded_vocab_size) + (4 * positions * cfg.padded_vocab_size
+                                                                    if cfg.logit_softcap else 0)
         return blocks + tail + logits, logits

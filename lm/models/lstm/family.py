@@ -90,6 +90,6 @@ class LSTMFamily(NextTokenFamily):
         layers = stack_bytes(cfg.n_layer, k, full, c * t * h)
         if k:  # one layer recomputed; the first checkpoint holds the embedding output, as wide as the residual
             layers += full + (residual_bytes - c) * t * h
-        logits = logits_bytes(min(t, cfg.loss_chunk or t), cfg.padded_vocab_size, c)
+        logits = logits_bytes(min(t, cfg.loss_chunk or t), cfg.padded_vocab_size)
         drop = 1 if cfg.dropout > 0 else 0
         return layers + (c + drop * (cfg.n_layer + 1)) * t * h + logits, logits

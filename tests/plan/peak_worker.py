@@ -1,0 +1,72 @@
+"""One rank of a small training run that reports the most heap memory it held during a training step, for
+tests/plan/test_layouts.py: run under torchrun with lm.train's flags; writes <out_dir>/peak_rank<R>.json.
+
+The heap is measured with glibc's mallinfo2 (bytes in use), which sees every tensor because `tune_cpu` (run
+when the device is set up) makes glibc serve even large allocations from the heap. The baseline is taken after
+the process group is up and before the model is built; a thread samples the heap every millisecond while the
+second step trains (after the first, the optimizer state exists), and the peak over the baseline is reported.
+"""
+
+import ctypes
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+from lm.config import load_config
+from lm.distributed.env import init_distributed
+from lm.training.trainer import Trainer
+
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+_libc = ctypes.CDLL("libc.so.6")
+_libc.mallinfo2.restype = MallInfo2
+
+
+def in_use() -> int:
+    """Bytes the C heap has handed out and not taken back (mmapped blocks included)."""
+    info = _libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def main(argv: list[str]) -> None:
+    cfg = load_config(None, argv)
+    env = init_distributed(cfg.train.device, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+    baseline = in_use()
+    trainer = Trainer(cfg, env)
+    peak, sampling = [0], threading.Event()
+
+    def sample() -> None:
+        while True:
+            if sampling.is_set():
+                peak[0] = max(peak[0], in_use())
+            time.sleep(0.001)
+
+    threading.Thread(target=sample, daemon=True).start()
+    step = trainer._train_step
+
+    def measured_step():
+        if trainer.step == 1:  # the second step: weights, gradients and optimizer state all exist
+            sampling.set()
+        try:
+            return step()
+        finally:
+            sampling.clear()
+
+    trainer._train_step = measured_step
+    trainer.fit()
+    Path(cfg.train.out_dir, f"peak_rank{env.rank}.json").write_text(json.dumps({"peak": peak[0] - baseline}))
+    env.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    sys.stdout.flush()
+    os._exit(0)  # no teardown of the process group (see lm.cli.exit_without_teardown)
