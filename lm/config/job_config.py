@@ -144,6 +144,10 @@ class ParallelConfig:
     """Tensor-parallel ranks (keep them within a node): each block's heads and hidden units, the embedding's and
     the head's vocabulary split over tp ranks, the sequence between blocks too. fsdp only; data parallelism
     (FSDP2) takes the rest of the world size, world size / (tp x pp)."""
+    cp: int = 1
+    """Context-parallel ranks: each window's tokens split over cp ranks (balanced: rank r holds the r-th and the
+    r-th-from-last of 2 x cp slices), keys and values gathered in every attention layer; for long sequences. fsdp
+    only, with tp and pp at 1; FSDP2 shards over the data- and context-parallel ranks together."""
     pp: int = 1
     """Pipeline-parallel ranks (they may span nodes): the model's layers cut into pp x pp_stages_per_rank stages;
     the micro-batches of train.micro_batch_size flow through them. fsdp only."""
@@ -175,6 +179,14 @@ class ParallelConfig:
             raise ConfigError(f"parallel.tp: tensor parallelism composes with FSDP2 (parallel.engine=fsdp); the "
                               f"{self.engine} engine is data-parallel only. Set parallel.engine=fsdp or parallel.tp=1")
         self._check_pipeline()
+        if self.cp < 1:
+            raise ConfigError(f"parallel.cp: must be >= 1 (1 = no context parallelism), got {self.cp}")
+        if self.cp > 1 and self.engine != "fsdp":
+            raise ConfigError(f"parallel.cp: context parallelism composes with FSDP2 (parallel.engine=fsdp); the "
+                              f"{self.engine} engine is data-parallel only. Set parallel.engine=fsdp or parallel.cp=1")
+        if self.cp > 1 and (self.tp > 1 or self.pp > 1):
+            raise ConfigError("parallel.cp: context parallelism does not combine with parallel.tp or parallel.pp "
+                              "yet; use it with FSDP2 alone (tp=1, pp=1)")
 
     def _check_pipeline(self) -> None:
         if self.pp < 1:
@@ -300,6 +312,7 @@ class JobConfig:
                               "loss; set it to 0")
         self._check_tensor_parallel()
         self._check_pipeline()
+        self._check_context_parallel()
         self._check_task()
         self._check_vocab_size()
 
@@ -318,6 +331,21 @@ class JobConfig:
             raise ConfigError("checkpoint.init_from: a pipeline-parallel run cannot start from a consolidated or "
                               "Hugging Face checkpoint yet; start it with parallel.pp=1, save, and resume that run "
                               "with parallel.pp (checkpoints resume under any layout)")
+
+    def _check_context_parallel(self) -> None:
+        """What the model and the sequence must allow for parallel.cp ranks."""
+        cp = self.parallel.cp
+        if cp == 1:
+            return
+        problem = self.model.context_parallel_problem()
+        if problem:
+            raise ConfigError(f"parallel.cp={cp}: {problem}")
+        if self.data.seq_len % (2 * cp):
+            raise ConfigError(f"parallel.cp={cp}: data.seq_len={self.data.seq_len} does not split into {2 * cp} "
+                              f"equal slices (2 per context-parallel rank); use a multiple of {2 * cp}")
+        if self.data.document_mask:
+            raise ConfigError("data.document_mask: under parallel.cp > 1 attention follows the causal order of the "
+                              "whole window, not of its documents, yet; set data.document_mask=false")
 
     def _check_tensor_parallel(self) -> None:
         """What the model and the sequence must allow for parallel.tp ranks (the world size is checked at launch,

@@ -30,6 +30,8 @@ class DistEnv:
     """Tensor-parallel ranks: consecutive ranks form one tensor-parallel group (`lm.distributed.layout`)."""
     pp: int = 1
     """Pipeline-parallel ranks: the outermost dimension of the layout, world size / pp ranks per stage."""
+    cp: int = 1
+    """Context-parallel ranks: cp consecutive ranks (after tp) share each window's tokens."""
 
     @property
     def is_main(self) -> bool:
@@ -37,19 +39,24 @@ class DistEnv:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's place among the data-parallel replicas: the ranks of one tensor-parallel group, and the
-        stages of one pipeline, read the same batches."""
-        return (self.rank // self.tp) % self.dp_size
+        """This rank's place among the data-parallel replicas: the ranks of one tensor-parallel or context-parallel
+        group, and the stages of one pipeline, read the same batches."""
+        return (self.rank // (self.tp * self.cp)) % self.dp_size
 
     @property
     def dp_size(self) -> int:
-        """How many different batches the world reads at once: world size / (tp x pp)."""
-        return self.world_size // (self.tp * self.pp)
+        """How many different batches the world reads at once: world size / (tp x cp x pp)."""
+        return self.world_size // (self.tp * self.cp * self.pp)
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's place in its context-parallel group: which slices of each window it holds."""
+        return (self.rank // self.tp) % self.cp
 
     @property
     def pp_rank(self) -> int:
         """Which pipeline rank this is (0 holds the first stage)."""
-        return self.rank // (self.tp * self.dp_size)
+        return self.rank // (self.tp * self.cp * self.dp_size)
 
     @property
     def is_distributed(self) -> bool:
@@ -122,10 +129,10 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(device: str = "auto", timeout_s: int = 1800, tp: int = 1, pp: int = 1) -> DistEnv:
-    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU), or run alone; `tp` and `pp` are
-    the layout's tensor- and pipeline-parallel sizes (`lm.distributed.layout.check_world` checked that they
-    divide the world).
+def init_distributed(device: str = "auto", timeout_s: int = 1800, tp: int = 1, pp: int = 1, cp: int = 1) -> DistEnv:
+    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU), or run alone; `tp`, `pp` and `cp`
+    are the layout's tensor-, pipeline- and context-parallel sizes (`lm.distributed.layout.check_world` checked
+    that they divide the world).
 
     Started without torchrun (no WORLD_SIZE in the environment), this is a one-process run and no
     process group is created, so `python -m lm.train` works on a laptop without any launcher.
@@ -155,7 +162,7 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800, tp: int = 1, p
             **store,
         )
         log.info("joined process group: rank %d/%d, backend %s", rank, world_size, backend)
-    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev, tp=tp, pp=pp)
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev, tp=tp, pp=pp, cp=cp)
 
 
 def ensure_process_group(env: DistEnv) -> None:

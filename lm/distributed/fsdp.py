@@ -19,8 +19,9 @@ from torch.overrides import TorchFunctionMode
 
 from lm.config import JobConfig, use_bf16
 from lm.distributed.activation import checkpoint_blocks, compile_blocks
+from lm.distributed.context_parallel import ContextParallel
 from lm.distributed.env import DistEnv
-from lm.distributed.layout import device_mesh
+from lm.distributed.layout import device_mesh, shard_mesh
 from lm.distributed.materialize import WeightLoader
 from lm.distributed.tensor_parallel import apply_tensor_parallel
 from lm.distributed.torch_engine import TorchEngine
@@ -91,7 +92,7 @@ def parallelize(roots: list[nn.Module], blocks: list[nn.Module], family: Family,
                           "on the CPU already, so drop parallel.cpu_offload")
     options = {"mp_policy": mixed_precision(cfg, env.device)}
     if mesh is not None:
-        options["mesh"] = mesh["dp"]
+        options["mesh"] = shard_mesh(mesh)
     if env.tp > 1:
         plan = family.tensor_parallel(model)
         for root in roots:  # a stage takes the plan's entries for the modules it holds
@@ -109,16 +110,17 @@ def parallelize(roots: list[nn.Module], blocks: list[nn.Module], family: Family,
         root.to_empty(device="cpu" if cfg.parallel.cpu_offload else env.device)
 
 
-def shard_model(model: nn.Module, family: Family, cfg: JobConfig, env: DistEnv) -> nn.Module:
+def shard_model(model: nn.Module, family: Family, cfg: JobConfig, env: DistEnv,
+                mesh: DeviceMesh | None = None) -> nn.Module:
     """`model` (built on the meta device) sharded in place with fully_shard per block (its family's `blocks`)
     and at the root, then allocated and initialised per rank: every rank draws the whole model's numbers and
     keeps its slices. With parallel.tp > 1 the family's tensor-parallel plan splits the model over the mesh's
     "tp" dimension first, and FSDP2 shards over its "dp" dimension (2-D parallelism).
 
     Call after seeding the global RNG, as for an unsharded model. With train.compile each block is
-    compiled on its own (`compile_blocks`), as under ddp.
+    compiled on its own (`compile_blocks`), as under ddp. `mesh`: the run's mesh under tensor or context
+    parallelism (`lm.distributed.layout.device_mesh`), else None (the whole world shards).
     """
-    mesh = device_mesh(env) if env.tp > 1 else None
     parallelize([model], family.blocks(model), family, model, cfg, env, mesh)
     with FullTensorInit():
         model.init_weights()
@@ -133,10 +135,13 @@ class FSDPEngine(TorchEngine):
 
     def __init__(self, model: nn.Module, family: Family, loss: LossFn, cfg: JobConfig, env: DistEnv,
                  load_weights: WeightLoader | None) -> None:
-        shard_model(model, family, cfg, env)
+        mesh = device_mesh(env) if env.tp > 1 or env.cp > 1 else None
+        shard_model(model, family, cfg, env, mesh)
         if load_weights is not None:
             load_weights(model)  # each rank keeps its slices of the full tensors
-        super().__init__(model, model, family, loss, cfg, env)  # fully_shard works in place
+        # under context parallelism the forward runs this rank's share of each window's tokens
+        run = ContextParallel(model, mesh["cp"]).run if env.cp > 1 else model
+        super().__init__(model, run, family, loss, cfg, env, eval_run=run)  # fully_shard works in place
 
     def _sync(self, last: bool) -> contextlib.AbstractContextManager:
         self.model.set_requires_gradient_sync(last)

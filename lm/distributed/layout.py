@@ -16,15 +16,15 @@ from lm.errors import ConfigError
 
 def check_world(cfg: JobConfig, world_size: int) -> None:
     """Refuse, before any process group starts, a layout that does not divide the world size."""
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    if world_size % (tp * pp):
+    tp, pp, cp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp
+    if world_size % (tp * pp * cp):
         fits = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        what = " x ".join(f"parallel.{key}={n}" for key, n in (("tp", tp), ("pp", pp)) if n > 1)
+        what = " x ".join(f"parallel.{key}={n}" for key, n in (("tp", tp), ("cp", cp), ("pp", pp)) if n > 1)
         raise ConfigError(f"{what} does not divide the world size {world_size} (ranks torchrun started); "
                           f"the product must be one of {', '.join(map(str, fits))}, or start a multiple of "
-                          f"{tp * pp} ranks")
+                          f"{tp * pp * cp} ranks")
     if pp > 1:
-        check_micro_batches(cfg, world_size // (tp * pp))
+        check_micro_batches(cfg, world_size // (tp * pp * cp))
 
 
 def check_micro_batches(cfg: JobConfig, replicas: int) -> None:
@@ -46,6 +46,13 @@ def check_micro_batches(cfg: JobConfig, replicas: int) -> None:
 
 
 def device_mesh(env: DistEnv) -> DeviceMesh:
-    """The run's mesh: ("pp", "dp", "tp") of shape (pp, world size / (tp x pp), tp)."""
+    """The run's mesh: ("pp", "dp", "cp", "tp") of shape (pp, world size / (tp x cp x pp), cp, tp)."""
     device_type = "cuda" if env.device.type == "cuda" else "cpu"
-    return init_device_mesh(device_type, (env.pp, env.dp_size, env.tp), mesh_dim_names=("pp", "dp", "tp"))
+    return init_device_mesh(device_type, (env.pp, env.dp_size, env.cp, env.tp),
+                            mesh_dim_names=("pp", "dp", "cp", "tp"))
+
+
+def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks FSDP2 shards over: the data-parallel replicas, and with context parallelism its ranks too (they
+    hold the same weights and add their gradients like replicas)."""
+    return mesh["dp", "cp"]._flatten("dp_cp") if mesh["cp"].size() > 1 else mesh["dp"]

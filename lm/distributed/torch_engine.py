@@ -29,9 +29,12 @@ class TorchEngine(MicroBatchLoop):
     autocast: contextlib.AbstractContextManager = contextlib.nullcontext()
     skips_nonfinite = True
 
-    def __init__(self, model: nn.Module, train_model: nn.Module, family: Family, loss: LossFn, cfg: JobConfig,
-                 env: DistEnv) -> None:
+    def __init__(self, model: nn.Module, train_model: Run, family: Family, loss: LossFn, cfg: JobConfig,
+                 env: DistEnv, eval_run: Run | None = None) -> None:
+        """`train_model`: the forward training calls (DDP's wrapper, say); `eval_run`: the one evaluation calls
+        (the model itself by default: no gradient is reduced)."""
         self.model, self.train_model, self.loss, self.cfg, self.env = model, train_model, loss, cfg, env
+        self.eval_run = model if eval_run is None else eval_run
         self.optimizer = build_optimizer(model, cfg.optim, family.output_layers(model), env.world_size, env.rank)
 
     def set_lr(self, lr: float) -> None:
@@ -80,9 +83,8 @@ class TorchEngine(MicroBatchLoop):
                    for p in self.model.parameters())
 
     def evaluate(self, fn: Callable[[nn.Module, Run], T]) -> T:
-        # the model itself, not DDP's wrapper: evaluation reduces no gradient (FSDP's model is its own wrapper)
         with self.autocast, parallel_loss(self.env.tp):
-            return whole(fn(self.model, self.model))
+            return whole(fn(self.model, self.eval_run))
 
     def train(self, mode: bool) -> None:
         self.model.train(mode)

@@ -4,6 +4,9 @@
 self-attention, cross-attention; multi-head or grouped-query) shares the same kernel choice.
 """
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -34,6 +37,16 @@ def attend(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=k.size(1) != nh
     )
     return y.transpose(1, 2).reshape(B, T, nh * hs)
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """Under context parallelism, the tokens a rank holds of each window: their `positions` (T_local,) in a
+    sequence of `length` tokens. Their attention sees every key up to its own position, through the keys and
+    values each attention layer's `kv_gather` brings in from the other ranks."""
+
+    positions: torch.Tensor
+    length: int
 
 
 def split_fused_qkv(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
@@ -97,6 +110,9 @@ class SelfAttention(nn.Module):
         if cfg.qk_norm:  # bounds the attention logits, which lets a high learning rate stay stable
             self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
             self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+        self.kv_gather: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+        """Set from outside under context parallelism: this rank's keys and values (B, nkv, T_local, hs) -> those of
+        the whole sequence (B, nkv, T, hs) in position order; the caller's mask then says which each query sees."""
         self._register_load_state_dict_pre_hook(split_fused_qkv, with_module=True)
 
     def forward(
@@ -124,6 +140,8 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
 
+        if self.kv_gather is not None:
+            k, v = self.kv_gather(k, v)
         start = 0
         if cache is not None:
             start = cache.length

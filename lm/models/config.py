@@ -72,6 +72,13 @@ class ModelConfig:
         say), or None when it can."""
         return f"{self.title} (model.arch={self.arch}) {self.tensor_parallel_refusal}"
 
+    context_parallel_refusal: ClassVar[str] = "has no context-parallel attention (its attention layers gather no keys)"
+    """Why the family does not split a window's tokens over ranks, if it does not."""
+
+    def context_parallel_problem(self) -> str | None:
+        """Why this model cannot split each window's tokens over context-parallel ranks, or None when it can."""
+        return f"{self.title} (model.arch={self.arch}) {self.context_parallel_refusal}"
+
     pipeline_refusal: ClassVar[str] = "has no pipeline stages"
     """Why the family does not cut into pipeline stages (`pipeline_problem`), if it does not."""
 

@@ -23,7 +23,7 @@ def run_job(cfg: JobConfig) -> None:
     # honoured at the first log step, not lost
     check_world(cfg, launched_world_size())  # a layout that does not fit: refused before any group forms
     with StopSignals() as signals:
-        env = init_distributed(cfg.train.device, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+        env = init_distributed(cfg.train.device, tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=cfg.parallel.cp)
         trainer = Trainer(cfg, env)
         install_faults(trainer)  # the fault-tolerance tests' LM_FAULT_* variables; nothing in a real run
         trainer.fit(signals)

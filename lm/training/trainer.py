@@ -75,15 +75,15 @@ class Trainer:
             probe_output_dir(self.out_dir, checkpoint_bytes(cfg))
             save_config(cfg, self.out_dir / "config.yaml")
         if env.is_main:
-            layout = f" (pipeline {env.pp} x data-parallel {env.dp_size} x tensor-parallel {env.tp})" \
-                if max(env.tp, env.pp) > 1 else ""
+            layout = (f" (pipeline {env.pp} x data-parallel {env.dp_size} x context-parallel {env.cp} x "
+                      f"tensor-parallel {env.tp})") if max(env.tp, env.pp, env.cp) > 1 else ""
             log.info("model: %.2fM parameters (non-embedding), %d ranks%s on %s, engine %s",
                      self.n_params / 1e6, env.world_size, layout, env.device, self.engine.name)
         # a family that writes no text (an encoder) has no periodic samples, whatever log.sample_every says
-        self.samples = bool(cfg.log.sample_every) and self.family.generates and env.tp == env.pp == 1
-        if cfg.log.sample_every and max(env.tp, env.pp) > 1 and env.is_main:
-            log.info("no periodic samples under parallel.tp or parallel.pp > 1 (a split model decodes no "
-                     "single tokens yet); sample from a checkpoint with lm.sample")
+        self.samples = bool(cfg.log.sample_every) and self.family.generates and env.tp == env.pp == env.cp == 1
+        if cfg.log.sample_every and max(env.tp, env.pp, env.cp) > 1 and env.is_main:
+            log.info("no periodic samples under parallel.tp, pp or cp > 1 (a split model decodes no single "
+                     "tokens yet); sample from a checkpoint with lm.sample")
         self.tokenizer = load_tokenizer(cfg.data.tokenizer) if self.samples else None
 
     def _resume(self, path: Path) -> None:

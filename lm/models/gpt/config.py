@@ -45,6 +45,9 @@ class GPTConfig(TransformerConfig):
                     "each rank's whole slice of logits; set model.loss_chunk=0 (the logits are 1/tp per rank)")
         return None
 
+    def context_parallel_problem(self) -> str | None:
+        return None  # GPT.forward takes a SequenceShard
+
     def pipeline_problem(self, stages: int) -> str | None:
         """Every stage holds one block or more; the embedding sits on the first stage and the head on the last,
         so they cannot share one weight."""

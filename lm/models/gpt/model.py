@@ -12,7 +12,7 @@ Vaswani et al. 2017, "Attention Is All You Need"; Touvron et al. 2023, "LLaMA".
 import torch
 import torch.nn as nn
 
-from lm.models.attention import document_causal_mask
+from lm.models.attention import SequenceShard, document_causal_mask
 from lm.models.block import Block
 from lm.models.gpt.config import GPTConfig
 from lm.models.init import init_weights_, residual_projections
@@ -89,7 +89,7 @@ class GPT(nn.Module):
         return c * torch.tanh(logits.float() / c) if c else logits
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, shard: SequenceShard | None = None) -> torch.Tensor:
         """The final-normed hidden states (B, T, C) of token ids idx (B, T); `logits` turns them into logits.
 
         `positions` (B, T) int, for windows packed from several documents: each token's position inside its
@@ -97,7 +97,8 @@ class GPT(nn.Module):
         (`document_causal_mask`) and position encodings restart at every document, so each document's
         outputs are those it gets alone; without it, tokens sit at 0..T-1 and attend causally across the
         whole window. With a cache, idx holds the T tokens after the cache.length already cached, and their
-        keys and values are appended to it.
+        keys and values are appended to it. With a `shard` (context parallelism), idx holds the tokens at
+        shard.positions of a longer sequence.
         """
         cfg = self.cfg
         T = idx.shape[1]
@@ -109,7 +110,10 @@ class GPT(nn.Module):
             )
 
         mask = None
-        if positions is None:
+        if shard is not None:
+            pos = shard.positions  # (T,) of a sequence of shard.length
+            mask = torch.arange(shard.length, device=idx.device)[None, :] <= pos[:, None]  # (T, length): causal
+        elif positions is None:
             pos = torch.arange(start, start + T, device=idx.device)  # (T,)
         else:
             check_positions(positions, idx, cache)

@@ -1,0 +1,68 @@
+"""Context parallelism (parallel.cp) with FSDP2 on real gloo groups: each window's tokens split over ranks,
+keys and values gathered in every attention layer; the same losses as one process, checkpoints that resume
+without it, the same token-to-rank map as torch's `context_parallel`, and the layouts refused."""
+
+import pytest
+import torch
+from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+from lm.config import load_config
+from lm.distributed.context_parallel import shard_indices
+from lm.distributed.layout import check_world
+from lm.errors import ConfigError
+from tests.distributed.test_engines import resume_copy, train
+from tests.distributed.test_pipeline import LLAMA4, assert_same
+
+
+def test_cp2_by_fsdp2_trains_like_one_process_and_resumes_without_it(tiny_data_dir, tmp_path):
+    one = train(1, tmp_path / "one", tiny_data_dir, *LLAMA4)
+    assert_same(train(4, tmp_path / "cp2dp2", tiny_data_dir, *LLAMA4, "--parallel.cp=2"), one, range(1, 11))
+    run = resume_copy(tmp_path / "cp2dp2", tmp_path / "resumed", step=5)
+    assert_same(train(1, run, tiny_data_dir, *LLAMA4), one, range(6, 11))
+
+
+def test_cp2_matches_one_process_with_learned_positions_recomputation_and_z_loss(tiny_data_dir, tmp_path):
+    flags = ["--parallel.engine=fsdp", "--model.n_head=4", "--train.steps=4", "--optim.z_loss=1e-4",
+             "--parallel.activation_checkpointing=1"]
+    one = train(1, tmp_path / "one", tiny_data_dir, *flags)
+    assert_same(train(2, tmp_path / "cp2", tiny_data_dir, *flags, "--parallel.cp=2"), one, range(1, 5))
+
+
+@pytest.mark.parametrize("length, cp", [(8, 2), (16, 2), (24, 3), (32, 4), (64, 8)])
+def test_ranks_hold_the_tokens_torchs_head_tail_balancer_gives_them(length, cp):
+    # torch's context_parallel (the CUDA ring attention) reorders a window by these indices and cuts it in cp parts
+    torch_order = _HeadTailLoadBalancer(length, cp, "cpu")._generate_indices().view(cp, -1)
+    assert torch.equal(torch.stack([shard_indices(length, cp, r) for r in range(cp)]), torch_order)
+
+
+def test_every_token_is_held_once_and_each_rank_does_the_same_causal_work():
+    length, cp = 64, 4
+    held = [shard_indices(length, cp, r) for r in range(cp)]
+    assert sorted(torch.cat(held).tolist()) == list(range(length))
+    # a query at position p attends to p + 1 keys: every rank's queries attend to as many keys in all
+    assert len({int((positions + 1).sum()) for positions in held}) == 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--parallel.cp=2"], "parallel.cp: context parallelism composes with FSDP2 (parallel.engine=fsdp)"),
+    (["--parallel.engine=fsdp", "--parallel.cp=2", "--parallel.tp=2"], "parallel.cp: context parallelism does "
+     "not combine with parallel.tp or parallel.pp yet"),
+    (["--parallel.engine=fsdp", "--parallel.cp=3", "--data.seq_len=16"], "parallel.cp=3: data.seq_len=16 does not "
+     "split into 6 equal slices (2 per context-parallel rank); use a multiple of 6"),
+    (["--parallel.engine=fsdp", "--parallel.cp=2", "--data.document_mask=true"], "data.document_mask: under "
+     "parallel.cp > 1"),
+    (["--parallel.engine=fsdp", "--parallel.cp=2", "--model.arch=lstm"], "parallel.cp=2: an LSTM (model.arch=lstm) "
+     "has no context-parallel attention"),
+    (["--parallel.cp=0"], "parallel.cp: must be >= 1"),
+])
+def test_a_context_split_the_model_cannot_take_is_refused_by_the_config(flags, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["--model.block_size=32", "--data.seq_len=16", "--model.vocab_size=96", *flags])
+    assert message in str(err.value)
+
+
+def test_a_world_size_that_cp_does_not_divide_is_refused():
+    cfg = load_config(None, ["--parallel.engine=fsdp", "--parallel.cp=2"])
+    with pytest.raises(ConfigError) as err:
+        check_world(cfg, 3)
+    assert str(err.value).startswith("parallel.cp=2 does not divide the world size 3")
