@@ -48,7 +48,7 @@ class ContextParallel:
     def _gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """The group's `t` concatenated along the sequence dimension `dim`, in position order (differentiable:
         backward sums the group's gradients for each rank's part)."""
-        whole = funcol.all_gather_tensor_autograd(t.contiguous(), gather_dim=dim, group=self.group)
+        whole = funcol.all_gather_single_autograd(t.contiguous(), gather_dim=dim, group=self.group)
         return whole.index_select(dim, self.order)
 
     def _gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

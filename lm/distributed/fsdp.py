@@ -8,6 +8,7 @@ same seed at any world size, and no rank ever holds the whole model.
 
 import contextlib
 import inspect
+import warnings
 
 import torch
 import torch.nn as nn
@@ -94,6 +95,9 @@ def parallelize(roots: list[nn.Module], blocks: list[nn.Module], family: Family,
     if mesh is not None:
         options["mesh"] = shard_mesh(mesh)
     if env.tp > 1:
+        # the final norm's sequence slice comes out as a view of its DTensor, which FSDP2 warns about on every rank
+        # in case the caller changes it in place; the families' losses never do
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
         plan = family.tensor_parallel(model)
         for root in roots:  # a stage takes the plan's entries for the modules it holds
             names = {name for name, _ in root.named_modules()}
