@@ -144,6 +144,10 @@ class ParallelConfig:
     """Tensor-parallel ranks (keep them within a node): each block's heads and hidden units, the embedding's and
     the head's vocabulary split over tp ranks, the sequence between blocks too. fsdp only; data parallelism
     (FSDP2) takes the rest of the world size, world size / (tp x pp)."""
+    dp_replicate: int = 1
+    """HSDP: data-parallel groups that each shard the model (FSDP2) and hold the same shards as one another, their
+    gradients all-reduced across groups; make one group a node (world size / dp_replicate ranks) to keep FSDP2's
+    gathers inside it. fsdp only; the data-parallel ranks of a group shard (dp_shard) are the rest."""
     cp: int = 1
     """Context-parallel ranks: each window's tokens split over cp ranks (balanced: rank r holds the r-th and the
     r-th-from-last of 2 x cp slices), keys and values gathered in every attention layer; for long sequences. fsdp
@@ -179,6 +183,12 @@ class ParallelConfig:
             raise ConfigError(f"parallel.tp: tensor parallelism composes with FSDP2 (parallel.engine=fsdp); the "
                               f"{self.engine} engine is data-parallel only. Set parallel.engine=fsdp or parallel.tp=1")
         self._check_pipeline()
+        if self.dp_replicate < 1:
+            raise ConfigError(f"parallel.dp_replicate: must be >= 1 (1 = FSDP2 over every data-parallel rank), got "
+                              f"{self.dp_replicate}")
+        if self.dp_replicate > 1 and self.engine != "fsdp":
+            raise ConfigError(f"parallel.dp_replicate: HSDP is FSDP2's (parallel.engine=fsdp); the {self.engine} "
+                              "engine does not take it. Set parallel.engine=fsdp or parallel.dp_replicate=1")
         if self.cp < 1:
             raise ConfigError(f"parallel.cp: must be >= 1 (1 = no context parallelism), got {self.cp}")
         if self.cp > 1 and self.engine != "fsdp":

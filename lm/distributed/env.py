@@ -32,6 +32,8 @@ class DistEnv:
     """Pipeline-parallel ranks: the outermost dimension of the layout, world size / pp ranks per stage."""
     cp: int = 1
     """Context-parallel ranks: cp consecutive ranks (after tp) share each window's tokens."""
+    dp_replicate: int = 1
+    """HSDP groups among the data-parallel ranks: each shards the model, the groups replicate it."""
 
     @property
     def is_main(self) -> bool:
@@ -129,10 +131,11 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(device: str = "auto", timeout_s: int = 1800, tp: int = 1, pp: int = 1, cp: int = 1) -> DistEnv:
+def init_distributed(device: str = "auto", timeout_s: int = 1800, tp: int = 1, pp: int = 1, cp: int = 1,
+                     dp_replicate: int = 1) -> DistEnv:
     """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU), or run alone; `tp`, `pp` and `cp`
-    are the layout's tensor-, pipeline- and context-parallel sizes (`lm.distributed.layout.check_world` checked
-    that they divide the world).
+    are the layout's tensor-, pipeline- and context-parallel sizes and `dp_replicate` its HSDP groups
+    (`lm.distributed.layout.check_world` checked that they divide the world).
 
     Started without torchrun (no WORLD_SIZE in the environment), this is a one-process run and no
     process group is created, so `python -m lm.train` works on a laptop without any launcher.
@@ -162,7 +165,8 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800, tp: int = 1, p
             **store,
         )
         log.info("joined process group: rank %d/%d, backend %s", rank, world_size, backend)
-    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev, tp=tp, pp=pp, cp=cp)
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev, tp=tp, pp=pp, cp=cp,
+                   dp_replicate=dp_replicate)
 
 
 def ensure_process_group(env: DistEnv) -> None:

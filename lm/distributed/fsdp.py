@@ -139,7 +139,7 @@ class FSDPEngine(TorchEngine):
 
     def __init__(self, model: nn.Module, family: Family, loss: LossFn, cfg: JobConfig, env: DistEnv,
                  load_weights: WeightLoader | None) -> None:
-        mesh = device_mesh(env) if env.tp > 1 or env.cp > 1 else None
+        mesh = device_mesh(env) if max(env.tp, env.cp, env.dp_replicate) > 1 else None
         shard_model(model, family, cfg, env, mesh)
         if load_weights is not None:
             load_weights(model)  # each rank keeps its slices of the full tensors

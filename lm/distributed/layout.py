@@ -7,6 +7,8 @@ on one node's fast links; FSDP2 gathers once per block and a pipeline sends one 
 so those can cross nodes.
 """
 
+import warnings
+
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lm.config import JobConfig
@@ -16,13 +18,15 @@ from lm.errors import ConfigError
 
 def check_world(cfg: JobConfig, world_size: int) -> None:
     """Refuse, before any process group starts, a layout that does not divide the world size."""
-    tp, pp, cp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp
-    if world_size % (tp * pp * cp):
+    par = cfg.parallel
+    tp, pp, cp, replicas = par.tp, par.pp, par.cp, par.dp_replicate
+    if world_size % (tp * pp * cp * replicas):
         fits = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        what = " x ".join(f"parallel.{key}={n}" for key, n in (("tp", tp), ("cp", cp), ("pp", pp)) if n > 1)
+        what = " x ".join(f"parallel.{key}={n}" for key, n in (("tp", tp), ("cp", cp), ("pp", pp),
+                                                                ("dp_replicate", replicas)) if n > 1)
         raise ConfigError(f"{what} does not divide the world size {world_size} (ranks torchrun started); "
                           f"the product must be one of {', '.join(map(str, fits))}, or start a multiple of "
-                          f"{tp * pp * cp} ranks")
+                          f"{tp * pp * cp * replicas} ranks")
     if pp > 1:
         check_micro_batches(cfg, world_size // (tp * pp * cp))
 
@@ -46,13 +50,23 @@ def check_micro_batches(cfg: JobConfig, replicas: int) -> None:
 
 
 def device_mesh(env: DistEnv) -> DeviceMesh:
-    """The run's mesh: ("pp", "dp", "cp", "tp") of shape (pp, world size / (tp x cp x pp), cp, tp)."""
+    """The run's mesh: ("pp", "dp_replicate", "dp_shard", "cp", "tp"), the data-parallel ranks world size /
+    (tp x cp x pp) as dp_replicate HSDP groups of dp_shard."""
     device_type = "cuda" if env.device.type == "cuda" else "cpu"
-    return init_device_mesh(device_type, (env.pp, env.dp_size, env.cp, env.tp),
-                            mesh_dim_names=("pp", "dp", "cp", "tp"))
+    shape = (env.pp, env.dp_replicate, env.dp_size // env.dp_replicate, env.cp, env.tp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
 
 
 def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The ranks FSDP2 shards over: the data-parallel replicas, and with context parallelism its ranks too (they
-    hold the same weights and add their gradients like replicas)."""
-    return mesh["dp", "cp"]._flatten("dp_cp") if mesh["cp"].size() > 1 else mesh["dp"]
+    """The mesh FSDP2 shards over: the data-parallel ranks, and with context parallelism its ranks too (they hold
+    the same weights and add their gradients like replicas); 2-D (replicate, shard) under HSDP."""
+    shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if mesh["cp"].size() > 1 else mesh["dp_shard"]
+    if mesh["dp_replicate"].size() == 1:
+        return shard
+    if mesh["cp"].size() > 1:
+        # torch 2.13 warns on every rank that slicing a flattened dimension from the root mesh will change (after
+        # 2.11); it is the way torchtitan builds this mesh today
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+            return mesh["dp_replicate", "dp_shard_cp"]
+    return mesh["dp_replicate", "dp_shard"]

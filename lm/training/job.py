@@ -23,7 +23,8 @@ def run_job(cfg: JobConfig) -> None:
     # honoured at the first log step, not lost
     check_world(cfg, launched_world_size())  # a layout that does not fit: refused before any group forms
     with StopSignals() as signals:
-        env = init_distributed(cfg.train.device, tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=cfg.parallel.cp)
+        par = cfg.parallel
+        env = init_distributed(cfg.train.device, tp=par.tp, pp=par.pp, cp=par.cp, dp_replicate=par.dp_replicate)
         trainer = Trainer(cfg, env)
         install_faults(trainer)  # the fault-tolerance tests' LM_FAULT_* variables; nothing in a real run
         trainer.fit(signals)
