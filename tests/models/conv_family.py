@@ -134,7 +134,7 @@ class ConvFamily(NextTokenFamily):
         full = 2 * r * t * h + c * (t + b * (cfg.kernel_size - 1)) * h + c * t * h + 2 * c * t * 4 * h
         k = checkpointed_blocks(cfg.n_layer, every)
         blocks = stack_bytes(cfg.n_layer, k, full, r * t * h) + (full if k else 0)
-        logits = logits_bytes(t, cfg.padded_vocab_size, c)
+        logits = logits_bytes(t, cfg.padded_vocab_size)
         return blocks + (r + c) * t * h + logits, logits
 
 
