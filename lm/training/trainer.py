@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lm.checkpoint.resume import changed_settings, load_checkpoint
 from lm.checkpoint.store import checkpoint_root
@@ -75,8 +76,13 @@ class Trainer:
             probe_output_dir(self.out_dir, checkpoint_bytes(cfg))
             save_config(cfg, self.out_dir / "config.yaml")
         if env.is_main:
-            layout = (f" (pipeline {env.pp} x data-parallel {env.dp_size} x context-parallel {env.cp} x "
-                      f"tensor-parallel {env.tp})") if max(env.tp, env.pp, env.cp) > 1 else ""
+            layout = ""
+            if max(env.tp, env.pp, env.cp, env.dp_replicate) > 1:
+                # what this rank holds, read off the built model: the layout's split, not the config's wish
+                held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in self.model.parameters())
+                layout = (f" (pipeline {env.pp} x data-parallel {env.dp_size} in {env.dp_replicate} HSDP group(s) "
+                          f"x context-parallel {env.cp} x tensor-parallel {env.tp}; rank 0 holds {held:,} of "
+                          f"{self.family.num_params(cfg.model):,} parameters)")
             log.info("model: %.2fM parameters (non-embedding), %d ranks%s on %s, engine %s",
                      self.n_params / 1e6, env.world_size, layout, env.device, self.engine.name)
         # a family that writes no text (an encoder) has no periodic samples, whatever log.sample_every says

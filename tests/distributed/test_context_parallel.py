@@ -10,13 +10,14 @@ from lm.config import load_config
 from lm.distributed.context_parallel import shard_indices
 from lm.distributed.layout import check_world
 from lm.errors import ConfigError
-from tests.distributed.test_engines import resume_copy, train
+from tests.distributed.test_engines import held_share, resume_copy, train
 from tests.distributed.test_pipeline import LLAMA4, assert_same
 
 
 def test_cp2_by_fsdp2_trains_like_one_process_and_resumes_without_it(tiny_data_dir, tmp_path):
     one = train(1, tmp_path / "one", tiny_data_dir, *LLAMA4)
     assert_same(train(4, tmp_path / "cp2dp2", tiny_data_dir, *LLAMA4, "--parallel.cp=2"), one, range(1, 11))
+    assert held_share(tmp_path / "cp2dp2") == pytest.approx(1 / 4, abs=0.02)  # sharded over dp x cp
     run = resume_copy(tmp_path / "cp2dp2", tmp_path / "resumed", step=5)
     assert_same(train(1, run, tiny_data_dir, *LLAMA4), one, range(6, 11))
 

@@ -3,6 +3,7 @@ size, and resume from 2 processes to 1 (resharding) that continues the loss traj
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,8 +56,18 @@ def train(nproc: int, out: Path, data_dir: Path, *extra: str) -> dict[int, float
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve()))
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
+    out.with_suffix(".log").write_text(result.stdout)  # beside the run, for tests that read its log lines
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def held_share(out: Path) -> float:
+    """The share of the model's parameters that rank 0 of the run in `out` holds, from its log (runs under a
+    parallel layout say it): what shows the layout was applied, since a layout ignored would train the same."""
+    found = re.search(r"rank 0 holds ([\d,]+) of ([\d,]+) parameters", out.with_suffix(".log").read_text())
+    assert found, f"no parameter share in {out.with_suffix('.log')}"
+    held, total = (int(g.replace(",", "")) for g in found.groups())
+    return held / total
 
 
 def resume_copy(src: Path, dst: Path, step: int = 3) -> Path:

@@ -6,13 +6,15 @@ import pytest
 from lm.config import load_config
 from lm.distributed.layout import check_world
 from lm.errors import ConfigError
-from tests.distributed.test_engines import resume_copy, train
+from tests.distributed.test_engines import held_share, resume_copy, train
 from tests.distributed.test_pipeline import LLAMA4, assert_same
 
 
 def test_two_groups_of_two_train_like_one_process_and_resume_in_one(tiny_data_dir, tmp_path):
     one = train(1, tmp_path / "one", tiny_data_dir, *LLAMA4)
     assert_same(train(4, tmp_path / "hsdp", tiny_data_dir, *LLAMA4, "--parallel.dp_replicate=2"), one, range(1, 11))
+    # sharded over a group of 2, not over all 4 ranks
+    assert held_share(tmp_path / "hsdp") == pytest.approx(1 / 2, abs=0.02)
     run = resume_copy(tmp_path / "hsdp", tmp_path / "resumed", step=5)
     assert_same(train(1, run, tiny_data_dir, *LLAMA4), one, range(6, 11))
 

@@ -10,7 +10,7 @@ from lm.distributed.fsdp import discard_draws
 from lm.distributed.layout import check_world
 from lm.distributed.pipeline import stage_layers
 from lm.errors import ConfigError
-from tests.distributed.test_engines import resume_copy, train
+from tests.distributed.test_engines import held_share, resume_copy, train
 
 # a 4-block decoder with the Llama options (grouped-query attention) and an untied head, which a pipeline needs
 LLAMA4 = ["--parallel.engine=fsdp", "--model.n_layer=4", "--model.n_head=4", "--model.n_kv_head=2",
@@ -37,6 +37,8 @@ def assert_same(got: dict[int, float], want: dict[int, float], steps) -> None:
 @pytest.mark.parametrize("layout", [PP2, INTERLEAVED], ids=["pp2xfsdp2-1f1b", "pp2xfsdp2-interleaved"])
 def test_four_ranks_train_like_one_process(layout, reference, tiny_data_dir, tmp_path):
     assert_same(train(4, tmp_path / "run", tiny_data_dir, *LLAMA4, *layout), reference[1], range(1, 11))
+    # rank 0 holds the first stage(s): about half the model, sharded over the 2 replicas
+    assert 0.2 < held_share(tmp_path / "run") < 0.3
 
 
 def test_gpipe_on_two_stages_trains_like_one_process(reference, tiny_data_dir, tmp_path):

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from lm.config import load_config
 from lm.errors import ConfigError
-from tests.distributed.test_engines import resume_copy, train
+from tests.distributed.test_engines import held_share, resume_copy, train
 
 # the Llama options with grouped-query attention: 4 query heads, 2 key/value heads, an untied head
 LLAMA = ["--parallel.engine=fsdp", "--model.n_head=4", "--model.n_kv_head=2", "--model.pos=rope",
@@ -31,6 +31,7 @@ def test_tp2_by_fsdp2_trains_like_one_process_and_resumes_under_fsdp4_and_one_pr
     two_d = train(4, tmp_path / "tp2dp2", tiny_data_dir, *LLAMA, "--parallel.tp=2")
     assert sorted(one) == sorted(two_d) == list(range(1, 11))
     assert_same(two_d, one, range(1, 11))
+    assert held_share(tmp_path / "tp2dp2") == pytest.approx(1 / 4, abs=0.02)  # split by tp, then sharded by dp
     state = json.loads((tmp_path / "tp2dp2/checkpoints/step_00000005/state.json").read_text())
     assert state["world_size"] == 4
     # the step-5 checkpoint of the 2-D run, resumed with tensor parallelism off on 4 ranks and on 1
