@@ -143,7 +143,7 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel ranks (keep them within a node): each block's heads and hidden units, the embedding's and
     the head's vocabulary split over tp ranks, the sequence between blocks too. fsdp only; data parallelism
-    (FSDP2) takes the rest of the world size, world size / (tp x pp)."""
+    (FSDP2) takes the rest of the world size, world size / (tp x cp x pp)."""
     dp_replicate: int = 1
     """HSDP: data-parallel groups that each shard the model (FSDP2) and hold the same shards as one another, their
     gradients all-reduced across groups; make one group a node (world size / dp_replicate ranks) to keep FSDP2's
@@ -177,33 +177,21 @@ class ParallelConfig:
         if self.activation_checkpointing < 0:
             raise ConfigError("parallel.activation_checkpointing: must be >= 0 (0 = none), "
                               f"got {self.activation_checkpointing}")
-        if self.tp < 1:
-            raise ConfigError(f"parallel.tp: must be >= 1 (1 = no tensor parallelism), got {self.tp}")
-        if self.tp > 1 and self.engine != "fsdp":
-            raise ConfigError(f"parallel.tp: tensor parallelism composes with FSDP2 (parallel.engine=fsdp); the "
-                              f"{self.engine} engine is data-parallel only. Set parallel.engine=fsdp or parallel.tp=1")
+        for key, what in (("tp", "tensor parallelism"), ("pp", "pipeline parallelism"),
+                          ("cp", "context parallelism"), ("dp_replicate", "HSDP")):
+            n = getattr(self, key)
+            if n < 1:
+                raise ConfigError(f"parallel.{key}: must be >= 1 (1 = no {what}), got {n}")
+            if n > 1 and self.engine != "fsdp":
+                raise ConfigError(f"parallel.{key}: {what} composes with FSDP2 (parallel.engine=fsdp); the "
+                                  f"{self.engine} engine is data-parallel only. Set parallel.engine=fsdp or "
+                                  f"parallel.{key}=1")
         self._check_pipeline()
-        if self.dp_replicate < 1:
-            raise ConfigError(f"parallel.dp_replicate: must be >= 1 (1 = FSDP2 over every data-parallel rank), got "
-                              f"{self.dp_replicate}")
-        if self.dp_replicate > 1 and self.engine != "fsdp":
-            raise ConfigError(f"parallel.dp_replicate: HSDP is FSDP2's (parallel.engine=fsdp); the {self.engine} "
-                              "engine does not take it. Set parallel.engine=fsdp or parallel.dp_replicate=1")
-        if self.cp < 1:
-            raise ConfigError(f"parallel.cp: must be >= 1 (1 = no context parallelism), got {self.cp}")
-        if self.cp > 1 and self.engine != "fsdp":
-            raise ConfigError(f"parallel.cp: context parallelism composes with FSDP2 (parallel.engine=fsdp); the "
-                              f"{self.engine} engine is data-parallel only. Set parallel.engine=fsdp or parallel.cp=1")
         if self.cp > 1 and (self.tp > 1 or self.pp > 1):
             raise ConfigError("parallel.cp: context parallelism does not combine with parallel.tp or parallel.pp "
                               "yet; use it with FSDP2 alone (tp=1, pp=1)")
 
     def _check_pipeline(self) -> None:
-        if self.pp < 1:
-            raise ConfigError(f"parallel.pp: must be >= 1 (1 = no pipeline parallelism), got {self.pp}")
-        if self.pp > 1 and self.engine != "fsdp":
-            raise ConfigError(f"parallel.pp: pipeline parallelism composes with FSDP2 (parallel.engine=fsdp); the "
-                              f"{self.engine} engine is data-parallel only. Set parallel.engine=fsdp or parallel.pp=1")
         if self.pp_schedule in ZERO_BUBBLE:
             raise ConfigError(f"parallel.pp_schedule: {self.pp_schedule} is refused: with FSDP2 torch's zero-bubble "
                               "schedules run without error but compute wrong gradients (checked on torch 2.13); "

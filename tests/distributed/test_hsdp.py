@@ -20,7 +20,8 @@ def test_two_groups_of_two_train_like_one_process_and_resume_in_one(tiny_data_di
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--parallel.dp_replicate=2"], "parallel.dp_replicate: HSDP is FSDP2's (parallel.engine=fsdp); the ddp engine"),
+    (["--parallel.dp_replicate=2"], "parallel.dp_replicate: HSDP composes with FSDP2 (parallel.engine=fsdp); the "
+     "ddp engine"),
     (["--parallel.dp_replicate=0", "--parallel.engine=fsdp"], "parallel.dp_replicate: must be >= 1"),
 ])
 def test_hsdp_outside_fsdp_is_refused(flags, message):
