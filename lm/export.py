@@ -21,6 +21,7 @@ from lm.checkpoint.loading import load_for_inference
 from lm.checkpoint.store import read_config, resolve_checkpoint
 from lm.cli import run
 from lm.hf.export_files import output_problem, write_export
+from lm.hf.importing import find_origin
 from lm.hf.targets import pick_target
 from lm.models.registry import family_of
 from lm.tokenizer import model_tokenizer
@@ -58,7 +59,8 @@ def main(argv: list[str]) -> int:
     model, job, _ = load_for_inference(step_dir, torch.device("cpu"))
     out = args.out.resolve()
     tokenizer = model_tokenizer(job.data.tokenizer, job.model.vocab_size) if target.tokenizer_files else None
-    written, kept = write_export(model, target, tokenizer, job.data.tokenizer, out)
+    origin = find_origin(step_dir, job.checkpoint.init_from)
+    written, kept = write_export(model, target, tokenizer, job.data.tokenizer, out, origin)
     if kept:
         log.warning("%s: kept files this export did not write: %s", out, ", ".join(kept))
     log.info("exported %s (step dir %s) as %s to %s: %s", args.checkpoint, step_dir.name, target.hf_class, out,

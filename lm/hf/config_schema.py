@@ -57,6 +57,12 @@ def names(value: Any) -> str:
     return "" if isinstance(value, list) and all(isinstance(v, str) for v in value) else "a list of strings"
 
 
+def token_ids(value: Any) -> str:
+    ok = _is_int(value) and 0 <= value <= MAX_COUNT or isinstance(value, list) and all(
+        _is_int(v) and 0 <= v <= MAX_COUNT for v in value)
+    return "" if ok else "a token id or a list of token ids"
+
+
 def table(value: Any) -> str:
     return "" if isinstance(value, dict) else "an object of settings"
 
@@ -78,6 +84,7 @@ ROPE_KEYS: dict[str, Check] = {
 KEYS: dict[str, Check] = {
     "architectures": names, "model_type": name,
     "vocab_size": count, "tie_word_embeddings": flag,
+    "bos_token_id": or_null(token_ids), "eos_token_id": or_null(token_ids), "pad_token_id": or_null(token_ids),
     "rope_scaling": or_null(table), "rope_parameters": or_null(table), "quantization_config": or_null(table),
     # GPT-2
     "n_positions": count, "n_embd": count, "n_layer": count, "n_head": count, "n_inner": or_null(count),

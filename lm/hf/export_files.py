@@ -18,6 +18,7 @@ from typing import Any
 import torch.nn as nn
 from safetensors.torch import save_file
 
+from lm.hf.importing import GENERATION_CONFIG, read_config_json
 from lm.hf.targets import Target, hf_state_dict
 from lm.hf.tokenizer_files import write_hf_tokenizer
 from lm.io import atomic_path, file_above, merge_dir, temp_sibling
@@ -31,12 +32,19 @@ def _write_json(path: Path, content: dict[str, Any]) -> Path:
     return path
 
 
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
 def export_hf(model: nn.Module, target: Target, encoding: Tokenizer | None, tokenizer: str,
-              out_dir: Path) -> list[Path]:
+              out_dir: Path, origin: Path | None = None) -> list[Path]:
     """Write `model` as the transformers class `target` (its family's, `lm.hf.targets`) and its tokenizer
     (`encoding`, named `tokenizer` in our configs) as a transformers directory into `out_dir`; return the files
     written. The start token is the tokenizer's BOS, or without one its end-of-text (GPT-2's convention).
-    `encoding` None writes the model alone (config.json and model.safetensors), as for an encoder."""
+    `encoding` None writes the model alone (config.json and model.safetensors), as for an encoder.
+
+    `origin`: the transformers files the model was imported from (`lm.hf.importing.find_origin`). Its token
+    ids (config.json's bos, eos and pad) and its generation_config.json are written back as they were: chat
+    templates and generation settings read them, and lm's choice from the tokenizer may differ."""
     cfg = model.cfg
     eot = encoding.eot_token if encoding is not None and encoding.eot_token < cfg.vocab_size else None
     bos = getattr(encoding, "bos_token", None)
@@ -46,11 +54,17 @@ def export_hf(model: nn.Module, target: Target, encoding: Tokenizer | None, toke
     config = target.config(cfg, eot, dtype)
     if bos is not None:
         config["bos_token_id"] = bos
+    source = read_config_json(origin)[0] if origin is not None else {}
+    config |= {key: source[key] for key in TOKEN_ID_KEYS if key in source}
     written = [_write_json(out_dir / "config.json", config)]
-    if eot is not None:
+    if origin is not None and (origin / GENERATION_CONFIG).is_file():
+        shutil.copyfile(origin / GENERATION_CONFIG, out_dir / GENERATION_CONFIG)
+        written.append(out_dir / GENERATION_CONFIG)
+    elif eot is not None:
         # transformers generate() would otherwise warn and pad finished rows with eos anyway.
         written.append(_write_json(out_dir / "generation_config.json",
-                                   {"bos_token_id": config["bos_token_id"], "eos_token_id": eot, "pad_token_id": eot}))
+                                   {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+                                    "pad_token_id": eot}))
     # transformers refuses safetensors files whose metadata does not say which framework wrote them.
     with atomic_path(out_dir / "model.safetensors") as tmp:
         save_file(weights, tmp, metadata={"format": "pt"})
@@ -87,7 +101,7 @@ def copy_tokenizer_files(tokenizer: HFTokenizer, out_dir: Path, model_max_length
 
 
 def write_export(model: nn.Module, target: Target, encoding: Tokenizer | None, tokenizer: str,
-                 out: Path) -> tuple[list[str], list[str]]:
+                 out: Path, origin: Path | None = None) -> tuple[list[str], list[str]]:
     """`export_hf` into a sibling of `out`, then published: a new `out` appears whole, and into an existing
     one the files move one by one, each replaced atomically, so a failure never leaves half an export.
     Returns the names written and the names of the files `out` already held that it left alone."""
@@ -95,7 +109,7 @@ def write_export(model: nn.Module, target: Target, encoding: Tokenizer | None, t
     staging = temp_sibling(out)
     staging.mkdir()
     try:
-        written = sorted(p.name for p in export_hf(model, target, encoding, tokenizer, staging))
+        written = sorted(p.name for p in export_hf(model, target, encoding, tokenizer, staging, origin))
         kept = sorted(p.name for p in out.iterdir() if p.name not in written) if out.is_dir() else []
         merge_dir(staging, out)
     except BaseException:

@@ -11,13 +11,19 @@ from typing import TYPE_CHECKING, Any
 
 from lm.errors import CheckpointError
 from lm.hf.config_schema import check_config_json
+from lm.io import atomic_write_text
 
 if TYPE_CHECKING:
     from lm.hf.targets import HFReader
 
-__all__ = ["CONFIG_NAME", "HFModel", "is_hf_checkpoint", "read_config_json"]
+__all__ = ["CONFIG_NAME", "GENERATION_CONFIG", "ORIGIN_DIR", "HFModel", "find_origin", "is_hf_checkpoint",
+           "keep_origin", "read_config_json"]
 
 CONFIG_NAME = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+ORIGIN_DIR = "hf_origin"
+"""Where a run started from a transformers checkpoint keeps that checkpoint's config.json and
+generation_config.json: an export of the run writes back its token ids and generation settings unchanged."""
 
 
 @dataclass(frozen=True)
@@ -52,3 +58,25 @@ def read_config_json(directory: str | Path) -> tuple[dict[str, Any], Path]:
         raise CheckpointError(f"{origin}: expected a JSON object of settings")
     check_config_json(hf, origin)
     return hf, origin
+
+
+def keep_origin(directory: str | Path, run_dir: Path) -> None:
+    """Copy the config.json and generation_config.json of the transformers checkpoint in `directory` into
+    `run_dir`/hf_origin (each file whole, atomically), unless the run already keeps them."""
+    target = run_dir / ORIGIN_DIR
+    if (target / CONFIG_NAME).is_file():
+        return
+    target.mkdir(parents=True, exist_ok=True)
+    for name in (CONFIG_NAME, GENERATION_CONFIG):
+        if (Path(directory) / name).is_file():
+            atomic_write_text(target / name, (Path(directory) / name).read_text())
+
+
+def find_origin(step_dir: Path, init_from: str | None) -> Path | None:
+    """The transformers files a run came from: its own copy (`keep_origin`) beside checkpoints/, or else its
+    checkpoint.init_from while that directory still holds them; None for a run that did not start from one."""
+    if step_dir.parent.name == "checkpoints" and (step_dir.parents[1] / ORIGIN_DIR / CONFIG_NAME).is_file():
+        return step_dir.parents[1] / ORIGIN_DIR
+    if init_from and is_hf_checkpoint(init_from):
+        return Path(init_from)
+    return None

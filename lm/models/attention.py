@@ -102,14 +102,18 @@ class SelfAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
         bias = cfg.bias or cfg.qkv_bias
-        self.q = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=bias)
-        self.k = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
-        self.v = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        q_width, kv_width = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.q = nn.Linear(cfg.d_model, q_width, bias=bias)
+        self.k = nn.Linear(cfg.d_model, kv_width, bias=bias)
+        self.v = nn.Linear(cfg.d_model, kv_width, bias=bias)
+        self.proj = nn.Linear(q_width, cfg.d_model, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
-        if cfg.qk_norm:  # bounds the attention logits, which lets a high learning rate stay stable
-            self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
-            self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+        # qk_norm bounds the attention logits, which lets a high learning rate stay stable: over each head's
+        # channels, or (scope all, OLMo 2) over the whole projection before it is cut into heads.
+        self.norm_whole = cfg.qk_norm and cfg.qk_norm_scope == "all"
+        if cfg.qk_norm:
+            self.q_norm = nn.RMSNorm(q_width if self.norm_whole else cfg.head_dim, eps=cfg.norm_eps)
+            self.k_norm = nn.RMSNorm(kv_width if self.norm_whole else cfg.head_dim, eps=cfg.norm_eps)
         self.kv_gather: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
         """Set from outside under context parallelism: this rank's keys and values (B, nkv, T_local, hs) -> those of
         the whole sequence (B, nkv, T, hs) in position order; the caller's mask then says which each query sees."""
@@ -132,10 +136,13 @@ class SelfAttention(nn.Module):
         """
         B, T, C = x.shape
         hs = self.head_dim
-        q = self.q(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.k(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        q, k = self.q(x), self.k(x)  # (B, T, nh * hs), (B, T, nkv * hs)
+        if self.norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, -1, hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.v(x).view(B, T, -1, hs).transpose(1, 2)
-        if hasattr(self, "q_norm"):
+        if hasattr(self, "q_norm") and not self.norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)  # over each head's hs channels
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)

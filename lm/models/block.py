@@ -14,12 +14,13 @@ from lm.models.layers import MLP, make_norm
 class Block(nn.Module):
     """A decoder block (causal), an encoder block (not causal) or an encoder-decoder's decoder block (cross).
 
-    Pre-norm (GPT-2): x + f(norm(x)). Post-norm (the original transformer): norm(x + f(x)).
+    Pre-norm (GPT-2): x + f(norm(x)). Post-norm (the original transformer): norm(x + f(x)). Output norm
+    (OLMo 2): x + norm(f(x)).
     """
 
     def __init__(self, cfg: TransformerConfig, causal: bool = True, cross: bool = False) -> None:
         super().__init__()
-        self.post_norm = cfg.norm_position == "post"
+        self.norm_position = cfg.norm_position
         self.ln_1 = make_norm(cfg)
         self.attn = SelfAttention(cfg, causal)
         if cross:
@@ -30,8 +31,10 @@ class Block(nn.Module):
 
     def _residual(self, x: torch.Tensor, norm: nn.Module,
                   sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        if self.post_norm:
+        if self.norm_position == "post":
             return norm(x + sublayer(x))
+        if self.norm_position == "output":
+            return x + norm(sublayer(x))
         return x + sublayer(norm(x))
 
     def forward(

@@ -18,6 +18,7 @@ POSITIONS = ("learned", "sinusoidal", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu", "relu2", "swiglu")
 NORM_POSITIONS = ("pre", "post")
+ROPE_SCALINGS = ("none", "linear", "llama3")
 TRAINING_KEYS = ("dropout", "loss_chunk")
 """Model keys that change how a model trains, not its weights or its function: free to differ from a
 checkpoint's when a run starts from or resumes it."""
@@ -141,15 +142,24 @@ class TransformerConfig(ModelConfig):
     # Options of the shared layers that only some families expose: a family that takes one as a key declares
     # it as a field of its own config; the others build the layers with these values.
     rope_theta: ClassVar[float] = 10000.0
+    rope_scaling: ClassVar[str] = "none"
+    rope_factor: ClassVar[float] = 1.0
+    rope_low_freq_factor: ClassVar[float] = 1.0
+    rope_high_freq_factor: ClassVar[float] = 4.0
+    rope_original_context: ClassVar[int] = 8192
+    d_head: ClassVar[int] = 0
     qk_norm: ClassVar[bool] = False
+    qk_norm_scope: ClassVar[str] = "head"
     qkv_bias: ClassVar[bool] = False
     positions: ClassVar[tuple[str, ...]] = POSITIONS
     """The values of `pos` the family takes."""
+    norm_positions: ClassVar[tuple[str, ...]] = NORM_POSITIONS
+    """The values of `norm_position` the family takes."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for key, allowed in (("pos", self.positions), ("norm", NORMS), ("mlp", MLPS),
-                             ("norm_position", NORM_POSITIONS)):
+                             ("norm_position", self.norm_positions)):
             check_choice(key, getattr(self, key), allowed)
         for key in ("n_head", "rope_theta", "norm_eps"):
             if getattr(self, key) <= 0:
@@ -157,7 +167,9 @@ class TransformerConfig(ModelConfig):
         for key in ("n_kv_head", "d_ff"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"model.{key}: must be >= 0 (0 picks the default), got {getattr(self, key)}")
-        if self.d_model % self.n_head:
+        if self.d_head < 0:
+            raise ConfigError(f"model.d_head: must be >= 0 (0 means d_model / n_head), got {self.d_head}")
+        if not self.d_head and self.d_model % self.n_head:
             raise ConfigError(f"model.d_model: {self.d_model} is not divisible by model.n_head={self.n_head}")
         if self.n_head % self.kv_heads:
             raise ConfigError(
@@ -165,7 +177,7 @@ class TransformerConfig(ModelConfig):
                 "each key/value head must serve the same number of query heads"
             )
         if self.pos == "rope" and self.head_dim % 2:
-            raise ConfigError(f"model.pos: rope needs an even head size, got d_model/n_head = {self.head_dim}")
+            raise ConfigError(f"model.pos: rope needs an even head size, got {self.head_dim}")
 
     @property
     def summary(self) -> str:
@@ -188,4 +200,10 @@ class TransformerConfig(ModelConfig):
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        """Channels of one attention head: d_head, or d_model / n_head when it is 0."""
+        return self.d_head or self.d_model // self.n_head
+
+    @property
+    def final_norm(self) -> bool:
+        """Whether the stack ends in a norm: not after post-norm blocks, whose every sublayer already ends in one."""
+        return self.norm_position != "post"

@@ -208,6 +208,18 @@ class Family:
             model = self.build(cfg)
         return sum(p.numel() for p in model.parameters())
 
+    def params_outside_embeddings(self, cfg: ModelConfig) -> int:
+        """Parameters outside every embedding table (tokens, positions, token types): what "non-embedding"
+        means in scaling-law counts. A tied head is the token embedding, so it is left out; an untied one
+        counts. Read off the model built on the meta device, so it holds for every family."""
+        import torch
+        import torch.nn as nn
+
+        with torch.device("meta"):
+            model = self.build(cfg)
+        tables = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+        return sum(p.numel() for p in model.parameters() if id(p) not in tables)
+
     def flops_per_token(self, cfg: ModelConfig, seq_len: int, data: "DataConfig") -> float:
         """Training FLOPs per token of windows of `seq_len` tokens: by default 6 per parameter (forward and
         backward), which a family with attention raises by its scores."""

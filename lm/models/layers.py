@@ -83,18 +83,37 @@ def add_positions(x: torch.Tensor, positions: torch.Tensor, cfg: TransformerConf
         return x + table(positions), None
     if cfg.pos == "sinusoidal":
         return x + sinusoidal_positions(positions, cfg.d_model).to(x.dtype), None
-    return x, rope_angles(positions, cfg.head_dim, cfg.rope_theta)  # each (T, hs) or (B, T, hs)
+    return x, rope_angles(positions, cfg)  # each (T, hs) or (B, T, hs)
 
 
-def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_frequencies(cfg: TransformerConfig, device: torch.device | None = None) -> torch.Tensor:
+    """The rotary angle per position of each channel pair, (head_dim / 2,) float32: theta^(-2j/head_dim), then
+    stretched as model.rope_scaling says (the functions transformers applies for `linear` and `llama3`)."""
+    hs = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, hs, 2, device=device, dtype=torch.float32) / hs)
+    if cfg.rope_scaling == "linear":
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        # Wavelengths (in positions) longer than the original context's low band are slowed by the factor, those
+        # shorter than its high band kept; between the two, a linear blend in context / wavelength.
+        context, low, high = cfg.rope_original_context, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        wavelength = 2 * math.pi / inv_freq
+        blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: slowed, 1: kept
+        slowed = inv_freq / cfg.rope_factor
+        scaled = (1 - blend) * slowed + blend * inv_freq
+        scaled = torch.where(wavelength > context / low, slowed, scaled)
+        return torch.where(wavelength < context / high, inv_freq, scaled)
+    return inv_freq
+
+
+def rope_angles(positions: torch.Tensor, cfg: TransformerConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, each (*positions.shape, head_dim) float32, for int `positions` of
     any shape: (T,) for one shared sequence, (B, T) for per-row positions (packed documents).
 
-    Channel pairs (j, j + head_dim/2) rotate together by position * theta^(-2j/head_dim): the
+    Channel pairs (j, j + head_dim/2) rotate together by position * rope_frequencies(cfg)[j]: the
     "half split" layout of GPT-NeoX and Hugging Face's Llama, so their weights need no permutation.
     """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    freqs = positions.float()[..., None] * inv_freq  # (..., head_dim / 2)
+    freqs = positions.float()[..., None] * rope_frequencies(cfg, positions.device)  # (..., head_dim / 2)
     angles = torch.cat([freqs, freqs], dim=-1)  # (..., head_dim)
     return angles.cos(), angles.sin()
 

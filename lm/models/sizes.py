@@ -61,11 +61,13 @@ def norm_params(cfg: TransformerConfig) -> int:
 
 def block_params(cfg: TransformerConfig, cross: bool = False) -> int:
     """Parameters of one transformer block; `cross` adds the encoder-decoder's cross-attention sublayer."""
-    d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
-    attn = linear_params(d, d + 2 * kv, cfg.bias or cfg.qkv_bias) + linear_params(d, d, cfg.bias)
+    d, q, kv = cfg.d_model, cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    attn = linear_params(d, q + 2 * kv, cfg.bias or cfg.qkv_bias) + linear_params(q, d, cfg.bias)
     mlp_in = 2 * cfg.ff_dim if cfg.mlp == "swiglu" else cfg.ff_dim  # SwiGLU stacks gate and up
     mlp = linear_params(d, mlp_in, cfg.bias) + linear_params(cfg.ff_dim, d, cfg.bias)
-    n = 2 * norm_params(cfg) + attn + mlp + (2 * cfg.head_dim if cfg.qk_norm else 0)  # one RMSNorm for q, one for k
+    # one RMSNorm for q, one for k: over a head's channels, or over the whole projection (scope all)
+    qk_norm = (q + kv if cfg.qk_norm_scope == "all" else 2 * cfg.head_dim) if cfg.qk_norm else 0
+    n = 2 * norm_params(cfg) + attn + mlp + qk_norm
     if cross:
         n += (norm_params(cfg) + linear_params(d, d, cfg.bias) + linear_params(d, 2 * kv, cfg.bias)
               + linear_params(d, d, cfg.bias))
@@ -73,8 +75,8 @@ def block_params(cfg: TransformerConfig, cross: bool = False) -> int:
 
 
 def final_norm_params(cfg: TransformerConfig) -> int:
-    """A stack's final norm: pre-norm only (post-norm blocks end in a norm, so such a stack has none)."""
-    return norm_params(cfg) if cfg.norm_position == "pre" else 0
+    """A stack's final norm: none after post-norm blocks, which end in a norm."""
+    return norm_params(cfg) if cfg.final_norm else 0
 
 
 def stack_params(cfg: TransformerConfig, cross: bool = False) -> int:

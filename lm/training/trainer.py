@@ -17,6 +17,7 @@ from lm.checkpoint.store import checkpoint_root
 from lm.config import JobConfig, save_config
 from lm.distributed.env import DistEnv
 from lm.errors import TrainingError
+from lm.hf.importing import is_hf_checkpoint, keep_origin
 from lm.models.registry import family_of
 from lm.plan.disk import checkpoint_bytes
 from lm.plan.flops import peak_flops
@@ -75,6 +76,8 @@ class Trainer:
         if env.is_main and self.step < cfg.train.steps:  # a finished run is left as it is
             probe_output_dir(self.out_dir, checkpoint_bytes(cfg))
             save_config(cfg, self.out_dir / "config.yaml")
+            if start.resume_from is None and cfg.checkpoint.init_from and is_hf_checkpoint(cfg.checkpoint.init_from):
+                keep_origin(cfg.checkpoint.init_from, self.out_dir)
         if env.is_main:
             layout = ""
             if max(env.tp, env.pp, env.cp, env.dp_replicate) > 1:
@@ -83,8 +86,9 @@ class Trainer:
                 layout = (f" (pipeline {env.pp} x data-parallel {env.dp_size} in {env.dp_replicate} HSDP group(s) "
                           f"x context-parallel {env.cp} x tensor-parallel {env.tp}; rank 0 holds {held:,} of "
                           f"{self.family.num_params(cfg.model):,} parameters)")
-            log.info("model: %.2fM parameters (non-embedding), %d ranks%s on %s, engine %s",
-                     self.n_params / 1e6, env.world_size, layout, env.device, self.engine.name)
+            log.info("model: %.2fM parameters (%.2fM outside the embeddings), %d ranks%s on %s, engine %s",
+                     self.family.num_params(cfg.model) / 1e6, self.family.params_outside_embeddings(cfg.model) / 1e6,
+                     env.world_size, layout, env.device, self.engine.name)
         # a family that writes no text (an encoder) has no periodic samples, whatever log.sample_every says
         self.samples = bool(cfg.log.sample_every) and self.family.generates and env.tp == env.pp == env.cp == 1
         if cfg.log.sample_every and max(env.tp, env.pp, env.cp) > 1 and env.is_main:

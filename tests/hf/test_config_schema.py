@@ -85,7 +85,9 @@ def random_edits(seed: int, cases: int) -> list[tuple[str, dict]]:
             value = rng.choice(VALUES)
             outer, _, inner = key.partition(".")
             if inner:
-                edit.setdefault(outer, {"rope_type": "default", "rope_theta": 1e4})[inner] = value
+                if not isinstance(edit.get(outer), dict):  # a nested key replaces a random value of its table
+                    edit[outer] = {"rope_type": "default", "rope_theta": 1e4}
+                edit[outer][inner] = value
             else:
                 edit[key] = value
         edits.append((rng.choice(list(SMALL)), edit))

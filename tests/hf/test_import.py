@@ -30,6 +30,13 @@ CLASSES = {
     "llama-bias-tied": ("llama", {**ROTARY, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
     "mistral": ("mistral", {**ROTARY, "sliding_window": None, "head_dim": 16}),
     "qwen2": ("qwen2", {**ROTARY, "tie_word_embeddings": True}),
+    # Qwen3's heads are 24 wide here: q and k are 96, not hidden_size, wide; per-head q/k norms
+    "qwen3": ("qwen3", {**ROTARY, "head_dim": 24, "tie_word_embeddings": False}),
+    "olmo2": ("olmo2", {**ROTARY}),  # post-sublayer norms, q/k norms over the whole projection
+    # Llama 3.2's shape: tied, rope_type llama3; a window of 32 is 4x its 8-position original context
+    "llama3": ("llama", {**ROTARY, "tie_word_embeddings": True, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8}}),
 }
 
 
@@ -75,7 +82,7 @@ def test_imported_models_give_transformers_logits(kind, tmp_path):
         assert_same_logits(model.logits(model(idx)), hf(idx).logits)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "qwen3", "olmo2", "llama3"])
 def test_a_sharded_save_imports_alike_and_decodes_through_the_kv_cache(kind, tmp_path):
     hf = hf_checkpoint(kind, tmp_path, shard="20KB")
     assert len(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]) > 10
@@ -90,7 +97,7 @@ def test_a_sharded_save_imports_alike_and_decodes_through_the_kv_cache(kind, tmp
         assert_same_logits(ours, hf(idx).logits)
 
 
-@pytest.mark.parametrize("kind", ["gpt2-untied", "llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["gpt2-untied", "llama", "qwen2", "mistral", "qwen3", "olmo2", "llama3"])
 def test_import_then_export_gives_back_the_same_tensors(kind, tmp_path):
     hf = hf_checkpoint(kind, tmp_path)
     model = imported(tmp_path)
@@ -141,17 +148,22 @@ def test_row_spans_cut_a_rank_block_across_the_stored_tensors():
 
 # (class, config.json entries to change, the text the refusal must hold): every setting we refuse
 REFUSALS = [
-    ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling="),
+    ("llama", dict(rope_parameters=None, rope_scaling={"type": "dynamic", "factor": 2.0}),
+     "rope_scaling.rope_type='dynamic'"),
     ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
      "rope_parameters.rope_type='yarn'"),
-    ("llama", dict(head_dim=32), "head_dim=32"),
+    ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}),
+     "rope_parameters of rope_type 'llama3' without low_freq_factor, high_freq_factor"),
+    ("qwen3", dict(attention_bias=True), "attention_bias=true"),
+    ("olmo2", dict(attention_bias=True), "attention_bias=true"),
+    ("qwen3", dict(use_sliding_window=True), "use_sliding_window=true"),
     ("llama", dict(hidden_act="gelu"), "hidden_act='gelu'"),
     ("llama", dict(attention_bias=True), "attention_bias=True with mlp_bias=False"),
     ("llama", dict(attention_dropout=0.1), "attention_dropout=0.1"),
     ("llama", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
     ("llama", dict(pretraining_tp=2), "pretraining_tp=2"),
     ("llama", dict(quantization_config={"quant_method": "gptq"}), "quantization_config"),
-    ("llama", dict(architectures=["Qwen3ForCausalLM"]), "architectures=['Qwen3ForCausalLM'] is not one lm"),
+    ("llama", dict(architectures=["SmolLM3ForCausalLM"]), "architectures=['SmolLM3ForCausalLM'] is not one lm"),
     ("mistral", dict(sliding_window=16), "sliding_window=16 below max_position_embeddings=32"),
     ("qwen2", dict(use_sliding_window=True), "use_sliding_window=true"),
     ("qwen2", dict(layer_types=["full_attention", "sliding_attention"]), "layer_types="),
@@ -175,6 +187,20 @@ def test_settings_we_cannot_reproduce_are_refused_by_name(kind, edit, fragment, 
     with pytest.raises(CheckpointError, match="config.json: ") as err:
         read_hf_model(refused_checkpoint(kind, edit, tmp_path))
     assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_llama3_config_of_transformers_4_imports_alike(tmp_path):
+    """transformers 4.x wrote Llama 3's scaling as rope_scaling beside a top-level rope_theta."""
+    hf = hf_checkpoint("llama3", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    params = config.pop("rope_parameters")
+    config |= {"rope_theta": params.pop("rope_theta"), "rope_scaling": params}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = imported(tmp_path)
+    assert (model.cfg.rope_scaling, model.cfg.rope_factor, model.cfg.rope_original_context) == ("llama3", 8.0, 8)
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_same_logits(model.logits(model(idx)), hf(idx).logits)
 
 
 def test_a_mistral_window_that_cannot_bind_is_full_attention(tmp_path):

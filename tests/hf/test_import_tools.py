@@ -16,17 +16,31 @@ from lm.tokenizer import load_tokenizer
 TEXT = "So foul and fair a day I have not seen."
 
 
-@pytest.fixture
-def checkpoint(tokenizer_jsons, tmp_path):
-    """A random Llama of the "bos" tokenizer's 400 ids, saved with that tokenizer.json beside it."""
+SHAPE = dict(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+FAMILIES = {
+    "llama": ("llama", {}),
+    # Llama 3.2: tied embeddings, Llama 3.1's scaling with a 4-position original context, far below the text's
+    "llama3": ("llama", dict(tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 4})),
+    "qwen3": ("qwen3", dict(head_dim=12)),
+    "olmo2": ("olmo2", {}),
+}
+
+
+@pytest.fixture(params=FAMILIES)
+def checkpoint(request, tokenizer_jsons, tmp_path):
+    """A random model of each imported family, 3 layers with grouped-query attention, of the "bos" tokenizer's 400
+    ids, saved in several safetensors shards with that tokenizer.json beside it."""
     torch.manual_seed(0)
-    config = AutoConfig.for_model("llama", vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    hf = AutoModelForCausalLM.from_config(config).eval()
+    model_type, fields = FAMILIES[request.param]
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SHAPE, **fields)).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.3)  # logits far from uniform, so greedy choices are clear
-    hf.save_pretrained(tmp_path / "hf")
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
     shutil.copy(tokenizer_jsons["bos"], tmp_path / "hf/tokenizer.json")
     return hf, tmp_path / "hf"
 

@@ -10,6 +10,8 @@ from lm.models.gpt.model import GPT
 from lm.models.layers import apply_rope, rope_angles, sinusoidal_positions
 from lm.models.registry import get_family
 
+ROPE16 = GPTConfig(d_model=16, n_head=1, pos="rope")  # rotary angles of 16-channel heads
+
 VARIANTS = {
     "learned": dict(pos="learned"),
     "sinusoidal": dict(pos="sinusoidal", norm_position="post", mlp="relu"),
@@ -75,13 +77,13 @@ def test_one_document_mask_is_the_causal_triangle() -> None:
 def test_position_encodings_of_a_batch_equal_those_of_each_row() -> None:
     positions = torch.stack([packed_positions(lengths) for lengths in DOC_LENGTHS])  # (2, T)
     pe = sinusoidal_positions(positions, 32)
-    cos, sin = rope_angles(positions, 16, 10000.0)
+    cos, sin = rope_angles(positions, ROPE16)
     assert pe.shape == (2, T, 32) and cos.shape == sin.shape == (2, T, 16)
     x = torch.randn(2, 3, T, 16)
     rotated = apply_rope(x, cos, sin)
     for b in range(2):
         assert torch.equal(pe[b], sinusoidal_positions(positions[b], 32))
-        row_cos, row_sin = rope_angles(positions[b], 16, 10000.0)
+        row_cos, row_sin = rope_angles(positions[b], ROPE16)
         assert torch.equal(cos[b], row_cos) and torch.equal(sin[b], row_sin)
         assert torch.equal(rotated[b], apply_rope(x[b : b + 1], row_cos, row_sin)[0])
 

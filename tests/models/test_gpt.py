@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 import torch
@@ -178,7 +179,7 @@ def test_rotary_attention_scores_depend_only_on_relative_position() -> None:
 
     q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
     def score(i: int, j: int) -> float:
-        cos, sin = rope_angles(torch.tensor([i, j]), 8, 10000.0)
+        cos, sin = rope_angles(torch.tensor([i, j]), GPTConfig(d_model=16, n_head=2, pos="rope"))
         return float(apply_rope(q, cos[:1], sin[:1]) @ apply_rope(k, cos[1:], sin[1:]).transpose(-1, -2))
     assert score(3, 1) == pytest.approx(score(10, 8), abs=1e-5)
     assert score(3, 1) != pytest.approx(score(3, 2), abs=1e-3)
@@ -260,3 +261,46 @@ def test_logit_softcap_bounds_the_logits_and_chunks_the_same():
     torch.manual_seed(0)
     chunked = GPT(GPTConfig(**fields, logit_softcap=0.5, loss_chunk=5))
     assert loss(chunked, idx, targets).item() == pytest.approx(mean.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(d_head=24, n_kv_head=2),
+    dict(qk_norm=True, qk_norm_scope="all", n_kv_head=2, norm_position="output"),
+    dict(qk_norm=True, d_head=12),
+], ids=["d_head", "olmo2", "qwen3"])
+def test_sizes_counted_from_the_config_match_the_built_model(overrides) -> None:
+    cfg = tiny_config(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, **overrides)
+    model = GPT(cfg)
+    assert get_family("gpt").num_params(cfg) == sum(p.numel() for p in model.parameters())
+    assert model.blocks[0].attn.q.out_features == cfg.n_head * cfg.head_dim
+
+
+def test_output_norm_normalises_each_sublayers_output_before_the_residual_add() -> None:
+    cfg = tiny_config(norm_position="output", pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+    block = GPT(cfg).blocks[0]
+    x = torch.randn(2, 8, cfg.d_model)
+    with torch.no_grad():
+        h = x + block.ln_1(block.attn(x))
+        torch.testing.assert_close(block(x), h + block.ln_2(block.mlp(h)))
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (dict(rope_scaling="yarn", pos="rope"), "model.rope_scaling: unknown value 'yarn'"),
+    (dict(rope_scaling="linear"), "model.rope_scaling: linear scales rotary positions; it needs model.pos=rope"),
+    (dict(rope_scaling="linear", pos="rope", rope_factor=0.0), "model.rope_factor: must be above 0"),
+    (dict(rope_scaling="llama3", pos="rope", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0),
+     "model.rope_low_freq_factor: must be above 0 and below model.rope_high_freq_factor"),
+    (dict(qk_norm_scope="layer"), "model.qk_norm_scope: unknown value 'layer'"),
+    (dict(d_head=-1), "model.d_head: must be >= 0"),
+])
+def test_bad_rotary_and_head_settings_name_their_key(overrides, fragment) -> None:
+    from lm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        tiny_config(**overrides)
+
+
+def test_whole_projection_qk_norm_refuses_tensor_parallelism() -> None:
+    cfg = tiny_config(qk_norm=True, qk_norm_scope="all", pos="rope")
+    assert "model.qk_norm_scope=all" in cfg.tensor_parallel_problem(2)
+    assert tiny_config(qk_norm=True, pos="rope").tensor_parallel_problem(2) is None

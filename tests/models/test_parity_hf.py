@@ -104,7 +104,43 @@ def test_qwen2_logits_match_transformers(attn):
         assert_same_logits(model.logits(model(idx)), hf(idx).logits)
 
 
-@pytest.mark.parametrize("overrides", [GPT2, LLAMA], ids=["gpt2", "llama"])
+QWEN3 = {**LLAMA, "qk_norm": True, "d_head": 24}  # q and k are 4 * 24 = 96 wide, not d_model
+OLMO2 = {**LLAMA, "qk_norm": True, "qk_norm_scope": "all", "norm_position": "output"}
+LLAMA3 = {**LLAMA, "rope_scaling": "llama3", "rope_factor": 8.0, "rope_low_freq_factor": 1.0,
+          "rope_high_freq_factor": 4.0, "rope_original_context": 8, "rope_theta": 10000.0, "tie_embeddings": True}
+
+
+@pytest.mark.parametrize("overrides, hf_class", [
+    (QWEN3, "Qwen3ForCausalLM"),
+    ({**QWEN3, "tie_embeddings": True, "d_head": 0, "n_kv_head": 1}, "Qwen3ForCausalLM"),
+    (OLMO2, "Olmo2ForCausalLM"),
+    # every wavelength band of Llama 3.1's scaling occurs in a 32-token window with an 8-token original context
+    (LLAMA3, "LlamaForCausalLM"),
+    ({**LLAMA, "rope_scaling": "linear", "rope_factor": 4.0}, "LlamaForCausalLM"),
+    ({**QWEN3, "rope_scaling": "linear", "rope_factor": 2.0}, "Qwen3ForCausalLM"),
+], ids=["qwen3", "qwen3-tied-mqa", "olmo2", "llama3-scaling", "llama-linear", "qwen3-linear"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_newer_families_match_transformers(overrides, hf_class, attn):
+    model = random_model(tiny_config(**overrides))
+    hf = hf_model(model, attn)
+    assert type(hf).__name__ == hf_class
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_same_logits(model.logits(model(idx)), hf(idx).logits)
+
+
+def test_llama3_scaling_changes_the_logits_past_the_original_context():
+    """The scaled frequencies matter: without them the same weights give other logits."""
+    scaled = random_model(tiny_config(**LLAMA3))
+    plain = tiny_config(**{**LLAMA3, "rope_scaling": "none"})
+    unscaled = family_of(plain).build(plain).eval()
+    unscaled.load_state_dict(scaled.state_dict())
+    idx = torch.randint(0, VOCAB, (1, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (scaled.logits(scaled(idx)) - unscaled.logits(unscaled(idx))).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("overrides", [GPT2, LLAMA, QWEN3, OLMO2], ids=["gpt2", "llama", "qwen3", "olmo2"])
 def test_incremental_decoding_matches_a_full_transformers_forward(overrides):
     """Our KV-cached decoding (a prompt, then single tokens, then a chunk after a non-empty cache) gives
     the logits transformers computes for the whole sequence at once."""
@@ -134,12 +170,14 @@ def test_vocabulary_is_the_tokenizers_and_tied_heads_are_written_once():
 
 @pytest.mark.parametrize("overrides, fragments", [
     (dict(pos="sinusoidal"), [
-        "(model.pos=sinusoidal, model.norm=layernorm, model.mlp=gelu, model.bias=true, model.qkv_bias=false)",
+        "(model.pos=sinusoidal, model.norm=layernorm, model.mlp=gelu, model.bias=true, model.qkv_bias=false, "
+        "model.qk_norm=false, model.norm_position=pre, model.qk_norm_scope=head)",
         "GPT2LMHeadModel (GPT-2) needs model.pos=learned;",
         "LlamaForCausalLM (Llama) needs model.pos=rope, model.norm=rmsnorm, model.mlp=swiglu",
     ]),
     (dict(norm="rmsnorm"), [
-        "(model.norm=rmsnorm, model.pos=learned, model.mlp=gelu, model.bias=true, model.qkv_bias=false)",
+        "(model.norm=rmsnorm, model.pos=learned, model.mlp=gelu, model.bias=true, model.qkv_bias=false, "
+        "model.qk_norm=false, model.norm_position=pre, model.qk_norm_scope=head)",
         "GPT2LMHeadModel (GPT-2) needs model.norm=layernorm;",
         "LlamaForCausalLM (Llama) needs model.pos=rope, model.mlp=swiglu",
     ]),
@@ -164,6 +202,8 @@ def test_each_config_maps_to_one_target():
     assert target(tiny_config(**LLAMA, qkv_bias=True)).name == "Qwen2"
     # biases everywhere already include q/k/v: still Llama's attention_bias and mlp_bias
     assert target(tiny_config(**{**LLAMA, "bias": True}, qkv_bias=True)).name == "Llama"
+    assert target(tiny_config(**QWEN3)).name == "Qwen3" and target(tiny_config(**OLMO2)).name == "OLMo 2"
+    assert target(tiny_config(**LLAMA3)).name == "Llama"
 
 
 @pytest.mark.parametrize("arch, title", [("encdec", "an encoder-decoder"), ("lstm", "an LSTM")])

@@ -2,6 +2,8 @@
 engine's first loss on 2 gloo ranks is transformers' loss on the same batch."""
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from lm.cli import run
 from lm.config import load_config
 from lm.data.loader import TokenLoader
 from lm.errors import ConfigError
+from lm.export import main as export_main
 from lm.train import main as train_main
 from tests.distributed.test_engines import ENGINES, train
 from tests.hf.test_import import REFUSALS, refused_checkpoint
@@ -22,6 +25,11 @@ GPT2_VOCAB = 50257  # the shards of tiny_data_dir are gpt2 ids
 # the model keys of test_engines.TINY (2 layers, 2 heads, width 32, 32 positions), which must agree
 LLAMA = ("llama", dict(vocab_size=GPT2_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32))
+QWEN3 = ("qwen3", {**LLAMA[1], "head_dim": 8})  # heads narrower than hidden_size / num_attention_heads
+OLMO2 = ("olmo2", LLAMA[1])
+LLAMA3 = ("llama", {**LLAMA[1], "tie_word_embeddings": True, "rope_parameters": {
+    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8}})
 GPT2 = ("gpt2", dict(vocab_size=GPT2_VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0))
 
@@ -48,11 +56,14 @@ def first_batch_loss(hf: PreTrainedModel, data_dir: Path, *flags: str) -> float:
     return F.cross_entropy(logits.flatten(0, 1), torch.from_numpy(y).flatten()).item()
 
 
-@pytest.mark.parametrize("engine, kind", [("ddp", LLAMA), ("fsdp", LLAMA), ("fsdp", GPT2), ("zero3", LLAMA)],
-                         ids=["ddp-llama", "fsdp-llama", "fsdp-gpt2", "zero3-llama"])
-def test_training_continues_from_transformers_loss_on_two_ranks(engine, kind, tiny_data_dir, tmp_path):
+@pytest.mark.parametrize("engine, kind, lr", [
+    ("ddp", LLAMA, 1e-3), ("fsdp", LLAMA, 1e-3), ("fsdp", GPT2, 1e-3), ("zero3", LLAMA, 1e-3), ("fsdp", QWEN3, 1e-3),
+    ("ddp", OLMO2, 1e-3),
+    ("zero3", LLAMA3, 1e-2),  # starts near the uniform loss, where 5 steps at 1e-3 move it less than the batches do
+], ids=["ddp-llama", "fsdp-llama", "fsdp-gpt2", "zero3-llama", "fsdp-qwen3", "ddp-olmo2", "zero3-llama3"])
+def test_training_continues_from_transformers_loss_on_two_ranks(engine, kind, lr, tiny_data_dir, tmp_path):
     hf = save_hf(kind, tmp_path / "hf")
-    flags = ["--train.steps=5", "--optim.lr=1e-3", *ENGINES[engine], f"--checkpoint.init_from={tmp_path / 'hf'}"]
+    flags = ["--train.steps=5", f"--optim.lr={lr}", *ENGINES[engine], f"--checkpoint.init_from={tmp_path / 'hf'}"]
     losses = train(2, tmp_path / "run", tiny_data_dir, *flags)
     expected = first_batch_loss(hf, tiny_data_dir, "--data.seq_len=16", "--train.batch_size=8")
     assert losses[1] == pytest.approx(expected, rel=1e-5)
@@ -107,3 +118,22 @@ def test_a_checkpoint_missing_a_tensor_stops_the_run_before_it_writes(tiny_data_
     assert lines == [f"error: {tmp_path / 'hf'}: its weights do not match its config.json: missing "
                      "model.layers.1.mlp.down_proj.weight"]
     assert not (tmp_path / "run").exists()
+
+
+def test_an_export_of_a_continued_checkpoint_keeps_its_token_ids_and_generation_settings(tiny_data_dir, tmp_path):
+    """A Llama 3.2-like checkpoint (tied embedding) whose config.json says bos 1 and eos 2: continued training
+    and export write those ids and its generation_config.json back, whatever lm's tokenizer would choose, and
+    the log counts the tied embedding outside the non-embedding parameters."""
+    save_hf(LLAMA3, tmp_path / "hf", bos_token_id=1, eos_token_id=2)
+    generation = {"bos_token_id": 1, "eos_token_id": [2, 7], "temperature": 0.6, "top_p": 0.9, "do_sample": True}
+    (tmp_path / "hf/generation_config.json").write_text(json.dumps(generation))
+    train(1, tmp_path / "run", tiny_data_dir, "--train.steps=2", f"--checkpoint.init_from={tmp_path / 'hf'}")
+    shutil.rmtree(tmp_path / "hf")  # the run keeps what the export needs
+    assert run(export_main, ["--checkpoint", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "out")]) == 0
+    config = json.loads((tmp_path / "out/config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    assert json.loads((tmp_path / "out/generation_config.json").read_text()) == generation
+    embedding = GPT2_VOCAB * 32
+    total, outside = re.search(r"model: ([\d.]+)M parameters \(([\d.]+)M outside the embeddings\)",
+                               (tmp_path / "run.log").read_text()).groups()
+    assert float(total) - float(outside) == pytest.approx(embedding / 1e6, abs=0.01)

@@ -126,7 +126,7 @@ class EncDecFamily(Family):
                   + stack_bytes(cfg.n_layer, k_dec, dec, r * b * tgt * h)
                   + (max(enc, dec) if k_enc + k_dec else 0))
         memory = cross_memory_bytes(cfg, b, src, c, r)
-        final_norm = r if cfg.norm_position == "pre" else 0
+        final_norm = r if cfg.final_norm else 0
         drop = 1 if cfg.dropout > 0 else 0
 
         def tail(tokens: int) -> int:  # final norm and head input, embedding dropout mask

@@ -54,8 +54,8 @@ class EncoderDecoder(nn.Module):
             self.encoder = nn.ModuleList(Block(cfg, causal=False) for _ in range(cfg.n_layer))
             self.decoder = nn.ModuleList(Block(cfg, causal=True, cross=True) for _ in range(cfg.n_layer))
             # Post-norm blocks already end in a norm; pre-norm stacks need one at the end.
-            self.enc_norm = make_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
-            self.dec_norm = make_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
+            self.enc_norm = make_norm(cfg) if cfg.final_norm else nn.Identity()
+            self.dec_norm = make_norm(cfg) if cfg.final_norm else nn.Identity()
             self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
         self.to_empty(device=device)
         self.init_weights()

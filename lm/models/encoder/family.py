@@ -143,7 +143,7 @@ class EncoderFamily(Family):
         full = layer_activation_bytes(cfg, b, s, c, r, fused_attention)
         k = checkpointed_blocks(cfg.n_layer, every)
         blocks = stack_bytes(cfg.n_layer, k, full, r * t * h) + (full if k else 0)  # + one recomputed block
-        final_norm = r if cfg.norm_position == "pre" else 0
+        final_norm = r if cfg.final_norm else 0
         trunk = (r + final_norm + (1 if cfg.dropout > 0 else 0)) * t * h  # embedding norm, final norm, mask
         if cfg.head != "mlm":
             return blocks + trunk + c * b * h, 0

@@ -44,7 +44,7 @@ class Encoder(nn.Module):
             self.drop = nn.Dropout(cfg.dropout)
             self.blocks = nn.ModuleList(Block(cfg, causal=False) for _ in range(cfg.n_layer))
             # A post-norm block already ends in a norm; pre-norm leaves the stream unnormalised.
-            self.ln_f = make_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
+            self.ln_f = make_norm(cfg) if cfg.final_norm else nn.Identity()
             if cfg.head == "mlm":
                 self.mlm_dense = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
                 self.mlm_norm = make_norm(cfg)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from lm.errors import ConfigError
-from lm.models.config import TransformerConfig
+from lm.models.config import NORM_POSITIONS, ROPE_SCALINGS, TransformerConfig, check_choice
 
 
 @dataclass
@@ -16,12 +16,33 @@ class GPTConfig(TransformerConfig):
     title: ClassVar[str] = "a decoder-only GPT"
     document_masking: ClassVar[bool] = True
     z_loss: ClassVar[bool] = True
+    norm_positions: ClassVar[tuple[str, ...]] = (*NORM_POSITIONS, "output")
+    """`output` (OLMo 2): each sublayer's output is normed before it joins the residual, x + norm(f(x)), and the
+    stack ends in a final norm."""
     rope_theta: float = 10000.0
     """Base of the rotary frequencies (pos: rope)."""
+    rope_scaling: str = "none"
+    """Rotary frequencies stretched for a longer context: none; linear (every frequency divided by rope_factor);
+    llama3 (Llama 3.1's: wavelengths longer than rope_original_context / rope_low_freq_factor divided by
+    rope_factor, those shorter than rope_original_context / rope_high_freq_factor kept, a blend between)."""
+    rope_factor: float = 1.0
+    """How much rope_scaling stretches the long wavelengths (Llama 3.1: 8, Llama 3.2: 32)."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above rope_original_context / this are divided by rope_factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below rope_original_context / this are kept."""
+    rope_original_context: int = 8192
+    """llama3 scaling: the context the rotary frequencies were first trained at."""
+    d_head: int = 0
+    """Channels of each attention head; 0 means d_model / n_head. Qwen3 sets its own: queries are then
+    n_head * d_head wide, which need not be d_model."""
     qkv_bias: bool = False
     """Biases on the query/key/value projection even without `bias`, as in Qwen2 (`bias` implies them)."""
     qk_norm: bool = False
-    """RMSNorm on each head's queries and keys (learned weight of head size), before rotary positions."""
+    """RMSNorm on the queries and keys (learned weight), before rotary positions."""
+    qk_norm_scope: str = "head"
+    """What one qk_norm normalises: head (each head's channels: Qwen3, modded-nanogpt) or all (every head's
+    channels of the projection together, as OLMo 2)."""
     logit_softcap: float = 0.0
     """Squash the logits into (-c, c) as c * tanh(logits / c), in float32 (Gemma 2, modded-nanogpt); 0: off."""
     loss_chunk: int = 0
@@ -40,6 +61,9 @@ class GPTConfig(TransformerConfig):
                 found = f"{tp} tensor-parallel ranks are more than its {n} {what}" if tp > n else \
                     f"its {n} {what} do not split over {tp} tensor-parallel ranks"
                 return f"{found}; a tp that splits this model: {fits}"
+        if self.qk_norm and self.qk_norm_scope == "all":
+            return ("model.qk_norm_scope=all normalises every head's queries together, and each tensor-parallel "
+                    "rank holds some heads only; set model.qk_norm_scope=head or parallel.tp=1")
         if self.loss_chunk:
             return ("model.loss_chunk cuts the positions into chunks, and the vocabulary-parallel loss needs "
                     "each rank's whole slice of logits; set model.loss_chunk=0 (the logits are 1/tp per rank)")
@@ -61,6 +85,21 @@ class GPTConfig(TransformerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        check_choice("qk_norm_scope", self.qk_norm_scope, ("head", "all"))
+        if self.rope_scaling != "none":
+            if self.pos != "rope":
+                raise ConfigError(f"model.rope_scaling: {self.rope_scaling} scales rotary positions; it needs "
+                                  f"model.pos=rope, got {self.pos}")
+            if not self.rope_factor > 0:
+                raise ConfigError(f"model.rope_factor: must be above 0, got {self.rope_factor}")
+        if self.rope_scaling == "llama3":
+            if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+                raise ConfigError(
+                    f"model.rope_low_freq_factor: must be above 0 and below model.rope_high_freq_factor, got "
+                    f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}")
+            if self.rope_original_context < 1:
+                raise ConfigError(f"model.rope_original_context: must be at least 1, got {self.rope_original_context}")
         if self.logit_softcap < 0:
             raise ConfigError(f"model.logit_softcap: must be >= 0 (0 = off), got {self.logit_softcap}")
         if self.loss_chunk < 0:

@@ -48,7 +48,7 @@ class GPTFamily(NextTokenFamily):
         embedding and the head by vocabulary rows. Positions are added while the embedded sequence is whole,
         and the first block cuts it, so learned, sinusoidal and rotary positions all work."""
         plan = {"wte": TPStyle.EMBEDDING, "blocks.0": TPStyle.SCATTER, "lm_head": TPStyle.HEAD}
-        if model.cfg.norm_position == "pre":
+        if model.cfg.final_norm:
             plan["ln_f"] = TPStyle.SEQUENCE
         if model.cfg.pos == "learned":
             plan["wpe"] = TPStyle.REPLICATE
@@ -81,10 +81,10 @@ class GPTFamily(NextTokenFamily):
         return n - position_params(cfg) if non_embedding else n
 
     def flops_per_token(self, cfg: GPTConfig, seq_len: int, data: "DataConfig") -> float:
-        """6 per parameter (forward + backward) plus the attention scores: 12 * n_layer * d_model * seq_len for
-        QK^T and AV in forward and backward (the PaLM appendix B estimate), counted for full rather than causal
-        attention."""
-        return 6 * self.num_params(cfg, non_embedding=True) + 12 * cfg.n_layer * cfg.d_model * seq_len
+        """6 per parameter (forward + backward) plus the attention scores: 12 * n_layer * n_head * head_dim *
+        seq_len for QK^T and AV in forward and backward (the PaLM appendix B estimate), counted for full rather
+        than causal attention."""
+        return 6 * self.num_params(cfg, non_embedding=True) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
 
     def activation_bytes(self, cfg: GPTConfig, data: "DataConfig", micro_batch: int, act_bytes: int,
                          residual_bytes: int, every: int, fused_attention: bool) -> tuple[int, int]:
@@ -96,7 +96,7 @@ class GPTFamily(NextTokenFamily):
         full = layer_activation_bytes(cfg, b, s, act_bytes, residual_bytes, fused_attention)
         k = checkpointed_blocks(cfg.n_layer, every)
         blocks = stack_bytes(cfg.n_layer, k, full, residual_bytes * t * h) + (full if k else 0)
-        final_norm = residual_bytes if cfg.norm_position == "pre" else 0
+        final_norm = residual_bytes if cfg.final_norm else 0
         tail = (final_norm + act_bytes + (1 if cfg.dropout > 0 else 0)) * t * h
         positions = min(t, cfg.loss_chunk or t)
         # a soft-cap's tanh saves its fp32 output for backward

@@ -6,16 +6,21 @@ Export (`TARGETS`, in order of preference) and import (`READERS`):
   biases on every projection or on none.
 - Qwen2 (`Qwen2ForCausalLM`): the Llama block with biases on the query/key/value projection alone
   (`model.qkv_bias`), every layer full attention.
+- Qwen3 (`Qwen3ForCausalLM`): the Llama block with RMSNorm on each head's queries and keys (`model.qk_norm`)
+  and its own head width (`model.d_head`), every layer full attention.
+- OLMo 2 (`Olmo2ForCausalLM`): the Llama block with each sublayer's output normed before the residual add
+  (`model.norm_position: output`) and RMSNorm over the whole query and key projections
+  (`model.qk_norm_scope: all`).
 - Mistral (`MistralForCausalLM`, import only: it exports as Llama): the Llama block without biases; its sliding
   window only when it cannot bind (no window, or one at least max_position_embeddings long), since our
   attention is full causal.
 
 Only options a class reproduces exactly are accepted. Knobs the class has in its config (GPT-2's n_inner and
 tie_word_embeddings, Llama's biases and key/value heads) are passed through; options it has no knob for (a
-post-norm block, rmsnorm with learned positions, QK-norm, a logit soft-cap) are refused rather than
-approximated, and so is anything in a config.json that would change the forward (rope scaling, a partial
-rotary factor, a head_dim other than hidden_size / num_attention_heads, another activation, a binding sliding
-window, ...).
+post-norm block, rmsnorm with learned positions, a logit soft-cap) are refused rather than approximated, and
+so is anything in a config.json that would change the forward (rope scaling other than linear and llama3, a
+partial rotary factor, another activation, a binding sliding window, ...). Rotary scaling (`linear`, Llama 3's
+`llama3`) travels in every rotary class's rope_parameters.
 
 The embedding and an untied head cover the tokenizer's `vocab_size` rows: our padding rows (up to
 `vocab_multiple`) have no counterpart, and dropping them leaves the logits of every real id unchanged. An
@@ -31,8 +36,8 @@ from lm.models.gpt.config import GPTConfig
 
 __all__ = ["READERS", "TARGETS"]
 
-_ROTARY = (equals("pos", "rope"), equals("norm", "rmsnorm"), equals("mlp", "swiglu"), equals("norm_position", "pre"),
-           equals("qk_norm", False), equals("logit_softcap", 0.0))
+_LLAMA_BLOCK = (equals("pos", "rope"), equals("norm", "rmsnorm"), equals("mlp", "swiglu"), equals("logit_softcap", 0.0))
+_ROTARY = (*_LLAMA_BLOCK, equals("norm_position", "pre"), equals("qk_norm", False))
 
 
 def _common(cfg: GPTConfig, hf_class: str, eos_token_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
@@ -68,6 +73,18 @@ def _gpt2_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dtype) -
     }
 
 
+def _rope_parameters(cfg: GPTConfig) -> dict[str, Any]:
+    """transformers' rope_parameters for our rotary settings (its rope_type names the scaling)."""
+    params: dict[str, Any] = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling,
+                              "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling != "none":
+        params["factor"] = cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        params |= {"low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+                   "original_max_position_embeddings": cfg.rope_original_context}
+    return params
+
+
 def _rotary_config(cfg: GPTConfig, model_type: str, hf_class: str, eos_token_id: int | None,
                    dtype: torch.dtype) -> dict[str, Any]:
     return {
@@ -79,18 +96,20 @@ def _rotary_config(cfg: GPTConfig, model_type: str, hf_class: str, eos_token_id:
         "num_attention_heads": cfg.n_head,
         "num_key_value_heads": cfg.kv_heads,
         "hidden_act": "silu",
+        "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.block_size,
         "rms_norm_eps": cfg.norm_eps,
-        # transformers 5 reads rope_parameters; 4.x reads the top-level rope_theta and ignores the dict.
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        # transformers 5 reads rope_parameters; 4.x reads the top-level rope_theta and rope_scaling.
+        "rope_parameters": _rope_parameters(cfg),
         "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if cfg.rope_scaling == "none" else _rope_parameters(cfg),
         # Llama has dropout on attention weights only; ours also drops residuals and embeddings in training.
         "attention_dropout": cfg.dropout,
     }
 
 
 def _llama_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
-    return {**_rotary_config(cfg, "llama", "LlamaForCausalLM", eos_token_id, dtype), "head_dim": cfg.head_dim,
+    return {**_rotary_config(cfg, "llama", "LlamaForCausalLM", eos_token_id, dtype),
             "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "pretraining_tp": 1}
 
 
@@ -98,6 +117,16 @@ def _qwen2_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dtype) 
     # its biases on q/k/v are built in; no layer uses a sliding window
     return {**_rotary_config(cfg, "qwen2", "Qwen2ForCausalLM", eos_token_id, dtype), "use_sliding_window": False,
             "sliding_window": None, "max_window_layers": cfg.n_layer, "layer_types": ["full_attention"] * cfg.n_layer}
+
+
+def _qwen3_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
+    return {**_rotary_config(cfg, "qwen3", "Qwen3ForCausalLM", eos_token_id, dtype), "attention_bias": False,
+            "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layer,
+            "layer_types": ["full_attention"] * cfg.n_layer}
+
+
+def _olmo2_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
+    return {**_rotary_config(cfg, "olmo2", "Olmo2ForCausalLM", eos_token_id, dtype), "attention_bias": False}
 
 
 def _with_vocab(cfg: GPTConfig, embed: str, body: Plan) -> Plan:
@@ -127,7 +156,8 @@ def gpt2_plan(cfg: GPTConfig) -> Plan:
 
 
 def llama_plan(cfg: GPTConfig) -> Plan:
-    """Llama, Mistral and Qwen2 share these names; both use rotary's half-split layout, so no row is permuted."""
+    """Llama, Mistral, Qwen2, Qwen3 and OLMo 2 share these names; all use rotary's half-split layout, so no row is
+    permuted. OLMo 2 norms each sublayer's output (our ln_1 and ln_2 in that place)."""
     q_rows, kv_rows, d, ff = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.d_model, cfg.ff_dim
     plan: Plan = {}
     for i in range(cfg.n_layer):
@@ -142,8 +172,16 @@ def llama_plan(cfg: GPTConfig) -> Plan:
                 plan[f"{ours}mlp.gate.{p}"] = (Part(f"{mlp}gate_proj.{p}", ff),)
                 plan[f"{ours}mlp.fc.{p}"] = (Part(f"{mlp}up_proj.{p}", ff),)
                 plan[f"{ours}mlp.proj.{p}"] = (Part(f"{mlp}down_proj.{p}", d),)
-        plan[f"{ours}ln_1.weight"] = (Part(f"{theirs}input_layernorm.weight", d),)
-        plan[f"{ours}ln_2.weight"] = (Part(f"{theirs}post_attention_layernorm.weight", d),)
+        if cfg.norm_position == "output":
+            plan[f"{ours}ln_1.weight"] = (Part(f"{theirs}post_attention_layernorm.weight", d),)
+            plan[f"{ours}ln_2.weight"] = (Part(f"{theirs}post_feedforward_layernorm.weight", d),)
+        else:
+            plan[f"{ours}ln_1.weight"] = (Part(f"{theirs}input_layernorm.weight", d),)
+            plan[f"{ours}ln_2.weight"] = (Part(f"{theirs}post_attention_layernorm.weight", d),)
+        if cfg.qk_norm:
+            whole = cfg.qk_norm_scope == "all"
+            plan[f"{ours}attn.q_norm.weight"] = (Part(f"{attn}q_norm.weight", q_rows if whole else cfg.head_dim),)
+            plan[f"{ours}attn.k_norm.weight"] = (Part(f"{attn}k_norm.weight", kv_rows if whole else cfg.head_dim),)
     plan["ln_f.weight"] = (Part("model.norm.weight", d),)
     return _with_vocab(cfg, "model.embed_tokens.weight", plan)
 
@@ -154,6 +192,8 @@ TARGETS = (
         equals("bias", True), equals("qk_norm", False), equals("logit_softcap", 0.0),
         # GPT-2 attention has no grouped-query option: every query head has its own key/value head.
         ONE_KV_HEAD,
+        Need("d_head", "0 (GPT-2's heads are n_embd / n_head wide)",
+             lambda cfg: cfg.head_dim * cfg.n_head == cfg.d_model),
     ), _gpt2_config, gpt2_plan),
     Target("Llama", "LlamaForCausalLM", (
         *_ROTARY,
@@ -162,24 +202,44 @@ TARGETS = (
     ), _llama_config, llama_plan),
     Target("Qwen2", "Qwen2ForCausalLM", (*_ROTARY, equals("bias", False), equals("qkv_bias", True)),
            _qwen2_config, llama_plan),
+    Target("Qwen3", "Qwen3ForCausalLM", (
+        *_LLAMA_BLOCK, equals("norm_position", "pre"), equals("qk_norm", True), equals("qk_norm_scope", "head"),
+        equals("bias", False), equals("qkv_bias", False),
+    ), _qwen3_config, llama_plan),
+    Target("OLMo 2", "Olmo2ForCausalLM", (
+        *_LLAMA_BLOCK, equals("norm_position", "output"), equals("qk_norm", True), equals("qk_norm_scope", "all"),
+        equals("bias", False), equals("qkv_bias", False),
+    ), _olmo2_config, llama_plan),
 )
 
 
 # ---- import ------------------------------------------------------------------------------------
 
-def _rope_theta(hf: dict, problems: list[str]) -> float:
-    """The rotary base, from transformers 5's rope_parameters or 4.x's rope_theta/rope_scaling; anything
-    but plain rotary positions is a problem."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    if params.get("rope_type", "default") != "default":
-        problems.append(f"rope_parameters.rope_type={params['rope_type']!r} (lm has unscaled rotary positions)")
-    if scaling and (scaling.get("rope_type") or scaling.get("type")) != "default":
-        problems.append(f"rope_scaling={scaling} (lm has unscaled rotary positions)")
+def _rope(hf: dict, problems: list[str]) -> dict[str, Any]:
+    """Our rotary keys from transformers 5's rope_parameters or 4.x's rope_theta and rope_scaling: plain, linear
+    or Llama 3 scaling; any other scaling, or a partial rotary factor, is a problem."""
+    origin = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    kind = params.get("rope_type", params.get("type", "default"))
+    fields: dict[str, Any] = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))}
     factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if factor != 1.0:
         problems.append(f"partial_rotary_factor={factor} (lm rotates every channel of a head)")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if kind in ("linear", "llama3"):
+        needed = ["factor"] + (["low_freq_factor", "high_freq_factor"] if kind == "llama3" else [])
+        if missing := [key for key in needed if key not in params]:
+            problems.append(f"{origin} of rope_type {kind!r} without {', '.join(missing)}")
+            return fields
+        fields |= {"rope_scaling": kind, "rope_factor": float(params["factor"])}
+        if kind == "llama3":
+            # transformers falls back to max_position_embeddings for the original context
+            fields |= {"rope_low_freq_factor": float(params["low_freq_factor"]),
+                       "rope_high_freq_factor": float(params["high_freq_factor"]),
+                       "rope_original_context": params.get("original_max_position_embeddings",
+                                                           hf.get("max_position_embeddings", 2048))}
+    elif kind != "default":
+        problems.append(f"{origin}.rope_type={kind!r} (lm scales rotary positions as linear or llama3 only)")
+    return fields
 
 
 def _gpt2_fields(hf: dict, problems: list[str]) -> dict[str, Any]:
@@ -202,19 +262,21 @@ def _gpt2_fields(hf: dict, problems: list[str]) -> dict[str, Any]:
 
 
 def _rotary_fields(hf: dict, model_type: str, problems: list[str]) -> dict[str, Any]:
-    """The Llama-shaped classes: one block, with biases and windows as the class has them."""
+    """The Llama-shaped classes: one block, with biases, windows, norms and head widths as the class has them."""
     d, n_head = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} (lm's SwiGLU gates with silu)")
-    if hf.get("head_dim") is not None and (d % n_head or hf["head_dim"] != d // n_head):
-        problems.append(f"head_dim={hf['head_dim']} (lm's heads are hidden_size / num_attention_heads = "
-                        f"{d}/{n_head} wide)")
+    # Qwen3Config's own default head width is 128, the others' hidden_size / num_attention_heads
+    head_dim = hf.get("head_dim") or (128 if model_type == "qwen3" else d // n_head)
+    d_head = 0 if n_head * head_dim == d else head_dim
     if hf.get("pretraining_tp", 1) != 1:
         problems.append(f"pretraining_tp={hf['pretraining_tp']} (lm needs 1)")
     if hf.get("attention_dropout", 0.0):
         problems.append(f"attention_dropout={hf['attention_dropout']} (lm's model.dropout also drops residuals; "
                         "import with 0)")
     bias, qkv_bias = False, model_type == "qwen2"
+    if model_type in ("qwen3", "olmo2") and hf.get("attention_bias", False):
+        problems.append("attention_bias=true (lm's biases are on every projection or on q, k and v alone)")
     if model_type == "llama":
         attn, mlp = hf.get("attention_bias", False), hf.get("mlp_bias", False)
         if attn != mlp:
@@ -226,17 +288,18 @@ def _rotary_fields(hf: dict, model_type: str, problems: list[str]) -> dict[str, 
     if model_type == "mistral" and window is not None and window < block:
         problems.append(f"sliding_window={window} below max_position_embeddings={block} (lm attends to every "
                         "earlier position)")
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         if hf.get("use_sliding_window", False):
             problems.append("use_sliding_window=true (lm attends to every earlier position)")
         if any(kind != "full_attention" for kind in hf.get("layer_types") or []):
             problems.append(f"layer_types={hf['layer_types']} (lm has full attention in every layer)")
+    norms = {"qwen3": dict(qk_norm=True), "olmo2": dict(norm_position="output", qk_norm=True, qk_norm_scope="all")}
     return dict(vocab_size=hf.get("vocab_size", 32000), block_size=block, n_layer=hf.get("num_hidden_layers", 32),
-                n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head, d_model=d,
+                n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head, d_model=d, d_head=d_head,
                 d_ff=hf.get("intermediate_size", 11008), dropout=0.0, bias=bias, qkv_bias=qkv_bias,
-                pos="rope", rope_theta=_rope_theta(hf, problems), norm="rmsnorm",
-                norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu",
-                tie_embeddings=hf.get("tie_word_embeddings", False), vocab_multiple=1)
+                pos="rope", **_rope(hf, problems), norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
+                mlp="swiglu", **norms.get(model_type, {}), tie_embeddings=hf.get("tie_word_embeddings", False),
+                vocab_multiple=1)
 
 
 def _gpt2_name(name: str) -> str:
@@ -253,4 +316,6 @@ READERS = {
     "LlamaForCausalLM": _rotary_reader("llama"),
     "MistralForCausalLM": _rotary_reader("mistral"),
     "Qwen2ForCausalLM": _rotary_reader("qwen2"),
+    "Qwen3ForCausalLM": _rotary_reader("qwen3"),
+    "Olmo2ForCausalLM": _rotary_reader("olmo2"),
 }

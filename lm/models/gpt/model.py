@@ -47,8 +47,8 @@ class GPT(nn.Module):
                 self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
             self.drop = nn.Dropout(cfg.dropout)
             self.blocks = nn.ModuleList(Block(cfg, causal=True) for _ in range(cfg.n_layer))
-            # A post-norm block already ends in a norm; pre-norm leaves the stream unnormalised.
-            self.ln_f = make_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
+            # A post-norm block already ends in a norm; the others leave the stream unnormalised.
+            self.ln_f = make_norm(cfg) if cfg.final_norm else nn.Identity()
             self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
         self.to_empty(device=device)
         self.init_weights()
@@ -160,7 +160,7 @@ class GPTStage(nn.Module):
             x = self.drop(x)
         else:
             pos = torch.arange(x.shape[1] * self.sequence_shards, device=x.device)
-            rope = rope_angles(pos, cfg.head_dim, cfg.rope_theta) if cfg.pos == "rope" else None
+            rope = rope_angles(pos, cfg) if cfg.pos == "rope" else None
         for block in self.blocks.values():
             x = block(x, rope=rope)
         return self.ln_f(x) if self.is_last else x
