@@ -63,6 +63,10 @@ def token_ids(value: Any) -> str:
     return "" if ok else "a token id or a list of token ids"
 
 
+def ints(value: Any) -> str:
+    return "" if isinstance(value, list) and all(_is_int(v) for v in value) else "a list of integers"
+
+
 def table(value: Any) -> str:
     return "" if isinstance(value, dict) else "an object of settings"
 
@@ -98,6 +102,8 @@ KEYS: dict[str, Check] = {
     "partial_rotary_factor": positive, "pretraining_tp": count, "attention_dropout": fraction,
     "attention_bias": flag, "mlp_bias": flag, "sliding_window": or_null(count), "use_sliding_window": flag,
     "layer_types": names,
+    # SmolLM3
+    "no_rope_layer_interval": count, "no_rope_layers": ints,
 }
 
 

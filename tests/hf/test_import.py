@@ -33,6 +33,8 @@ CLASSES = {
     # Qwen3's heads are 24 wide here: q and k are 96, not hidden_size, wide; per-head q/k norms
     "qwen3": ("qwen3", {**ROTARY, "head_dim": 24, "tie_word_embeddings": False}),
     "olmo2": ("olmo2", {**ROTARY}),  # post-sublayer norms, q/k norms over the whole projection
+    "smollm3": ("smollm3", {**ROTARY, "num_hidden_layers": 4, "no_rope_layer_interval": 2,
+                             "pad_token_id": None}),  # layers 2, 4: NoPE
     # Llama 3.2's shape: tied, rope_type llama3; a window of 32 is 4x its 8-position original context
     "llama3": ("llama", {**ROTARY, "tie_word_embeddings": True, "rope_parameters": {
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -82,7 +84,7 @@ def test_imported_models_give_transformers_logits(kind, tmp_path):
         assert_same_logits(model.logits(model(idx)), hf(idx).logits)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "qwen3", "olmo2", "llama3"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "qwen3", "olmo2", "llama3", "smollm3"])
 def test_a_sharded_save_imports_alike_and_decodes_through_the_kv_cache(kind, tmp_path):
     hf = hf_checkpoint(kind, tmp_path, shard="20KB")
     assert len(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]) > 10
@@ -97,7 +99,7 @@ def test_a_sharded_save_imports_alike_and_decodes_through_the_kv_cache(kind, tmp
         assert_same_logits(ours, hf(idx).logits)
 
 
-@pytest.mark.parametrize("kind", ["gpt2-untied", "llama", "qwen2", "mistral", "qwen3", "olmo2", "llama3"])
+@pytest.mark.parametrize("kind", ["gpt2-untied", "llama", "qwen2", "mistral", "qwen3", "olmo2", "llama3", "smollm3"])
 def test_import_then_export_gives_back_the_same_tensors(kind, tmp_path):
     hf = hf_checkpoint(kind, tmp_path)
     model = imported(tmp_path)
@@ -163,7 +165,8 @@ REFUSALS = [
     ("llama", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
     ("llama", dict(pretraining_tp=2), "pretraining_tp=2"),
     ("llama", dict(quantization_config={"quant_method": "gptq"}), "quantization_config"),
-    ("llama", dict(architectures=["SmolLM3ForCausalLM"]), "architectures=['SmolLM3ForCausalLM'] is not one lm"),
+    ("llama", dict(architectures=["Gemma2ForCausalLM"]), "architectures=['Gemma2ForCausalLM'] is not one lm"),
+    ("smollm3", dict(no_rope_layers=[0, 1, 1, 1]), "no_rope_layers=[0, 1, 1, 1] with no_rope_layer_interval=2"),
     ("mistral", dict(sliding_window=16), "sliding_window=16 below max_position_embeddings=32"),
     ("qwen2", dict(use_sliding_window=True), "use_sliding_window=true"),
     ("qwen2", dict(layer_types=["full_attention", "sliding_attention"]), "layer_types="),

@@ -26,6 +26,7 @@ FAMILIES = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 4})),
     "qwen3": ("qwen3", dict(head_dim=12)),
     "olmo2": ("olmo2", {}),
+    "smollm3": ("smollm3", dict(no_rope_layer_interval=3, pad_token_id=None)),  # the third layer without rotary
 }
 
 

@@ -292,6 +292,7 @@ def test_output_norm_normalises_each_sublayers_output_before_the_residual_add() 
      "model.rope_low_freq_factor: must be above 0 and below model.rope_high_freq_factor"),
     (dict(qk_norm_scope="layer"), "model.qk_norm_scope: unknown value 'layer'"),
     (dict(d_head=-1), "model.d_head: must be >= 0"),
+    (dict(nope_interval=2), "model.nope_interval: leaves rotary positions out of some layers; it needs model.pos=rope"),
 ])
 def test_bad_rotary_and_head_settings_name_their_key(overrides, fragment) -> None:
     from lm.errors import ConfigError

@@ -118,7 +118,8 @@ LLAMA3 = {**LLAMA, "rope_scaling": "llama3", "rope_factor": 8.0, "rope_low_freq_
     (LLAMA3, "LlamaForCausalLM"),
     ({**LLAMA, "rope_scaling": "linear", "rope_factor": 4.0}, "LlamaForCausalLM"),
     ({**QWEN3, "rope_scaling": "linear", "rope_factor": 2.0}, "Qwen3ForCausalLM"),
-], ids=["qwen3", "qwen3-tied-mqa", "olmo2", "llama3-scaling", "llama-linear", "qwen3-linear"])
+    ({**LLAMA, "nope_interval": 2, "tie_embeddings": True}, "SmolLM3ForCausalLM"),
+], ids=["qwen3", "qwen3-tied-mqa", "olmo2", "llama3-scaling", "llama-linear", "qwen3-linear", "smollm3"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_newer_families_match_transformers(overrides, hf_class, attn):
     model = random_model(tiny_config(**overrides))
@@ -140,7 +141,8 @@ def test_llama3_scaling_changes_the_logits_past_the_original_context():
         assert (scaled.logits(scaled(idx)) - unscaled.logits(unscaled(idx))).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("overrides", [GPT2, LLAMA, QWEN3, OLMO2], ids=["gpt2", "llama", "qwen3", "olmo2"])
+@pytest.mark.parametrize("overrides", [GPT2, LLAMA, QWEN3, OLMO2, {**LLAMA, "nope_interval": 2}],
+                         ids=["gpt2", "llama", "qwen3", "olmo2", "smollm3"])
 def test_incremental_decoding_matches_a_full_transformers_forward(overrides):
     """Our KV-cached decoding (a prompt, then single tokens, then a chunk after a non-empty cache) gives
     the logits transformers computes for the whole sequence at once."""
@@ -170,14 +172,12 @@ def test_vocabulary_is_the_tokenizers_and_tied_heads_are_written_once():
 
 @pytest.mark.parametrize("overrides, fragments", [
     (dict(pos="sinusoidal"), [
-        "(model.pos=sinusoidal, model.norm=layernorm, model.mlp=gelu, model.bias=true, model.qkv_bias=false, "
-        "model.qk_norm=false, model.norm_position=pre, model.qk_norm_scope=head)",
+        "(model.pos=sinusoidal, model.norm=layernorm, model.mlp=gelu, model.bias=true, model.qkv_bias=false, ",
         "GPT2LMHeadModel (GPT-2) needs model.pos=learned;",
         "LlamaForCausalLM (Llama) needs model.pos=rope, model.norm=rmsnorm, model.mlp=swiglu",
     ]),
     (dict(norm="rmsnorm"), [
-        "(model.norm=rmsnorm, model.pos=learned, model.mlp=gelu, model.bias=true, model.qkv_bias=false, "
-        "model.qk_norm=false, model.norm_position=pre, model.qk_norm_scope=head)",
+        "(model.norm=rmsnorm, model.pos=learned, model.mlp=gelu, model.bias=true, model.qkv_bias=false, ",
         "GPT2LMHeadModel (GPT-2) needs model.norm=layernorm;",
         "LlamaForCausalLM (Llama) needs model.pos=rope, model.mlp=swiglu",
     ]),

@@ -88,7 +88,7 @@ def test_a_checkpoint_written_by_an_older_lm_loads_and_scores_the_same(trained_r
     step_dir = run_dir / "checkpoints" / "step_00000004"
     current = yaml.safe_load((step_dir / "config.yaml").read_text())
     # lm now writes its family's keys alone, among them keys added since (an older file lacks them: defaults)
-    later = {"d_head", "qk_norm_scope", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+    later = {"d_head", "nope_interval", "qk_norm_scope", "rope_scaling", "rope_factor", "rope_low_freq_factor",
              "rope_high_freq_factor", "rope_original_context"}
     assert set(current["model"]) - later < set(OLD_MODEL_SECTION)
     old = {**current, "model": {**OLD_MODEL_SECTION, **{k: v for k, v in current["model"].items() if k not in later}}}

@@ -33,6 +33,9 @@ class GPTConfig(TransformerConfig):
     """llama3 scaling: wavelengths below rope_original_context / this are kept."""
     rope_original_context: int = 8192
     """llama3 scaling: the context the rotary frequencies were first trained at."""
+    nope_interval: int = 0
+    """Every nope_interval-th layer (for 4: the 4th, 8th, ...) attends without rotary positions (NoPE), as in
+    SmolLM3; 0: every layer rotary (pos: rope)."""
     d_head: int = 0
     """Channels of each attention head; 0 means d_model / n_head. Qwen3 sets its own: queries are then
     n_head * d_head wide, which need not be d_model."""
@@ -48,6 +51,10 @@ class GPTConfig(TransformerConfig):
     loss_chunk: int = 0
     """Compute the output head and loss this many of the B*T positions at a time, recomputing each chunk's
     logits in backward, so the full (B*T, vocab) logits never exist. 0: off, the whole head at once."""
+
+    def rotary_layer(self, layer: int) -> bool:
+        """Whether block `layer` (from 0) rotates its queries and keys: not every nope_interval-th one."""
+        return self.pos == "rope" and not (self.nope_interval and (layer + 1) % self.nope_interval == 0)
 
     def tensor_parallel_problem(self, tp: int) -> str | None:
         """Each rank keeps n_head / tp query heads, n_kv_head / tp key/value heads, d_ff / tp hidden units and
@@ -93,6 +100,11 @@ class GPTConfig(TransformerConfig):
                                   f"model.pos=rope, got {self.pos}")
             if not self.rope_factor > 0:
                 raise ConfigError(f"model.rope_factor: must be above 0, got {self.rope_factor}")
+        if self.nope_interval < 0:
+            raise ConfigError(f"model.nope_interval: must be >= 0 (0: every layer rotary), got {self.nope_interval}")
+        if self.nope_interval and self.pos != "rope":
+            raise ConfigError(f"model.nope_interval: leaves rotary positions out of some layers; it needs "
+                              f"model.pos=rope, got {self.pos}")
         if self.rope_scaling == "llama3":
             if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
                 raise ConfigError(

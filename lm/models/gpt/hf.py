@@ -8,6 +8,8 @@ Export (`TARGETS`, in order of preference) and import (`READERS`):
   (`model.qkv_bias`), every layer full attention.
 - Qwen3 (`Qwen3ForCausalLM`): the Llama block with RMSNorm on each head's queries and keys (`model.qk_norm`)
   and its own head width (`model.d_head`), every layer full attention.
+- SmolLM3 (`SmolLM3ForCausalLM`): the Llama block with every `model.nope_interval`-th layer left without rotary
+  positions.
 - OLMo 2 (`Olmo2ForCausalLM`): the Llama block with each sublayer's output normed before the residual add
   (`model.norm_position: output`) and RMSNorm over the whole query and key projections
   (`model.qk_norm_scope: all`).
@@ -37,7 +39,7 @@ from lm.models.gpt.config import GPTConfig
 __all__ = ["READERS", "TARGETS"]
 
 _LLAMA_BLOCK = (equals("pos", "rope"), equals("norm", "rmsnorm"), equals("mlp", "swiglu"), equals("logit_softcap", 0.0))
-_ROTARY = (*_LLAMA_BLOCK, equals("norm_position", "pre"), equals("qk_norm", False))
+_ROTARY = (*_LLAMA_BLOCK, equals("norm_position", "pre"), equals("qk_norm", False), equals("nope_interval", 0))
 
 
 def _common(cfg: GPTConfig, hf_class: str, eos_token_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
@@ -125,6 +127,15 @@ def _qwen3_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dtype) 
             "layer_types": ["full_attention"] * cfg.n_layer}
 
 
+def _smollm3_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
+    return {**_rotary_config(cfg, "smollm3", "SmolLM3ForCausalLM", eos_token_id, dtype),
+            "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "use_sliding_window": False, "sliding_window": None,
+            "no_rope_layer_interval": cfg.nope_interval,
+            "pad_token_id": None,  # SmolLM3Config's default, 128004, is beyond a smaller vocabulary
+            "no_rope_layers": [int(cfg.rotary_layer(i)) for i in range(cfg.n_layer)],
+            "layer_types": ["full_attention"] * cfg.n_layer}
+
+
 def _olmo2_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
     return {**_rotary_config(cfg, "olmo2", "Olmo2ForCausalLM", eos_token_id, dtype), "attention_bias": False}
 
@@ -204,12 +215,17 @@ TARGETS = (
            _qwen2_config, llama_plan),
     Target("Qwen3", "Qwen3ForCausalLM", (
         *_LLAMA_BLOCK, equals("norm_position", "pre"), equals("qk_norm", True), equals("qk_norm_scope", "head"),
-        equals("bias", False), equals("qkv_bias", False),
+        equals("bias", False), equals("qkv_bias", False), equals("nope_interval", 0),
     ), _qwen3_config, llama_plan),
     Target("OLMo 2", "Olmo2ForCausalLM", (
         *_LLAMA_BLOCK, equals("norm_position", "output"), equals("qk_norm", True), equals("qk_norm_scope", "all"),
-        equals("bias", False), equals("qkv_bias", False),
+        equals("bias", False), equals("qkv_bias", False), equals("nope_interval", 0),
     ), _olmo2_config, llama_plan),
+    Target("SmolLM3", "SmolLM3ForCausalLM", (
+        *_LLAMA_BLOCK, equals("norm_position", "pre"), equals("qk_norm", False),
+        Need("nope_interval", "above 0 (layers without rotary positions)", lambda cfg: cfg.nope_interval > 0),
+        Need("qkv_bias", "false (or model.bias=true)", lambda cfg: cfg.bias or not cfg.qkv_bias),
+    ), _smollm3_config, llama_plan),
 )
 
 
@@ -275,9 +291,12 @@ def _rotary_fields(hf: dict, model_type: str, problems: list[str]) -> dict[str, 
         problems.append(f"attention_dropout={hf['attention_dropout']} (lm's model.dropout also drops residuals; "
                         "import with 0)")
     bias, qkv_bias = False, model_type == "qwen2"
+    nope: dict[str, Any] = {}
+    if model_type == "smollm3":
+        nope = {"nope_interval": _nope_interval(hf, problems)}
     if model_type in ("qwen3", "olmo2") and hf.get("attention_bias", False):
         problems.append("attention_bias=true (lm's biases are on every projection or on q, k and v alone)")
-    if model_type == "llama":
+    if model_type in ("llama", "smollm3"):
         attn, mlp = hf.get("attention_bias", False), hf.get("mlp_bias", False)
         if attn != mlp:
             problems.append(f"attention_bias={attn} with mlp_bias={mlp} (lm's model.bias puts biases on every "
@@ -288,7 +307,7 @@ def _rotary_fields(hf: dict, model_type: str, problems: list[str]) -> dict[str, 
     if model_type == "mistral" and window is not None and window < block:
         problems.append(f"sliding_window={window} below max_position_embeddings={block} (lm attends to every "
                         "earlier position)")
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "smollm3"):
         if hf.get("use_sliding_window", False):
             problems.append("use_sliding_window=true (lm attends to every earlier position)")
         if any(kind != "full_attention" for kind in hf.get("layer_types") or []):
@@ -298,8 +317,26 @@ def _rotary_fields(hf: dict, model_type: str, problems: list[str]) -> dict[str, 
                 n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head, d_model=d, d_head=d_head,
                 d_ff=hf.get("intermediate_size", 11008), dropout=0.0, bias=bias, qkv_bias=qkv_bias,
                 pos="rope", **_rope(hf, problems), norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
-                mlp="swiglu", **norms.get(model_type, {}), tie_embeddings=hf.get("tie_word_embeddings", False),
+                mlp="swiglu", **norms.get(model_type, {}), **nope, tie_embeddings=hf.get("tie_word_embeddings", False),
                 vocab_multiple=1)
+
+
+def _nope_interval(hf: dict, problems: list[str]) -> int:
+    """SmolLM3's layers without rotary positions as our model.nope_interval: every interval-th layer, as its
+    config builds no_rope_layers by default; any other pattern is a problem."""
+    n_layer, interval = hf.get("num_hidden_layers", 32), hf.get("no_rope_layer_interval", 4)
+    layers = hf.get("no_rope_layers")
+    pattern = [int((i + 1) % interval != 0) for i in range(n_layer)] if isinstance(interval, int) and interval > 0 \
+        else None
+    if layers is None and pattern is not None:
+        return interval
+    if layers is not None and all(layers):
+        return 0
+    if layers is not None and pattern is not None and list(layers) == pattern:
+        return interval
+    problems.append(f"no_rope_layers={layers} with no_rope_layer_interval={interval} (lm leaves rotary positions out "
+                    "of every n-th layer: model.nope_interval)")
+    return 0
 
 
 def _gpt2_name(name: str) -> str:
@@ -318,4 +355,5 @@ READERS = {
     "Qwen2ForCausalLM": _rotary_reader("qwen2"),
     "Qwen3ForCausalLM": _rotary_reader("qwen3"),
     "Olmo2ForCausalLM": _rotary_reader("olmo2"),
+    "SmolLM3ForCausalLM": _rotary_reader("smollm3"),
 }

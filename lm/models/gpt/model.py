@@ -123,7 +123,8 @@ class GPT(nn.Module):
         x, rope = add_positions(self.wte(idx), pos, cfg, getattr(self, "wpe", None))  # (B, T, C)
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
-            x = block(x, rope=rope, cache=None if cache is None else cache[i], mask=mask)
+            x = block(x, rope=rope if cfg.rotary_layer(i) else None, cache=None if cache is None else cache[i],
+                      mask=mask)
         return self.ln_f(x)
 
 
@@ -161,8 +162,8 @@ class GPTStage(nn.Module):
         else:
             pos = torch.arange(x.shape[1] * self.sequence_shards, device=x.device)
             rope = rope_angles(pos, cfg) if cfg.pos == "rope" else None
-        for block in self.blocks.values():
-            x = block(x, rope=rope)
+        for i, block in self.blocks.items():
+            x = block(x, rope=rope if cfg.rotary_layer(int(i)) else None)
         return self.ln_f(x) if self.is_last else x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
