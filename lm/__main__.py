@@ -10,6 +10,7 @@ TRAINING_TOOLS = ("train", "finetune")
 
 TOOLS = {
     "prepare": ("lm.prepare", "tokenize a corpus into memory-mapped token shards"),
+    "train_tokenizer": ("lm.train_tokenizer", "train a byte-level BPE tokenizer.json on a corpus"),
     "train": ("lm.train", "pretrain a model (use torchrun for several processes)"),
     "finetune": ("lm.finetune", "train a classification or regression head on a pretrained encoder"),
     "predict": ("lm.predict", "a fine-tuned encoder's predictions (and scores) for a labelled file"),

@@ -70,7 +70,8 @@ def _windows(args: argparse.Namespace, cfg: JobConfig, family: Family, parser: a
 
 
 def _streams(args: argparse.Namespace, cfg: JobConfig) -> tuple[list[np.ndarray], str, int | None]:
-    """The token streams to score, what they are, and the text's size in bytes (None for shards)."""
+    """The token streams to score, what they are, and the size in bytes of the text they encode (None for shards,
+    and for a text that --max-tokens cuts: which of its bytes the kept tokens cover is not known exactly)."""
     n_bytes = None
     if args.text is not None:
         tokens, n_bytes = text_tokens(args.text, model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size))
@@ -82,7 +83,10 @@ def _streams(args: argparse.Namespace, cfg: JobConfig) -> tuple[list[np.ndarray]
         data_dir = args.data_dir or cfg.data.dir
         streams, source = val_streams(data_dir, cfg.data.tokenizer, cfg.model.vocab_size), f"{data_dir} (val)"
     if args.max_tokens is not None:
-        streams = first_tokens(streams, args.max_tokens)
+        kept = first_tokens(streams, args.max_tokens)
+        if n_bytes is not None and sum(map(len, kept)) < len(streams[0]):
+            source, n_bytes = f"{source} (its first {args.max_tokens:,} tokens: no bits per byte)", None
+        streams = kept
     return streams, source, n_bytes
 
 

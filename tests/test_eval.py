@@ -23,6 +23,21 @@ def test_cli_on_val_shards_and_text(trained_run, tmp_path, capsys):
     assert "bits per byte:" in out and f"tokens scored: {n_tokens}\n" in out
 
 
+def test_bits_per_byte_only_for_a_whole_text(trained_run, tmp_path, capsys):
+    """--max-tokens cutting a text would charge the whole file's bytes to the tokens of its start."""
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question.\n")
+    n_tokens = len(load_tokenizer("gpt2").encode_ordinary(text.read_text()))
+    assert run(main, ["--checkpoint", str(trained_run), "--text", str(text)]) == 0
+    whole = capsys.readouterr().out
+    assert run(main, ["--checkpoint", str(trained_run), "--text", str(text), "--max-tokens", str(n_tokens + 1)]) == 0
+    assert capsys.readouterr().out == whole  # the prefix token and every token of the text: nothing cut
+    assert run(main, ["--checkpoint", str(trained_run), "--text", str(text), "--max-tokens", "5"]) == 0
+    cut = capsys.readouterr().out
+    assert f"data: {text} (its first 5 tokens: no bits per byte)" in cut and "tokens scored: 4\n" in cut
+    assert "bits per byte:" not in cut and "unigram baseline:" in cut
+
+
 @pytest.mark.parametrize("content, message", [
     (b"", "the file is empty"), (b"ok \xff\xfe", "not UTF-8: byte 0xff at offset 3"),
 ])
