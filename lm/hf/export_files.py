@@ -1,6 +1,8 @@
 """A model and its tokenizer written as a transformers directory: config.json, model.safetensors,
 generation_config.json and the tokenizer's files, so that `AutoModelForCausalLM.from_pretrained(OUT)` and
-`AutoTokenizer.from_pretrained(OUT)` load it offline and give our logits over the tokenizer's ids.
+`AutoTokenizer.from_pretrained(OUT)` load it offline and give our logits over the tokenizer's ids. A model no
+transformers class computes also gets lm's modeling code (`lm.hf.remote_code`), which transformers loads with
+`trust_remote_code=True`.
 Exporting needs no `transformers`: a tiktoken encoding's files are built as JSON (`lm.hf.tokenizer_files`),
 and a model trained with a tokenizer.json gets that file, and the tokenizer_config.json beside it, copied.
 
@@ -18,6 +20,7 @@ from typing import Any
 import torch.nn as nn
 from safetensors.torch import save_file
 
+from lm.hf.remote_code import CODE_DIR
 from lm.hf.targets import Target, hf_state_dict
 from lm.hf.tokenizer_files import write_hf_tokenizer
 from lm.io import atomic_path, file_above, merge_dir, temp_sibling
@@ -47,7 +50,12 @@ def export_hf(model: nn.Module, target: Target, encoding: Tokenizer | None, toke
     if bos is not None:
         config["bos_token_id"] = bos
     written = [_write_json(out_dir / "config.json", config)]
-    if eot is not None:
+    for name in target.code:  # lm's own modeling code, which config.json's auto_map names
+        shutil.copyfile(CODE_DIR / name, out_dir / name)
+        written.append(out_dir / name)
+    if target.generation is not None:
+        written.append(_write_json(out_dir / "generation_config.json", target.generation(cfg)))
+    elif eot is not None:
         # transformers generate() would otherwise warn and pad finished rows with eos anyway.
         written.append(_write_json(out_dir / "generation_config.json",
                                    {"bos_token_id": config["bos_token_id"], "eos_token_id": eot, "pad_token_id": eot}))
