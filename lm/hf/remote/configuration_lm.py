@@ -32,9 +32,9 @@ class LMTransformerConfig(PretrainedConfig):
         # biases everywhere; biases on queries, keys and values alone; RMSNorm on each head's queries and keys
         self.bias, self.qkv_bias, self.qk_norm = bias, qkv_bias, qk_norm
         self.dropout = dropout
-        self.tie_word_embeddings = tie_word_embeddings
         self.initializer_range = initializer_range
-        super().__init__(**kwargs)
+        # transformers 4.x's config sets tie_word_embeddings itself (true unless given); 5.x leaves it to the model
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 
 class LMDecoderConfig(LMTransformerConfig):

@@ -26,7 +26,6 @@ class LMDecoderForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "lm_decoder"
     main_input_name = "input_ids"
     _no_split_modules = ["Block"]
-    _supports_sdpa = True
 
     def __init__(self, config: LMDecoderConfig) -> None:
         super().__init__(config)

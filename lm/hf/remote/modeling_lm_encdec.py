@@ -94,7 +94,6 @@ class LMEncDecForConditionalGeneration(PreTrainedModel, GenerationMixin):
     base_model_prefix = "lm_encdec"
     main_input_name = "input_ids"
     _no_split_modules = ["Block"]
-    _supports_sdpa = True
 
     def __init__(self, config: LMEncDecConfig) -> None:
         super().__init__(config)

@@ -27,7 +27,6 @@ class LMEncoderForMaskedLM(PreTrainedModel):
     base_model_prefix = "lm_encoder"
     main_input_name = "input_ids"
     _no_split_modules = ["Block"]
-    _supports_sdpa = True
 
     def __init__(self, config: LMEncoderConfig) -> None:
         super().__init__(config)
