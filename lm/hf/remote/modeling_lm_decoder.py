@@ -26,6 +26,7 @@ class LMDecoderForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "lm_decoder"
     main_input_name = "input_ids"
     _no_split_modules = ["Block"]
+    _supports_sdpa = True  # attention is torch's scaled_dot_product_attention, whatever attn_implementation says
 
     def __init__(self, config: LMDecoderConfig) -> None:
         super().__init__(config)

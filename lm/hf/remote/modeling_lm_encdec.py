@@ -94,6 +94,7 @@ class LMEncDecForConditionalGeneration(PreTrainedModel, GenerationMixin):
     base_model_prefix = "lm_encdec"
     main_input_name = "input_ids"
     _no_split_modules = ["Block"]
+    _supports_sdpa = True  # attention is torch's scaled_dot_product_attention, whatever attn_implementation says
 
     def __init__(self, config: LMEncDecConfig) -> None:
         super().__init__(config)

@@ -27,6 +27,7 @@ class LMEncoderForMaskedLM(PreTrainedModel):
     base_model_prefix = "lm_encoder"
     main_input_name = "input_ids"
     _no_split_modules = ["Block"]
+    _supports_sdpa = True  # attention is torch's scaled_dot_product_attention, whatever attn_implementation says
 
     def __init__(self, config: LMEncoderConfig) -> None:
         super().__init__(config)
