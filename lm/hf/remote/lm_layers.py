@@ -14,11 +14,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def make_norm(config, width: int) -> nn.Module:
-    """LayerNorm (with a bias only when config.bias) or RMSNorm over `width` channels."""
+def make_norm(config) -> nn.Module:
+    """LayerNorm (with a bias only when config.bias) or RMSNorm over d_model channels."""
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(width, eps=config.norm_eps)
-    return nn.LayerNorm(width, eps=config.norm_eps, bias=config.bias)
+        return nn.RMSNorm(config.d_model, eps=config.norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
+
+
+def final_norm(config) -> nn.Module:
+    """The norm at the end of a stack: a pre-norm stack needs one, a post-norm block already ends in one."""
+    return make_norm(config) if config.norm_position == "pre" else nn.Identity()
 
 
 class MLP(nn.Module):
@@ -170,12 +175,12 @@ class Block(nn.Module):
     def __init__(self, config, layer_idx: int, causal: bool, cross: bool = False) -> None:
         super().__init__()
         self.post_norm = config.norm_position == "post"
-        self.ln_1 = make_norm(config, config.d_model)
+        self.ln_1 = make_norm(config)
         self.attn = SelfAttention(config, layer_idx, causal)
         if cross:
-            self.ln_cross = make_norm(config, config.d_model)
+            self.ln_cross = make_norm(config)
             self.cross = CrossAttention(config)
-        self.ln_2 = make_norm(config, config.d_model)
+        self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
     def _residual(self, x: torch.Tensor, norm: nn.Module, sublayer) -> torch.Tensor:

@@ -16,7 +16,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_lm import LMDecoderConfig
-from .lm_layers import Block, causal_mask, embed_positions, make_norm, output_with_cache, token_positions
+from .lm_layers import Block, causal_mask, embed_positions, final_norm, output_with_cache, token_positions
 
 
 class LMDecoderForCausalLM(PreTrainedModel, GenerationMixin):
@@ -35,8 +35,7 @@ class LMDecoderForCausalLM(PreTrainedModel, GenerationMixin):
             self.wpe = nn.Embedding(config.block_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, i, causal=True) for i in range(config.n_layer))
-        # a post-norm block already ends in a norm
-        self.ln_f = make_norm(config, config.d_model) if config.norm_position == "pre" else nn.Identity()
+        self.ln_f = final_norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         # a tied output layer is the embedding: the weights file holds it once
         self._tied_weights_keys = {"lm_head.weight": "wte.weight"} if config.tie_word_embeddings else {}

@@ -19,7 +19,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from .configuration_lm import LMEncDecConfig
-from .lm_layers import Block, causal_mask, embed_positions, key_mask, make_norm, output_with_cache
+from .lm_layers import Block, causal_mask, embed_positions, final_norm, key_mask, output_with_cache
 
 
 def embed(ids: torch.Tensor, table: nn.Embedding, pos_table: nn.Embedding | None, start: int, config
@@ -46,7 +46,7 @@ class LMEncDecEncoder(nn.Module):
             self.pos = nn.Embedding(config.block_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, i, causal=False) for i in range(config.n_layer))
-        self.norm = make_norm(config, config.d_model) if config.norm_position == "pre" else nn.Identity()
+        self.norm = final_norm(config)
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 **kwargs) -> BaseModelOutput:
@@ -71,7 +71,7 @@ class LMEncDecDecoder(nn.Module):
             self.pos = nn.Embedding(config.block_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, i, causal=True, cross=True) for i in range(config.n_layer))
-        self.norm = make_norm(config, config.d_model) if config.norm_position == "pre" else nn.Identity()
+        self.norm = final_norm(config)
 
     def forward(self, input_ids: torch.LongTensor, table: nn.Embedding, memory: torch.Tensor,
                 memory_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:

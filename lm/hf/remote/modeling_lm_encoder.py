@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
 from .configuration_lm import LMEncoderConfig
-from .lm_layers import Block, embed_positions, key_mask, make_norm
+from .lm_layers import Block, embed_positions, final_norm, key_mask, make_norm
 
 
 class LMEncoderForMaskedLM(PreTrainedModel):
@@ -35,13 +35,12 @@ class LMEncoderForMaskedLM(PreTrainedModel):
         self.wte = nn.Embedding(config.vocab_size, d)
         if config.pos == "learned":
             self.wpe = nn.Embedding(config.block_size, d)
-        self.emb_norm = make_norm(config, d)
+        self.emb_norm = make_norm(config)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, i, causal=False) for i in range(config.n_layer))
-        # a post-norm block already ends in a norm
-        self.ln_f = make_norm(config, d) if config.norm_position == "pre" else nn.Identity()
+        self.ln_f = final_norm(config)
         self.mlm_dense = nn.Linear(d, d, bias=config.bias)
-        self.mlm_norm = make_norm(config, d)
+        self.mlm_norm = make_norm(config)
         self.lm_head = nn.Linear(d, config.vocab_size, bias=config.bias)
         # a tied output layer's weight is the embedding (its bias is its own): the weights file holds it once
         self._tied_weights_keys = {"lm_head.weight": "wte.weight"} if config.tie_word_embeddings else {}
