@@ -3,10 +3,12 @@
 OUT gets config.json, model.safetensors, generation_config.json and the tokenizer's files (`lm.hf.export_files`): built
 from a tiktoken encoding, or the tokenizer.json the model was trained with (data.tokenizer) copied.
 The model's family lists the transformers classes it maps to (GPT2LMHeadModel, LlamaForCausalLM or
-Qwen2ForCausalLM for the decoder, BertForMaskedLM for an encoder's masked-LM head); the first whose forward is
-the model's is written, and any other config is refused before anything is loaded or written, naming the keys
-that differ. An encoder's export holds config.json and model.safetensors alone: no tokenizer file knows its
-[MASK], [CLS] and padding ids, which the tool prints instead.
+Qwen2ForCausalLM for the decoder, BertForMaskedLM for an encoder's masked-LM head), then, last, lm's own
+modeling code for the family (LMDecoderForCausalLM, LMEncoderForMaskedLM, LMEncDecForConditionalGeneration:
+`lm.hf.remote_code`), written beside the weights and loaded with trust_remote_code=True. The first whose forward
+is the model's is written; a config none reproduces (the LSTM, a fine-tuning head, a key newer than the code) is
+refused before anything is loaded or written, naming the keys that differ. An encoder's export holds no tokenizer
+files: no tokenizer file knows its [MASK], [CLS] and padding ids, which the tool prints instead.
 """
 
 import argparse
@@ -34,7 +36,8 @@ def main(argv: list[str]) -> int:
         prog="python -m lm.export",
         description="Export a checkpoint to another framework's format: --to hf writes a Hugging Face transformers "
                     "directory (GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, or BertForMaskedLM for an "
-                    "encoder, chosen from the model config; an encoder gets no tokenizer files).",
+                    "encoder, chosen from the model config; any other model as lm's own modeling code, loaded with "
+                    "trust_remote_code=True; an encoder gets no tokenizer files).",
     )
     parser.add_argument("--checkpoint", required=True,
                         help="run directory, its checkpoints/ or one step_XXXXXXXX directory")

@@ -1,5 +1,6 @@
 """`python -m lm.export --to hf`: checkpoints written by the real trainer load in transformers with our logits
-and tokenizer; unsupported models and occupied output directories are refused without writing anything."""
+and tokenizer, as a native class or as lm's own code; a family with no export and occupied output directories
+are refused without writing anything."""
 
 import os
 import shutil
@@ -21,6 +22,7 @@ from lm.tokenizer import load_tokenizer
 TEXT = "KING DUNCAN.\nWhat bloody man is that?  He can report,\n\tAs seemeth by his plight, 1606: naïve café 🙂"
 HF_FILES = {"config.json", "generation_config.json", "model.safetensors",
             "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"}
+CODE_FILES = {"configuration_lm.py", "lm_layers.py", "modeling_lm_decoder.py"}
 
 
 def train_run(data_dir: Path, out: Path, *model_flags: str) -> Path:
@@ -62,7 +64,8 @@ def assert_same_model(run_dir: Path, out: Path, hf_class: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ours, cfg, _ = load_for_inference(run_dir, torch.device("cpu"))
-    hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    # lm's own code runs only when trusted; a native class needs no code and ignores the flag
+    hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, trust_remote_code=True).eval()
     assert type(hf).__name__ == hf_class and hf.dtype == torch.float32
     vocab = cfg.model.vocab_size
     idx = torch.randint(0, vocab, (2, cfg.model.block_size), generator=torch.Generator().manual_seed(0))
@@ -70,7 +73,7 @@ def assert_same_model(run_dir: Path, out: Path, hf_class: str) -> None:
         torch.testing.assert_close(ours.logits(ours(idx))[..., :vocab], hf(idx).logits, atol=1e-5, rtol=1e-5)
 
     encoding = load_tokenizer(cfg.data.tokenizer)
-    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True, trust_remote_code=True)
     ids = encoding.encode_ordinary(TEXT)
     assert tokenizer.encode(TEXT) == ids and tokenizer.decode(ids) == TEXT
     assert tokenizer.eos_token_id == hf.config.eos_token_id == hf.generation_config.eos_token_id == encoding.eot_token
@@ -93,16 +96,16 @@ def test_llama_run_exports_to_llama(llama_run, tmp_path):
     assert_same_model(llama_run, out, "LlamaForCausalLM")
 
 
-def test_unsupported_model_is_refused_in_one_line_before_out_exists(tiny_data_dir, tmp_path, capsys):
-    run_dir = train_run(tiny_data_dir, tmp_path / "run", "--model.norm=rmsnorm")  # learned positions kept
-    out = tmp_path / "out"
-    assert run(main, ["--checkpoint", str(run_dir), "--to", "hf", str(out)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: cannot export to Hugging Face")
-    assert "model.norm=rmsnorm" in err[0] and "model.pos=learned" in err[0] and "model.mlp=gelu" in err[0]
-    assert "GPT2LMHeadModel (GPT-2) needs model.norm=layernorm" in err[0]
-    assert "LlamaForCausalLM (Llama) needs model.pos=rope, model.mlp=swiglu" in err[0]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+def test_a_run_no_native_class_computes_exports_as_lm_code(tiny_data_dir, tmp_path):
+    """demo-modern's block (QK-norm, ReLU squared) goes out as lm's own modeling code beside the weights."""
+    run_dir = train_run(tiny_data_dir, tmp_path / "run", "--model.pos=rope", "--model.norm=rmsnorm",
+                        "--model.mlp=relu2", "--model.bias=false", "--model.qk_norm=true", "--model.n_kv_head=1")
+    out = tmp_path / "modern"
+    result = export_process("lm.export", "--checkpoint", str(run_dir), "--to", "hf", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "load the directory with trust_remote_code=True" in result.stdout
+    assert {p.name for p in out.iterdir()} == HF_FILES | CODE_FILES
+    assert_same_model(run_dir, out, "LMDecoderForCausalLM")
 
 
 def checkpoint_of_arch(trained_run, root, **model):
@@ -115,31 +118,6 @@ def checkpoint_of_arch(trained_run, root, **model):
     config["model"].update(model)
     (step / "config.yaml").write_text(yaml.safe_dump(config))
     return root
-
-
-@pytest.mark.parametrize("model, named", [
-    ({"qk_norm": True}, "GPT2LMHeadModel (GPT-2) needs model.qk_norm=false"),
-    ({"mlp": "relu2"}, "GPT2LMHeadModel (GPT-2) needs model.mlp=gelu"),
-    ({"logit_softcap": 30.0}, "LlamaForCausalLM (Llama) needs model.pos=rope, model.norm=rmsnorm, model.mlp=swiglu, "
-                              "model.logit_softcap=0.0"),
-])
-def test_the_modern_options_are_refused_by_name_before_out_exists(trained_run, tmp_path, capsys, model, named):
-    root = checkpoint_of_arch(trained_run, tmp_path / "run", **model)
-    assert run(main, ["--checkpoint", str(root), "--to", "hf", str(tmp_path / "out")]) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("error: cannot export to Hugging Face") and named in line
-    assert not (tmp_path / "out").exists()
-
-
-def test_encdec_checkpoint_is_refused_from_its_config(trained_run, tmp_path, capsys):
-    """Refused from its config alone: the weights are not even read (this copy has none)."""
-    run_dir = checkpoint_of_arch(trained_run, tmp_path / "encdec", arch="encdec", pos="sinusoidal")
-    out = tmp_path / "out"
-    assert run(main, ["--checkpoint", str(run_dir), "--to", "hf", str(out)]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == ["error: cannot export to Hugging Face: an encoder-decoder (model.arch=encdec) has no "
-                     "transformers counterpart"]
-    assert not out.exists()
 
 
 def test_lstm_checkpoint_is_refused_naming_the_architecture_alone(trained_run, tmp_path, capsys):

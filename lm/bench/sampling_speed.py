@@ -25,7 +25,8 @@ def exported_hf_model(model: torch.nn.Module, cfg: JobConfig, device: torch.devi
     target = pick_target(cfg.model, family_of(cfg.model).hf_targets, cfg.model.title)
     with tempfile.TemporaryDirectory() as tmp:
         export_hf(model, target, load_tokenizer(cfg.data.tokenizer), cfg.data.tokenizer, Path(tmp))
-        hf = AutoModelForCausalLM.from_pretrained(tmp, local_files_only=True, attn_implementation="sdpa")
+        hf = AutoModelForCausalLM.from_pretrained(tmp, local_files_only=True, attn_implementation="sdpa",
+                                                  trust_remote_code=bool(target.code))  # lm's own code runs trusted
     hf.generation_config.eos_token_id = None  # never stop early: every row makes all its tokens
     return hf.to(device).eval()
 

@@ -1,6 +1,8 @@
 """A model and its tokenizer written as a transformers directory: config.json, model.safetensors,
 generation_config.json and the tokenizer's files, so that `AutoModelForCausalLM.from_pretrained(OUT)` and
-`AutoTokenizer.from_pretrained(OUT)` load it offline and give our logits over the tokenizer's ids.
+`AutoTokenizer.from_pretrained(OUT)` load it offline and give our logits over the tokenizer's ids. A model no
+transformers class computes also gets lm's modeling code (`lm.hf.remote_code`), which transformers loads with
+`trust_remote_code=True`.
 Exporting needs no `transformers`: a tiktoken encoding's files are built as JSON (`lm.hf.tokenizer_files`),
 and a model trained with a tokenizer.json gets that file, and the tokenizer_config.json beside it, copied.
 
@@ -19,6 +21,7 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from lm.hf.importing import GENERATION_CONFIG, read_config_json
+from lm.hf.remote_code import CODE_DIR
 from lm.hf.targets import Target, hf_state_dict
 from lm.hf.tokenizer_files import write_hf_tokenizer
 from lm.io import atomic_path, file_above, merge_dir, temp_sibling
@@ -57,9 +60,14 @@ def export_hf(model: nn.Module, target: Target, encoding: Tokenizer | None, toke
     source = read_config_json(origin)[0] if origin is not None else {}
     config |= {key: source[key] for key in TOKEN_ID_KEYS if key in source}
     written = [_write_json(out_dir / "config.json", config)]
+    for name in target.code:  # lm's own modeling code, which config.json's auto_map names
+        shutil.copyfile(CODE_DIR / name, out_dir / name)
+        written.append(out_dir / name)
     if origin is not None and (origin / GENERATION_CONFIG).is_file():
         shutil.copyfile(origin / GENERATION_CONFIG, out_dir / GENERATION_CONFIG)
         written.append(out_dir / GENERATION_CONFIG)
+    elif target.generation is not None:
+        written.append(_write_json(out_dir / GENERATION_CONFIG, target.generation(cfg)))
     elif eot is not None:
         # transformers generate() would otherwise warn and pad finished rows with eos anyway.
         written.append(_write_json(out_dir / "generation_config.json",

@@ -84,6 +84,12 @@ class Target:
     """Whether the export writes the tokenizer's files beside the model (an encoder's ids are not the tokenizer's)"""
     note: Callable[[Any, str], str] | None = None
     """(model config, data.tokenizer) -> what a user of the export must know that its files do not say"""
+    code: tuple[str, ...] = ()
+    """Files of `lm.hf.remote_code.CODE_DIR` written beside config.json: the class is lm's own code, which
+    transformers runs with trust_remote_code=True"""
+    generation: Callable[[Any], dict[str, Any]] | None = None
+    """model config -> its generation_config.json, where generation does not start, end and pad with the end-of-text
+    token (an encoder-decoder starts from its padding id)"""
 
 
 @dataclass(frozen=True)

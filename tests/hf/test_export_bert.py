@@ -1,7 +1,7 @@
 """Exporting an encoder with the masked-LM head as transformers' BertForMaskedLM: a random model's logits
 come back from `from_pretrained` to 1e-5 (padded batches too), the written tensors are ours, every option
-BERT cannot reproduce is refused by name before anything is written, and `python -m lm.export` does it from
-a consolidated checkpoint."""
+BERT cannot reproduce is refused by name before anything is written (the family then exports lm's own code), and
+`python -m lm.export` does it from a consolidated checkpoint."""
 
 import json
 from pathlib import Path
@@ -19,6 +19,7 @@ from lm.errors import ExportError
 from lm.export import main
 from lm.hf.export_files import write_export
 from lm.hf.targets import pick_target
+from lm.models.encoder import hf as encoder_hf
 from lm.models.encoder.config import EncoderConfig
 from lm.models.encoder.model import Encoder
 from lm.models.registry import get_family
@@ -43,8 +44,9 @@ def tiny_config(**overrides: object) -> EncoderConfig:
 
 
 def bert_target(cfg: EncoderConfig):
-    """The transformers class the encoder family maps `cfg` to (ExportError when none reproduces it)."""
-    return pick_target(cfg, get_family("encoder").hf_targets, cfg.title)
+    """BERT's target for `cfg` (ExportError when BERT does not reproduce it; the family then exports the model as
+    lm's own code, tests/hf/test_remote_code.py)."""
+    return pick_target(cfg, encoder_hf.TARGETS, cfg.title)
 
 
 def export(model: Encoder, out: Path) -> list[str]:
@@ -146,6 +148,8 @@ def test_what_bert_cannot_reproduce_is_refused_by_name_writing_nothing(tmp_path,
     assert str(err.value) == (f"cannot export to Hugging Face: no transformers model has this combination ({have}): "
                               f"BertForMaskedLM (BERT) needs {needs}")
     assert list(tmp_path.iterdir()) == []
+    if model.cfg.head == "mlm":  # the family's last target, lm's own code, takes the rest
+        assert pick_target(model.cfg, get_family("encoder").hf_targets, "").hf_class == "LMEncoderForMaskedLM"
 
 
 def test_every_key_in_the_way_is_named_in_one_message():
@@ -159,7 +163,8 @@ def test_every_key_in_the_way_is_named_in_one_message():
 def consolidated(model: Encoder, path: Path) -> Path:
     """`model` as a consolidated checkpoint file (the format of `python -m lm.consolidate`), with a job config
     of the tokenizer gpt2."""
-    job = load_config(base={"model": vars(model.cfg), "data": {"seq_len": model.cfg.block_size}})
+    task = {"task": {"file": "labels.csv"}} if model.cfg.task_head else {}  # a fine-tuned head's rows
+    job = load_config(base={"model": vars(model.cfg), "data": {"seq_len": model.cfg.block_size}, **task})
     aliases = tied_names(model)
     tensors = {k: v.contiguous() for k, v in model.state_dict().items() if k not in aliases}
     save_file(tensors, path, metadata={"format": "pt", "lm_config": yaml.safe_dump(job.to_dict(), sort_keys=False),
@@ -183,11 +188,13 @@ def test_the_cli_exports_a_consolidated_encoder_and_prints_its_special_ids(tmp_p
         torch.testing.assert_close(model.mlm_logits(model(ids)), hf(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_the_cli_refuses_a_pre_norm_encoder_in_one_line_before_out_exists(tmp_path, capsys):
-    model = random_encoder(tiny_config(vocab_size=50257, d_model=32, n_head=2, norm_position="pre"))
+def test_the_cli_refuses_a_fine_tuning_head_in_one_line_before_out_exists(tmp_path, capsys):
+    """BERT's classifier has a tanh pooler ours has not, and lm's own code has the masked-LM head alone."""
+    model = random_encoder(tiny_config(vocab_size=50257, d_model=32, n_head=2, head="classify", num_classes=3))
     checkpoint = consolidated(model, tmp_path / "encoder.safetensors")
     assert run(main, ["--checkpoint", str(checkpoint), "--to", "hf", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: cannot export to Hugging Face: no transformers model has this combination "
-        "(model.norm_position=pre): BertForMaskedLM (BERT) needs model.norm_position=post"]
+        "(model.head=classify): BertForMaskedLM (BERT) needs model.head=mlm; LMEncoderForMaskedLM (lm's own code) "
+        "needs model.head=mlm"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["encoder.safetensors"]

@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from lm.config import load_config
 from lm.errors import ExportError
 from lm.hf.targets import Target, hf_state_dict, pick_target
+from lm.models.gpt import hf as gpt_hf
 from lm.models.gpt.config import GPTConfig
 from lm.models.gpt.model import GPT
 from lm.models.registry import family_of
@@ -186,10 +187,13 @@ def test_vocabulary_is_the_tokenizers_and_tied_heads_are_written_once():
     (dict(n_kv_head=2), ["GPT2LMHeadModel (GPT-2) needs model.n_kv_head=0 (one key/value head per query head)"]),
     (dict(bias=False), ["GPT2LMHeadModel (GPT-2) needs model.bias=true;"]),
 ], ids=["sinusoidal", "rmsnorm-learned", "post-norm", "relu", "gpt2-gqa", "gpt2-no-bias"])
-def test_unsupported_configs_name_their_keys(overrides, fragments):
+def test_configs_no_native_class_computes_name_their_keys_and_export_as_lm_code(overrides, fragments):
+    """The native classes refuse by name what they do not compute; the family's last target, lm's own code
+    (tests/hf/test_remote_code.py), takes it."""
     cfg = tiny_config(**overrides)
     with pytest.raises(ExportError) as err:
-        target(cfg)
+        pick_target(cfg, gpt_hf.TARGETS, cfg.title)
+    assert target(cfg).hf_class == "LMDecoderForCausalLM"
     message = str(err.value)
     assert message.startswith("cannot export to Hugging Face: no transformers model has this combination")
     assert "\n" not in message
@@ -206,9 +210,8 @@ def test_each_config_maps_to_one_target():
     assert target(tiny_config(**LLAMA3)).name == "Llama"
 
 
-@pytest.mark.parametrize("arch, title", [("encdec", "an encoder-decoder"), ("lstm", "an LSTM")])
-def test_a_family_without_a_transformers_class_is_refused_by_name(arch, title):
-    cfg = load_config(None, [f"--model.arch={arch}"]).model
-    with pytest.raises(ExportError, match=rf"cannot export to Hugging Face: {title} \(model.arch={arch}\) has no "
+def test_a_family_without_a_transformers_class_is_refused_by_name():
+    cfg = load_config(None, ["--model.arch=lstm"]).model
+    with pytest.raises(ExportError, match=r"cannot export to Hugging Face: an LSTM \(model.arch=lstm\) has no "
                                           "transformers counterpart"):
         pick_target(cfg, family_of(cfg).hf_targets, cfg.title)

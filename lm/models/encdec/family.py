@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from lm.data.objectives import Objective, SpanCorruption
 from lm.data.span_corruption import corrupted_lengths
 from lm.errors import ConfigError, PromptError
+from lm.models.encdec import hf_remote
 from lm.models.encdec.config import EncDecConfig
 from lm.models.family import Family, Run, SampleOptions, Scored
 from lm.models.loss import with_z_loss
@@ -42,6 +43,7 @@ class EncDecFamily(Family):
     name = "encdec"
     config_class = EncDecConfig
     samples_outside_forward = True  # encode, then decode step by step
+    hf_targets = (hf_remote.TARGET,)
 
     def build(self, cfg: EncDecConfig) -> nn.Module:
         from lm.models.encdec.model import EncoderDecoder

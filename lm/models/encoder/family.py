@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lm.data.masking import IGNORE, target_count
 from lm.data.objectives import MaskedLM, Objective
-from lm.models.encoder import hf
+from lm.models.encoder import hf, hf_remote
 from lm.models.encoder.config import EncoderConfig
 from lm.models.family import Family, Run, Scored
 from lm.models.loss import with_z_loss
@@ -45,7 +45,7 @@ class EncoderFamily(Family):
     config_class = EncoderConfig
     generates = False
     head_keys = ("head", "num_classes", "pooling")
-    hf_targets = hf.TARGETS
+    hf_targets = (*hf.TARGETS, hf_remote.TARGET)  # BERT first, lm's own code last
 
     def is_head_param(self, name: str) -> bool:
         return name.startswith("score.")

@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 import torch.nn as nn
 
 from lm.models.family import TPStyle
-from lm.models.gpt import hf
+from lm.models.gpt import hf, hf_remote
 from lm.models.gpt.config import GPTConfig
 from lm.models.next_token import NextTokenFamily
 from lm.models.sizes import (
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class GPTFamily(NextTokenFamily):
     name = "gpt"
     config_class = GPTConfig
-    hf_targets = hf.TARGETS
+    hf_targets = (*hf.TARGETS, hf_remote.TARGET)  # the native classes first, lm's own code last
     hf_readers = hf.READERS
 
     def build(self, cfg: GPTConfig) -> nn.Module:

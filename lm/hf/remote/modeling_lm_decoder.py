@@ -1,0 +1,82 @@
+"""lm's decoder-only transformer (model.arch gpt) as a transformers model, for the configurations no transformers
+class computes (QK-norm, a ReLU squared MLP, post-norm blocks, sinusoidal positions, a logit soft-cap, ...).
+`lm.export` writes this file beside the weights; `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`
+loads it, and its logits are lm's.
+
+Token embeddings (plus learned or sinusoidal positions, or rotary positions inside attention) feed n_layer causal
+blocks (`lm_layers.py`), then a final norm (pre-norm models) and the output layer, tied to the embedding or not.
+`generate` keeps each layer's keys and values in transformers' cache; a batch of prompts may be left-padded
+(attention_mask), each row then getting the positions it has alone.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_lm import LMDecoderConfig
+from .lm_layers import Block, causal_mask, embed_positions, final_norm, output_with_cache, token_positions
+
+
+class LMDecoderForCausalLM(PreTrainedModel, GenerationMixin):
+    """The decoder and its output layer; parameter names are lm's own (wte, wpe, blocks.<i>..., ln_f, lm_head)."""
+
+    config_class = LMDecoderConfig
+    base_model_prefix = "lm_decoder"
+    main_input_name = "input_ids"
+    _no_split_modules = ["Block"]
+    _supports_sdpa = True  # attention is torch's scaled_dot_product_attention, whatever attn_implementation says
+
+    def __init__(self, config: LMDecoderConfig) -> None:
+        super().__init__(config)
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        if config.pos == "learned":
+            self.wpe = nn.Embedding(config.block_size, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, i, causal=True) for i in range(config.n_layer))
+        self.ln_f = final_norm(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # a tied output layer is the embedding: the weights file holds it once
+        self._tied_weights_keys = {"lm_head.weight": "wte.weight"} if config.tie_word_embeddings else {}
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.wte = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cache=None, labels: torch.LongTensor | None = None,
+                use_cache: bool | None = None, past_key_values=None, **kwargs) -> CausalLMOutputWithPast:
+        """Logits (B, T, vocab_size) of input_ids (B, T), after the positions already in `cache` when one is given
+        (transformers 4.x passes it as past_key_values). attention_mask (B, past + T): 1 for real tokens, 0 for
+        padding. labels (B, T): the loss is the mean cross-entropy of each next token, -100 ignored."""
+        cfg = self.config
+        cache = cache if cache is not None else past_key_values
+        past = cache.get_seq_length() if cache is not None else 0
+        T = input_ids.size(1)
+        if past + T > cfg.block_size:
+            raise ValueError(f"sequence of {past + T} tokens ({past} cached + {T} new) exceeds the model's "
+                             f"block_size={cfg.block_size}")
+        positions = token_positions(attention_mask, position_ids, past, T, input_ids.device)  # (T,) or (B, T)
+        x, rope = embed_positions(self.wte(input_ids), positions, cfg, getattr(self, "wpe", None))  # (B, T, C)
+        x = self.drop(x)
+        mask = causal_mask(attention_mask, past, T, input_ids.device)
+        for block in self.blocks:
+            x = block(x, rope, mask, cache)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+        if cfg.logit_softcap:
+            logits = cfg.logit_softcap * torch.tanh(logits.float() / cfg.logit_softcap)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        return output_with_cache(CausalLMOutputWithPast, cache if use_cache is not False else None, loss=loss,
+                                 logits=logits)
