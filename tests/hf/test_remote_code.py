@@ -70,6 +70,13 @@ DECODERS = {
     "mqa-learned-relu2-bias": dict(mlp="relu2", n_kv_head=1),
     "sinusoidal-swiglu-gqa-untied-bias": dict(pos="sinusoidal", norm="rmsnorm", mlp="swiglu", n_kv_head=2,
                                               tie_embeddings=False, d_ff=96),
+    # the options of the imported families, with what no transformers class has beside them
+    "relu2-olmo2-norms-d-head": dict(pos="rope", norm="rmsnorm", mlp="relu2", bias=False, n_kv_head=2,
+                                     norm_position="output", qk_norm=True, qk_norm_scope="all", d_head=24),
+    "relu2-llama3-scaling-nope": dict(pos="rope", norm="rmsnorm", mlp="relu2", bias=False, rope_scaling="llama3",
+                                      rope_factor=8.0, rope_original_context=8, nope_interval=2),
+    "softcap-linear-scaling-qk-norm": dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, qk_norm=True,
+                                           logit_softcap=30.0, rope_scaling="linear", rope_factor=4.0),
 }
 
 

@@ -22,8 +22,13 @@ def make_norm(config) -> nn.Module:
 
 
 def final_norm(config) -> nn.Module:
-    """The norm at the end of a stack: a pre-norm stack needs one, a post-norm block already ends in one."""
-    return make_norm(config) if config.norm_position == "pre" else nn.Identity()
+    """The norm at the end of a stack: a post-norm block already ends in one, the other placements need one."""
+    return make_norm(config) if config.norm_position != "post" else nn.Identity()
+
+
+def head_width(config) -> int:
+    """Channels of one attention head: config.d_head (the decoder's, when set), else d_model / n_head."""
+    return getattr(config, "d_head", 0) or config.d_model // config.n_head
 
 
 class MLP(nn.Module):
@@ -65,11 +70,30 @@ def sinusoidal_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
     return table
 
 
-def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_frequencies(config, device: torch.device) -> torch.Tensor:
+    """The angle per position of each rotary channel pair j, theta^(-2j/head_dim) (head_dim / 2,), stretched as the
+    decoder's rope_scaling_type says: linear divides each by rope_factor; llama3 divides those of wavelengths above
+    rope_original_context / rope_low_freq_factor, keeps those below rope_original_context / rope_high_freq_factor,
+    and blends between the two."""
+    hs = head_width(config)
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, hs, 2, device=device, dtype=torch.float32) / hs)
+    scaling = getattr(config, "rope_scaling_type", "none")
+    if scaling == "linear":
+        return inv_freq / config.rope_factor
+    if scaling == "llama3":
+        context, low, high = config.rope_original_context, config.rope_low_freq_factor, config.rope_high_freq_factor
+        wavelength = 2 * math.pi / inv_freq
+        keep = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: divided, 1: kept
+        slowed = inv_freq / config.rope_factor
+        blended = torch.where(wavelength > context / low, slowed, (1 - keep) * slowed + keep * inv_freq)
+        return torch.where(wavelength < context / high, inv_freq, blended)
+    return inv_freq
+
+
+def rope_angles(positions: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles at int `positions` (T,) or (B, T): each (*positions.shape, head_dim) float32.
-    Channels j and j + head_dim/2 rotate together by position * theta^(-2j/head_dim) (the half-split layout)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    freqs = positions.float()[..., None] * inv_freq  # (..., head_dim / 2)
+    Channels j and j + head_dim/2 rotate together by position * rope_frequencies[j] (the half-split layout)."""
+    freqs = positions.float()[..., None] * rope_frequencies(config, positions.device)  # (..., head_dim / 2)
     angles = torch.cat([freqs, freqs], dim=-1)  # (..., head_dim)
     return angles.cos(), angles.sin()
 
@@ -91,7 +115,7 @@ def embed_positions(x: torch.Tensor, positions: torch.Tensor, config, table: nn.
         return x + table(positions), None
     if config.pos == "sinusoidal":
         return x + sinusoidal_positions(positions, config.d_model).to(x.dtype), None
-    return x, rope_angles(positions, config.d_model // config.n_head, config.rope_theta)
+    return x, rope_angles(positions, config)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
@@ -114,16 +138,19 @@ class SelfAttention(nn.Module):
     def __init__(self, config, layer_idx: int, causal: bool) -> None:
         super().__init__()
         self.layer_idx, self.causal, self.dropout = layer_idx, causal, config.dropout
-        self.head_dim = config.d_model // config.n_head
+        self.head_dim = head_width(config)
         qkv_bias = config.bias or config.qkv_bias
-        self.q = nn.Linear(config.d_model, config.n_head * self.head_dim, bias=qkv_bias)
-        self.k = nn.Linear(config.d_model, config.n_kv_head * self.head_dim, bias=qkv_bias)
-        self.v = nn.Linear(config.d_model, config.n_kv_head * self.head_dim, bias=qkv_bias)
-        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        q_width, kv_width = config.n_head * self.head_dim, config.n_kv_head * self.head_dim
+        self.q = nn.Linear(config.d_model, q_width, bias=qkv_bias)
+        self.k = nn.Linear(config.d_model, kv_width, bias=qkv_bias)
+        self.v = nn.Linear(config.d_model, kv_width, bias=qkv_bias)
+        self.proj = nn.Linear(q_width, config.d_model, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
+        # qk_norm_scope all: one norm over the whole projection before it is cut into heads, not one per head
+        self.norm_whole = config.qk_norm and getattr(config, "qk_norm_scope", "head") == "all"
         if config.qk_norm:
-            self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
-            self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
+            self.q_norm = nn.RMSNorm(q_width if self.norm_whole else self.head_dim, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(kv_width if self.norm_whole else self.head_dim, eps=config.norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
@@ -131,10 +158,13 @@ class SelfAttention(nn.Module):
         key (encoder), or the causal triangle over x alone or a single new token after the cache (decoder).
         cache: a transformers Cache that keeps this layer's keys and values from one decoding step to the next."""
         B, T, _ = x.shape
-        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        q, k = self.q(x), self.k(x)  # (B, T, nh * hs), (B, T, nkv * hs)
+        if self.norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        if hasattr(self, "q_norm"):
+        if hasattr(self, "q_norm") and not self.norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -170,11 +200,11 @@ class CrossAttention(nn.Module):
 
 class Block(nn.Module):
     """Self-attention, cross-attention (an encoder-decoder's decoder only) and the MLP, each a residual sublayer:
-    x + f(norm(x)) pre-norm, norm(x + f(x)) post-norm."""
+    x + f(norm(x)) pre-norm, norm(x + f(x)) post-norm, x + norm(f(x)) output norm."""
 
     def __init__(self, config, layer_idx: int, causal: bool, cross: bool = False) -> None:
         super().__init__()
-        self.post_norm = config.norm_position == "post"
+        self.norm_position = config.norm_position
         self.ln_1 = make_norm(config)
         self.attn = SelfAttention(config, layer_idx, causal)
         if cross:
@@ -184,7 +214,11 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def _residual(self, x: torch.Tensor, norm: nn.Module, sublayer) -> torch.Tensor:
-        return norm(x + sublayer(x)) if self.post_norm else x + sublayer(norm(x))
+        if self.norm_position == "post":
+            return norm(x + sublayer(x))
+        if self.norm_position == "output":
+            return x + norm(sublayer(x))
+        return x + sublayer(norm(x))
 
     def forward(self, x: torch.Tensor, rope=None, mask: torch.Tensor | None = None, cache=None,
                 memory: torch.Tensor | None = None, memory_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -70,8 +70,9 @@ class LMDecoderForCausalLM(PreTrainedModel, GenerationMixin):
         x, rope = embed_positions(self.wte(input_ids), positions, cfg, getattr(self, "wpe", None))  # (B, T, C)
         x = self.drop(x)
         mask = causal_mask(attention_mask, past, T, input_ids.device)
-        for block in self.blocks:
-            x = block(x, rope, mask, cache)
+        for i, block in enumerate(self.blocks):
+            rotary = not (cfg.nope_interval and (i + 1) % cfg.nope_interval == 0)  # every n-th layer: no positions
+            x = block(x, rope if rotary else None, mask, cache)
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
         if cfg.logit_softcap:
             logits = cfg.logit_softcap * torch.tanh(logits.float() / cfg.logit_softcap)

@@ -27,6 +27,9 @@ HF_CLASS, MODELING_FILE = "LMDecoderForCausalLM", "modeling_lm_decoder.py"
 
 KNOWN: dict[str, tuple[Any, ...] | None] = {
     **TRANSFORMER_KEYS, "rope_theta": None, "qkv_bias": None, "qk_norm": (False, True), "logit_softcap": None,
+    "norm_position": ("pre", "post", "output"), "d_head": None, "nope_interval": None,
+    "qk_norm_scope": ("head", "all"), "rope_scaling": ("none", "linear", "llama3"), "rope_factor": None,
+    "rope_low_freq_factor": None, "rope_high_freq_factor": None, "rope_original_context": None,
     "loss_chunk": None,  # how training computes the loss, not what
 }
 """Every GPTConfig key the modeling file knows, with the values it computes (None: any value)"""
@@ -34,7 +37,10 @@ KNOWN: dict[str, tuple[Any, ...] | None] = {
 
 def decoder_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
     return remote_config("lm_decoder", "LMDecoderConfig", "AutoModelForCausalLM", HF_CLASS, MODELING_FILE, {
-        **transformer_fields(cfg, cfg.vocab_size), "logit_softcap": cfg.logit_softcap,
+        **transformer_fields(cfg, cfg.vocab_size), "logit_softcap": cfg.logit_softcap, "d_head": cfg.d_head,
+        "nope_interval": cfg.nope_interval, "qk_norm_scope": cfg.qk_norm_scope, "rope_scaling_type": cfg.rope_scaling,
+        "rope_factor": cfg.rope_factor, "rope_low_freq_factor": cfg.rope_low_freq_factor,
+        "rope_high_freq_factor": cfg.rope_high_freq_factor, "rope_original_context": cfg.rope_original_context,
         "bos_token_id": eos_token_id, "eos_token_id": eos_token_id, "use_cache": True,
         "dtype": str(dtype).removeprefix("torch."),
     })
