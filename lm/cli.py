@@ -31,7 +31,10 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
     try:
         return main(sys.argv[1:] if argv is None else argv) or 0
     except (LMError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        # one write of the whole line: ranks of one launch share stderr, and print's separate write of the
+        # newline let two ranks' lines run together
+        sys.stderr.write(f"error: {err}\n")
+        sys.stderr.flush()
         return 2
 
 

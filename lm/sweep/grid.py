@@ -47,8 +47,12 @@ def parse_grid(items: list[str]) -> dict[str, list[object]]:
 
 def scalar(text: str) -> object:
     """A grid value as YAML reads it (3e-3, which YAML 1.1 leaves a string, as a float), or the text itself
-    where YAML would make a mapping, a list or null."""
-    value = yaml.safe_load(text)
+    where YAML would make a mapping, a list or null, or cannot read it at all (`['a`: the key's own check then
+    names it)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
     if isinstance(value, str):
         try:
             return float(value)
