@@ -7,7 +7,9 @@ named in one line.
 
 It also keeps `datasets` from importing torch where nothing else has: every streamed dataset builds a torch
 tensor for its epoch counter when torch is installed, which cost `lm.prepare` (torch-free otherwise) 2 s and
-200 MB.
+200 MB. And it has Arrow allocate with the C library's malloc: its default pool (mimalloc) kept a few MB
+more after every file read, 44 MB more after the Debian mix's 16 files read twice, where malloc stays flat
+at the same speed.
 """
 
 import contextlib
@@ -29,9 +31,11 @@ def local_datasets(offline: bool = True) -> Iterator[ModuleType]:
         os.environ["HF_DATASETS_OFFLINE"] = "1"
         os.environ["HF_HUB_OFFLINE"] = "1"
     import datasets  # slow to import, so only when a row file is read
+    import pyarrow
 
     bars, logger = not datasets.are_progress_bars_disabled(), logging.getLogger("datasets")
-    level, torch_available = logger.level, datasets.config.TORCH_AVAILABLE
+    level, torch_available, pool = logger.level, datasets.config.TORCH_AVAILABLE, pyarrow.default_memory_pool()
+    pyarrow.set_memory_pool(pyarrow.system_memory_pool())
     datasets.disable_progress_bars()
     logger.setLevel(logging.CRITICAL)
     if "torch" not in sys.modules:
@@ -40,6 +44,7 @@ def local_datasets(offline: bool = True) -> Iterator[ModuleType]:
         yield datasets
     finally:
         datasets.config.TORCH_AVAILABLE = torch_available
+        pyarrow.set_memory_pool(pool)
         logger.setLevel(level)
         if bars:
             datasets.enable_progress_bars()
