@@ -3,7 +3,8 @@
 Documents stream through in pieces: corpus -> batches of pieces -> tokenizer threads -> ShardWriter, so
 memory stays bounded however large the corpus, a file or a document. Threads, not processes: tiktoken
 releases the GIL while it encodes, so threads tokenize in parallel without copying text and tokens
-between processes. The output is built in a sibling directory (`lm.data.staging`) and swapped in only when
+between processes (a process pool, tried on the Debian mix, spent as much CPU pickling as threads and was no
+faster). The output is built in a sibling directory (`lm.data.staging`) and swapped in only when
 complete, so a crash or a bad input never harms shards that were already good, and a killed prepare goes on
 from its finished shards when run again.
 
