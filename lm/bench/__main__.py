@@ -166,13 +166,16 @@ def corpus(args, device, results: dict) -> None:
                 f"fresh process, start to exit (median of {args.reps_corpus}); the GPT-2 tokenizer.json's shards "
                 f"{'equal' if found['same shards'] else 'DIFFER FROM'} tiktoken's byte for byte",
                 ["tokenizer", "how", "tokens", "wall s", "of which s", "M tokens/s", "max RSS MiB", "tree MiB"], rows)
-    quarter = found["scales"]["1/4"]["max RSS MiB"]
-    results["prepare peak memory, all vs a quarter of the corpus"] = found["scales"]["all"]["max RSS MiB"] / quarter
-    print_table("lm.prepare (gpt2) on part of the corpus and on three copies of it: peak memory",
-                ["share", "files", "documents", "tokens", "wall s", "M tokens/s", "max RSS MiB", "x 1/4"],
-                [[label, str(row["files"]), f"{row['documents']:,}", f"{row['tokens']:,}", f"{row['wall s']:.1f}",
+    rows = []
+    for name, scales in found["scales"].items():
+        quarter = scales["1/4"]["max RSS MiB"]
+        results[f"prepare peak memory, all vs a quarter of the corpus, {name}"] = scales["all"]["max RSS MiB"] / quarter
+        rows += [[name, label, str(row["files"]), f"{row['documents']:,}", f"{row['tokens']:,}", f"{row['wall s']:.1f}",
                   f"{row['tokens'] / row['wall s'] / 1e6:.2f}", f"{row['max RSS MiB']:,.0f}",
-                  f"{row['max RSS MiB'] / quarter:.3f}"] for label, row in found["scales"].items()])
+                  f"{row['max RSS MiB'] / quarter:.3f}"] for label, row in scales.items()]
+    print_table("lm.prepare on part of the corpus and on three copies of it: peak memory",
+                ["tokenizer", "share", "files", "documents", "tokens", "wall s", "M tokens/s", "max RSS MiB", "x 1/4"],
+                rows)
 
 
 def summary_rows(results: dict[str, float]) -> list[list[str]]:

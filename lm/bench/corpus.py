@@ -1,6 +1,6 @@
 """lm.prepare on a real corpus of JSON-lines files beside `datasets` (`load_dataset` + `map`, see
 lm/bench/datasets_map.py): tokens per second with the same tokenizer, and lm.prepare's peak memory at a
-quarter, a half, all and three times the corpus.
+quarter, a half, all and three times the corpus, for each tokenizer.
 
 Every run is a fresh process (`python -m lm.prepare ...` as a user types it), timed from its start to its
 exit, so both sides pay for starting Python, reading the files and writing their output (shards with their
@@ -32,8 +32,8 @@ _SAMPLE_S = 0.05
 def bench_corpus(patterns: list[str], num_proc: int, reps: int, work_root: str | None = None) -> dict:
     """Measure lm.prepare and datasets on the JSON-lines files `patterns` match, with GPT-2 through tiktoken and
     through a tokenizer.json, `reps` runs of each side in turns (the median run is kept); then lm.prepare with
-    GPT-2 at each of SCALES. Intermediate files go to a temporary directory in `work_root`."""
-    files = sorted(dict.fromkeys(f for pattern in patterns for f in glob.glob(pattern)))
+    each tokenizer at each of SCALES. Intermediate files go to a temporary directory in `work_root`."""
+    files = sorted(dict.fromkeys(f for pattern in patterns for f in glob.glob(os.path.expanduser(pattern))))
     if not files:
         raise SystemExit(f"error: --corpus: {patterns} matches no files")
     found: dict = {"files": len(files), "MB": sum(os.path.getsize(f) for f in files) / 1e6, "tokenizers": {},
@@ -53,9 +53,11 @@ def bench_corpus(patterns: list[str], num_proc: int, reps: int, work_root: str |
             if (ours["tokens"], ours["documents"]) != (theirs["tokens"], theirs["documents"]):
                 raise RuntimeError(f"{name}: lm.prepare wrote {ours['tokens']} tokens of {ours['documents']} "
                                    f"documents, datasets {theirs['tokens']} of {theirs['documents']}")
-        for label, scale in SCALES:
-            scaled = scaled_files(files, scale, work)
-            found["scales"][label] = {"files": len(scaled), **prepare_row(scaled, "gpt2", work)}
+        for name, tokenizer in names.items():
+            found["scales"][name] = {}
+            for label, scale in SCALES:
+                scaled = scaled_files(files, scale, work)
+                found["scales"][name][label] = {"files": len(scaled), **prepare_row(scaled, tokenizer, work)}
     found["documents"] = found["tokenizers"]["gpt2"]["ours"]["documents"]
     found["same shards"] = found["tokenizers"]["gpt2"]["ours"]["shards"] == found["tokenizers"]["tokenizer.json"][
         "ours"]["shards"]
