@@ -23,6 +23,7 @@ from pathlib import Path
 
 import tokenizers
 
+from lm.errors import DataError
 from lm.tokenizer import load_tokenizer
 
 SCALES = (("1/4", 0.25), ("1/2", 0.5), ("all", 1.0), ("3 x", 3.0))
@@ -35,7 +36,8 @@ def bench_corpus(patterns: list[str], num_proc: int, reps: int, work_root: str |
     each tokenizer at each of SCALES. Intermediate files go to a temporary directory in `work_root`."""
     files = sorted(dict.fromkeys(f for pattern in patterns for f in glob.glob(os.path.expanduser(pattern))))
     if not files:
-        raise SystemExit(f"error: --corpus: {patterns} matches no files")
+        raise DataError(f"--corpus: {patterns} matches no files; expected JSON-lines files, e.g. those "
+                        "launch/debian_corpus.sh writes")
     found: dict = {"files": len(files), "MB": sum(os.path.getsize(f) for f in files) / 1e6, "tokenizers": {},
                    "scales": {}}
     with tempfile.TemporaryDirectory(dir=work_root) as tmp:

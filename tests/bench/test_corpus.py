@@ -111,3 +111,12 @@ def test_the_section_needs_a_corpus(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--sections", "corpus"])
     assert exit_.value.code == 2 and "--sections corpus needs --corpus GLOB" in capsys.readouterr().err
+
+
+def test_a_corpus_that_matches_nothing_is_one_error_line(tmp_path, capsys):
+    from lm.bench.__main__ import main
+    from lm.cli import run
+
+    assert run(main, ["--sections", "corpus", "--corpus", str(tmp_path / "*.jsonl")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: --corpus: [") and "matches no files" in line
