@@ -18,12 +18,13 @@ import torch
 from lm.bench.common import PRESETS, device_name, fmt, preset_config, print_table
 from lm.cli import positive_int, run
 from lm.config import JobConfig
+from lm.data.prepare import num_threads
 from lm.distributed.env import init_device
 
 # sampling first: run after the training sections on the 2-core machine, its per-token times (ours and
 # transformers' alike) came out 1.3-2x slower than in a fresh process
-SECTIONS = ["sampling", "data", "training", "engines", "hfimport"]
-# hfimport is asked for by name: it writes gigabytes of random checkpoints
+SECTIONS = ["sampling", "data", "training", "engines", "hfimport", "corpus"]
+# hfimport is asked for by name: it writes gigabytes of random checkpoints; corpus too: it needs --corpus
 DEFAULT_SECTIONS = ["sampling", "data", "training", "engines"]
 
 
@@ -146,6 +147,37 @@ def hfimport(args, device, results: dict) -> None:
                  "peak RSS GiB"], rows)
 
 
+def corpus(args, device, results: dict) -> None:
+    from lm.bench.corpus import bench_corpus
+
+    found = bench_corpus(args.corpus, args.num_proc, args.reps_corpus, args.corpus_work)
+    rows = []
+    for name, sides in found["tokenizers"].items():
+        ours, theirs = sides["ours"], sides["datasets"]
+        speedup = theirs["wall s"] / ours["wall s"]  # the same tokens on both sides
+        results[f"prepare tokens/s vs datasets map num_proc={args.num_proc}, {name}"] = speedup
+        for how, row in ((f"lm.prepare, {num_threads(0)} threads", ours),
+                         (f"load_dataset + map, num_proc={args.num_proc}", theirs)):
+            steps = f"load {row['load s']:.1f} + map {row['map s']:.1f}" if "load s" in row else ""
+            rows.append([name, how, f"{row['tokens']:,}", f"{row['wall s']:.1f}", steps,
+                         f"{row['tokens'] / row['wall s'] / 1e6:.2f}", f"{row['max RSS MiB']:,.0f}",
+                         f"{row['tree MiB']:,.0f}"])
+    print_table(f"corpus: {found['files']} files, {found['MB']:.1f} MB, {found['documents']:,} documents; each run a "
+                f"fresh process, start to exit (median of {args.reps_corpus}); the GPT-2 tokenizer.json's shards "
+                f"{'equal' if found['same shards'] else 'DIFFER FROM'} tiktoken's byte for byte",
+                ["tokenizer", "how", "tokens", "wall s", "of which s", "M tokens/s", "max RSS MiB", "tree MiB"], rows)
+    rows = []
+    for name, scales in found["scales"].items():
+        quarter = scales["1/4"]["max RSS MiB"]
+        results[f"prepare peak memory, all vs a quarter of the corpus, {name}"] = scales["all"]["max RSS MiB"] / quarter
+        rows += [[name, label, str(row["files"]), f"{row['documents']:,}", f"{row['tokens']:,}", f"{row['wall s']:.1f}",
+                  f"{row['tokens'] / row['wall s'] / 1e6:.2f}", f"{row['max RSS MiB']:,.0f}",
+                  f"{row['max RSS MiB'] / quarter:.3f}"] for label, row in scales.items()]
+    print_table("lm.prepare on part of the corpus and on three copies of it: peak memory",
+                ["tokenizer", "share", "files", "documents", "tokens", "wall s", "M tokens/s", "max RSS MiB", "x 1/4"],
+                rows)
+
+
 def summary_rows(results: dict[str, float]) -> list[list[str]]:
     """The ratios and shares the sections measured, one row each, as a ratio (x) or a share (%)."""
     return [[what, f"{value:.2%}" if "share" in what else f"{value:.2f}x"] for what, value in results.items()]
@@ -183,11 +215,21 @@ def main(argv: list[str]) -> int:
                         choices=["gpt2-124m", "llama-1.1b"], help="hfimport: the checkpoints to write and import")
     parser.add_argument("--import-dir", default=None, help="hfimport: where to write them (default: the temp dir)")
     parser.add_argument("--reps-import", type=positive_int, default=3, help="hfimport: fresh processes per loader")
+    parser.add_argument("--corpus", nargs="+", default=[],
+                        help="corpus: globs of the JSON-lines files (text in `text`) to prepare, e.g. the Debian mix "
+                             "of launch/debian_corpus.sh")
+    parser.add_argument("--corpus-work", default=None,
+                        help="corpus: where to write shards and datasets' cache (default: the temp dir)")
+    parser.add_argument("--num-proc", type=positive_int, default=os.cpu_count() or 1,
+                        help="corpus: datasets.map's num_proc (default: the cores)")
+    parser.add_argument("--reps-corpus", type=positive_int, default=1, help="corpus: runs of each side, in turns")
     parser.add_argument("--profile", action="store_true",
                         help="instead: torch.profiler's top ops of a training step, ours and transformers', per preset")
     args = parser.parse_args(argv)
     if args.warmup < 0:
         parser.error(f"--warmup: must be >= 0, got {args.warmup}")
+    if "corpus" in args.sections and not args.corpus:
+        parser.error("--sections corpus needs --corpus GLOB ...")
     device = init_device(args.device, "--device")
     print(header(device))
     if args.profile:

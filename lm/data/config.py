@@ -37,10 +37,11 @@ class MixtureSource:
 @dataclass
 class DataConfig:
     source: str = "shakespeare"
-    """Built-in corpus (shakespeare: 38 plays; kjv: the King James Bible by chapter), or comma-separated
-    paths/globs of .txt/.md/.json/.jsonl/.parquet files."""
+    """Built-in corpus (shakespeare: 38 plays; kjv: the King James Bible by chapter); hf:NAME[:CONFIG[:SPLIT]], a
+    dataset on the Hugging Face Hub; or comma-separated paths/globs of .txt/.md/.json/.jsonl/.parquet/.arrow
+    files and directories that `datasets`' save_to_disk wrote."""
     text_column: str = "text"
-    """Column holding the text in json/jsonl/parquet files."""
+    """Column holding the text in json/jsonl/parquet/arrow files and `datasets` datasets."""
     document_separator: str = ""
     """What splits a .txt/.md file into documents: "" none (one document per file); "\\n\\n" any run of blank
     lines (lines holding only whitespace); any other string itself, dropped. Empty or blank documents are
@@ -54,8 +55,9 @@ class DataConfig:
     """Fraction of documents held out for validation (whole documents, evenly spaced)."""
     shard_tokens: int = 100_000_000
     """Tokens per shard file when preparing."""
-    num_workers: int = 2
-    """Tokenizer threads when preparing (tiktoken and `tokenizers` release the GIL, so they run in parallel)."""
+    num_workers: int = 0
+    """Tokenizer threads when preparing, 0 for one per core (tiktoken and `tokenizers` release the GIL, so
+    they run in parallel)."""
     seq_len: int = 256
     """Tokens per training sample (each sample reads seq_len + 1 tokens)."""
     verify_hashes: bool = False
@@ -87,9 +89,11 @@ class DataConfig:
             )
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction: must be in [0, 1), got {self.val_fraction}")
-        for key in ("shard_tokens", "num_workers", "seq_len"):
+        for key in ("shard_tokens", "seq_len"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"data.{key}: must be positive, got {getattr(self, key)}")
+        if self.num_workers < 0:
+            raise ConfigError(f"data.num_workers: must be 0 (one per core) or positive, got {self.num_workers}")
         if re.search(r"\\[nrtf]", self.document_separator):
             raise ConfigError(
                 f"data.document_separator: {self.document_separator!r} holds a backslash escape as two "

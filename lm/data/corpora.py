@@ -1,8 +1,10 @@
-"""Where documents come from: the built-in Shakespeare corpus or local text, JSON and Parquet files.
+"""Where documents come from: a built-in corpus, local text, JSON, Parquet and Arrow files, a dataset that
+`datasets` saved to disk, or a dataset on the Hugging Face Hub.
 
-A source string names the built-in corpus or lists comma-separated paths/globs. `find_corpus` resolves
-and checks it up front; `Corpus.pieces` then streams the documents in pieces (text files are read in
-chunks), so a corpus, a file or a document larger than memory works, and `Corpus.content_hash`
+A source string names a built-in corpus, names a Hub dataset (`hf:NAME[:CONFIG[:SPLIT]]`), or lists
+comma-separated paths/globs and `save_to_disk` directories. `find_corpus` resolves and checks it up front;
+`Corpus.pieces` then streams the documents in pieces (text files are read in chunks, rows in batches of a
+few hundred), so a corpus, a file or a document larger than memory works, and `Corpus.content_hash`
 fingerprints the input so unchanged data is not re-prepared.
 """
 
@@ -13,7 +15,7 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,12 +24,20 @@ from lm.data.pieces import Piece, split_pieces
 from lm.errors import DataError
 from lm.io import read_utf8, read_utf8_chunks
 
-__all__ = ["BUILTIN_CORPORA", "TEXT_CHUNK", "Corpus", "clean_markdown", "find_corpus", "iter_documents"]
+__all__ = ["BUILTIN_CORPORA", "HUB_PREFIX", "TEXT_CHUNK", "Corpus", "HubDataset", "clean_markdown", "find_corpus",
+           "iter_documents"]
 
 BUILTIN_CORPORA = ("shakespeare", "kjv")
+HUB_PREFIX = "hf:"
+"""Starts a data.source naming a dataset on the Hugging Face Hub: hf:NAME[:CONFIG[:SPLIT]]."""
 _TEXT_SUFFIXES = (".txt", ".md")
-_ROW_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# .arrow: the Arrow stream files `datasets` writes (save_to_disk, its cache)
+_ROW_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
 _SUFFIXES = ", ".join(_TEXT_SUFFIXES + tuple(_ROW_FORMATS))
+_JSON_CHUNK = 1 << 20
+_ROW_BATCH = 256
+"""Rows read from `datasets` at a time: a batch of strings costs far less Python per row than row dicts
+(the 115 MB Debian mix: 1.2 s in batches, 20 s row by row), and a few hundred rows keep memory small."""
 # Part of the content hash of the built-in corpus: bump it whenever clean_markdown's output changes,
 # so data prepared with the old cleaning is rebuilt.
 _CLEANING_VERSION = 1
@@ -62,8 +72,19 @@ def clean_markdown(text: str) -> str:
 
 
 @dataclass(frozen=True)
+class HubDataset:
+    """A split of a dataset on the Hugging Face Hub, pinned to the commit it was resolved to."""
+
+    name: str
+    config: str | None
+    split: str
+    revision: str
+    """The dataset repository's commit, so the content hash changes when the dataset does."""
+
+
+@dataclass(frozen=True)
 class Corpus:
-    """A resolved source: its files in document order and how to read them."""
+    """A resolved source: its files in document order and how to read them, or a Hub dataset."""
 
     files: tuple[Path, ...]
     root: Path
@@ -72,22 +93,33 @@ class Corpus:
     """Name of the built-in corpus, whose Markdown is cleaned; None for user files, read verbatim."""
     separator: str = ""
     """What splits a user .txt/.md file into documents (`data.document_separator`); "" for none."""
+    hub: HubDataset | None = None
+    """The Hub dataset this corpus reads (then `files` is empty)."""
 
     @property
     def num_documents(self) -> int | None:
         """Document count when known without reading (one per text file); None when rows or separators must
         be counted."""
-        if self.separator or any(f.suffix in _ROW_FORMATS for f in self.files):
+        if self.hub is not None or self.separator or any(f.suffix in _ROW_FORMATS for f in self.files):
             return None
         return len(self.files)
 
+    @property
+    def num_parts(self) -> int:
+        """How many inputs the documents come from, in order: the files, or 1 for a Hub dataset."""
+        return 1 if self.hub is not None else len(self.files)
+
     def content_hash(self, text_column: str) -> str:
-        """sha256 over every file's relative name, size and bytes, plus whatever else shapes the documents."""
+        """sha256 over every file's relative name, size and bytes (a Hub dataset's name, config, split and
+        commit), plus whatever else shapes the documents."""
         h = hashlib.sha256()
         if self.builtin is not None:
             h.update(f"builtin:{self.builtin}:clean-v{_CLEANING_VERSION}\0".encode())
         if self.num_documents is None:
             h.update(f"text_column:{text_column}\0".encode())
+        if self.hub is not None:
+            hub = self.hub
+            h.update(f"hub:{hub.name}\0{hub.config or ''}\0{hub.split}\0{hub.revision}\0".encode())
         for path in self.files:
             h.update(f"{path.relative_to(self.root).as_posix()}\0{path.stat().st_size}\0".encode())
             with open(path, "rb") as f:
@@ -96,18 +128,28 @@ class Corpus:
         return h.hexdigest()
 
     def pieces(self, text_column: str) -> Iterator[Piece]:
-        """Stream the documents in pieces: a row of .json/.jsonl/.parquet files or a play of the built-in
-        corpus is one piece; a .txt/.md file, read `TEXT_CHUNK` bytes at a time, is one document or is
-        split at `separator`, each document in as many pieces as its size needs (see lm.data.pieces)."""
-        for path in self.files:
-            if self.builtin == "kjv":
-                yield from (Piece(text, True) for text in kjv_chapters(path))
-            elif self.builtin is not None:
-                yield Piece(clean_markdown(read_utf8(path)), True)  # a play is small, and cleaned whole
-            elif path.suffix in _ROW_FORMATS:
-                yield from (Piece(text, True) for text in _row_texts(path, _ROW_FORMATS[path.suffix], text_column))
-            else:
-                yield from split_pieces(read_utf8_chunks(path, TEXT_CHUNK), self.separator, TEXT_CHUNK)
+        """Stream the documents in pieces: a row (of .json/.jsonl/.parquet/.arrow files or a Hub dataset) or
+        a play of the built-in corpus is one document, in pieces of about `TEXT_CHUNK` characters if it is
+        longer; a .txt/.md file, read `TEXT_CHUNK` bytes at a time, is one document or is split at
+        `separator`, each document in as many pieces as its size needs (see lm.data.pieces)."""
+        for part in range(self.num_parts):
+            yield from self.part_pieces(part, text_column)
+
+    def part_pieces(self, part: int, text_column: str) -> Iterator[Piece]:
+        """The pieces of input `part` alone (file `part`, or the Hub dataset): `pieces` is all parts in order,
+        so a reader can start again at any part without reading those before it."""
+        if self.hub is not None:
+            yield from _row_pieces(_hub_texts(self.hub, text_column))
+            return
+        path = self.files[part]
+        if self.builtin == "kjv":
+            yield from (Piece(text, True) for text in kjv_chapters(path))
+        elif self.builtin is not None:
+            yield Piece(clean_markdown(read_utf8(path)), True)  # a play is small, and cleaned whole
+        elif path.suffix in _ROW_FORMATS:
+            yield from _row_pieces(_row_texts(path, _ROW_FORMATS[path.suffix], text_column))
+        else:
+            yield from split_pieces(read_utf8_chunks(path, TEXT_CHUNK), self.separator, TEXT_CHUNK)
 
     def documents(self, text_column: str) -> Iterator[str]:
         """Stream the documents, each whole (so each must fit in memory; preparing streams `pieces`)."""
@@ -125,11 +167,13 @@ def iter_documents(source: str, text_column: str, separator: str = "") -> Iterat
 
 
 def find_corpus(source: str, separator: str = "") -> Corpus:
-    """Resolve `source`: a built-in corpus name, or comma-separated paths/globs of local files whose
+    """Resolve `source`: a built-in corpus name; `hf:NAME[:CONFIG[:SPLIT]]`, a dataset on the Hugging Face
+    Hub (split `train` unless named; resolved to its current commit, which needs the network); or
+    comma-separated paths/globs of local files and directories that `datasets`' save_to_disk wrote, whose
     .txt/.md files `separator` splits into documents ("" for one document per file).
 
-    Raises DataError for an unknown name, a pattern matching no files, an unsupported extension or
-    an empty file, before anything is read.
+    Raises DataError for an unknown name, a pattern matching no files, an unsupported extension, an
+    empty file, or a Hub dataset that cannot be reached, before anything is read.
     """
     source = source.strip()
     if source == "shakespeare":
@@ -137,11 +181,17 @@ def find_corpus(source: str, separator: str = "") -> Corpus:
     if source == "kjv":
         return _kjv()
     entries = [e.strip() for e in source.split(",") if e.strip()]
+    if any(entry.startswith(HUB_PREFIX) for entry in entries):
+        if len(entries) > 1:
+            raise DataError(f"data.source: a Hub dataset ({HUB_PREFIX}...) is read alone, but {source!r} names "
+                            f"{len(entries)} sources; prepare each into its own data.dir and train on a data.mixture")
+        return Corpus(files=(), root=Path("."), hub=_hub_dataset(entries[0]))
     files: list[Path] = []
     for entry in entries:
         pattern = os.path.expanduser(entry)
         if os.path.isdir(pattern):
-            raise DataError(f"data.source: {entry!r} is a directory; name files or a glob such as {entry}/*.txt")
+            files.extend(_saved_dataset_files(Path(pattern), entry))
+            continue
         matches = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
         if not matches:
             if len(entries) == 1 and not re.search(r"[/\\*?\[.]", entry):
@@ -204,36 +254,118 @@ def kjv_chapters(path: Path) -> Iterator[str]:
         yield "\n".join(chapter) + "\n"
 
 
+def _saved_dataset_files(path: Path, entry: str) -> list[Path]:
+    """The Arrow files, in row order, of a dataset that `datasets`' save_to_disk wrote into directory `path`."""
+    if (path / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise DataError(f"{path / 'dataset_dict.json'}: unreadable ({type(err).__name__}: {err})") from None
+        raise DataError(f"data.source: {entry!r} holds a dataset dictionary with splits {splits}; name the split "
+                        f"to read, e.g. {entry.rstrip('/')}/{splits[0] if splits else 'train'}")
+    state = path / "state.json"
+    if not state.is_file():
+        raise DataError(f"data.source: {entry!r} is a directory; name files or a glob such as {entry}/*.txt, or a "
+                        "directory that `datasets`' save_to_disk wrote (it holds state.json)")
+    try:
+        names = [f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DataError(f"{state}: unreadable ({type(err).__name__}: {err}); expected what save_to_disk writes") \
+            from None
+    files = [(path / name).resolve() for name in names]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing or not files:
+        raise DataError(f"{state}: lists {missing or 'no'} data files that {path} does not hold; save it again")
+    return files
+
+
+def _hub_dataset(entry: str) -> HubDataset:
+    """Parse hf:NAME[:CONFIG[:SPLIT]] and resolve NAME to the commit its main branch is at now."""
+    name, config, split = (entry.removeprefix(HUB_PREFIX).split(":") + ["", ""])[:3]
+    if not name or entry.count(":") > 3:
+        raise DataError(f"data.source: {entry!r}: expected {HUB_PREFIX}NAME[:CONFIG[:SPLIT]], e.g. "
+                        f"{HUB_PREFIX}HuggingFaceFW/fineweb-edu:sample-10BT:train")
+    try:
+        import huggingface_hub
+
+        revision = huggingface_hub.HfApi().dataset_info(name).sha
+    except Exception as err:  # offline mode, no network, no such dataset: each library raises its own kind
+        raise DataError(f"data.source: cannot resolve {entry!r} on the Hugging Face Hub ({type(err).__name__}: "
+                        f"{str(err).splitlines()[0] if str(err) else 'no detail'}); check the name and the "
+                        "network, or prepare local files") from None
+    return HubDataset(name=name, config=config or None, split=split or "train", revision=revision)
+
+
+def _row_pieces(texts: Iterator[str]) -> Iterator[Piece]:
+    """Each row's text as one document, in pieces when it is long (as a text file's document would be)."""
+    for text in texts:
+        if len(text) <= TEXT_CHUNK:
+            yield Piece(text, True)
+        else:
+            chunks = (text[i:i + TEXT_CHUNK] for i in range(0, len(text), TEXT_CHUNK))
+            yield from split_pieces(chunks, "", TEXT_CHUNK)
+
+
 def _row_texts(path: Path, fmt: str, text_column: str) -> Iterator[str]:
-    """Stream `text_column` of each row of a json/jsonl/parquet file through Hugging Face datasets."""
-    rows = 0
-    for row in _stream_rows(path, fmt):
-        if text_column not in row:
-            raise DataError(
-                f"{path}: no column {text_column!r} (data.text_column); the columns are {sorted(row)}"
-            )
-        text = row[text_column]
-        if not isinstance(text, str):
-            raise DataError(f"{path}: row {rows}: column {text_column!r} holds {text!r}, expected a string")
-        rows += 1
-        yield text
-    if rows == 0:
-        raise DataError(f"{path}: no rows; expected at least one document")
+    """Stream `text_column` of each row of a json/jsonl/parquet/arrow file through Hugging Face datasets."""
+    # datasets parses the first `chunksize` bytes of a JSON file once more to learn its columns: its default
+    # 10 MB is the whole of most files, 1 MB reads the Debian mix in half the time and holds less
+    options = {"chunksize": _JSON_CHUNK} if fmt == "json" else {}
+
+    def open_rows(datasets, cache: str):
+        return datasets.load_dataset(fmt, data_files=[str(path)], split="train", streaming=True, cache_dir=cache,
+                                     **options)
+
+    with local_datasets() as datasets:
+        # pyarrow's parse errors (ArrowInvalid) are ValueErrors
+        yield from _column_texts(datasets, open_rows, str(path), f"cannot read as {fmt}", (ValueError, OSError),
+                                 text_column)
 
 
-def _stream_rows(path: Path, fmt: str) -> Iterator[dict]:
+def _hub_texts(hub: HubDataset, text_column: str) -> Iterator[str]:
+    """Stream `text_column` of each row of a Hub dataset's split, at the resolved commit."""
+    def open_rows(datasets, cache: str):
+        return datasets.load_dataset(hub.name, hub.config, split=hub.split, revision=hub.revision, streaming=True,
+                                     cache_dir=cache)
+
+    origin = f"{HUB_PREFIX}{hub.name}" + (f":{hub.config}" if hub.config else "") + f":{hub.split}"
+    with local_datasets(offline=False) as datasets:
+        # the network's and the Hub's errors come from several libraries, none of them an LMError
+        yield from _column_texts(datasets, open_rows, origin, "cannot read from the Hugging Face Hub", Exception,
+                                 text_column)
+
+
+def _column_texts(
+    datasets, open_rows: Callable, origin: str, failure: str, errors: type | tuple, text_column: str
+) -> Iterator[str]:
+    """The strings in `text_column` of the rows that `open_rows(datasets, cache_dir)` streams, read a batch at
+    a time; DataError naming `origin` for a missing column, a value that is not a string, no rows at all, or
+    any of `errors` raised while reading."""
     # Streaming writes nothing but a lock file; keep even that out of the user's home.
-    with local_datasets() as datasets, tempfile.TemporaryDirectory(prefix="lm-datasets-") as cache:
-        stream = None
+    with tempfile.TemporaryDirectory(prefix="lm-datasets-") as cache:
+        batches, columns, rows = None, None, 0
         while True:
             try:
-                if stream is None:
-                    stream = iter(datasets.load_dataset(
-                        fmt, data_files=[str(path)], split="train", streaming=True, cache_dir=cache
-                    ))
-                row = next(stream)
+                if batches is None:
+                    stream = open_rows(datasets, cache)
+                    # known up front for the formats read here (empty for a file without rows), else None
+                    columns = stream.column_names
+                    if columns and text_column in columns:
+                        stream = stream.select_columns([text_column])
+                    batches = iter(stream.iter(batch_size=_ROW_BATCH))
+                batch = None if columns and text_column not in columns else next(batches)
             except StopIteration:
-                return
-            except (ValueError, OSError) as err:  # pyarrow's parse errors (ArrowInvalid) are ValueErrors
-                raise DataError(f"{path}: cannot read as {fmt}: {err}") from err
-            yield row
+                break
+            except errors as err:
+                raise DataError(f"{origin}: {failure}: {err}") from err
+            if batch is None or text_column not in batch:
+                found = columns if batch is None else list(batch)
+                raise DataError(f"{origin}: no column {text_column!r} (data.text_column); the columns are "
+                                f"{sorted(found)}")
+            for text in batch[text_column]:
+                if not isinstance(text, str):
+                    raise DataError(f"{origin}: row {rows}: column {text_column!r} holds {text!r}, expected a string")
+                rows += 1
+                yield text
+        if rows == 0:
+            raise DataError(f"{origin}: no rows; expected at least one document")

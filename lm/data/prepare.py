@@ -3,8 +3,10 @@
 Documents stream through in pieces: corpus -> batches of pieces -> tokenizer threads -> ShardWriter, so
 memory stays bounded however large the corpus, a file or a document. Threads, not processes: tiktoken
 releases the GIL while it encodes, so threads tokenize in parallel without copying text and tokens
-between processes. The output is built in a sibling directory and swapped in only when complete, so a
-crash or a bad input never harms shards that were already good.
+between processes (a process pool, tried on the Debian mix, spent as much CPU pickling as threads and was no
+faster). The output is built in a sibling directory (`lm.data.staging`) and swapped in only when
+complete, so a crash or a bad input never harms shards that were already good, and a killed prepare goes on
+from its finished shards when run again.
 
 Each document is written as its tokens followed by the end-of-text (end-of-sequence) token, led by the
 tokenizer's BOS when it has one (a tokenizer.json may; tiktoken's encodings do not). Pieces tokenize like the
@@ -16,15 +18,16 @@ pieces are joined and the document encoded whole: memory then grows with the lon
 import collections
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from tqdm import tqdm
@@ -35,7 +38,6 @@ from lm.data.pieces import Piece
 from lm.data.shards import (
     FORMAT_VERSION,
     MANIFEST_NAME,
-    ShardWriter,
     dtype_for_vocab,
     is_prepared_file,
     new_manifest,
@@ -43,8 +45,8 @@ from lm.data.shards import (
     verify_hashes,
     write_manifest,
 )
+from lm.data.staging import Staging
 from lm.errors import DataError
-from lm.io import publish_dir
 from lm.tokenizer import (
     HFTokenizer,
     Tokenizer,
@@ -55,13 +57,29 @@ from lm.tokenizer import (
     tokenizer_identity,
 )
 
-__all__ = ["is_val_document", "output_hash", "prepare"]
+__all__ = ["is_val_document", "num_threads", "output_hash", "prepare"]
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val")
 _BATCH_PIECES = 256  # pieces per task: few enough to balance the threads and bound memory
 _BATCH_CHARS = 1 << 17  # ~30k tokens, ~15 ms of one core: the last task barely delays the end
+
+
+class _Batch(NamedTuple):
+    """A tokenizer thread's task: pieces in input order, from document `first_document` on."""
+
+    first_document: int
+    pieces: list[Piece]
+    end: tuple[int, int]
+    """The input position after the last piece (see `lm.data.staging.Progress`)."""
+
+
+def num_threads(num_workers: int) -> int:
+    """Tokenizer threads for `data.num_workers`: itself, or 0 for one per core this process may run on."""
+    if num_workers:
+        return num_workers
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def is_val_document(index: int, val_fraction: float) -> bool:
@@ -100,22 +118,22 @@ def prepare(cfg: DataConfig, force: bool = False) -> dict:
     if corpus.num_documents is not None:  # fail before tokenizing when the split is known to be empty
         _check_splits(math.floor(corpus.num_documents * cfg.val_fraction), corpus.num_documents, cfg.val_fraction)
 
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed run that had our pid
-    tmp.mkdir(parents=True)
-    try:
-        splits = _tokenize(corpus, cfg, tmp, dtype_for_vocab(enc.n_vocab))
+    with Staging(out, content_hash) as staging:
+        try:
+            splits, tokenized = _tokenize(corpus, cfg, staging, dtype_for_vocab(enc.n_vocab))
+        except DataError:
+            staging.discard()  # shards of input that turned out bad; a kill or ^C keeps them to resume
+            raise
         # a tiktoken name fixes its ids, so its manifest stays as it was before hashes were recorded
         file_hash = tokenizer_hash(cfg.tokenizer) if is_tokenizer_file(cfg.tokenizer) else None
         manifest = new_manifest(cfg.tokenizer, enc.n_vocab, enc.eot_token, cfg.source, content_hash, splits,
                                 file_hash, getattr(enc, "bos_token", None))
-        write_manifest(tmp, manifest)
-        publish_dir(tmp, out)  # the old preparation is deleted only once the new one is in place
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        write_manifest(staging.dir, manifest)
+        staging.publish(out)  # the old preparation is deleted only once the new one is in place
     seconds = time.perf_counter() - start_time
     tokens = sum(s["tokens"] for s in splits.values())
-    log.info("prepared %d tokens into %s in %.1f s (%.0f tokens/s)", tokens, out, seconds, tokens / seconds)
+    log.info("prepared %d tokens into %s in %.1f s (%.0f tokens/s)%s", tokens, out, seconds, tokenized / seconds,
+             f", {tokenized} of them tokenized in this run" if tokenized != tokens else "")
     return manifest
 
 
@@ -173,60 +191,79 @@ def _check_splits(val_docs: int, documents: int, val_fraction: float) -> None:
         raise DataError(f"data.val_fraction={val_fraction} leaves no training documents out of {documents}")
 
 
-def _tokenize(corpus: Corpus, cfg: DataConfig, out: Path, dtype: np.dtype) -> dict:
-    """Stream the corpus through the tokenizer into train/val shards in `out`; returns the manifest's splits."""
-    writers = {split: ShardWriter(out, split, cfg.shard_tokens, dtype) for split in SPLITS}
-    docs = dict.fromkeys(SPLITS, 0)
+def _tokenize(corpus: Corpus, cfg: DataConfig, staging: Staging, dtype: np.dtype) -> tuple[dict, int]:
+    """Stream the corpus through the tokenizer into train/val shards in the staging directory, going on from
+    its saved progress if it has some; returns the manifest's splits and the tokens tokenized in this run."""
+    progress, writers = staging.start(SPLITS, cfg.shard_tokens, dtype)
+    docs = progress.documents
     encode = functools.partial(_encode_batch, tokenizer=cfg.tokenizer, val_fraction=cfg.val_fraction, dtype=dtype)
-    pieces = corpus.pieces(cfg.text_column)
-    batches = _batches(_whole_documents(pieces) if is_tokenizer_file(cfg.tokenizer) else pieces)
-    with tqdm(total=corpus.num_documents, unit="doc", desc="tokenizing", disable=None) as bar:
-        for (train, val), (num_train, num_val) in _ordered_map(encode, batches, cfg.num_workers):
+    pieces = _pieces_from(corpus, cfg.text_column, progress.position)
+    batches = _batches(_whole_documents(pieces) if is_tokenizer_file(cfg.tokenizer) else pieces, sum(docs.values()))
+    tokenized = 0
+    with tqdm(total=corpus.num_documents, initial=sum(docs.values()), unit="doc", desc="tokenizing",
+              disable=None) as bar:
+        for batch, ((train, val), (num_train, num_val)) in _ordered_map(encode, batches, num_threads(cfg.num_workers)):
+            finished = sum(len(w.shards) for w in writers.values())
             writers["train"].add(train)
             writers["val"].add(val)
             docs["train"] += num_train
             docs["val"] += num_val
+            tokenized += train.size + val.size
             bar.update(num_train + num_val)
+            if sum(len(w.shards) for w in writers.values()) > finished:
+                progress.position = batch.end
+                staging.save(progress, writers)
     _check_splits(docs["val"], docs["train"] + docs["val"], cfg.val_fraction)
     splits = {}
     for split, writer in writers.items():
         shards = writer.close()
         splits[split] = {"documents": docs[split], "tokens": sum(s["tokens"] for s in shards), "shards": shards}
-    return splits
+    return splits, tokenized
 
 
-def _batches(pieces: Iterable[Piece]) -> Iterator[tuple[int, list[Piece]]]:
-    """Group pieces into (index of the document the first belongs to, pieces) tasks of bounded size."""
+def _pieces_from(corpus: Corpus, text_column: str, start: tuple[int, int]) -> Iterator[tuple[tuple[int, int], Piece]]:
+    """The corpus's pieces from input position `start` on, each with the position after it. The parts before
+    are not read at all; the first pieces of the part it falls in are read and dropped, not tokenized."""
+    first_part, skip = start
+    for part in range(first_part, corpus.num_parts):
+        pieces = corpus.part_pieces(part, text_column)
+        first = skip if part == first_part else 0
+        for index, piece in enumerate(itertools.islice(pieces, first, None), start=first + 1):
+            yield (part, index), piece
+
+
+def _batches(pieces: Iterable[tuple[tuple[int, int], Piece]], first_document: int = 0) -> Iterator[_Batch]:
+    """Group positioned pieces into tasks of bounded size."""
     batch: list[Piece] = []
     chars = 0
-    start = 0
-    for piece in pieces:
+    start = first_document
+    for position, piece in pieces:
         batch.append(piece)
         chars += len(piece.text)
         if len(batch) == _BATCH_PIECES or chars >= _BATCH_CHARS:
-            yield start, batch
+            yield _Batch(start, batch, position)
             start += sum(p.ends_document for p in batch)
             batch, chars = [], 0
     if batch:
-        yield start, batch
+        yield _Batch(start, batch, position)
 
 
-def _whole_documents(pieces: Iterable[Piece]) -> Iterator[Piece]:
-    """Each document's pieces joined into one piece (see the module docstring)."""
+def _whole_documents(pieces: Iterable[tuple[tuple[int, int], Piece]]) -> Iterator[tuple[tuple[int, int], Piece]]:
+    """Each document's pieces joined into one piece (see the module docstring), at its last piece's position."""
     texts: list[str] = []
-    for text, ends_document in pieces:
+    for position, (text, ends_document) in pieces:
         texts.append(text)
         if ends_document:
-            yield Piece("".join(texts), True)
+            yield position, Piece("".join(texts), True)
             texts = []
 
 
 def _encode_batch(
-    task: tuple[int, list[Piece]], tokenizer: str, val_fraction: float, dtype: np.dtype
+    task: _Batch, tokenizer: str, val_fraction: float, dtype: np.dtype
 ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[int, int]]:
     """Tokenize one batch; returns ((train tokens, val tokens), (train docs, val docs)), each document's
     last piece followed by the end-of-text token and counted as its document."""
-    document, pieces = task
+    document, pieces = task.first_document, task.pieces
     enc = load_tokenizer(tokenizer)  # cached
     eot = np.array([enc.eot_token], dtype=np.uint32)
     parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
@@ -253,20 +290,23 @@ def _encode_texts(enc: Tokenizer, texts: list[str]) -> list[np.ndarray]:
     return [enc.encode_to_numpy(text, disallowed_special=()) for text in texts]
 
 
-def _ordered_map(fn: Callable, tasks: Iterator, num_workers: int) -> Iterator:
-    """fn over tasks in order, on `num_workers` threads, with at most 2 tasks per worker in flight.
+def _ordered_map(fn: Callable, tasks: Iterator, num_workers: int) -> Iterator[tuple]:
+    """(task, fn(task)) for each task in order, on `num_workers` threads, with at most 2 tasks per worker in
+    flight.
 
     Executor.map would read the whole task iterator ahead (the corpus) into memory; submitting a bounded
     window keeps memory flat. One worker runs in the calling thread.
     """
     if num_workers == 1:
-        yield from map(fn, tasks)
+        yield from ((task, fn(task)) for task in tasks)
         return
     with ThreadPoolExecutor(num_workers, thread_name_prefix="tokenize") as pool:
         pending: collections.deque = collections.deque()
         for task in tasks:
-            pending.append(pool.submit(fn, task))
+            pending.append((task, pool.submit(fn, task)))
             if len(pending) >= 2 * num_workers:
-                yield pending.popleft().result()
+                task, future = pending.popleft()
+                yield task, future.result()
         while pending:
-            yield pending.popleft().result()
+            task, future = pending.popleft()
+            yield task, future.result()

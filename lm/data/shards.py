@@ -14,7 +14,9 @@ each shard's token count (checked against the file size whenever data is opened)
 whole file (checked on request: `data.verify_hashes`, `python -m lm.prepare --verify`).
 """
 
+import hashlib
 import json
+import os
 import re
 import struct
 from pathlib import Path
@@ -73,7 +75,8 @@ def write_shard(path: str | Path, tokens: np.ndarray) -> None:
 
 class ShardWriter:
     """Streams token arrays of any length into shards of exactly `shard_tokens` tokens (the last one
-    shorter), so memory stays bounded by the caller's chunks whatever the shard size."""
+    shorter), so memory stays bounded by the caller's chunks whatever the shard size. `state` and `restore`
+    let a killed writer go on where its state was taken."""
 
     def __init__(self, data_dir: str | Path, split: str, shard_tokens: int, dtype: np.dtype) -> None:
         if shard_tokens <= 0:
@@ -121,6 +124,58 @@ class ShardWriter:
         if self._file is not None:
             self._finish()
         return self.shards
+
+    def state(self) -> dict:
+        """What `restore` needs to go on from here, as JSON: the finished shards, and the open shard's
+        temporary file, token count and the sha256 of its tokens so far (flushed to the OS first, so they
+        outlive the process however it ends)."""
+        open_shard = None
+        if self._file is not None:
+            self._file.flush()
+            open_shard = {"file": self._tmp.name, "tokens": self._count, "sha256": _sha256_tokens(self._tmp)}
+        return {"shards": [dict(s) for s in self.shards], "open": open_shard}
+
+    @classmethod
+    def restore(cls, data_dir: str | Path, split: str, shard_tokens: int, dtype: np.dtype,
+                state: dict) -> "ShardWriter":
+        """A writer that goes on from `state` (`ShardWriter.state`), taken by a writer on `data_dir` that may
+        have been killed since: the finished shards are checked against their sha256, and the open shard is
+        cut back to the tokens it held then and checked too (found under its shard name if it was finished
+        after the state was taken). Raises DataError naming the first file that does not match."""
+        writer = cls(data_dir, split, shard_tokens, dtype)
+        for entry in state["shards"]:
+            path = writer.data_dir / entry["file"]
+            if not path.is_file() or read_header(path) != (writer.dtype, entry["tokens"]):
+                raise DataError(f"{path}: missing, or not the {entry['tokens']} {writer.dtype} tokens recorded")
+            if sha256_file(path) != entry["sha256"]:
+                raise DataError(f"{path}: sha256 differs from the one recorded when it was finished")
+            writer.shards.append(dict(entry))
+        if state["open"] is not None:
+            path, tokens = writer.data_dir / state["open"]["file"], state["open"]["tokens"]
+            finished = writer.data_dir / shard_name(split, len(writer.shards))
+            if not path.is_file() and finished.is_file():
+                os.replace(finished, path)
+            size = HEADER_BYTES + tokens * writer.dtype.itemsize
+            if not path.is_file() or path.stat().st_size < size:
+                raise DataError(f"{path}: missing, or shorter than the {tokens} tokens recorded")
+            os.truncate(path, size)  # what was written after the state was taken is written again
+            if _sha256_tokens(path) != state["open"]["sha256"]:
+                raise DataError(f"{path}: sha256 of its first {tokens} tokens differs from the one recorded")
+            writer._tmp, writer._count = path, tokens
+            writer._file = open(path, "r+b")
+            writer._file.write(bytes(HEADER_BYTES))  # a shard finished after the state was taken has its header
+            writer._file.seek(size)
+        return writer
+
+
+def _sha256_tokens(path: Path) -> str:
+    """Hex sha256 of a shard file's bytes after its header."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(HEADER_BYTES)
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_header(path: str | Path) -> tuple[np.dtype, int]:

@@ -1,12 +1,20 @@
+import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from lm.data import corpora
 from lm.data.corpora import clean_markdown, find_corpus, iter_documents
 from lm.errors import DataError
+
+REPO = Path(__file__).resolve().parents[2]
 
 PLAY = """# Hamlet
 
@@ -185,3 +193,71 @@ def test_a_row_file_datasets_cannot_parse_is_our_one_line_and_none_of_its_log(na
     assert captured.err.splitlines() == [captured.err.strip()] and captured.err.startswith(
         f"error: {tmp_path / name}: cannot read as "), captured.err
     assert "Failed" not in captured.out and not (tmp_path / "out").exists(), captured.out
+
+
+def test_a_dataset_saved_to_disk_reads_like_its_rows(tmp_path):
+    import datasets
+
+    rows = {"body": ["one", "two", "three", "four"], "n": [1, 2, 3, 4]}
+    datasets.Dataset.from_dict(rows).select([3, 1, 0, 2]).save_to_disk(tmp_path / "saved", num_shards=2)
+    corpus = find_corpus(str(tmp_path / "saved"))
+    assert [p.name for p in corpus.files] == ["data-00000-of-00002.arrow", "data-00001-of-00002.arrow"]
+    assert list(corpus.documents("body")) == ["four", "two", "one", "three"]  # the order it was saved in
+    assert list(iter_documents(str(tmp_path / "saved/*.arrow"), "body")) == ["four", "two", "one", "three"]
+    with pytest.raises(DataError, match=r"saved/data-00000-of-00002.arrow: no column 'text' \(data.text_column\); "
+                                        r"the columns are \['body', 'n'\]"):
+        list(corpus.documents("text"))
+    with pytest.raises(DataError, match=r"row 0: column 'n' holds 4, expected a string"):
+        list(corpus.documents("n"))
+
+
+def test_a_saved_dataset_dictionary_asks_for_a_split(tmp_path):
+    import datasets
+
+    split = datasets.Dataset.from_dict({"text": ["a", "b"]})
+    datasets.DatasetDict({"train": split, "test": split}).save_to_disk(tmp_path / "dd")
+    with pytest.raises(DataError, match=r"holds a dataset dictionary with splits \['train', 'test'\]; name the split "
+                                        r"to read, e.g. .*/dd/train"):
+        find_corpus(str(tmp_path / "dd"))
+    assert list(iter_documents(str(tmp_path / "dd" / "train"), "text")) == ["a", "b"]
+
+
+def test_a_long_row_streams_in_pieces_of_its_document(tmp_path, monkeypatch):
+    monkeypatch.setattr(corpora, "TEXT_CHUNK", 64)
+    long = "word and word\n" * 40
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": long}) + "\n" + json.dumps({"text": "short"}) + "\n")
+    pieces = list(find_corpus(str(tmp_path / "a.jsonl")).pieces("text"))
+    assert len(pieces) > 2 and [p.ends_document for p in pieces].count(True) == 2
+    assert "".join(p.text for p in pieces[:-1]) == long and pieces[-1] == ("short", True)
+
+
+@pytest.mark.parametrize("source, message", [
+    ("hf:", r"'hf:': expected hf:NAME\[:CONFIG\[:SPLIT\]\]"),
+    ("hf:a/b:c:d:e", r"expected hf:NAME\[:CONFIG\[:SPLIT\]\]"),
+    ("hf:a/b,{tmp}/*.txt", r"a Hub dataset \(hf:...\) is read alone"),
+])
+def test_bad_hub_sources(tmp_path, source, message):
+    with pytest.raises(DataError, match=message):
+        find_corpus(source.format(tmp=tmp_path))
+
+
+def test_a_hub_dataset_offline_is_one_error_line(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "lm.prepare", "--data.source=hf:stanfordnlp/imdb",
+                           f"--data.dir={tmp_path / 'data'}"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    [line] = done.stderr.splitlines()
+    assert line.startswith("error: data.source: cannot resolve 'hf:stanfordnlp/imdb' on the Hugging Face Hub "
+                           "(OfflineModeIsEnabled: ") and line.endswith("check the name and the network, or prepare "
+                                                                        "local files"), line
+    assert sorted(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_hub_dataset_is_hashed_by_name_config_split_and_commit():
+    hub = corpora.HubDataset("owner/name", None, "train", "a" * 40)
+    base = corpora.Corpus(files=(), root=Path("."), hub=hub)
+    assert base.num_documents is None and base.num_parts == 1
+    for other in (dataclasses.replace(hub, revision="b" * 40), dataclasses.replace(hub, split="test"),
+                  dataclasses.replace(hub, config="small"), dataclasses.replace(hub, name="owner/other")):
+        assert dataclasses.replace(base, hub=other).content_hash("text") != base.content_hash("text")
+    assert base.content_hash("body") != base.content_hash("text")

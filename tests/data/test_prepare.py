@@ -2,6 +2,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -298,3 +299,19 @@ def test_a_bad_byte_deep_in_a_chunked_file(tmp_path, monkeypatch):
     assert str(err.value).count("\n") == 0
     assert tree_digest(tmp_path / "data") == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "in"]
+
+
+@pytest.mark.parametrize("source, column, message", [
+    ("{tmp}/in/none-*.jsonl", "text", r"error: data.source: '.*/in/none-\*.jsonl' matches no files"),
+    ("{tmp}/in/rows.jsonl", "body", r"error: .*/in/rows.jsonl: no column 'body' \(data.text_column\); the columns "
+                                    r"are \['text'\]"),
+])
+def test_cli_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, source, column, message):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "rows.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    argv = [f"--data.source={source.format(tmp=tmp_path)}", f"--data.text_column={column}",
+            f"--data.dir={tmp_path / 'data'}"]
+    assert run(main, argv) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(message, line), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]  # no data.dir, no half-built data.dir.partial

@@ -1,0 +1,122 @@
+"""The corpus benchmark's pieces: both sides tokenize the same documents into the same number of tokens, its
+memory figures see what they claim, its GPT-2 tokenizer.json is GPT-2, and the Debian mix is cut as documented."""
+
+import gzip
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from lm.bench import debian_corpus
+from lm.bench.corpus import datasets_row, prepare_row, run_measured, scaled_files, write_gpt2_tokenizer_json
+from lm.data.corpora import find_corpus
+from lm.tokenizer import load_tokenizer
+
+DOCS = ["First document.\n", "Zweites Dokument, größer: " + "wort " * 50, "<|endoftext|> is text here", "4th 😀\n\n"]
+
+
+def test_the_gpt2_tokenizer_json_makes_tiktokens_ids(tmp_path):
+    hf = load_tokenizer(str(write_gpt2_tokenizer_json(tmp_path / "tokenizer.json")))
+    gpt2 = load_tokenizer("gpt2")
+    texts = [*DOCS, next(find_corpus("shakespeare").documents("text")), " \t\r\n  x\n\n\n y's 12345 ’’ "]
+    assert hf.encode_ordinary_batch(texts) == [gpt2.encode_ordinary(t) for t in texts]
+    assert (hf.n_vocab, hf.eot_token) == (50257, 50256)
+
+
+def test_both_sides_write_the_same_tokens(tmp_path):
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d, "source": "x"}) + "\n" for d in DOCS * 5))
+    ours = prepare_row([str(tmp_path / "a.jsonl")], "gpt2", tmp_path)
+    theirs = datasets_row([str(tmp_path / "a.jsonl")], "gpt2", 2, tmp_path)
+    gpt2 = load_tokenizer("gpt2")
+    tokens = 5 * sum(len(gpt2.encode_ordinary(d)) + 1 for d in DOCS)  # each document with its end-of-text token
+    assert (ours["documents"], ours["tokens"]) == (theirs["documents"], theirs["tokens"]) == (20, tokens)
+    assert theirs["load s"] > 0 and theirs["map s"] > 0 and ours["wall s"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "datasets.log", "prepare.log"]  # outputs gone
+
+
+def test_memory_is_the_process_itself_and_its_whole_tree(tmp_path):
+    child = "b = bytearray(300 << 20); import time; time.sleep(1)"
+    row = run_measured([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                                              f"{child!r}])"], tmp_path / "log")
+    assert row["max RSS MiB"] < 100  # the parent holds no more than Python itself
+    assert row["tree MiB"] > 300  # its child's 300 MiB count in the tree
+
+
+def test_scaled_files_take_a_share_or_hard_linked_copies(tmp_path):
+    files = []
+    for i in range(8):
+        files.append(str(tmp_path / f"d{i}.jsonl"))
+        (tmp_path / f"d{i}.jsonl").write_text("{}\n")
+    assert scaled_files(files, 0.25, tmp_path) == files[:2] and scaled_files(files, 1.0, tmp_path) == files
+    copies = scaled_files(files, 3.0, tmp_path / "work")
+    assert len(copies) == 24 and len(set(copies)) == 24
+    assert {os.stat(c).st_ino for c in copies} == {os.stat(f).st_ino for f in files}
+
+
+def _dictd(root, name: str, entries: list[tuple[str, bytes]]) -> None:
+    """A dictd database: its entries' text gzipped, and an index of headword, offset and length in base 64."""
+    digits = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+    def b64(n: int) -> str:
+        out = ""
+        while True:
+            n, d = divmod(n, 64)
+            out = digits[d] + out
+            if n == 0:
+                return out
+
+    data, index, offsets = b"", [], {}
+    for headword, text in entries:
+        if text not in offsets:
+            offsets[text] = len(data)
+            data += text
+        index.append(f"{headword}\t{b64(offsets[text])}\t{b64(len(text))}")
+    (root / "usr/share/dictd").mkdir(parents=True, exist_ok=True)
+    (root / f"usr/share/dictd/{name}.dict.dz").write_bytes(gzip.compress(data))
+    (root / f"usr/share/dictd/{name}.index").write_text("\n".join(index) + "\n")
+
+
+def test_the_debian_mix_is_cut_into_documents_spread_over_the_files(tmp_path, capsys):
+    root = tmp_path / "root"
+    _dictd(root, "gcide", [("00-database-info", b"about\n"), ("Apple", b"Apple\n   A fruit.\n"),
+                           ("apple", b"Apple\n   A fruit.\n"), ("Caf\xe9", b"Caf\xe9\n   bad byte\n")])
+    _dictd(root, "wn", [("tree", b"tree\n    n 1: a plant\n")])
+    pages = {"usr/share/doc/linux-doc-6.1/html/_sources/a/b.rst.txt": "Kernel\n======\n",
+             "usr/share/doc/python3.11/html/_sources/library/os.rst.txt": "os\n--\n",
+             "usr/share/perl/5.36.0/pod/perlre.pod": "=head1 NAME\n"}
+    for path, text in pages.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    assert debian_corpus.main([str(root), str(tmp_path / "out"), "--files", "2"]) == 0
+    rows = [[json.loads(line) for line in (tmp_path / "out" / f"debian-{i:02d}.jsonl").read_text().splitlines()]
+            for i in range(2)]
+    documents = [row for pair in zip(rows[0], rows[1] + [None]) for row in pair if row]  # document i in file i % 2
+    assert [(d["source"], d["text"]) for d in documents] == [
+        ("gcide", "Apple\n   A fruit.\n"), ("gcide", "Caf\ufffd\n   bad byte\n"),
+        ("wordnet", "tree\n    n 1: a plant\n"), ("linux-doc", "Kernel\n======\n"),
+        ("python-doc", "os\n--\n"), ("perl-doc", "=head1 NAME\n")]
+    assert re.search(r"^total +6 documents", capsys.readouterr().out, re.M)
+
+
+def test_a_missing_package_is_named(tmp_path):
+    with pytest.raises(SystemExit, match=r"no gcide documents; unpack its Debian package there first"):
+        debian_corpus.main([str(tmp_path), str(tmp_path / "out")])
+
+
+def test_the_section_needs_a_corpus(capsys):
+    from lm.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--sections", "corpus"])
+    assert exit_.value.code == 2 and "--sections corpus needs --corpus GLOB" in capsys.readouterr().err
+
+
+def test_a_corpus_that_matches_nothing_is_one_error_line(tmp_path, capsys):
+    from lm.bench.__main__ import main
+    from lm.cli import run
+
+    assert run(main, ["--sections", "corpus", "--corpus", str(tmp_path / "*.jsonl")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: --corpus: [") and "matches no files" in line
