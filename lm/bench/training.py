@@ -15,6 +15,7 @@ from lm.distributed.optim import build_optimizer
 from lm.distributed.precision import autocast_for
 from lm.hf.targets import hf_state_dict, pick_target
 from lm.models.block import Block
+from lm.models.loss import compiled_loss
 from lm.models.registry import family_of
 from lm.plan.flops import peak_flops
 from lm.training.setup import build_run_engine
@@ -68,7 +69,7 @@ def training_step(cfg: JobConfig, device: torch.device, micro_batch: int, compil
     else:
         model, diff = ours.to(device), None
         heads = family.output_layers(model)
-        if compiled:  # as the trainer compiles: block by block
+        if compiled:  # as the trainer compiles: block by block, and the loss (below)
             compile_blocks(family.blocks(model))
     optimizer = build_optimizer(model, cfg.optim, heads)
     autocast = autocast_for(cfg, device)
@@ -80,7 +81,8 @@ def training_step(cfg: JobConfig, device: torch.device, micro_batch: int, compil
             if hf:  # what a transformers user writes: the model shifts the labels and computes the loss
                 loss = model(input_ids=inputs, labels=inputs).loss
             else:
-                loss = family.loss(model, model, [inputs, targets])[0]
+                with compiled_loss(compiled):  # as the trainer's train.compile: the blocks and the loss
+                    loss = family.loss(model, model, [inputs, targets])[0]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()

@@ -98,7 +98,8 @@ class TrainConfig:
     dtype: str = "auto"
     """Autocast dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32."""
     compile: bool = False
-    """torch.compile each transformer block (or LSTM layer) under ddp and fsdp; deepspeed runs eager."""
+    """torch.compile each transformer block (or LSTM layer) and the float32 loss under ddp and fsdp; deepspeed
+    runs eager."""
     eval_every: int = 100
     """Run validation every this many steps (and at the end)."""
     eval_batches: int = 20

@@ -8,9 +8,10 @@ from torch.utils.checkpoint import checkpoint
 
 
 def compile_blocks(blocks: list[nn.Module]) -> None:
-    """torch.compile each repeated unit in place; the embeddings, head and loss stay eager. Identical blocks
-    share one compiled graph, so compiling costs one block's time, FSDP2's hooks between blocks stay
-    outside the graphs, and on a CPU the demo steps faster than compiled whole (docs/benchmarks.md)."""
+    """torch.compile each repeated unit in place; the embeddings and head stay eager (the engines compile the
+    loss with `lm.models.loss.compiled_loss`). Identical blocks share one compiled graph, so compiling costs
+    one block's time, FSDP2's hooks between blocks stay outside the graphs, and on a CPU the demo steps faster
+    than compiled whole (docs/benchmarks.md)."""
     for block in blocks:
         block.compile()
 

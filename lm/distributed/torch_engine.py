@@ -18,6 +18,7 @@ from lm.distributed.micro_batches import MicroBatchLoop
 from lm.distributed.optim import build_optimizer, set_lr
 from lm.distributed.tensor_parallel import parallel_loss, whole
 from lm.models.family import Family, LossFn, Run
+from lm.models.loss import compiled_loss
 
 T = TypeVar("T")
 
@@ -47,7 +48,9 @@ class TorchEngine(MicroBatchLoop):
     def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int) -> torch.Tensor:
         # under tensor parallelism the logits are split over the vocabulary: the loss and its backward run on
         # those slices (parallel_loss), and the logged terms come back whole
-        with self._sync(last), self.autocast, parallel_loss(self.env.tp):
+        # train.compile: the float32 loss compiled too, except over vocabulary slices (DTensors)
+        with self._sync(last), self.autocast, parallel_loss(self.env.tp), \
+                compiled_loss(self.cfg.train.compile and self.env.tp == 1):
             loss, terms = self.loss(self.model, self.train_model, batch)
             (loss / num_micro).backward()
         return whole(terms)

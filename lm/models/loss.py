@@ -9,13 +9,41 @@ time, so at most one chunk's logits exist at once. The price is a second head ma
 The z-loss term (optim.z_loss) is the mean of log Z^2, Z the softmax's normaliser at each position: it pulls
 the logits' log-partition towards 0, which keeps them from drifting large. The logsumexp is computed beside
 the cross-entropy rather than shared with it, so both also run on logits split over the vocabulary.
+
+Inside `compiled_loss()` (train.compile) the float32 cast and the cross-entropy run as one torch.compile'd
+graph: eager, they read and write the (B*T, V) logits several times over, which at GPT-2's size was a fifth
+of a compiled training step on an H100 (docs/benchmarks.md).
 """
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+_compiling = False  # inside compiled_loss()
+
+
+@contextlib.contextmanager
+def compiled_loss(enabled: bool = True) -> Iterator[None]:
+    """Inside the block (when `enabled`), the losses below run their float32 part compiled."""
+    global _compiling
+    before, _compiling = _compiling, enabled
+    try:
+        yield
+    finally:
+        _compiling = before
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn)
+
+
+def _maybe_compiled(fn: Callable) -> Callable:
+    return _compiled(fn) if _compiling else fn
 
 
 def _summed_loss(logits: torch.Tensor, targets: torch.Tensor, with_z: bool) -> torch.Tensor:
@@ -34,6 +62,10 @@ def _summed_loss(logits: torch.Tensor, targets: torch.Tensor, with_z: bool) -> t
 def head_loss(logits: torch.Tensor, targets: torch.Tensor, with_z: bool = False) -> torch.Tensor:
     """Mean float32 cross-entropy of logits (B, T, V) against targets (B, T); with_z: (2,) the means of
     the cross-entropy and of log Z^2."""
+    return _maybe_compiled(_mean_loss)(logits, targets, with_z)
+
+
+def _mean_loss(logits: torch.Tensor, targets: torch.Tensor, with_z: bool) -> torch.Tensor:
     logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)  # (B*T, V), (B*T,)
     if not with_z:
         return F.cross_entropy(logits.float(), targets)
@@ -41,8 +73,8 @@ def head_loss(logits: torch.Tensor, targets: torch.Tensor, with_z: bool = False)
 
 
 def _chunk_loss(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, targets: torch.Tensor,
-                with_z: bool) -> torch.Tensor:
-    return _summed_loss(head(h), targets, with_z)
+                with_z: bool, summed: Callable) -> torch.Tensor:
+    return summed(head(h), targets, with_z)
 
 
 def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, targets: torch.Tensor,
@@ -59,7 +91,9 @@ def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], h: torch
     # split, not slicing: its backward concatenates the chunks' gradients once instead of adding
     # a zero-padded (B*T, C) gradient per chunk
     pieces = zip(h.reshape(-1, C).split(chunk), targets.reshape(-1).split(chunk))  # each (n, C), (n,)
-    total = sum(checkpoint(_chunk_loss, head, h_chunk, t_chunk, with_z, use_reentrant=False)
+    # the loss function is chosen now: backward's recomputation runs outside compiled_loss() and must repeat it
+    summed = _maybe_compiled(_summed_loss)
+    total = sum(checkpoint(_chunk_loss, head, h_chunk, t_chunk, with_z, summed, use_reentrant=False)
                 for h_chunk, t_chunk in pieces)
     return total / targets.numel()
 

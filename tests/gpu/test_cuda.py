@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from lm.bench.training import random_batch, sdpa_kernel
 from lm.config import load_config
-from lm.distributed.env import DistEnv
+from lm.distributed.env import DistEnv, init_device
 from lm.models.registry import family_of
 from lm.training.nonfinite import SkippedSteps
 from lm.training.setup import build_run_engine
@@ -32,7 +32,7 @@ TINY = ["--model.n_layer=2", "--model.n_head=4", "--model.d_model=128", "--model
 def test_a_training_step_never_waits_for_the_host(engine, optim):
     # Muon skips like the fused AdamW (torch.where on the device), and the z-loss is summed on the device
     cfg = load_config(None, [*TINY, f"--parallel.engine={engine}", *optim])
-    device = torch.device("cuda")
+    device = init_device("cuda", "train.device")  # "cuda:0", as the trainer sets it: NCCL needs an index
     try:
         sync_free_steps(cfg, device)
     finally:
