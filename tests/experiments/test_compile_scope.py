@@ -1,0 +1,13 @@
+"""The compile-scope measurement: each scope's row for gpt2-124m (one 256-token sequence on a CPU), printed."""
+
+from experiments import compile_scope
+
+
+def test_each_scope_gets_a_timed_row(capsys):
+    assert compile_scope.main(["--device", "cpu", "--micro", "1", "--warmup", "0", "--reps", "1",
+                               "--scopes", "blocks+loss", "whole"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith(("blocks", "whole"))}
+    assert set(rows) == {"blocks+loss", "whole"}
+    for cells in rows.values():
+        assert cells[1:4] == ["1", "x", "256"] and float(cells[4]) > 0  # ms/step
