@@ -12,6 +12,8 @@ import hashlib
 import os
 import secrets
 import shutil
+import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -56,6 +58,39 @@ def output_file_problem(path: Path, inputs: Sequence[Path] = ()) -> str | None:
         if path.exists() and source.exists() and path.resolve() == source.resolve():
             return f"{path}: is the input {source}; write the output to another file"
     return None
+
+
+@contextlib.contextmanager
+def held_output() -> Iterator[None]:
+    """Hold everything the process writes to stdout and stderr during the block, at the file-descriptor level
+    (prints, logging handlers, C code and compilers run as subprocesses alike), and write it out once the block
+    ends without an exception; drop it when the block raises, so the caller's one error line stays the last.
+
+    For libraries that talk at import and setup (DeepSpeed's accelerator notice and op-build lines): what they
+    say still shows when they succeed, only later.
+    """
+    streams = [(sys.stdout, 1), (sys.stderr, 2)]
+    saved = []
+    for stream, fd in streams:
+        stream.flush()
+        hold = tempfile.TemporaryFile()
+        saved.append((fd, os.dup(fd), hold))
+        os.dup2(hold.fileno(), fd)
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        for stream, _ in streams:
+            stream.flush()
+        for fd, original, hold in saved:
+            os.dup2(original, fd)
+            os.close(original)
+            if ok:
+                hold.seek(0)
+                with os.fdopen(os.dup(fd), "wb") as out:
+                    shutil.copyfileobj(hold, out)
+            hold.close()
 
 
 def temp_sibling(path: str | Path) -> Path:

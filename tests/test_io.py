@@ -1,11 +1,15 @@
 import hashlib
 import os
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from lm.errors import DataError
 from lm.io import (
+    held_output,
     atomic_path,
     atomic_write_text,
     merge_dir,
@@ -126,3 +130,34 @@ def test_an_output_file_is_refused_where_it_cannot_be_written(tmp_path):
     assert output_file_problem(below) == f"{below}: {source} is a file, not a directory"
     assert output_file_problem(tmp_path / "." / "rows.csv", [source]) == (
         f"{tmp_path / 'rows.csv'}: is the input {source}; write the output to another file")
+
+
+
+HELD = """
+import os, subprocess, sys
+from lm.io import held_output
+
+def talk(tag):  # three ways a library talks: print, a write to the raw descriptor, a child process
+    print(tag, "print")
+    os.write(2, f"{tag} fd2\\n".encode())
+    subprocess.run([sys.executable, "-c", f"print('{tag} child')"], check=True)
+
+print("before", flush=True)
+stdout = os.dup(1)  # the real stdout, past the hold: what reaches it inside the block shows the order
+with held_output():
+    talk("ok")
+    os.write(stdout, b"end of block\\n")
+try:
+    with held_output():
+        talk("failed")
+        raise RuntimeError
+except RuntimeError:
+    print("after")
+"""
+
+
+def test_held_output_shows_after_success_and_drops_on_error():
+    done = subprocess.run([sys.executable, "-c", HELD], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.stdout.splitlines() == ["before", "end of block", "ok print", "ok child", "after"]
+    assert done.stderr.splitlines() == ["ok fd2"]

@@ -20,6 +20,7 @@ from lm.checkpoint.manifest import verify_checkpoint
 from lm.checkpoint.store import describe_failure, read_state
 from lm.distributed.zero import DEEPSPEED_TAG
 from lm.errors import CheckpointError
+from lm.io import held_output
 
 log = logging.getLogger("lm.checkpoint")
 
@@ -56,7 +57,8 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
 def _deepspeed_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
     """The fp32 master weights of a DeepSpeed ZeRO checkpoint, merged over all of its ranks."""
     try:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        with held_output():  # DeepSpeed's import-time accelerator notice stays off an error path
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError as err:
         raise CheckpointError(f"{step_dir}: a deepspeed checkpoint needs DeepSpeed ({err}); install it with "
                               "`pip install -e .[deepspeed]` or `bash launch/setup.sh --deepspeed`") from None

@@ -22,6 +22,7 @@ from lm.distributed.materialize import WeightLoader, materialize
 from lm.distributed.micro_batches import MicroBatchLoop
 from lm.distributed.optim import build_optimizer, set_lr
 from lm.errors import ConfigError
+from lm.io import held_output
 from lm.models.family import Family, LossFn, Run
 
 T = TypeVar("T")
@@ -100,23 +101,26 @@ def deepspeed_config(cfg: JobConfig, world_size: int, device: torch.device, load
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: JobConfig, env: DistEnv,
                load_universal: bool = False):
     """Wrap `model` and `optimizer` in a DeepSpeed engine on the process group lm already started."""
-    import deepspeed
-
     # DeepSpeed reads its rank from the environment; a run started without a launcher has none
     for key, value in (("LOCAL_RANK", env.local_rank), ("RANK", env.rank), ("WORLD_SIZE", env.world_size)):
         os.environ.setdefault(key, str(value))
     from pydantic import ValidationError  # what DeepSpeed's config classes raise
 
-    try:
-        engine, ds_optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=deepspeed_config(cfg, env.world_size, env.device, load_universal),
-            dist_init_required=False,
-        )
-    except ValidationError as err:  # a value of the user's JSON that DeepSpeed's schema refuses
-        first = err.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise ConfigError(f"parallel.deepspeed_config: {cfg.parallel.deepspeed_config}: {err.title} {where}: "
-                          f"{first['msg']}, got {first.get('input')!r}") from None
+    # DeepSpeed's import and setup print an accelerator notice and compiler lines: shown once they succeed,
+    # dropped when they fail, so that a refused JSON ends on our one error line
+    with held_output():
+        import deepspeed
+
+        try:
+            engine, ds_optimizer, _, _ = deepspeed.initialize(
+                model=model, optimizer=optimizer,
+                config=deepspeed_config(cfg, env.world_size, env.device, load_universal), dist_init_required=False,
+            )
+        except ValidationError as err:  # a value of the user's JSON that DeepSpeed's schema refuses
+            first = err.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise ConfigError(f"parallel.deepspeed_config: {cfg.parallel.deepspeed_config}: {err.title} {where}: "
+                              f"{first['msg']}, got {first.get('input')!r}") from None
     return engine, ds_optimizer
 
 
