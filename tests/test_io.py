@@ -9,7 +9,6 @@ import pytest
 
 from lm.errors import DataError
 from lm.io import (
-    held_output,
     atomic_path,
     atomic_write_text,
     merge_dir,

@@ -141,6 +141,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's error on one line: where and what (its own message draws the line with a caret under it)."""
+    if not isinstance(err, yaml.MarkedYAMLError) or err.problem_mark is None:
+        return " ".join(str(err).split())
+    mark = err.problem_mark
+    text = f"line {mark.line + 1}, column {mark.column + 1}: {err.problem}"
+    if err.context:
+        at = err.context_mark
+        text += f" ({err.context}" + (f" at line {at.line + 1}, column {at.column + 1})" if at else ")")
+    return text
+
+
 def _parse_yaml(text: str, origin: str | Path) -> dict:
     try:
         raw = yaml.load(text, Loader=_UniqueKeyLoader) or {}
@@ -148,7 +160,7 @@ def _parse_yaml(text: str, origin: str | Path) -> dict:
         raise ConfigError(f"{origin}: key {dup.key!r} is given twice (lines {dup.first} and {dup.again}); "
                           "keep one") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{origin}: not valid YAML: {err}") from None
+        raise ConfigError(f"{origin}: not valid YAML: {yaml_problem(err)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{origin}: expected a mapping of sections at the top level")
     return raw
