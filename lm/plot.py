@@ -10,6 +10,7 @@ from pathlib import Path
 
 from lm.cli import run
 from lm.errors import PlotError
+from lm.io import output_file_problem
 from lm.report.figures import curves_figure, load_run, run_labels, save_png
 
 
@@ -17,11 +18,11 @@ def _output_path(run_dirs: list[Path], out: Path | None) -> Path:
     if out is None:
         if len(run_dirs) > 1:
             raise PlotError(f"--out is required with several run directories ({len(run_dirs)} given)")
-        return run_dirs[0] / "curves.png"
-    if out.suffix.lower() != ".png":
+        out = run_dirs[0] / "curves.png"
+    elif out.suffix.lower() != ".png":
         raise PlotError(f"--out {out}: the figure is written as PNG; name the file *.png")
-    if out.is_dir():
-        raise PlotError(f"--out {out}: is a directory; name the PNG file to write")
+    if problem := output_file_problem(out):
+        raise PlotError(f"--out {problem}")
     return out
 
 

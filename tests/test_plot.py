@@ -29,6 +29,8 @@ def test_cli_plots_several_runs_into_out(tmp_path, capsys):
     ("malformed", "bad/metrics.jsonl:2: not a JSON object"),
     ("several_without_out", "--out is required with several run directories (2 given)"),
     ("not_png", "the figure is written as PNG; name the file *.png"),
+    ("below_a_file", "curves.png/x.png: {tmp}/curves.png is a file, not a directory"),
+    ("a_directory", "good.png: is a directory; name the file to write"),
 ])
 def test_cli_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, case, expected):
     good, bad = tmp_path / "good", tmp_path / "bad"
@@ -43,11 +45,17 @@ def test_cli_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, ca
     argv = {
         "several_without_out": [str(good), str(good)],
         "not_png": [str(good), "--out", str(tmp_path / "curves.jpg")],
+        "below_a_file": [str(good), "--out", str(out / "x.png")],  # was a traceback after drawing
+        "a_directory": [str(good), "--out", str(good.with_suffix(".png"))],
     }.get(case, [str(good), str(bad), "--out", str(out)])
+    if case == "a_directory":
+        good.with_suffix(".png").mkdir()
     assert run(plot.main, argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
+    expected = expected.replace("{tmp}", str(tmp_path))
     assert captured.err.startswith("error: ") and captured.err.count("\n") == 1 and expected in captured.err
     assert out.read_bytes() == PNG_SIGNATURE + b"a good old figure"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "curves.png", "good"]
+    made = ["good.png"] if case == "a_directory" else []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["bad", "curves.png", "good", *made])
     assert sorted(p.name for p in good.iterdir()) == ["metrics.jsonl"]
