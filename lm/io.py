@@ -46,6 +46,15 @@ def file_above(path: Path) -> Path | None:
     return None
 
 
+def output_dir_problem(path: Path) -> str | None:
+    """Why a tool may not make or fill the directory `path`, or None when it may: a file is there, or above it."""
+    if path.exists() and not path.is_dir():
+        return f"{path}: is a file; name a directory"
+    if (above := file_above(path)) is not None:
+        return f"{path}: {above} is a file, not a directory"
+    return None
+
+
 def output_file_problem(path: Path, inputs: Sequence[Path] = ()) -> str | None:
     """Why a tool may not write the file `path`, or None when it may: asked before any work, so a bad output
     path costs nothing. Refused: a directory, a path below a file (missing parent directories are made, as

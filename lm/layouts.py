@@ -26,6 +26,7 @@ from lm.cli import positive_int, run, run_logged, train_command
 from lm.config import load_config
 from lm.distributed.layout import check_world
 from lm.errors import ConfigError
+from lm.io import output_dir_problem
 
 log = logging.getLogger("lm.layouts")
 
@@ -100,7 +101,9 @@ def runs_dir(out: str | None) -> Path:
     """Where the runs go: --out, new or empty, or a new temporary directory."""
     if out is None:
         return Path(tempfile.mkdtemp(prefix="lm-layouts-"))
-    if Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
+    if problem := output_dir_problem(Path(out)):
+        raise ConfigError(f"--out {problem}")
+    if Path(out).exists() and any(Path(out).iterdir()):
         raise ConfigError(f"--out {out}: exists and is not an empty directory; name a new one (every layout "
                           "trains from step 0)")
     return Path(out)

@@ -28,7 +28,8 @@ from tests.distributed.test_engines import heads_for
 
 TOOLS = {
     "train": "lm.train", "prepare": "lm.prepare", "eval": "lm.eval", "sample": "lm.sample",
-    "export": "lm.export", "consolidate": "lm.consolidate",
+    "export": "lm.export", "consolidate": "lm.consolidate", "plot": "lm.plot", "sweep": "lm.sweep.__main__",
+    "layouts": "lm.layouts",
 }
 TINY = [
     "--model.n_layer=2", "--model.d_model=32", "--model.block_size=32", "--data.seq_len=16",
@@ -344,6 +345,14 @@ CASES = [
          r"--nproc: only --dry-run takes it"),
     Case("cli: train --dry-run --nproc 0", "train", [*train(), "--dry-run", "--nproc", "0"],
          r"python -m lm.train: error: argument --nproc: expected a positive integer, got 0"),
+    # outputs where nothing can be written, refused before any work
+    Case("cli: plot below a file", "plot", ["{ws}/run", "--out", "{ws}/weights.safetensors/curves.png"],
+         r"--out {ws}/weights.safetensors/curves.png: {ws}/weights.safetensors is a file, not a directory"),
+    Case("cli: sweep into a file", "sweep", ["--config", "{ws}/run/config.yaml", "--grid", "optim.lr=1e-3,2e-3",
+                                              "--out", "{ws}/binary.txt"],
+         r"--out {ws}/binary.txt: is a file; name a directory"),
+    Case("cli: layouts below a file", "layouts", ["--layout", "1", "--layout", "2", "--out", "{ws}/binary.txt/runs"],
+         r"--out {ws}/binary.txt/runs: {ws}/binary.txt is a file, not a directory"),
 ]
 
 

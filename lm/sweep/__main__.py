@@ -20,7 +20,7 @@ from lm.checkpoint.store import checkpoint_root, complete_checkpoints
 from lm.cli import positive_int, run, run_logged, train_command
 from lm.config import JobConfig, config_diff, load_config
 from lm.errors import ConfigError, SweepError
-from lm.io import atomic_write_text
+from lm.io import atomic_write_text, output_dir_problem
 from lm.models.registry import family_of
 from lm.report.figures import load_run, save_png, val_time_figure
 from lm.sweep.grid import expand, format_value, overrides, parse_grid, run_name
@@ -123,6 +123,8 @@ def main(argv: list[str]) -> int:
     grid = parse_grid(args.grid)
     base = load_config(args.config, fixed)
     out = Path(args.out or f"runs/sweep_{Path(args.config).stem}")
+    if problem := output_dir_problem(out):
+        raise SweepError(f"--out {problem}")
     runs = plan_runs(args.config, fixed, expand(grid, args.random, args.seed), out)
     if args.dry_run:
         for i, r in enumerate(runs, 1):
