@@ -18,8 +18,8 @@ from typing import Any
 from lm.errors import LMError
 
 __all__ = [
-    "MAX_COUNT", "Check", "Each", "Entries", "Spec", "Table", "check", "count", "finite", "flag", "fraction", "ints",
-    "is_int", "name", "names", "nonblank", "nonnegative", "or_null", "positive", "table", "token_id", "token_ids",
+    "MAX_COUNT", "Check", "Each", "Entries", "Spec", "Table", "check", "count", "flag", "fraction", "ints", "name",
+    "names", "nonblank", "nonnegative", "or_null", "positive", "table", "token_id", "token_ids",
 ]
 
 Check = Callable[[Any], str]
@@ -29,23 +29,19 @@ Check = Callable[[Any], str]
 MAX_COUNT = 2**31 - 1
 
 
-def is_int(value: Any) -> bool:
+def _is_int(value: Any) -> bool:
     """Whether `value` is an integer; JSON's and YAML's true is not a count."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:
-    if is_int(value):
+    if _is_int(value):
         return abs(value) <= MAX_COUNT
     return isinstance(value, float) and math.isfinite(value)
 
 
 def count(value: Any) -> str:
-    return "" if is_int(value) and 1 <= value <= MAX_COUNT else f"a positive integer up to {MAX_COUNT}"
-
-
-def finite(value: Any) -> str:
-    return "" if _is_number(value) else "a finite number"
+    return "" if _is_int(value) and 1 <= value <= MAX_COUNT else f"a positive integer up to {MAX_COUNT}"
 
 
 def positive(value: Any) -> str:
@@ -77,17 +73,17 @@ def names(value: Any) -> str:
 
 
 def token_id(value: Any) -> str:
-    return "" if is_int(value) and 0 <= value <= MAX_COUNT else f"a token id (an integer from 0 to {MAX_COUNT})"
+    return "" if _is_int(value) and 0 <= value <= MAX_COUNT else f"a token id (an integer from 0 to {MAX_COUNT})"
 
 
 def token_ids(value: Any) -> str:
-    ok = is_int(value) and 0 <= value <= MAX_COUNT or isinstance(value, list) and all(
-        is_int(v) and 0 <= v <= MAX_COUNT for v in value)
+    ok = _is_int(value) and 0 <= value <= MAX_COUNT or isinstance(value, list) and all(
+        _is_int(v) and 0 <= v <= MAX_COUNT for v in value)
     return "" if ok else "a token id or a list of token ids"
 
 
 def ints(value: Any) -> str:
-    return "" if isinstance(value, list) and all(is_int(v) for v in value) else "a list of integers"
+    return "" if isinstance(value, list) and all(_is_int(v) for v in value) else "a list of integers"
 
 
 def table(value: Any) -> str:
@@ -158,7 +154,7 @@ def _first_problem(value: Any, spec: Spec, key: str) -> tuple[str, Any, str] | N
     return next((found for k, v, s in below if (found := _first_problem(v, s, k))), None)
 
 
-def shown(value: Any) -> str:
+def _shown(value: Any) -> str:
     """`value` as its repr, cut to 60 characters."""
     text = repr(value)
     return text if len(text) <= 60 else f"{text[:57]}..."
@@ -173,4 +169,4 @@ def check(values: Mapping[str, Any], schema: Mapping[str, Spec], origin: str | P
     if found is not None:
         key, value, expected = found
         where = f"{origin}: " if origin is not None else ""
-        raise error(f"{where}{key}: expected {expected}, got {shown(value)}")
+        raise error(f"{where}{key}: expected {expected}, got {_shown(value)}")
