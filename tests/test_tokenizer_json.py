@@ -1,5 +1,6 @@
-"""A Hugging Face tokenizer.json as data.tokenizer: its ids, where its EOS and BOS come from, its hash, and the
-prompt and decoding conventions shared with the tiktoken encodings."""
+"""A Hugging Face tokenizer.json as data.tokenizer: its ids, where its EOS and BOS come from, what lm reads of it
+and of its tokenizer_config.json checked by file and key, its hash, and the prompt and decoding conventions shared
+with the tiktoken encodings."""
 
 import hashlib
 import json
@@ -124,6 +125,95 @@ def test_bad_tokenizer_config(tokenizer_jsons, tmp_path, config, message):
     (tmp_path / "t" / "tokenizer_config.json").write_text(config if isinstance(config, str) else json.dumps(config))
     with pytest.raises(TokenizerError, match=message):
         load_tokenizer(path)
+
+
+ID = "a token id (an integer from 0 to 2147483647)"
+
+
+def _sequence_of_the_template(definition: dict) -> None:
+    definition["post_processor"] = {"type": "Sequence", "processors": [definition["post_processor"]]}
+
+
+def _set(keys: str, value: object):
+    """An edit of a tokenizer.json that puts `value` at the dotted `keys` (list items by number)."""
+    def edit(definition: dict) -> None:
+        *outer, last = [int(k) if k.isdigit() else k for k in keys.split(".")]
+        node = definition
+        for key in outer:
+            node = node[key]
+        node[last] = value
+    return edit
+
+
+# what the "bos" file's JSON holds (its template puts <s> first): each bad value named by its key
+BAD_TOKENIZER_JSON = [
+    (_set("added_tokens", None), "added_tokens: expected a list, got None"),
+    (_set("added_tokens.1", "</s>"), "added_tokens[1]: expected an object with a token's id and content, got '</s>'"),
+    (_set("added_tokens.1.id", "1"), f"added_tokens[1].id: expected {ID}, got '1'"),
+    (_set("added_tokens.0.id", -1), f"added_tokens[0].id: expected {ID}, got -1"),
+    (_set("added_tokens.0.content", 0), "added_tokens[0].content: expected a string, got 0"),
+    (_set("post_processor", "TemplateProcessing"),
+     "post_processor: expected an object of settings or null, got 'TemplateProcessing'"),
+    (_set("post_processor.type", 1), "post_processor.type: expected a string, got 1"),
+    (_set("post_processor.single.0", "<s>"), "post_processor.single[0]: expected an object, got '<s>'"),
+    (_set("post_processor.single.0.SpecialToken", None),
+     "post_processor.single[0].SpecialToken: expected an object, got None"),
+    (_set("post_processor.special_tokens", []), "post_processor.special_tokens: expected an object, got []"),
+    (_set("post_processor.special_tokens.<s>.ids", 0), "post_processor.special_tokens.<s>.ids: expected a list, got 0"),
+    (_set("post_processor.special_tokens.<s>.ids", [True]),
+     f"post_processor.special_tokens.<s>.ids[0]: expected {ID}, got True"),
+    (_set("post_processor", {"type": "Sequence", "processors": [3]}),
+     "post_processor.processors[0]: expected an object of settings, got 3"),
+    (lambda d: (_sequence_of_the_template(d), _set("post_processor.processors.0.special_tokens.<s>.ids", "0")(d)),
+     "post_processor.processors[0].special_tokens.<s>.ids: expected a list, got '0'"),
+]
+
+
+@pytest.mark.parametrize("edit, message", BAD_TOKENIZER_JSON, ids=[m.split(":")[0] for _, m in BAD_TOKENIZER_JSON])
+def test_a_tokenizer_json_value_lm_reads_is_checked_by_key(tokenizer_jsons, tmp_path, edit, message):
+    definition = json.loads(tokenizer_jsons["bos"].read_text())
+    edit(definition)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(definition))
+    with pytest.raises(TokenizerError) as err:
+        load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert str(err.value) == f"{tmp_path / 'tokenizer.json'}: {message}"
+
+
+def test_a_template_inside_a_sequence_still_gives_the_bos(tokenizer_jsons, tmp_path):
+    definition = json.loads(tokenizer_jsons["bos"].read_text())
+    _sequence_of_the_template(definition)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(definition))
+    assert load_tokenizer(str(tmp_path / "tokenizer.json")).bos_token == 0
+
+
+def test_a_tokenizer_json_that_is_no_object_is_named(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("[1]")
+    with pytest.raises(TokenizerError, match=r"tokenizer.json: holds a list; expected the JSON object of a Hugging "
+                                             r"Face tokenizer.json"):
+        load_tokenizer(str(tmp_path / "tokenizer.json"))
+
+
+SPECIAL = "a token's text or an object with its text as content or null"
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"add_bos_token": "false", "bos_token": "<s>"}, "add_bos_token: expected true or false or null, got 'false'"),
+    ({"add_bos_token": 1}, "add_bos_token: expected true or false or null, got 1"),
+    ({"eos_token": 1}, f"eos_token: expected {SPECIAL}, got 1"),
+    ({"eos_token": {"__type": "AddedToken"}}, f"eos_token: expected {SPECIAL}, got {{'__type': 'AddedToken'}}"),
+    ({"bos_token": {"content": 0}, "add_bos_token": True}, f"bos_token: expected {SPECIAL}, got {{'content': 0}}"),
+    ({"bos_token": ["<s>"]}, f"bos_token: expected {SPECIAL}, got ['<s>']"),
+], ids=["add-bos-text", "add-bos-number", "eos-number", "eos-without-content", "bos-content-number", "bos-list"])
+def test_a_tokenizer_config_value_lm_reads_is_checked_by_key(tokenizer_jsons, tmp_path, config, message):
+    path = copy_tokenizer(tokenizer_jsons["metaspace"], tmp_path / "t", config)
+    with pytest.raises(TokenizerError) as err:
+        load_tokenizer(path)
+    assert str(err.value) == f"{tmp_path / 't' / 'tokenizer_config.json'}: {message}"
+
+
+def test_add_bos_token_null_adds_none_as_in_transformers(tokenizer_jsons, tmp_path):
+    path = copy_tokenizer(tokenizer_jsons["bos"], tmp_path / "t", {"add_bos_token": None, "eos_token": "</s>"})
+    assert (load_tokenizer(path).bos_token, load_tokenizer(path).eot_token) == (None, 1)
 
 
 def test_hash_follows_the_bytes_and_the_chosen_ids_not_the_directory(tokenizer_jsons, tmp_path):

@@ -8,9 +8,19 @@ from pathlib import Path
 
 from lm.data.masking import check_masking
 from lm.errors import ConfigError
+from lm.schema import Spec, check, nonblank, nonnegative
 from lm.tokenizer import VOCAB_SIZES, is_tokenizer_file
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def _metric_name(value: str) -> str:
+    ok = bool(_NAME.fullmatch(value))
+    return "" if ok else "a name of letters, digits, '_', '.' and '-' (it names the source's metrics)"
+
+
+# The loader has made each value its field's type, a finite float for the weight; these are the ranges.
+_SOURCE_KEYS: dict[str, Spec] = {"dir": nonblank, "weight": nonnegative, "name": _metric_name}
 
 
 @dataclass
@@ -25,13 +35,8 @@ class MixtureSource:
     """Name in the metrics (val/<name>/loss, data/<name>/tokens); default: the directory's last part."""
 
     def __post_init__(self) -> None:
-        if not self.dir.strip():
-            raise ConfigError("dir: each mixture source names a prepared data directory, e.g. {dir: data/kjv}")
-        if self.weight < 0:
-            raise ConfigError(f"weight: must be >= 0, got {self.weight}")
         self.name = self.name or Path(self.dir).name
-        if not _NAME.fullmatch(self.name):
-            raise ConfigError(f"name: {self.name!r} cannot name metrics; use letters, digits, '_', '.' and '-'")
+        check(vars(self), _SOURCE_KEYS, None, ConfigError)  # named data.mixture[i].key by the loader
 
 
 @dataclass

@@ -25,7 +25,8 @@ from lm.hf.remote_code import CODE_DIR
 from lm.hf.targets import Target, hf_state_dict
 from lm.hf.tokenizer_files import write_hf_tokenizer
 from lm.io import atomic_path, file_above, merge_dir, temp_sibling
-from lm.tokenizer import TOKENIZER_CONFIG, HFTokenizer, Tokenizer, is_tokenizer_file
+from lm.tokenizer import HFTokenizer, Tokenizer, is_tokenizer_file
+from lm.tokenizer_json import TOKENIZER_CONFIG
 
 __all__ = ["copy_tokenizer_files", "export_hf", "output_problem", "write_export"]
 

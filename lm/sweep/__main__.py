@@ -23,6 +23,7 @@ from lm.errors import ConfigError, SweepError
 from lm.io import atomic_write_text, output_dir_problem
 from lm.models.registry import family_of
 from lm.report.figures import load_run, save_png, val_time_figure
+from lm.schema import Entries, Spec, check, table
 from lm.sweep.grid import expand, format_value, overrides, parse_grid, run_name
 from lm.sweep.results import csv_text, markdown, read_result
 
@@ -50,14 +51,19 @@ def resolved(cfg: JobConfig) -> dict:
 
 
 def plan_runs(config: str, fixed: list[str], combos: list[dict], out: Path) -> list[Run]:
-    """Each combination's config, checked before anything runs; a bad one names the grid value to blame."""
-    runs = []
+    """Each combination's config, checked before anything runs; a bad one names the grid value to blame, and two
+    that train the same config (1 and 1.0 for a float) are refused rather than trained twice."""
+    runs, planned = [], {}
     for combo in combos:
         try:
             cfg = load_config(config, [*fixed, *overrides(combo)])
         except ConfigError as err:
             message = blame(config, fixed, combo) or f"--grid combination {' '.join(overrides(combo))}: {err}"
             raise SweepError(message) from None
+        same = planned.setdefault(json.dumps(resolved(cfg), sort_keys=True), combo)
+        if same is not combo:
+            raise SweepError(f"--grid: {' '.join(overrides(same))} and {' '.join(overrides(combo))} train the same "
+                             "config; list each value once")
         name = run_name(combo, resolved(cfg))
         cfg.train.out_dir = str(out / "runs" / name)
         runs.append(Run(name, combo, cfg, out / "runs" / name))
@@ -75,15 +81,29 @@ def blame(config: str, fixed: list[str], combo: dict) -> str | None:
     return None
 
 
+# What lm reads back of OUT/sweep.json, a file one may have edited or replaced: the base config, by section.
+RECORD_KEYS: dict[str, Spec] = {"base": Entries(table, "an object of config sections")}
+
+
+def recorded_base(record: Path) -> dict:
+    """The base config OUT/sweep.json records; SweepError naming the file, and the key where one is to blame,
+    when it is no sweep record."""
+    try:
+        values = json.loads(record.read_text())
+    except (OSError, ValueError):
+        values = None
+    if not isinstance(values, dict) or "base" not in values:
+        raise SweepError(f"{record}: not a sweep record (JSON with a 'base' config); is {record.parent} a sweep "
+                         "directory?")
+    check(values, RECORD_KEYS, record, SweepError)
+    return values["base"]
+
+
 def claim_sweep_dir(out: Path, base: dict, config: str, grid: dict, force: bool) -> None:
     """Record the base config in OUT/sweep.json, refusing a directory that holds a sweep of another one."""
     record = out / "sweep.json"
     if record.is_file():
-        try:
-            previous = json.loads(record.read_text())["base"]
-        except (ValueError, KeyError, TypeError):
-            raise SweepError(f"{record}: not a sweep record (JSON with a 'base' config); is {out} a sweep "
-                             "directory?") from None
+        previous = recorded_base(record)
         diff = [f"{key}: {old!r} -> {new!r}" for key, (old, new) in config_diff(previous, base).items()]
         if diff and not force:
             shown = "; ".join(diff[:4]) + ("; ..." if len(diff) > 4 else "")

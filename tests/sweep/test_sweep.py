@@ -102,6 +102,8 @@ def tree_digest(root: Path) -> dict[str, str]:
     ([], r"--grid: empty"),
     (["--grid", "data.seq_len=8,16"], r"--grid data.seq_len: every run of a sweep has the same data"),
     (["--grid", "optim.lr=1e-3,3e-3", "--random", "3"], r"--random: 3 runs asked for, but the grid has 2"),
+    (["--grid", "optim.lr=1,1.0"], r"--grid: --optim.lr=1 and --optim.lr=1.0 train the same config; list each value "
+                                   r"once"),
 ])
 def test_bad_grids_are_refused_before_any_run_starts(base_config, tmp_path, capsys, args, message):
     import re
@@ -131,6 +133,23 @@ def test_a_directory_of_another_base_config_is_refused_unless_forced(base_config
     assert all(after[path] == digest for path, digest in before.items() if path.startswith("runs/"))  # untouched
     # the table compares this sweep's run only
     assert (out / "results.md").read_text().count("| finished |") == 1
+
+
+@pytest.mark.parametrize("record, message", [
+    ('{"base": {"model": 3}}', "sweep.json: base.model: expected an object of settings, got 3"),
+    ('{"base": ["model"]}', "sweep.json: base: expected an object of config sections, got ['model']"),
+    ('{"grid": {}}', "sweep.json: not a sweep record (JSON with a 'base' config)"),
+    ("[1]", "sweep.json: not a sweep record (JSON with a 'base' config)"),
+], ids=["section-not-an-object", "base-a-list", "no-base", "a-list"])
+def test_a_sweep_record_of_the_wrong_shape_is_named_by_key_before_any_work(base_config, tmp_path, capsys, record,
+                                                                            message):
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / "sweep.json").write_text(record)
+    assert run(main, ["--config", str(base_config), "--grid", "optim.lr=3e-3", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {out / message}"), err
+    assert [p.name for p in out.iterdir()] == ["sweep.json"] and (out / "sweep.json").read_text() == record
 
 
 def test_dry_run_lists_the_runs_and_writes_nothing(base_config, tmp_path, capsys):

@@ -1,0 +1,41 @@
+"""A mixture's sources (data.mixture): each value's range is checked in one table, and a bad one is named by its
+place in the list and its key; what the loader already refuses (a weight that is no finite number) keeps its
+message."""
+
+import pytest
+
+from lm.config import load_config
+from lm.data.config import MixtureSource
+from lm.errors import ConfigError
+
+
+def mixture(entries: str) -> list[MixtureSource]:
+    return load_config(None, [f"--data.mixture={entries}"]).data.mixture
+
+
+def test_good_sources_pass_with_their_defaults():
+    sources = mixture("[{dir: data/plays}, {dir: /corpora/kjv/, weight: 0, name: bible.v1}, {dir: d, weight: 1e308}]")
+    assert [(s.dir, s.weight, s.name) for s in sources] == [
+        ("data/plays", 1.0, "plays"), ("/corpora/kjv/", 0.0, "bible.v1"), ("d", 1e308, "d")]
+
+
+@pytest.mark.parametrize("entries, message", [
+    ("[{dir: a}, {dir: b, weight: -1}]", "data.mixture[1].weight: expected a finite number >= 0, got -1.0"),
+    ("[{dir: a, weight: -1e-300}]", "data.mixture[0].weight: expected a finite number >= 0, got -1e-300"),
+    ("[{dir: ''}]", "data.mixture[0].dir: expected a non-empty string, got ''"),
+    ("[{dir: a}, {dir: '  '}]", "data.mixture[1].dir: expected a non-empty string, got '  '"),
+    ("[{dir: a, name: 'x y'}]", "data.mixture[0].name: expected a name of letters, digits, '_', '.' and '-' (it "
+                                "names the source's metrics), got 'x y'"),
+    ("[{dir: /}]", "data.mixture[0].name: expected a name of letters"),  # the directory's last part is empty
+    ("[{dir: a, weight: .nan}]", "data.mixture[0].weight: must be a finite number, got nan"),  # the loader's
+    ("[{dir: a, weight: [1]}]", "data.mixture[0].weight: expected float, got list [1]"),
+], ids=["negative", "tiny-negative", "empty-dir", "blank-dir", "name", "root-dir", "nan", "list"])
+def test_a_bad_value_is_named_by_its_place_and_key(entries, message):
+    with pytest.raises(ConfigError) as err:
+        mixture(entries)
+    assert str(err.value).startswith(message)
+
+
+def test_a_source_built_in_code_is_checked_too():
+    with pytest.raises(ConfigError, match=r"^weight: expected a finite number >= 0, got nan$"):
+        MixtureSource(dir="a", weight=float("nan"))
