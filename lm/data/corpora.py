@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from lm.data.local_datasets import local_datasets
+from lm.data.local_datasets import check_json_rows, local_datasets
 from lm.data.pieces import Piece, split_pieces
 from lm.errors import DataError
 from lm.io import read_utf8, read_utf8_chunks
@@ -316,6 +316,8 @@ def _row_texts(path: Path, fmt: str, text_column: str) -> Iterator[str]:
         return datasets.load_dataset(fmt, data_files=[str(path)], split="train", streaming=True, cache_dir=cache,
                                      **options)
 
+    if fmt == "json":
+        check_json_rows(path)
     with local_datasets() as datasets:
         # pyarrow's parse errors (ArrowInvalid) are ValueErrors
         yield from _column_texts(datasets, open_rows, str(path), f"cannot read as {fmt}", (ValueError, OSError),

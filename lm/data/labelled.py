@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from lm.data.loader import rank_slice
-from lm.data.local_datasets import local_datasets
+from lm.data.local_datasets import check_json_rows, local_datasets
 from lm.data.mixture import sample_order
 from lm.data.prepare import is_val_document
 from lm.errors import DataError
@@ -86,6 +86,8 @@ def _read_columns(path: Path, names: Sequence[str], optional: Sequence[str] = ()
     # and keep_in_memory loads it whole, so the copy can go at once
     # a csv cell is read as written: pandas would otherwise turn "", "NA", "null", "None" ... into a missing value
     options = {"keep_default_na": False} if fmt == "csv" else {}
+    if fmt == "json":
+        check_json_rows(path)
     with local_datasets() as datasets:
         try:
             with tempfile.TemporaryDirectory(prefix="lm-datasets-") as cache:

@@ -10,16 +10,30 @@ tensor for its epoch counter when torch is installed, which cost `lm.prepare` (t
 200 MB. And it has Arrow allocate with the C library's malloc: its default pool (mimalloc) kept a few MB
 more after every file read, 44 MB more after the Debian mix's 16 files read twice, where malloc stays flat
 at the same speed.
+
+`check_json_rows` refuses, before `datasets` reads a JSON file, the two shapes of row that take it down instead
+of raising an error: a JSON Lines row that is `null` (pyarrow's JSON reader ends the process with a
+segmentation fault on a block that starts with one: pyarrow 26) and a JSON array mixing objects with other
+values (a TypeError from deep inside pandas).
 """
 
+import codecs
 import contextlib
+import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 
-__all__ = ["local_datasets"]
+from lm.errors import DataError
+
+__all__ = ["check_json_rows", "local_datasets"]
+
+_CHUNK = 1 << 20
+_NULL_ROW = re.compile(rb"\n[ \t\r]*null[ \t\r]*\n")
 
 
 @contextlib.contextmanager
@@ -48,3 +62,38 @@ def local_datasets(offline: bool = True) -> Iterator[ModuleType]:
         logger.setLevel(level)
         if bars:
             datasets.enable_progress_bars()
+
+
+def check_json_rows(path: Path) -> None:
+    """DataError naming `path` for a row that `datasets` cannot be given safely (see the module docstring): in a
+    JSON array, a value that is not an object among objects; elsewhere (JSON Lines), a line holding only null.
+    Reads the file in chunks; an array, which `datasets` reads whole too, is parsed whole."""
+    with open(path, "rb") as f:
+        chunk = f.read(_CHUNK).removeprefix(codecs.BOM_UTF8)
+        if chunk.lstrip().startswith(b"["):
+            _check_array(path, chunk + f.read())
+            return
+        carry, line = b"\n", 1  # the unfinished line before `chunk`, after the newline that began it; its number
+        while chunk:
+            following = f.read(_CHUNK)
+            data = carry + chunk + (b"" if following else b"\n")
+            found = _NULL_ROW.search(data)
+            if found is not None:
+                line += data.count(b"\n", 1, found.start() + 1)
+                raise DataError(f"{path}: line {line} is null; each row of JSON Lines must be an object")
+            cut = data.rfind(b"\n")
+            line += data.count(b"\n", 1, cut + 1)
+            carry = data[cut:] if len(data) - cut < 64 else b"\nx"  # a longer line is no null row
+            chunk = following
+
+
+def _check_array(path: Path, data: bytes) -> None:
+    try:
+        rows = json.loads(data.decode("utf-8-sig"))
+    except ValueError:
+        return  # datasets names what is wrong with it
+    if not isinstance(rows, list) or not any(isinstance(row, dict) for row in rows):
+        return  # a list of texts datasets reads as the column "text"; their types are checked there
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(f"{path}: row {i} is {json.dumps(row)[:80]}, not an object like the other rows")

@@ -1,0 +1,40 @@
+import pytest
+
+from lm.data.corpora import iter_documents
+from lm.data.labelled import read_labelled
+from lm.data.local_datasets import check_json_rows
+from lm.errors import DataError
+
+
+@pytest.mark.parametrize("content, message", [
+    ("null\n", "line 1 is null"),  # pyarrow's JSON reader ends the process on a block that starts with null
+    ('\ufeff  null \r\n{"text": "a"}\n', "line 1 is null"),
+    ('{"text": "a"}\n\nnull', "line 3 is null"),
+    ('[{"text": "a"}, 5]', "row 1 is 5, not an object like the other rows"),  # a TypeError inside pandas
+    ('[null, {"text": "a"}]', "row 0 is null, not an object like the other rows"),
+])
+def test_rows_datasets_cannot_take_are_refused_by_both_readers(content, message, tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(content)
+    with pytest.raises(DataError, match=f"^{path}: {message}"):
+        list(iter_documents(str(path), "text"))
+    with pytest.raises(DataError, match=f"^{path}: {message}"):
+        read_labelled(path, "text", "label", "regress")
+
+
+def test_a_null_row_is_found_across_chunks_with_its_line(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    short = b'{"text": "a"}\n' * 1000
+    rows = short + b'{"text": "' + b"x" * ((1 << 20) - 2 - len(short) - 13) + b'"}\n'  # 1 MiB less 2 bytes
+    path.write_bytes(rows + b"  null\n" + rows)  # the first chunk ends inside line 1,002
+    with pytest.raises(DataError, match="line 1002 is null"):
+        check_json_rows(path)
+    path.write_bytes(rows + b"  nullified\n" + b" null" * 30 + b"\n")  # "null" alone on no line
+    check_json_rows(path)
+
+
+@pytest.mark.parametrize("content", ['{"text": "null"}\n', '[{"text": "a"}, {"text": null}]', '["a", null]', "{\n}\n"])
+def test_rows_that_only_mention_null_pass(content, tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(content)
+    check_json_rows(path)
