@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from lm.data.loader import rank_slice
-from lm.data.local_datasets import check_json_rows, local_datasets
+from lm.data.local_datasets import JSON_OPTIONS, check_json_rows, local_datasets, read_failure
 from lm.data.mixture import sample_order
 from lm.data.prepare import is_val_document
 from lm.errors import DataError
@@ -85,7 +85,7 @@ def _read_columns(path: Path, names: Sequence[str], optional: Sequence[str] = ()
     # datasets writes an Arrow copy before loading it; a temporary cache keeps it out of the user's home,
     # and keep_in_memory loads it whole, so the copy can go at once
     # a csv cell is read as written: pandas would otherwise turn "", "NA", "null", "None" ... into a missing value
-    options = {"keep_default_na": False} if fmt == "csv" else {}
+    options = {"keep_default_na": False} if fmt == "csv" else JSON_OPTIONS if fmt == "json" else {}
     if fmt == "json":
         check_json_rows(path)
     with local_datasets() as datasets:
@@ -98,8 +98,7 @@ def _read_columns(path: Path, names: Sequence[str], optional: Sequence[str] = ()
         except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as err:
             if "corresponds to no data" in str(err):
                 raise DataError(f"{path}: no rows; expected labelled examples") from err
-            cause = str(err.__cause__ or err).strip().splitlines() or [type(err).__name__]
-            raise DataError(f"{path}: cannot read as {fmt}: {cause[0]}") from err
+            raise DataError(f"{path}: {read_failure(path, fmt, err.__cause__ or err)}") from err
     for name in names:
         if name not in table.column_names:
             raise DataError(f"{path}: no column {name!r}; the columns are {sorted(table.column_names)}")

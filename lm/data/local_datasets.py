@@ -30,9 +30,16 @@ from types import ModuleType
 
 from lm.errors import DataError
 
-__all__ = ["check_json_rows", "local_datasets"]
+__all__ = ["JSON_OPTIONS", "check_json_rows", "local_datasets", "read_failure"]
 
+JSON_OPTIONS = {"on_mixed_types": None, "parse_agent_traces": False}
+"""What both readers pass `datasets`' JSON loader: by default it keeps a column of mixed types (texts and a
+number, a list) by turning every value of it into its JSON text, so a corpus took the number 5 as the document
+"5" and each text as itself in quotes; and it reads files whose columns look like an AI agent's traces
+(`type`, `message`) into a schema of its own. Without them, mixed types are an error naming the column."""
 _CHUNK = 1 << 20
+_MIXED = re.compile(r"Column\(/([^)]*)\) changed from (\w+) to (\w+)")
+_KINDS = {str: "string", bool: "boolean", int: "number", float: "number", list: "array", dict: "object"}
 _NULL_ROW = re.compile(rb"\n[ \t\r]*null[ \t\r]*\n")
 
 
@@ -97,3 +104,41 @@ def _check_array(path: Path, data: bytes) -> None:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise DataError(f"{path}: row {i} is {json.dumps(row)[:80]}, not an object like the other rows")
+
+
+def read_failure(path: Path, fmt: str, err: BaseException) -> str:
+    """What to say after `path` when `datasets` could not read it as `fmt`: the first line of `err`, but for
+    pyarrow's "Column(/x) changed from string to number in row N", whose N counts from the start of a block of
+    the file, the first row of each kind found again, with its value."""
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    mixed = _MIXED.search(text)
+    if fmt != "json" or mixed is None:
+        return f"cannot read as {fmt}: {text}"
+    column, first, then = mixed.groups()
+    found = _first_two_kinds(path, column)
+    if found is not None:
+        (row, value, first), (other_row, other_value, then) = found
+        first, then = f"{first} values (row {row}: {value!r})", f"{then} values (row {other_row}: {other_value!r})"
+    return f"column {column!r} holds both {first} and {then}; a column holds values of one type"
+
+
+def _first_two_kinds(path: Path, column: str) -> tuple[tuple[int, object, str], tuple[int, object, str]] | None:
+    """(row, value, JSON kind) of the first value in `column` and of the first of another kind (null fits any),
+    in a JSON Lines file or array; None when the file cannot be parsed here."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            is_array = f.read(_CHUNK).lstrip().startswith("[")
+            f.seek(0)
+            rows = json.load(f) if is_array else (json.loads(line) for line in f if line.strip())
+            first = None
+            for row, values in enumerate(rows):
+                value = values.get(column) if isinstance(values, dict) else None
+                if value is None:
+                    continue
+                if first is None:
+                    first = (row, value, _KINDS[type(value)])
+                elif _KINDS[type(value)] != first[2]:
+                    return first, (row, value, _KINDS[type(value)])
+    except (OSError, ValueError):
+        return None
+    return None

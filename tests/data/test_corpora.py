@@ -126,7 +126,8 @@ def test_missing_text_column_names_file_and_columns(tmp_path):
 
 def test_non_string_text(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": "ok"}\n{"text": 5}\n')
-    with pytest.raises(DataError, match=r"a.jsonl: row 1: column 'text' holds 5, expected a string"):
+    message = r"a.jsonl: column 'text' holds both string values \(row 0: 'ok'\) and number values \(row 1: 5\)"
+    with pytest.raises(DataError, match=message):
         list(iter_documents(str(tmp_path / "a.jsonl"), "text"))
 
 

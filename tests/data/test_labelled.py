@@ -80,7 +80,9 @@ def test_refusals(tmp_path):
     assert refusal(negative) == (
         f"{negative}: row 2: column 'label' holds -1; a class label must be an integer in [0, 3)")
     flag = write(tmp_path / "flag.jsonl", [("a", True), ("b", 0)])
-    assert "row 0: column 'label' holds True" in refusal(flag, num_classes=2)
+    assert refusal(flag, num_classes=2) == (
+        f"{flag}: column 'label' holds both boolean values (row 0: True) and number values (row 1: 0); a column "
+        "holds values of one type")
 
     text = write(tmp_path / "text.csv", [("1.5", 1), ("b", "n/a")])
     assert refusal(text, kind="regress") == (

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from lm.data.corpora import iter_documents
@@ -38,3 +40,21 @@ def test_rows_that_only_mention_null_pass(content, tmp_path):
     path = tmp_path / "rows.json"
     path.write_text(content)
     check_json_rows(path)
+
+
+def test_a_column_of_mixed_types_is_refused_not_turned_into_json_texts(tmp_path):
+    # datasets' default kept such a column by writing every value of it as JSON: the texts came out in quotes
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "a", "label": 1}\n{"text": 5, "label": 0}\n')
+    message = rf"^{path}: column 'text' holds both string values \(row 0: 'a'\) and number values \(row 1: 5\); "
+    with pytest.raises(DataError, match=message):
+        list(iter_documents(str(path), "text"))
+    with pytest.raises(DataError, match=message):
+        read_labelled(path, "text", "label", "regress")
+    rows = [{"text": f"row {i} " + "x" * 100} for i in range(30_000)]  # beyond the first block datasets reads
+    rows[25_000]["text"] = ["a list"]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(DataError, match=r"and array values \(row 25000: \['a list'\]\)"):
+        list(iter_documents(str(path), "text"))
+    path.write_text('{"type": "user", "message": "hello", "text": "a"}\n')  # not read as an agent's trace
+    assert list(iter_documents(str(path), "text")) == ["a"]
