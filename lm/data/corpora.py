@@ -320,9 +320,12 @@ def _row_texts(path: Path, fmt: str, text_column: str) -> Iterator[str]:
     if fmt == "json":
         check_json_rows(path)
     with local_datasets() as datasets:
-        # pyarrow's parse errors (ArrowInvalid) are ValueErrors
+        import pyarrow  # loaded with datasets
+
+        # pyarrow's parse errors (ArrowInvalid) are ValueErrors; its ArrowTypeError (a value pandas could not
+        # convert, where datasets reads JSON through pandas) is not, and datasets does not wrap it when streaming
         yield from _column_texts(datasets, open_rows, str(path), functools.partial(read_failure, path, fmt),
-                                 (ValueError, OSError), text_column)
+                                 (ValueError, OSError, pyarrow.ArrowException), text_column)
 
 
 def _hub_texts(hub: HubDataset, text_column: str) -> Iterator[str]:

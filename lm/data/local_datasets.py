@@ -38,7 +38,10 @@ number, a list) by turning every value of it into its JSON text, so a corpus too
 "5" and each text as itself in quotes; and it reads files whose columns look like an AI agent's traces
 (`type`, `message`) into a schema of its own. Without them, mixed types are an error naming the column."""
 _CHUNK = 1 << 20
-_MIXED = re.compile(r"Column\(/([^)]*)\) changed from (\w+) to (\w+)")
+# what pyarrow's JSON reader says of a column of mixed types, and what its conversion from pandas says (where
+# datasets reads a JSON array or object), naming the column or not
+_MIXED = re.compile(r"Column\(/(?P<column>[^)]*)\) changed from|Conversion failed for column (?P<converted>.+?) with "
+                    r"type|Failed to convert pandas DataFrame to Arrow Table")
 _KINDS = {str: "string", bool: "boolean", int: "number", float: "number", list: "array", dict: "object"}
 _NULL_ROW = re.compile(rb"\n[ \t\r]*null[ \t\r]*\n")
 
@@ -107,38 +110,38 @@ def _check_array(path: Path, data: bytes) -> None:
 
 
 def read_failure(path: Path, fmt: str, err: BaseException) -> str:
-    """What to say after `path` when `datasets` could not read it as `fmt`: the first line of `err`, but for
-    pyarrow's "Column(/x) changed from string to number in row N", whose N counts from the start of a block of
-    the file, the first row of each kind found again, with its value."""
+    """What to say after `path` when `datasets` could not read it as `fmt`: the first line of `err`, but for a
+    column of mixed types, which pyarrow names with a row counted from the start of a block of the file (or not
+    at all), the first row of each kind found again, with its value."""
     text = (str(err).strip().splitlines() or [type(err).__name__])[0]
     mixed = _MIXED.search(text)
-    if fmt != "json" or mixed is None:
+    found = _first_two_kinds(path, mixed["column"] or mixed["converted"]) if fmt == "json" and mixed else None
+    if found is None:
         return f"cannot read as {fmt}: {text}"
-    column, first, then = mixed.groups()
-    found = _first_two_kinds(path, column)
-    if found is not None:
-        (row, value, first), (other_row, other_value, then) = found
-        first, then = f"{first} values (row {row}: {value!r})", f"{then} values (row {other_row}: {other_value!r})"
-    return f"column {column!r} holds both {first} and {then}; a column holds values of one type"
+    column, (row, value, kind), (other_row, other_value, other_kind) = found
+    return (f"column {column!r} holds both {kind} values (row {row}: {value!r}) and {other_kind} values "
+            f"(row {other_row}: {other_value!r}); a column holds values of one type")
 
 
-def _first_two_kinds(path: Path, column: str) -> tuple[tuple[int, object, str], tuple[int, object, str]] | None:
-    """(row, value, JSON kind) of the first value in `column` and of the first of another kind (null fits any),
-    in a JSON Lines file or array; None when the file cannot be parsed here."""
+def _first_two_kinds(path: Path, column: str | None) -> tuple[str, tuple, tuple] | None:
+    """(column, (row, value, JSON kind) of its first value, the same of its first value of another kind) for
+    `column`, or the first such column when None (null fits any kind), in a JSON Lines file or array; None when
+    there is none or the file cannot be parsed here."""
     try:
         with open(path, encoding="utf-8-sig") as f:
             is_array = f.read(_CHUNK).lstrip().startswith("[")
             f.seek(0)
             rows = json.load(f) if is_array else (json.loads(line) for line in f if line.strip())
-            first = None
+            first: dict[str, tuple] = {}
             for row, values in enumerate(rows):
-                value = values.get(column) if isinstance(values, dict) else None
-                if value is None:
-                    continue
-                if first is None:
-                    first = (row, value, _KINDS[type(value)])
-                elif _KINDS[type(value)] != first[2]:
-                    return first, (row, value, _KINDS[type(value)])
+                for name, value in values.items() if isinstance(values, dict) else ():
+                    if value is None or column not in (None, name):
+                        continue
+                    kind = _KINDS[type(value)]
+                    if name not in first:
+                        first[name] = (row, value, kind)
+                    elif kind != first[name][2]:
+                        return name, first[name], (row, value, kind)
     except (OSError, ValueError):
         return None
     return None

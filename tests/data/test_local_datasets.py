@@ -58,3 +58,18 @@ def test_a_column_of_mixed_types_is_refused_not_turned_into_json_texts(tmp_path)
         list(iter_documents(str(path), "text"))
     path.write_text('{"type": "user", "message": "hello", "text": "a"}\n')  # not read as an agent's trace
     assert list(iter_documents(str(path), "text")) == ["a"]
+
+
+@pytest.mark.parametrize("content, kinds", [
+    ('[{"text": "a"}, {"text": ["x"]}]', r"string values \(row 0: 'a'\) and array values \(row 1: \['x'\]\)"),
+    ('[{"text": 1.5}, {"text": "a"}]', r"number values \(row 0: 1.5\) and string values \(row 1: 'a'\)"),
+])
+def test_an_array_of_mixed_types_is_one_error_naming_them(content, kinds, tmp_path):
+    # datasets reads an array through pandas, whose ArrowTypeError was a traceback out of lm.prepare
+    path = tmp_path / "rows.json"
+    path.write_text(content.replace('"a"}', '"a", "label": 1}'))
+    message = f"^{path}: column 'text' holds both {kinds}; a column holds values of one type$"
+    with pytest.raises(DataError, match=message):
+        list(iter_documents(str(path), "text"))
+    with pytest.raises(DataError, match=message):
+        read_labelled(path, "text", "label", "regress")
