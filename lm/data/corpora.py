@@ -262,6 +262,9 @@ def _saved_dataset_files(path: Path, entry: str) -> list[Path]:
             splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise DataError(f"{path / 'dataset_dict.json'}: unreadable ({type(err).__name__}: {err})") from None
+        if not isinstance(splits, list) or not all(isinstance(split, str) for split in splits):
+            raise DataError(f"{path / 'dataset_dict.json'}: splits is {splits!r}, expected a list of split names as "
+                            "save_to_disk writes")
         raise DataError(f"data.source: {entry!r} holds a dataset dictionary with splits {splits}; name the split "
                         f"to read, e.g. {entry.rstrip('/')}/{splits[0] if splits else 'train'}")
     state = path / "state.json"
@@ -273,6 +276,9 @@ def _saved_dataset_files(path: Path, entry: str) -> list[Path]:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise DataError(f"{state}: unreadable ({type(err).__name__}: {err}); expected what save_to_disk writes") \
             from None
+    bad = [name for name in names if not isinstance(name, str)]
+    if bad:
+        raise DataError(f"{state}: lists {bad[0]!r} as a data file; expected file names, as save_to_disk writes")
     files = [(path / name).resolve() for name in names]
     missing = [f.name for f in files if not f.is_file()]
     if missing or not files:

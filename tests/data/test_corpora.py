@@ -223,6 +223,23 @@ def test_a_saved_dataset_dictionary_asks_for_a_split(tmp_path):
     assert list(iter_documents(str(tmp_path / "dd" / "train"), "text")) == ["a", "b"]
 
 
+@pytest.mark.parametrize("file, edit, message", [
+    ("state.json", {"_data_files": [{"filename": None}]}, r"state.json: lists None as a data file; expected file"),
+    ("state.json", {"_data_files": [{"filename": 5}]}, r"state.json: lists 5 as a data file"),
+    ("../dataset_dict.json", {"splits": 5}, r"dataset_dict.json: splits is 5, expected a list of split names"),
+    ("../dataset_dict.json", {"splits": [None]}, r"dataset_dict.json: splits is \[None\]"),
+])
+def test_a_saved_dataset_with_damaged_metadata_is_one_error(file, edit, message, tmp_path):
+    import datasets
+
+    split = datasets.Dataset.from_dict({"text": ["a", "b"]})
+    datasets.DatasetDict({"train": split}).save_to_disk(tmp_path / "dd")
+    path = tmp_path / "dd" / "train" / file
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    with pytest.raises(DataError, match=message):  # were a TypeError out of pathlib, and one out of the message
+        find_corpus(str(tmp_path / "dd" / ("train" if file == "state.json" else "")))
+
+
 def test_a_long_row_streams_in_pieces_of_its_document(tmp_path, monkeypatch):
     monkeypatch.setattr(corpora, "TEXT_CHUNK", 64)
     long = "word and word\n" * 40
