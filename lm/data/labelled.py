@@ -150,15 +150,16 @@ def _classes(path: Path, column: str, values: list, num_classes: int, every_clas
     return labels
 
 
-def split_examples(n: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+def split_examples(n: int, val_fraction: float, key: str = "val_fraction") -> tuple[np.ndarray, np.ndarray]:
     """(train indices, val indices), each int64 and ascending: exactly floor(n * val_fraction) evenly
     spaced examples go to val, by the rule that splits documents when preparing (`is_val_document`), so
-    at least one is left for training when val_fraction < 1."""
+    at least one is left for training when val_fraction < 1. DataError naming the setting `key` when
+    val_fraction > 0 puts no example in val."""
     is_val = np.array([is_val_document(i, val_fraction) for i in range(n)], dtype=bool)  # (n,)
     train, val = np.flatnonzero(~is_val), np.flatnonzero(is_val)
     if val_fraction > 0 and not val.size:
-        raise DataError(f"val_fraction={val_fraction} puts none of the {n} examples in the val split; raise it "
-                        f"to at least {1 / n:.3g} or set it to 0 for no validation")
+        raise DataError(f"{key}={val_fraction} puts none of the {n} examples in the val split; raise it to at "
+                        f"least {1 / n:.3g} or add examples")
     return train, val
 
 

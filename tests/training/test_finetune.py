@@ -192,3 +192,14 @@ def test_a_run_resumes_only_on_its_own_labelled_file(encoder_run, separable_rows
     assert finetune_run(encoder_run, out, *flags, "--train.steps=4") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"task.file={str(task)!r} now holds" in err[0] and "144 train rows" in err[0], err
+
+
+def test_a_val_fraction_that_holds_out_no_row_names_its_key(encoder_run, separable_rows, tmp_path, capsys):
+    # it said "val_fraction=0.1 ... or set it to 0 for no validation", which task.val_fraction refuses
+    task = write_rows(tmp_path / "lines.csv", separable_rows[:8])
+    out = tmp_path / "ft"
+    assert finetune_run(encoder_run, out, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
+                        "--train.batch_size=2", "--train.micro_batch_size=2") == 2
+    assert capsys.readouterr().err == ("error: task.val_fraction=0.1 puts none of the 8 examples in the val split; "
+                                       "raise it to at least 0.125 or add examples\n")
+    assert not out.exists()
