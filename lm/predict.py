@@ -90,7 +90,8 @@ def main(argv: list[str]) -> int:
         print(f"predictions: {args.out}")
     if scored:
         for key, value in task_metrics(head, cfg.model.num_classes, sums).items():
-            print(f"{key.removeprefix('val/')}: {value:.4f}")
+            print(f"{key.removeprefix('val/')}: " + ("n/a (the labels or the predictions are constant)"
+                                                    if value is None else f"{value:.4f}"))
     return 0
 
 

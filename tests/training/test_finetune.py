@@ -203,3 +203,18 @@ def test_a_val_fraction_that_holds_out_no_row_names_its_key(encoder_run, separab
     assert capsys.readouterr().err == ("error: task.val_fraction=0.1 puts none of the 8 examples in the val split; "
                                        "raise it to at least 0.125 or add examples\n")
     assert not out.exists()
+
+
+def test_a_pearson_r_that_is_undefined_is_logged_as_null(encoder_run, tmp_path, capsys):
+    # one val row has no variance: r was NaN, which metrics.jsonl wrote as NaN, no JSON
+    task = write_rows(tmp_path / "levels.jsonl", [{"text": f"up {i}", "label": i / 10} for i in range(10)])
+    out = tmp_path / "reg"
+    assert finetune_run(encoder_run, out, "--model.head=regress", f"--task.file={task}", "--train.steps=1",
+                        "--train.batch_size=2", "--train.micro_batch_size=2") == 0
+    [val] = [json.loads(line, parse_constant=pytest.fail) for line in (out / "metrics.jsonl").read_text().splitlines()
+             if "val/pearson" in line]
+    assert val["val/pearson"] is None and val["val/mse"] >= 0
+    capsys.readouterr()
+    single = write_rows(tmp_path / "one.jsonl", [{"text": "up", "label": 0.5}])
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(single)]) == 0
+    assert "pearson: n/a (the labels or the predictions are constant)" in capsys.readouterr().out
