@@ -20,6 +20,7 @@ from lm.cli import run
 from lm.config import load_config
 from lm.models.registry import family_of
 from tests.conftest import ENCODER, write_rows
+from tests.test_bad_inputs import digest
 
 FT = ["--train.batch_size=16", "--train.micro_batch_size=8", "--train.device=cpu", "--log.every=5",
       "--log.tensorboard=false", "--train.eval_every=10", "--checkpoint.every=10", "--optim.lr=3e-3",
@@ -218,3 +219,31 @@ def test_a_pearson_r_that_is_undefined_is_logged_as_null(encoder_run, tmp_path, 
     single = write_rows(tmp_path / "one.jsonl", [{"text": "up", "label": 0.5}])
     assert run(predict.main, ["--checkpoint", str(out), "--file", str(single)]) == 0
     assert "pearson: n/a (the labels or the predictions are constant)" in capsys.readouterr().out
+
+
+def test_a_run_inside_the_encoders_run_is_refused_and_the_encoder_kept(encoder_run, separable_rows, tmp_path, capsys):
+    # a step directory as train.out_dir had its config.yaml written over, which its manifest then refused
+    encoder = tmp_path / "encoder"
+    shutil.copytree(encoder_run, encoder)
+    task = write_rows(tmp_path / "lines.csv", separable_rows[:20])
+    step = resolve_checkpoint(encoder)
+    before = digest(encoder)
+    for given, out in ((encoder, encoder / "checkpoints"), (step, step), (encoder / "checkpoints", step / "run")):
+        assert finetune_run(given, out, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
+                            "--train.steps=1", "--train.batch_size=2", "--train.micro_batch_size=2") == 2
+        assert capsys.readouterr().err == (
+            f"error: train.out_dir: {str(out)!r} is inside {str(encoder)!r}, the run of the checkpoint this run "
+            "starts from (checkpoint.init_from, lm.finetune's --encoder); writing there would change that run's "
+            "files: put the run elsewhere\n")
+        assert digest(encoder) == before
+
+
+def test_a_run_directory_beside_its_task_file_is_no_data_directory(encoder_run, separable_rows, tmp_path,
+                                                                   monkeypatch):
+    # fine-tuning reads no data.dir, but the default 'data/shakespeare' below the working directory was refused
+    # as "prepared data inside the run directory"
+    task = write_rows(tmp_path / "lines.csv", separable_rows[:20])
+    monkeypatch.chdir(tmp_path)
+    assert finetune_run(encoder_run, tmp_path, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
+                        "--train.steps=1", "--train.batch_size=2", "--train.micro_batch_size=2") == 0
+    assert (tmp_path / "checkpoints" / "step_00000001").is_dir() and task.is_file()
