@@ -247,3 +247,22 @@ def test_a_run_directory_beside_its_task_file_is_no_data_directory(encoder_run, 
     assert finetune_run(encoder_run, tmp_path, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
                         "--train.steps=1", "--train.batch_size=2", "--train.micro_batch_size=2") == 0
     assert (tmp_path / "checkpoints" / "step_00000001").is_dir() and task.is_file()
+
+
+def test_predictions_are_never_written_over_the_checkpoint_they_come_from(encoder_run, separable_rows, tmp_path,
+                                                                           capsys):
+    # --out named the step directory's config.yaml or the consolidated file itself: exit 0, and the model gone
+    task = write_rows(tmp_path / "lines.csv", separable_rows[:20])
+    out = tmp_path / "ft"
+    assert finetune_run(encoder_run, out, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
+                        "--train.steps=1", "--train.batch_size=2", "--train.micro_batch_size=2") == 0
+    step = resolve_checkpoint(out)
+    consolidate(step, tmp_path / "ft.safetensors")
+    before = digest(tmp_path)
+    capsys.readouterr()
+    for checkpoint, dest, why in ((out, step / "config.yaml", f"is inside the input {out / 'checkpoints'}"),
+                                  (step, step.parent / "p.jsonl", f"is inside the input {out / 'checkpoints'}"),
+                                  (tmp_path / "ft.safetensors", tmp_path / "ft.safetensors", "is the input")):
+        assert run(predict.main, ["--checkpoint", str(checkpoint), "--file", str(task), "--out", str(dest)]) == 2
+        assert capsys.readouterr().err.startswith(f"error: --out {dest}: {why}")
+    assert digest(tmp_path) == before
