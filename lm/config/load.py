@@ -134,11 +134,23 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         lines: dict[object, int] = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (list, dict)):  # no dict takes it: `key in lines` raised a TypeError
+                raise yaml.constructor.ConstructorError(None, None, f"a {type(key).__name__} as a key",
+                                                        key_node.start_mark)
             line = key_node.start_mark.line + 1
             if key in lines:
                 raise _DuplicateKey(key, lines[key], line)
             lines[key] = line
         return super().construct_mapping(node, deep)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """What is wrong and where, in one line: PyYAML's own message spans several, quoting the text."""
+    mark = getattr(err, "problem_mark", None)
+    if mark is None:
+        return " ".join(str(err).split())
+    context = f" ({err.context})" if getattr(err, "context", None) else ""
+    return f"{err.problem}{context} at line {mark.line + 1}, column {mark.column + 1}"
 
 
 def _parse_yaml(text: str, origin: str | Path) -> dict:
@@ -148,7 +160,7 @@ def _parse_yaml(text: str, origin: str | Path) -> dict:
         raise ConfigError(f"{origin}: key {dup.key!r} is given twice (lines {dup.first} and {dup.again}); "
                           "keep one") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{origin}: not valid YAML: {err}") from None
+        raise ConfigError(f"{origin}: not valid YAML: {_yaml_problem(err)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{origin}: expected a mapping of sections at the top level")
     return raw

@@ -62,8 +62,15 @@ def test_bad_yaml_files(tmp_path):
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [1, 2\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError, match="not valid YAML") as err:
         load_config(bad)
+    # one line, as every error is: PyYAML's message quotes the text over five
+    assert str(err.value) == (f"{bad}: not valid YAML: expected ',' or ']', but got '<stream end>' (while parsing "
+                              "a flow sequence) at line 2, column 1")
+    for text, kind in (("[a]: 1\n", "list"), ("data:\n  {a: 1}: 2\n", "dict")):  # were TypeErrors
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=rf"^{bad}: not valid YAML: a {kind} as a key at line \d+, column \d+$"):
+            load_config(bad)
     scalar = tmp_path / "scalar.yaml"
     scalar.write_text("model: 3\n")
     with pytest.raises(ConfigError, match="model: expected a mapping"):
