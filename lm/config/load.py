@@ -214,7 +214,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         key, eq, text = item.removeprefix("--").partition("=")
         if not eq:
             raise ConfigError(f"{item}: overrides take the form --section.key=value")
-        value = yaml.safe_load(text) if text else ""
+        try:
+            value = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError as err:
+            if _is_list_key(key):
+                raise ConfigError(f"--{key}: not valid YAML: {_yaml_problem(err)}") from None
+            value = text  # "*.txt" (an alias to YAML), "a: b: c": see below
         # a scalar key's text that YAML reads as a mapping or list ("KING: hi") is meant literally; a list
         # key (data.mixture) takes YAML's flow form: '[{dir: data/a, weight: 3}, {dir: data/b, weight: 1}]'
         if isinstance(value, (dict, list)) and not _is_list_key(key):
