@@ -207,7 +207,8 @@ def random_predict(rng: random.Random, ws: Path, runs: dict[str, Path], i: int) 
     file = random_file(rng, ws, f"rows_{i}", head, 3, odd)
     argv = ["--checkpoint", str(checkpoint), "--file", str(file)]
     if rng.random() < 0.7:
-        argv += ["--out", str(rng.choices([ws / f"preds_{i}.jsonl", ws / "notes.txt", file, ws, ws / "encoder"],
+        step = runs[head] / "checkpoints" / "step_00000001"  # the checkpoint read: never written
+        argv += ["--out", str(rng.choices([ws / f"preds_{i}.jsonl", ws / "notes.txt", file, ws, step / "config.yaml"],
                                           [3, odd, odd, odd, odd])[0])]
     for flag, values in (("--batch-size", (["1", "3", "32"], ["0", "-1", "x"])),
                          ("--text-column", (["text"], ["", "sentence", "label"])),
