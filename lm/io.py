@@ -58,12 +58,14 @@ def output_dir_problem(path: Path) -> str | None:
 def output_file_problem(path: Path, inputs: Sequence[Path] = ()) -> str | None:
     """Why a tool may not write the file `path`, or None when it may: asked before any work, so a bad output
     path costs nothing. Refused: a directory, a path below a file (missing parent directories are made, as
-    `atomic_path` makes them), one of the `inputs`."""
+    `atomic_path` makes them), one of the `inputs` or a path inside one that is a directory."""
     if path.is_dir():
         return f"{path}: is a directory; name the file to write"
     if (above := file_above(path)) is not None:
         return f"{path}: {above} is a file, not a directory"
     for source in inputs:
+        if source.is_dir() and source.resolve() in path.resolve().parents:
+            return f"{path}: is inside the input {source}; write the output elsewhere"
         if path.exists() and source.exists() and path.resolve() == source.resolve():
             return f"{path}: is the input {source}; write the output to another file"
     return None

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from lm.checkpoint.loading import load_for_inference
+from lm.checkpoint.store import step_store
 from lm.cli import positive_int, run
 from lm.data.labelled import encode_examples, example_batches, read_labelled, read_texts
 from lm.distributed.env import init_device
@@ -46,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    if args.out is not None and (problem := output_file_problem(args.out, [args.file])):
+    if args.out is not None and (problem := output_file_problem(args.out, [args.file, step_store(args.checkpoint)])):
         raise ConfigError(f"--out {problem}")
     device = init_device(args.device, "--device")
     model, cfg, source = load_for_inference(args.checkpoint, device)
@@ -90,7 +91,8 @@ def main(argv: list[str]) -> int:
         print(f"predictions: {args.out}")
     if scored:
         for key, value in task_metrics(head, cfg.model.num_classes, sums).items():
-            print(f"{key.removeprefix('val/')}: {value:.4f}")
+            print(f"{key.removeprefix('val/')}: " + ("n/a (the labels or the predictions are constant)"
+                                                    if value is None else f"{value:.4f}"))
     return 0
 
 

@@ -4,7 +4,8 @@ Each case puts values of random types and sizes under keys the project reads (a 
 a sweep grid, a tokenizer.json, a labelled file) and asserts the contract of `lm.cli.run`: exit 0 with a
 correct result, or exit 2 with exactly one `error:` line; never a traceback; and the files the tool was
 given, and the workspace around them, byte-identical afterwards. Hugging Face config.json files have theirs in
-tests/hf/test_config_schema.py. The seeds are fixed, so a failure here replays exactly.
+tests/hf/test_config_schema.py, the tools' own inputs theirs in tests/test_random_prepare.py (corpora) and
+tests/test_random_finetune.py (labelled files). The seeds are fixed, so a failure here replays exactly.
 """
 
 import dataclasses
@@ -180,8 +181,11 @@ def inputs_tried() -> tuple[int, int]:
     from tests.hf.test_config_schema import BAD, RANDOM_CASES
     from tests.test_bad_inputs import CASES as WRITTEN
     from tests.test_bad_inputs import RANDOM_TOOL_CASES
+    from tests.test_random_finetune import RANDOM_FINETUNE_CASES, RANDOM_PREDICT_CASES
+    from tests.test_random_prepare import RANDOM_PREPARE_CASES
 
-    return len(WRITTEN) + len(BAD), sum(CASES.values()) + RANDOM_CASES + RANDOM_TOOL_CASES
+    drawn = RANDOM_CASES + RANDOM_TOOL_CASES + RANDOM_PREPARE_CASES + RANDOM_FINETUNE_CASES + RANDOM_PREDICT_CASES
+    return len(WRITTEN) + len(BAD), sum(CASES.values()) + drawn
 
 
 def test_the_readme_counts_the_inputs_the_suite_tries():

@@ -75,6 +75,16 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
+def step_store(path: str | Path) -> Path:
+    """The directory of step directories that `path` names, a run directory, its checkpoints/ or a step
+    directory (what a tool reading the checkpoint must not write into); `path` itself for anything else (a
+    consolidated file, an export)."""
+    path = Path(path)
+    if (path / "state.json").is_file():
+        return path.parent
+    return checkpoint_root(path) if checkpoint_root(path).is_dir() else path
+
+
 def read_state(path: Path) -> dict:
     """state.json of a step directory; checkpoints from before the engine key were written by ddp."""
     try:

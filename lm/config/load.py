@@ -134,6 +134,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         lines: dict[object, int] = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (list, dict)):  # no dict takes it: `key in lines` raised a TypeError
+                raise yaml.constructor.ConstructorError(None, None, f"a {type(key).__name__} as a key",
+                                                        key_node.start_mark)
             line = key_node.start_mark.line + 1
             if key in lines:
                 raise _DuplicateKey(key, lines[key], line)
@@ -141,16 +144,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def yaml_problem(err: yaml.YAMLError) -> str:
-    """PyYAML's error on one line: where and what (its own message draws the line with a caret under it)."""
-    if not isinstance(err, yaml.MarkedYAMLError) or err.problem_mark is None:
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """What is wrong and where, in one line: PyYAML's own message spans several, quoting the text."""
+    mark = getattr(err, "problem_mark", None)
+    if mark is None:
         return " ".join(str(err).split())
-    mark = err.problem_mark
-    text = f"line {mark.line + 1}, column {mark.column + 1}: {err.problem}"
-    if err.context:
-        at = err.context_mark
-        text += f" ({err.context}" + (f" at line {at.line + 1}, column {at.column + 1})" if at else ")")
-    return text
+    context = f" ({err.context})" if getattr(err, "context", None) else ""
+    return f"{err.problem}{context} at line {mark.line + 1}, column {mark.column + 1}"
 
 
 def _parse_yaml(text: str, origin: str | Path) -> dict:
@@ -160,7 +160,7 @@ def _parse_yaml(text: str, origin: str | Path) -> dict:
         raise ConfigError(f"{origin}: key {dup.key!r} is given twice (lines {dup.first} and {dup.again}); "
                           "keep one") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{origin}: not valid YAML: {yaml_problem(err)}") from None
+        raise ConfigError(f"{origin}: not valid YAML: {_yaml_problem(err)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{origin}: expected a mapping of sections at the top level")
     return raw
@@ -214,7 +214,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         key, eq, text = item.removeprefix("--").partition("=")
         if not eq:
             raise ConfigError(f"{item}: overrides take the form --section.key=value")
-        value = yaml.safe_load(text) if text else ""
+        try:
+            value = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError as err:
+            if _is_list_key(key):
+                raise ConfigError(f"--{key}: not valid YAML: {_yaml_problem(err)}") from None
+            value = text  # "*.txt" (an alias to YAML), "a: b: c": see below
         # a scalar key's text that YAML reads as a mapping or list ("KING: hi") is meant literally; a list
         # key (data.mixture) takes YAML's flow form: '[{dir: data/a, weight: 3}, {dir: data/b, weight: 1}]'
         if isinstance(value, (dict, list)) and not _is_list_key(key):

@@ -8,6 +8,7 @@ few hundred), so a corpus, a file or a document larger than memory works, and `C
 fingerprints the input so unchanged data is not re-prepared.
 """
 
+import functools
 import glob
 import hashlib
 import importlib.util
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from lm.data.local_datasets import local_datasets
+from lm.data.local_datasets import JSON_OPTIONS, check_json_rows, local_datasets, read_failure
 from lm.data.pieces import Piece, split_pieces
 from lm.errors import DataError
 from lm.io import read_utf8, read_utf8_chunks
@@ -261,6 +262,9 @@ def _saved_dataset_files(path: Path, entry: str) -> list[Path]:
             splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise DataError(f"{path / 'dataset_dict.json'}: unreadable ({type(err).__name__}: {err})") from None
+        if not isinstance(splits, list) or not all(isinstance(split, str) for split in splits):
+            raise DataError(f"{path / 'dataset_dict.json'}: splits is {splits!r}, expected a list of split names as "
+                            "save_to_disk writes")
         raise DataError(f"data.source: {entry!r} holds a dataset dictionary with splits {splits}; name the split "
                         f"to read, e.g. {entry.rstrip('/')}/{splits[0] if splits else 'train'}")
     state = path / "state.json"
@@ -272,6 +276,9 @@ def _saved_dataset_files(path: Path, entry: str) -> list[Path]:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise DataError(f"{state}: unreadable ({type(err).__name__}: {err}); expected what save_to_disk writes") \
             from None
+    bad = [name for name in names if not isinstance(name, str)]
+    if bad:
+        raise DataError(f"{state}: lists {bad[0]!r} as a data file; expected file names, as save_to_disk writes")
     files = [(path / name).resolve() for name in names]
     missing = [f.name for f in files if not f.is_file()]
     if missing or not files:
@@ -310,16 +317,21 @@ def _row_texts(path: Path, fmt: str, text_column: str) -> Iterator[str]:
     """Stream `text_column` of each row of a json/jsonl/parquet/arrow file through Hugging Face datasets."""
     # datasets parses the first `chunksize` bytes of a JSON file once more to learn its columns: its default
     # 10 MB is the whole of most files, 1 MB reads the Debian mix in half the time and holds less
-    options = {"chunksize": _JSON_CHUNK} if fmt == "json" else {}
+    options = {"chunksize": _JSON_CHUNK, **JSON_OPTIONS} if fmt == "json" else {}
 
     def open_rows(datasets, cache: str):
         return datasets.load_dataset(fmt, data_files=[str(path)], split="train", streaming=True, cache_dir=cache,
                                      **options)
 
+    if fmt == "json":
+        check_json_rows(path)
     with local_datasets() as datasets:
-        # pyarrow's parse errors (ArrowInvalid) are ValueErrors
-        yield from _column_texts(datasets, open_rows, str(path), f"cannot read as {fmt}", (ValueError, OSError),
-                                 text_column)
+        import pyarrow  # loaded with datasets
+
+        # pyarrow's parse errors (ArrowInvalid) are ValueErrors; its ArrowTypeError (a value pandas could not
+        # convert, where datasets reads JSON through pandas) is not, and datasets does not wrap it when streaming
+        yield from _column_texts(datasets, open_rows, str(path), functools.partial(read_failure, path, fmt),
+                                 (ValueError, OSError, pyarrow.ArrowException), text_column)
 
 
 def _hub_texts(hub: HubDataset, text_column: str) -> Iterator[str]:
@@ -331,16 +343,17 @@ def _hub_texts(hub: HubDataset, text_column: str) -> Iterator[str]:
     origin = f"{HUB_PREFIX}{hub.name}" + (f":{hub.config}" if hub.config else "") + f":{hub.split}"
     with local_datasets(offline=False) as datasets:
         # the network's and the Hub's errors come from several libraries, none of them an LMError
-        yield from _column_texts(datasets, open_rows, origin, "cannot read from the Hugging Face Hub", Exception,
-                                 text_column)
+        yield from _column_texts(datasets, open_rows, origin,
+                                 lambda err: f"cannot read from the Hugging Face Hub: {err}", Exception, text_column)
 
 
 def _column_texts(
-    datasets, open_rows: Callable, origin: str, failure: str, errors: type | tuple, text_column: str
+    datasets, open_rows: Callable, origin: str, failure: Callable[[BaseException], str], errors: type | tuple,
+    text_column: str,
 ) -> Iterator[str]:
     """The strings in `text_column` of the rows that `open_rows(datasets, cache_dir)` streams, read a batch at
     a time; DataError naming `origin` for a missing column, a value that is not a string, no rows at all, or
-    any of `errors` raised while reading."""
+    any of `errors` raised while reading (what `failure(err)` says of it)."""
     # Streaming writes nothing but a lock file; keep even that out of the user's home.
     with tempfile.TemporaryDirectory(prefix="lm-datasets-") as cache:
         batches, columns, rows = None, None, 0
@@ -357,7 +370,7 @@ def _column_texts(
             except StopIteration:
                 break
             except errors as err:
-                raise DataError(f"{origin}: {failure}: {err}") from err
+                raise DataError(f"{origin}: {failure(err)}") from err
             if batch is None or text_column not in batch:
                 found = columns if batch is None else list(batch)
                 raise DataError(f"{origin}: no column {text_column!r} (data.text_column); the columns are "

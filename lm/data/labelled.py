@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from lm.data.loader import rank_slice
-from lm.data.local_datasets import local_datasets
+from lm.data.local_datasets import JSON_OPTIONS, check_json_rows, local_datasets, read_failure
 from lm.data.mixture import sample_order
 from lm.data.prepare import is_val_document
 from lm.errors import DataError
@@ -85,7 +85,9 @@ def _read_columns(path: Path, names: Sequence[str], optional: Sequence[str] = ()
     # datasets writes an Arrow copy before loading it; a temporary cache keeps it out of the user's home,
     # and keep_in_memory loads it whole, so the copy can go at once
     # a csv cell is read as written: pandas would otherwise turn "", "NA", "null", "None" ... into a missing value
-    options = {"keep_default_na": False} if fmt == "csv" else {}
+    options = {"keep_default_na": False} if fmt == "csv" else JSON_OPTIONS if fmt == "json" else {}
+    if fmt == "json":
+        check_json_rows(path)
     with local_datasets() as datasets:
         try:
             with tempfile.TemporaryDirectory(prefix="lm-datasets-") as cache:
@@ -96,8 +98,7 @@ def _read_columns(path: Path, names: Sequence[str], optional: Sequence[str] = ()
         except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as err:
             if "corresponds to no data" in str(err):
                 raise DataError(f"{path}: no rows; expected labelled examples") from err
-            cause = str(err.__cause__ or err).strip().splitlines() or [type(err).__name__]
-            raise DataError(f"{path}: cannot read as {fmt}: {cause[0]}") from err
+            raise DataError(f"{path}: {read_failure(path, fmt, err.__cause__ or err)}") from err
     for name in names:
         if name not in table.column_names:
             raise DataError(f"{path}: no column {name!r}; the columns are {sorted(table.column_names)}")
@@ -149,15 +150,16 @@ def _classes(path: Path, column: str, values: list, num_classes: int, every_clas
     return labels
 
 
-def split_examples(n: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+def split_examples(n: int, val_fraction: float, key: str = "val_fraction") -> tuple[np.ndarray, np.ndarray]:
     """(train indices, val indices), each int64 and ascending: exactly floor(n * val_fraction) evenly
     spaced examples go to val, by the rule that splits documents when preparing (`is_val_document`), so
-    at least one is left for training when val_fraction < 1."""
+    at least one is left for training when val_fraction < 1. DataError naming the setting `key` when
+    val_fraction > 0 puts no example in val."""
     is_val = np.array([is_val_document(i, val_fraction) for i in range(n)], dtype=bool)  # (n,)
     train, val = np.flatnonzero(~is_val), np.flatnonzero(is_val)
     if val_fraction > 0 and not val.size:
-        raise DataError(f"val_fraction={val_fraction} puts none of the {n} examples in the val split; raise it "
-                        f"to at least {1 / n:.3g} or set it to 0 for no validation")
+        raise DataError(f"{key}={val_fraction} puts none of the {n} examples in the val split; raise it to at "
+                        f"least {1 / n:.3g} or add examples")
     return train, val
 
 

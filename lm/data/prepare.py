@@ -105,10 +105,13 @@ def prepare(cfg: DataConfig, force: bool = False) -> dict:
     """Prepare `cfg.source` into `cfg.dir` (unless an intact, identical preparation is there) and
     return its manifest. Raises DataError for bad input before `cfg.dir` changes."""
     start_time = time.perf_counter()
+    out = Path(cfg.dir)
+    if out.name in ("", ".."):  # "", ".", "/", "x/..": the build goes into a sibling named after it
+        raise DataError(f"data.dir: {cfg.dir!r} does not end in a directory's name; name the directory to prepare "
+                        "into, e.g. data/mine")
     corpus = find_corpus(cfg.source, cfg.document_separator)
     enc = load_tokenizer(cfg.tokenizer)
     content_hash = output_hash(corpus.content_hash(cfg.text_column), cfg)
-    out = Path(cfg.dir)
     if not force:
         manifest = _reusable(out, content_hash, cfg.verify_hashes)
         if manifest is not None:

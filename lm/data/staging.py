@@ -54,8 +54,10 @@ class Staging:
         self.dir = out.with_name(out.name + PARTIAL_SUFFIX)
         self.content_hash = content_hash
         self._lock = None
+        self._made: list[Path] = []  # the missing directories above it that entering made, deepest first
 
     def __enter__(self) -> "Staging":
+        self._made = [parent for parent in self.dir.parents if not parent.exists()]
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             handle = open(self.dir / _LOCK, "a")
@@ -113,8 +115,14 @@ class Staging:
         publish_dir(self.dir, out)
 
     def discard(self) -> None:
-        """Delete the directory: what it holds came from input that turned out bad."""
+        """Delete the directory, and the directories above it that entering made, if still empty: what it holds
+        came from input that turned out bad, and a failed prepare leaves nothing behind."""
         shutil.rmtree(self.dir, ignore_errors=True)
+        for parent in self._made:
+            try:
+                parent.rmdir()
+            except OSError:  # something else was put there meanwhile
+                return
 
     def _read_progress(self) -> dict | None:
         path = self.dir / _PROGRESS

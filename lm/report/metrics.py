@@ -99,14 +99,15 @@ def regression_sums(labels: np.ndarray, predictions: np.ndarray, weight: np.ndar
                      (w * y * p).sum(), (w * (p - y) ** 2).sum()])
 
 
-def regression_metrics(sums: np.ndarray) -> dict[str, float]:
+def regression_metrics(sums: np.ndarray) -> dict[str, float | None]:
     """Mean squared error and Pearson correlation from sums (7,) in the layout `REGRESSION_SUMS` (summed over
-    batches and ranks, best in float64). Pearson is nan when the targets or the predictions are constant."""
+    batches and ranks, best in float64). Pearson is None, undefined, when the targets or the predictions are
+    constant (as one row always is): a NaN would be no JSON in metrics.jsonl."""
     n, sum_y, sum_p, sum_yy, sum_pp, sum_yp, sum_sq_err = np.asarray(sums, dtype=np.float64).tolist()
     if n <= 0:
         raise ValueError(f"regression sums need a positive count, got n = {n}")
     cov = sum_yp - sum_y * sum_p / n
     var_y, var_p = sum_yy - sum_y * sum_y / n, sum_pp - sum_p * sum_p / n
     # clipped: rounding can carry |r| of identical columns a hair past 1
-    pearson = min(1.0, max(-1.0, cov / math.sqrt(var_y * var_p))) if var_y > 0 and var_p > 0 else math.nan
+    pearson = min(1.0, max(-1.0, cov / math.sqrt(var_y * var_p))) if var_y > 0 and var_p > 0 else None
     return {"mse": sum_sq_err / n, "pearson": pearson}

@@ -115,8 +115,8 @@ def task_sums(kind: str, num_classes: int, outputs: torch.Tensor, labels: np.nda
     return np.concatenate([[cross_entropy @ weight], confusion.ravel()])
 
 
-def task_metrics(kind: str, num_classes: int, sums: np.ndarray) -> dict[str, float]:
-    """val/loss and the task's metrics from the summed vector of `task_sums`."""
+def task_metrics(kind: str, num_classes: int, sums: np.ndarray) -> dict[str, float | None]:
+    """val/loss and the task's metrics from the summed vector of `task_sums` (None where one is undefined)."""
     if kind == "regress":
         metrics = regression_metrics(sums)
         loss = metrics["mse"]
@@ -124,4 +124,4 @@ def task_metrics(kind: str, num_classes: int, sums: np.ndarray) -> dict[str, flo
         confusion = sums[1:].reshape(num_classes, num_classes)
         metrics = classification_metrics(confusion)
         loss = sums[0] / confusion.sum()
-    return {"val/loss": float(loss), **{f"val/{k}": float(v) for k, v in metrics.items()}}
+    return {"val/loss": float(loss), **{f"val/{k}": None if v is None else float(v) for k, v in metrics.items()}}

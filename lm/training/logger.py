@@ -123,6 +123,7 @@ def val_line(val: dict[str, float], sources: list[str]) -> str:
     """The stdout line of an evaluation, a format string for `MetricLogger.log` (the values are written in):
     loss and whichever of perplexity, accuracy, F1, MSE and Pearson's r the run reports, then each mixture
     source's loss."""
-    shown = [f"{label} {val[key]:{spec}}" for key, label, spec in _VAL_SHOWN if key in val]
+    shown = [f"{label} {'n/a' if val[key] is None else format(val[key], spec)}" for key, label, spec in _VAL_SHOWN
+             if key in val]
     shown += [f"{name} {val[f'val/{name}/loss']:.4f}" for name in sources]
     return "step {step} | " + " | ".join(shown)

@@ -25,9 +25,17 @@ LOCK = ".lock"
 def check_run_paths(cfg: JobConfig) -> None:
     """Refuse a run directory inside a data directory (data.dir or a mixture's), or data inside the run
     directory (by resolved path): `lm.prepare --force` replaces a data directory whole, which would take a
-    run's checkpoints with it."""
+    run's checkpoints with it. A fine-tuning run reads task.file, not data.dir, so only the next rule holds
+    for it: no run directory inside the run that checkpoint.init_from (lm.finetune's --encoder) comes from,
+    whose files (a step directory's config.yaml, its checkpoints/) the run would write over or among."""
     out = Path(cfg.train.out_dir).resolve()
-    for source in cfg.data.sources:
+    if cfg.checkpoint.init_from:
+        home = _home_run(Path(cfg.checkpoint.init_from).resolve())
+        if home in out.parents:
+            raise ConfigError(f"train.out_dir: {cfg.train.out_dir!r} is inside {str(home)!r}, the run of the "
+                              "checkpoint this run starts from (checkpoint.init_from, lm.finetune's --encoder); "
+                              "writing there would change that run's files: put the run elsewhere")
+    for source in [] if cfg.task.file else cfg.data.sources:
         key = "data.mixture" if cfg.data.mixture else "data.dir"
         data = Path(source.dir).resolve()
         if out == data or data in out.parents:
@@ -37,6 +45,16 @@ def check_run_paths(cfg: JobConfig) -> None:
         if out in data.parents:
             raise ConfigError(f"{key}: {source.dir!r} is inside train.out_dir {cfg.train.out_dir!r}; keep "
                               "prepared data out of the run directory")
+
+
+def _home_run(checkpoint: Path) -> Path:
+    """The run directory a checkpoint path belongs to: a step directory's run (step_X in checkpoints/), the
+    run of a checkpoints/ directory, or the path itself (a run directory, a file, a Hugging Face export)."""
+    if checkpoint.parent.name == "checkpoints" and (checkpoint / "state.json").is_file():
+        return checkpoint.parent.parent
+    if checkpoint.name == "checkpoints" and checkpoint.is_dir():
+        return checkpoint.parent
+    return checkpoint
 
 
 class RunLock:

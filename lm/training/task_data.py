@@ -55,7 +55,7 @@ def open_task_data(cfg: JobConfig, env: DistEnv) -> TaskData:
     check_batch_split(cfg, env)
     path = Path(cfg.task.file)
     examples, labels = read_task_rows(cfg, path)
-    train_idx, val_idx = split_examples(len(examples), cfg.task.val_fraction)
+    train_idx, val_idx = split_examples(len(examples), cfg.task.val_fraction, "task.val_fraction")
     if len(train_idx) < cfg.train.batch_size:
         raise DataError(f"task.file: {path} has {len(train_idx)} training rows after holding out "
                         f"task.val_fraction={cfg.task.val_fraction}, fewer than one batch "

@@ -62,8 +62,15 @@ def test_bad_yaml_files(tmp_path):
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [1, 2\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError, match="not valid YAML") as err:
         load_config(bad)
+    # one line, as every error is: PyYAML's message quotes the text over five
+    assert str(err.value) == (f"{bad}: not valid YAML: expected ',' or ']', but got '<stream end>' (while parsing "
+                              "a flow sequence) at line 2, column 1")
+    for text, kind in (("[a]: 1\n", "list"), ("data:\n  {a: 1}: 2\n", "dict")):  # were TypeErrors
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=rf"^{bad}: not valid YAML: a {kind} as a key at line \d+, column \d+$"):
+            load_config(bad)
     scalar = tmp_path / "scalar.yaml"
     scalar.write_text("model: 3\n")
     with pytest.raises(ConfigError, match="model: expected a mapping"):
@@ -116,6 +123,12 @@ def test_a_mixture_comes_from_yaml_or_a_cli_flow_list_and_round_trips(tmp_path):
     assert [(s.dir, s.weight) for s in load_config(None, ["--data.dir=data/x"]).data.sources] == [("data/x", 1.0)]
     # a scalar key still takes YAML-looking text literally
     assert load_config(None, ["--log.sample_prompt=KING: hi"]).log.sample_prompt == "KING: hi"
+    # and text YAML cannot read at all: "*" starts an alias (a traceback, for --data.source='*.jsonl')
+    for text in ("*.jsonl", "a: b: c", "[a", "{x"):
+        assert load_config(None, [f"--data.source={text}"]).data.source == text
+    with pytest.raises(ConfigError, match=r"^--data.mixture: not valid YAML: expected ',' or '}', but got "
+                                          r"'<stream end>' \(while parsing a flow mapping\) at line 1, column 9$"):
+        load_config(None, ["--data.mixture=[{dir: a"])
 
 
 def test_an_override_that_switches_the_family_keeps_the_file_keys_the_family_takes(tmp_path):

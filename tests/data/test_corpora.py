@@ -126,7 +126,8 @@ def test_missing_text_column_names_file_and_columns(tmp_path):
 
 def test_non_string_text(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": "ok"}\n{"text": 5}\n')
-    with pytest.raises(DataError, match=r"a.jsonl: row 1: column 'text' holds 5, expected a string"):
+    message = r"a.jsonl: column 'text' holds both string values \(row 0: 'ok'\) and number values \(row 1: 5\)"
+    with pytest.raises(DataError, match=message):
         list(iter_documents(str(tmp_path / "a.jsonl"), "text"))
 
 
@@ -220,6 +221,23 @@ def test_a_saved_dataset_dictionary_asks_for_a_split(tmp_path):
                                         r"to read, e.g. .*/dd/train"):
         find_corpus(str(tmp_path / "dd"))
     assert list(iter_documents(str(tmp_path / "dd" / "train"), "text")) == ["a", "b"]
+
+
+@pytest.mark.parametrize("file, edit, message", [
+    ("state.json", {"_data_files": [{"filename": None}]}, r"state.json: lists None as a data file; expected file"),
+    ("state.json", {"_data_files": [{"filename": 5}]}, r"state.json: lists 5 as a data file"),
+    ("../dataset_dict.json", {"splits": 5}, r"dataset_dict.json: splits is 5, expected a list of split names"),
+    ("../dataset_dict.json", {"splits": [None]}, r"dataset_dict.json: splits is \[None\]"),
+])
+def test_a_saved_dataset_with_damaged_metadata_is_one_error(file, edit, message, tmp_path):
+    import datasets
+
+    split = datasets.Dataset.from_dict({"text": ["a", "b"]})
+    datasets.DatasetDict({"train": split}).save_to_disk(tmp_path / "dd")
+    path = tmp_path / "dd" / "train" / file
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    with pytest.raises(DataError, match=message):  # were a TypeError out of pathlib, and one out of the message
+        find_corpus(str(tmp_path / "dd" / ("train" if file == "state.json" else "")))
 
 
 def test_a_long_row_streams_in_pieces_of_its_document(tmp_path, monkeypatch):

@@ -80,7 +80,9 @@ def test_refusals(tmp_path):
     assert refusal(negative) == (
         f"{negative}: row 2: column 'label' holds -1; a class label must be an integer in [0, 3)")
     flag = write(tmp_path / "flag.jsonl", [("a", True), ("b", 0)])
-    assert "row 0: column 'label' holds True" in refusal(flag, num_classes=2)
+    assert refusal(flag, num_classes=2) == (
+        f"{flag}: column 'label' holds both boolean values (row 0: True) and number values (row 1: 0); a column "
+        "holds values of one type")
 
     text = write(tmp_path / "text.csv", [("1.5", 1), ("b", "n/a")])
     assert refusal(text, kind="regress") == (
@@ -111,8 +113,9 @@ def test_split_examples():
     assert split_examples(5, 0.0)[1].size == 0
     with pytest.raises(DataError, match=r"val_fraction=0.1 puts none of the 5 examples in the val split"):
         split_examples(5, 0.1)
-    with pytest.raises(DataError, match=r"val_fraction=0.5 puts none of the 1 examples in the val split"):
-        split_examples(1, 0.5)
+    with pytest.raises(DataError, match=r"^task.val_fraction=0.5 puts none of the 1 examples in the val split; "
+                                        r"raise it to at least 1 or add examples$"):
+        split_examples(1, 0.5, "task.val_fraction")
     assert [a.tolist() for a in split_examples(2, 0.5)] == [[0], [1]]
     assert [a.tolist() for a in split_examples(4, 0.99)] == [[0], [1, 2, 3]]
 

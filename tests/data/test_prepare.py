@@ -193,6 +193,25 @@ def test_bad_input_leaves_prepared_dir_untouched(tmp_path, make_bad_source, mess
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "in"]
 
 
+def test_bad_input_found_while_tokenizing_leaves_no_directory_it_made(tmp_path):
+    write_txt(tmp_path / "in", DOCS)
+    (tmp_path / "in" / "doc_004.txt").write_bytes(b"ok \xc3\x28")  # found by the reader, inside the staging
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(DataError, match=r"doc_004.txt: not UTF-8"):
+        prepare(config(tmp_path, str(tmp_path / "in" / "*.txt"), dir=str(tmp_path / "runs" / "new" / "dir" / "data")))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "runs"] and not any((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.parametrize("directory", ["", ".", "new/..", "/"])
+def test_a_data_dir_without_a_name_of_its_own_is_refused(directory, tmp_path, monkeypatch):
+    # the build goes into `<data.dir>.partial`: "." was a ValueError from pathlib, "new/.." an OSError from rename
+    source = write_txt(tmp_path / "in", DOCS)
+    monkeypatch.chdir(tmp_path / "in")
+    with pytest.raises(DataError, match=f"^data.dir: {re.escape(repr(directory))} does not end in a directory's name"):
+        prepare(config(tmp_path, source, dir=directory), force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"] and len(list((tmp_path / "in").iterdir())) == 20
+
+
 def test_val_split_empty_for_row_files_is_detected_after_reading(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
     with pytest.raises(DataError, match=r"data.val_fraction=0.25 puts none of the 2 documents in the val split"):

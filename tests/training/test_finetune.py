@@ -20,6 +20,7 @@ from lm.cli import run
 from lm.config import load_config
 from lm.models.registry import family_of
 from tests.conftest import ENCODER, write_rows
+from tests.test_bad_inputs import digest
 
 FT = ["--train.batch_size=16", "--train.micro_batch_size=8", "--train.device=cpu", "--log.every=5",
       "--log.tensorboard=false", "--train.eval_every=10", "--checkpoint.every=10", "--optim.lr=3e-3",
@@ -192,3 +193,76 @@ def test_a_run_resumes_only_on_its_own_labelled_file(encoder_run, separable_rows
     assert finetune_run(encoder_run, out, *flags, "--train.steps=4") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"task.file={str(task)!r} now holds" in err[0] and "144 train rows" in err[0], err
+
+
+def test_a_val_fraction_that_holds_out_no_row_names_its_key(encoder_run, separable_rows, tmp_path, capsys):
+    # it said "val_fraction=0.1 ... or set it to 0 for no validation", which task.val_fraction refuses
+    task = write_rows(tmp_path / "lines.csv", separable_rows[:8])
+    out = tmp_path / "ft"
+    assert finetune_run(encoder_run, out, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
+                        "--train.batch_size=2", "--train.micro_batch_size=2") == 2
+    assert capsys.readouterr().err == ("error: task.val_fraction=0.1 puts none of the 8 examples in the val split; "
+                                       "raise it to at least 0.125 or add examples\n")
+    assert not out.exists()
+
+
+def test_a_pearson_r_that_is_undefined_is_logged_as_null(encoder_run, tmp_path, capsys):
+    # one val row has no variance: r was NaN, which metrics.jsonl wrote as NaN, no JSON
+    task = write_rows(tmp_path / "levels.jsonl", [{"text": f"up {i}", "label": i / 10} for i in range(10)])
+    out = tmp_path / "reg"
+    assert finetune_run(encoder_run, out, "--model.head=regress", f"--task.file={task}", "--train.steps=1",
+                        "--train.batch_size=2", "--train.micro_batch_size=2") == 0
+    [val] = [json.loads(line, parse_constant=pytest.fail) for line in (out / "metrics.jsonl").read_text().splitlines()
+             if "val/pearson" in line]
+    assert val["val/pearson"] is None and val["val/mse"] >= 0
+    capsys.readouterr()
+    single = write_rows(tmp_path / "one.jsonl", [{"text": "up", "label": 0.5}])
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(single)]) == 0
+    assert "pearson: n/a (the labels or the predictions are constant)" in capsys.readouterr().out
+
+
+def test_a_run_inside_the_encoders_run_is_refused_and_the_encoder_kept(encoder_run, separable_rows, tmp_path, capsys):
+    # a step directory as train.out_dir had its config.yaml written over, which its manifest then refused
+    encoder = tmp_path / "encoder"
+    shutil.copytree(encoder_run, encoder)
+    task = write_rows(tmp_path / "lines.csv", separable_rows[:20])
+    step = resolve_checkpoint(encoder)
+    before = digest(encoder)
+    for given, out in ((encoder, encoder / "checkpoints"), (step, step), (encoder / "checkpoints", step / "run")):
+        assert finetune_run(given, out, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
+                            "--train.steps=1", "--train.batch_size=2", "--train.micro_batch_size=2") == 2
+        assert capsys.readouterr().err == (
+            f"error: train.out_dir: {str(out)!r} is inside {str(encoder)!r}, the run of the checkpoint this run "
+            "starts from (checkpoint.init_from, lm.finetune's --encoder); writing there would change that run's "
+            "files: put the run elsewhere\n")
+        assert digest(encoder) == before
+
+
+def test_a_run_directory_beside_its_task_file_is_no_data_directory(encoder_run, separable_rows, tmp_path,
+                                                                   monkeypatch):
+    # fine-tuning reads no data.dir, but the default 'data/shakespeare' below the working directory was refused
+    # as "prepared data inside the run directory"
+    task = write_rows(tmp_path / "lines.csv", separable_rows[:20])
+    monkeypatch.chdir(tmp_path)
+    assert finetune_run(encoder_run, tmp_path, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
+                        "--train.steps=1", "--train.batch_size=2", "--train.micro_batch_size=2") == 0
+    assert (tmp_path / "checkpoints" / "step_00000001").is_dir() and task.is_file()
+
+
+def test_predictions_are_never_written_over_the_checkpoint_they_come_from(encoder_run, separable_rows, tmp_path,
+                                                                           capsys):
+    # --out named the step directory's config.yaml or the consolidated file itself: exit 0, and the model gone
+    task = write_rows(tmp_path / "lines.csv", separable_rows[:20])
+    out = tmp_path / "ft"
+    assert finetune_run(encoder_run, out, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
+                        "--train.steps=1", "--train.batch_size=2", "--train.micro_batch_size=2") == 0
+    step = resolve_checkpoint(out)
+    consolidate(step, tmp_path / "ft.safetensors")
+    before = digest(tmp_path)
+    capsys.readouterr()
+    for checkpoint, dest, why in ((out, step / "config.yaml", f"is inside the input {out / 'checkpoints'}"),
+                                  (step, step.parent / "p.jsonl", f"is inside the input {out / 'checkpoints'}"),
+                                  (tmp_path / "ft.safetensors", tmp_path / "ft.safetensors", "is the input")):
+        assert run(predict.main, ["--checkpoint", str(checkpoint), "--file", str(task), "--out", str(dest)]) == 2
+        assert capsys.readouterr().err.startswith(f"error: --out {dest}: {why}")
+    assert digest(tmp_path) == before
