@@ -75,14 +75,22 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
-def step_store(path: str | Path) -> Path:
-    """The directory of step directories that `path` names, a run directory, its checkpoints/ or a step
-    directory (what a tool reading the checkpoint must not write into); `path` itself for anything else (a
-    consolidated file, an export)."""
+def home_run(path: str | Path) -> Path:
+    """The run directory a checkpoint path belongs to: a step directory's run (step_X in checkpoints/), the run of
+    a checkpoints/ directory, or the path itself (a run directory, a consolidated file, a Hugging Face export)."""
     path = Path(path)
-    if (path / "state.json").is_file():
+    if path.parent.name == "checkpoints" and (path / "state.json").is_file():
+        return path.parent.parent
+    if path.name == "checkpoints" and path.is_dir():
         return path.parent
-    return checkpoint_root(path) if checkpoint_root(path).is_dir() else path
+    return path
+
+
+def step_store(path: str | Path) -> Path:
+    """The directory of step directories that checkpoint `path` comes from (what a tool reading the checkpoint
+    must not write into), or `path` itself when it has none (a consolidated file, an export)."""
+    home = home_run(path)
+    return checkpoint_root(home) if checkpoint_root(home).is_dir() else home
 
 
 def read_state(path: Path) -> dict:

@@ -15,6 +15,7 @@ import socket
 import time
 from pathlib import Path
 
+from lm.checkpoint.store import home_run
 from lm.config import JobConfig
 from lm.distributed.env import DistEnv
 from lm.errors import CheckpointError, ConfigError
@@ -30,7 +31,7 @@ def check_run_paths(cfg: JobConfig) -> None:
     whose files (a step directory's config.yaml, its checkpoints/) the run would write over or among."""
     out = Path(cfg.train.out_dir).resolve()
     if cfg.checkpoint.init_from:
-        home = _home_run(Path(cfg.checkpoint.init_from).resolve())
+        home = home_run(Path(cfg.checkpoint.init_from).resolve())
         if home in out.parents:
             raise ConfigError(f"train.out_dir: {cfg.train.out_dir!r} is inside {str(home)!r}, the run of the "
                               "checkpoint this run starts from (checkpoint.init_from, lm.finetune's --encoder); "
@@ -45,16 +46,6 @@ def check_run_paths(cfg: JobConfig) -> None:
         if out in data.parents:
             raise ConfigError(f"{key}: {source.dir!r} is inside train.out_dir {cfg.train.out_dir!r}; keep "
                               "prepared data out of the run directory")
-
-
-def _home_run(checkpoint: Path) -> Path:
-    """The run directory a checkpoint path belongs to: a step directory's run (step_X in checkpoints/), the
-    run of a checkpoints/ directory, or the path itself (a run directory, a file, a Hugging Face export)."""
-    if checkpoint.parent.name == "checkpoints" and (checkpoint / "state.json").is_file():
-        return checkpoint.parent.parent
-    if checkpoint.name == "checkpoints" and checkpoint.is_dir():
-        return checkpoint.parent
-    return checkpoint
 
 
 class RunLock:
