@@ -60,11 +60,12 @@ def plan_runs(config: str, fixed: list[str], combos: list[dict], out: Path) -> l
         except ConfigError as err:
             message = blame(config, fixed, combo) or f"--grid combination {' '.join(overrides(combo))}: {err}"
             raise SweepError(message) from None
-        same = planned.setdefault(json.dumps(resolved(cfg), sort_keys=True), combo)
+        settings = resolved(cfg)
+        same = planned.setdefault(json.dumps(settings, sort_keys=True), combo)
         if same is not combo:
             raise SweepError(f"--grid: {' '.join(overrides(same))} and {' '.join(overrides(combo))} train the same "
                              "config; list each value once")
-        name = run_name(combo, resolved(cfg))
+        name = run_name(combo, settings)
         cfg.train.out_dir = str(out / "runs" / name)
         runs.append(Run(name, combo, cfg, out / "runs" / name))
     return runs
