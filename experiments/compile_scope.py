@@ -42,12 +42,12 @@ def measure(device: torch.device, scope: str, micro: int, warmup: int, reps: int
 
     def loss_of(inputs, targets):
         with compiled_loss(scope == "blocks+loss"):
-            return family.loss(model, model, [inputs, targets])[0]
+            return family.loss(model, model, [inputs, targets]).optimized
 
     if scope == "whole":
         loss_of = torch.compile(loss_of)
     x = random_batch(cfg, micro, device)
-    autocast = autocast_for(cfg, device)
+    autocast = autocast_for(cfg.train.dtype, device)
 
     def step() -> None:
         with autocast:

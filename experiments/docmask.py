@@ -47,12 +47,12 @@ def bench_model_paths(cfg: JobConfig, device: torch.device, batch: int, seq_len:
     x = torch.randint(0, cfg.model.vocab_size, (batch, seq_len + 1), generator=generator).to(device)
     inputs, targets = x[:, :-1], x[:, 1:]
     positions = packed_positions(batch, seq_len).to(device)
-    autocast = autocast_for(cfg, device)
+    autocast = autocast_for(cfg.train.dtype, device)
 
     def step(pos: torch.Tensor | None) -> None:
         batch = [inputs, targets] if pos is None else [inputs, targets, pos]
         with autocast:
-            loss, _ = get_family("gpt").loss(model, model, batch)
+            loss = get_family("gpt").loss(model, model, batch).optimized
         loss.backward()
         model.zero_grad(set_to_none=True)
 

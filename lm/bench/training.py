@@ -2,6 +2,7 @@
 (GPT2LMHeadModel for the GPT-2 presets) with the same weights, batch, optimizer (our AdamW groups) and precision,
 timed step by step on random tokens."""
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -19,6 +20,7 @@ from lm.models.loss import compiled_loss
 from lm.models.registry import family_of
 from lm.plan.flops import peak_flops
 from lm.training.setup import build_run_engine
+from lm.training.step import train_step
 
 
 def random_batch(cfg: JobConfig, micro_batch: int, device: torch.device) -> torch.Tensor:
@@ -72,7 +74,7 @@ def training_step(cfg: JobConfig, device: torch.device, micro_batch: int, compil
         if compiled:  # as the trainer compiles: block by block, and the loss (below)
             compile_blocks(family.blocks(model))
     optimizer = build_optimizer(model, cfg.optim, heads)
-    autocast = autocast_for(cfg, device)
+    autocast = autocast_for(cfg.train.dtype, device)
     x = random_batch(cfg, micro_batch, device)
     inputs, targets = x[:, :-1], x[:, 1:]
 
@@ -82,7 +84,7 @@ def training_step(cfg: JobConfig, device: torch.device, micro_batch: int, compil
                 loss = model(input_ids=inputs, labels=inputs).loss
             else:
                 with compiled_loss(compiled):  # as the trainer's train.compile: the blocks and the loss
-                    loss = family.loss(model, model, [inputs, targets])[0]
+                    loss = family.loss(model, model, [inputs, targets]).optimized
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
@@ -124,7 +126,7 @@ def sdpa_kernel(cfg: JobConfig, device: torch.device, micro_batch: int) -> str:
 
     block = Block(cfg.model, causal=True).to(device)
     x = torch.randn(micro_batch, cfg.data.seq_len, cfg.model.d_model, device=device)  # (B, T, C)
-    with profile(activities=[ProfilerActivity.CPU]) as prof, autocast_for(cfg, device):
+    with profile(activities=[ProfilerActivity.CPU]) as prof, autocast_for(cfg.train.dtype, device):
         block(x)
     prefix = "aten::_scaled_dot_product_"
     names = [event.key[len(prefix):] for event in prof.key_averages() if event.key.startswith(prefix)]
@@ -134,16 +136,17 @@ def sdpa_kernel(cfg: JobConfig, device: torch.device, micro_batch: int) -> str:
 
 
 def bench_engine(cfg: JobConfig, device: torch.device, micro_batch: int, warmup: int, reps: int) -> dict:
-    """One optimizer step through the trainer's engine interface (forward_backward + optimizer_step) on a
-    one-process group: the engine's own costs (wrappers, sharding, DeepSpeed's step) at world size 1."""
+    """One optimizer step as the trainer takes it (`lm.training.step.train_step`) on a one-process group: the
+    engine's own costs (wrappers, sharding, DeepSpeed's step) at world size 1."""
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=device)
-    engine = build_run_engine(cfg, family_of(cfg.model), env)
+    family = family_of(cfg.model)
+    engine = build_run_engine(cfg, family, env)
+    loss = functools.partial(family.loss, optim=cfg.optim)
     x = random_batch(cfg, micro_batch, device)
     batch = [x[:, :-1], x[:, 1:]]
 
     def step() -> None:
-        engine.forward_backward(batch, last=True, num_micro=1)
-        engine.optimizer_step()
+        train_step(engine, loss, [batch], cfg.optim.lr, cfg.optim.grad_clip)
 
     reset_peak_memory(device)
     step_s = median_seconds(step, device, warmup, reps)

@@ -5,13 +5,13 @@ import contextlib
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lm.config import JobConfig
+from lm.config import OptimConfig, ParallelConfig, TrainConfig
 from lm.distributed.activation import checkpoint_blocks, compile_blocks
 from lm.distributed.env import DistEnv
 from lm.distributed.materialize import WeightLoader, materialize
 from lm.distributed.precision import autocast_for
 from lm.distributed.torch_engine import TorchEngine
-from lm.models.family import Family, LossFn
+from lm.models.family import Family
 
 
 def wrap_ddp(model: nn.Module, env: DistEnv) -> nn.Module:
@@ -34,15 +34,15 @@ class DDPEngine(TorchEngine):
 
     name = "ddp"
 
-    def __init__(self, model: nn.Module, family: Family, loss: LossFn, cfg: JobConfig, env: DistEnv,
-                 load_weights: WeightLoader | None) -> None:
+    def __init__(self, model: nn.Module, family: Family, parallel: ParallelConfig, train: TrainConfig,
+                 optim: OptimConfig, env: DistEnv, load_weights: WeightLoader | None) -> None:
         materialize(model, env.device, load_weights)
         blocks = family.blocks(model)
-        checkpoint_blocks(blocks, cfg.parallel.activation_checkpointing)
-        if cfg.train.compile:
+        checkpoint_blocks(blocks, parallel.activation_checkpointing)
+        if train.compile:
             compile_blocks(blocks)
-        super().__init__(model, wrap_ddp(model, env), family, loss, cfg, env)
-        self.autocast = autocast_for(cfg, env.device)
+        super().__init__(model, wrap_ddp(model, env), family, train, optim, env)
+        self.autocast = autocast_for(train.dtype, env.device)
 
     def _sync(self, last: bool) -> contextlib.AbstractContextManager:
-        return grad_sync(self.train_model, sync=last)
+        return grad_sync(self.run, sync=last)

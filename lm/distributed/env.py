@@ -90,6 +90,14 @@ class DistEnv:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's value of `obj`, in rank order (`[obj]` on one process)."""
+        if not self.is_distributed:
+            return [obj]
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
     def close(self) -> None:
         if self.is_distributed:
             dist.destroy_process_group()

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.overrides import TorchFunctionMode
 
-from lm.config import JobConfig, use_bf16
+from lm.config import OptimConfig, ParallelConfig, TrainConfig, use_bf16
 from lm.distributed.activation import checkpoint_blocks, compile_blocks
 from lm.distributed.context_parallel import ContextParallel
 from lm.distributed.env import DistEnv
@@ -27,7 +27,7 @@ from lm.distributed.materialize import WeightLoader
 from lm.distributed.tensor_parallel import apply_tensor_parallel
 from lm.distributed.torch_engine import TorchEngine
 from lm.errors import ConfigError
-from lm.models.family import Family, LossFn
+from lm.models.family import Family
 
 # the random fills the models' init_weights use (normal_ and uniform_ are the ones lm's families draw from)
 _RANDOM_INITS = {init: inspect.signature(init) for init in (torch.nn.init.normal_, torch.nn.init.uniform_)}
@@ -74,24 +74,24 @@ class FullTensorInit(TorchFunctionMode):
         return param
 
 
-def mixed_precision(cfg: JobConfig, device: torch.device) -> MixedPrecisionPolicy:
-    """bf16 parameters in forward/backward with fp32 gradient reduction on CUDA (train.dtype auto or
+def mixed_precision(dtype: str, device: torch.device) -> MixedPrecisionPolicy:
+    """bf16 parameters in forward/backward with fp32 gradient reduction on CUDA (train.dtype `dtype` auto or
     bfloat16); fp32 throughout on CPU or with train.dtype float32. The sharded master copy stays fp32."""
-    if use_bf16(cfg.train.dtype, device.type):
+    if use_bf16(dtype, device.type):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 
-def parallelize(roots: list[nn.Module], blocks: list[nn.Module], family: Family, model: nn.Module, cfg: JobConfig,
-                env: DistEnv, mesh: DeviceMesh | None) -> None:
+def parallelize(roots: list[nn.Module], blocks: list[nn.Module], family: Family, model: nn.Module,
+                parallel: ParallelConfig, train: TrainConfig, env: DistEnv, mesh: DeviceMesh | None) -> None:
     """Parallelise the model's parts `roots` (the whole model, or this rank's pipeline stages) in place, still on
     the meta device: the family's tensor-parallel plan over the mesh's "tp" dimension (parallel.tp > 1), activation
     checkpointing and torch.compile per block, FSDP2 per block in `blocks` and per root over the "dp" dimension (the
     whole world without a mesh); then allocate each root's shards on this rank's device."""
-    if cfg.parallel.cpu_offload and env.device.type != "cuda":
+    if parallel.cpu_offload and env.device.type != "cuda":
         raise ConfigError("parallel.cpu_offload: FSDP2 offloads a GPU run's shards to host memory; this run is "
                           "on the CPU already, so drop parallel.cpu_offload")
-    options = {"mp_policy": mixed_precision(cfg, env.device)}
+    options = {"mp_policy": mixed_precision(train.dtype, env.device)}
     if mesh is not None:
         options["mesh"] = shard_mesh(mesh)
     if env.tp > 1:
@@ -102,19 +102,19 @@ def parallelize(roots: list[nn.Module], blocks: list[nn.Module], family: Family,
         for root in roots:  # a stage takes the plan's entries for the modules it holds
             names = {name for name, _ in root.named_modules()}
             apply_tensor_parallel(root, {name: style for name, style in plan.items() if name in names}, mesh["tp"])
-    checkpoint_blocks(blocks, cfg.parallel.activation_checkpointing)
-    if cfg.parallel.cpu_offload:
+    checkpoint_blocks(blocks, parallel.activation_checkpointing)
+    if parallel.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
-    if cfg.train.compile:
+    if train.compile:
         compile_blocks(blocks)
     for block in blocks:
         fully_shard(block, **options)
     for root in roots:
         fully_shard(root, **options)  # the embeddings, final norm and head: gathered once per forward
-        root.to_empty(device="cpu" if cfg.parallel.cpu_offload else env.device)
+        root.to_empty(device="cpu" if parallel.cpu_offload else env.device)
 
 
-def shard_model(model: nn.Module, family: Family, cfg: JobConfig, env: DistEnv,
+def shard_model(model: nn.Module, family: Family, parallel: ParallelConfig, train: TrainConfig, env: DistEnv,
                 mesh: DeviceMesh | None = None) -> nn.Module:
     """`model` (built on the meta device) sharded in place with fully_shard per block (its family's `blocks`)
     and at the root, then allocated and initialised per rank: every rank draws the whole model's numbers and
@@ -125,7 +125,7 @@ def shard_model(model: nn.Module, family: Family, cfg: JobConfig, env: DistEnv,
     compiled on its own (`compile_blocks`), as under ddp. `mesh`: the run's mesh under tensor or context
     parallelism (`lm.distributed.layout.device_mesh`), else None (the whole world shards).
     """
-    parallelize([model], family.blocks(model), family, model, cfg, env, mesh)
+    parallelize([model], family.blocks(model), family, model, parallel, train, env, mesh)
     with FullTensorInit():
         model.init_weights()
     return model
@@ -137,15 +137,15 @@ class FSDPEngine(TorchEngine):
 
     name = "fsdp"
 
-    def __init__(self, model: nn.Module, family: Family, loss: LossFn, cfg: JobConfig, env: DistEnv,
-                 load_weights: WeightLoader | None) -> None:
+    def __init__(self, model: nn.Module, family: Family, parallel: ParallelConfig, train: TrainConfig,
+                 optim: OptimConfig, env: DistEnv, load_weights: WeightLoader | None) -> None:
         mesh = device_mesh(env) if max(env.tp, env.cp, env.dp_replicate) > 1 else None
-        shard_model(model, family, cfg, env, mesh)
+        shard_model(model, family, parallel, train, env, mesh)
         if load_weights is not None:
             load_weights(model)  # each rank keeps its slices of the full tensors
         # under context parallelism the forward runs this rank's share of each window's tokens
         run = ContextParallel(model, mesh["cp"]).run if env.cp > 1 else model
-        super().__init__(model, run, family, loss, cfg, env, eval_run=run)  # fully_shard works in place
+        super().__init__(model, run, family, train, optim, env, eval_run=run)  # fully_shard works in place
 
     def _sync(self, last: bool) -> contextlib.AbstractContextManager:
         self.model.set_requires_gradient_sync(last)

@@ -19,13 +19,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from lm.config import JobConfig
+from lm.config import OptimConfig, ParallelConfig, TrainConfig
 from lm.distributed.env import DistEnv
 from lm.distributed.fsdp import FullTensorInit, parallelize
 from lm.distributed.layout import device_mesh
 from lm.distributed.tensor_parallel import parallel_loss, whole
 from lm.distributed.torch_engine import TorchEngine
 from lm.models.family import Family, LossFn
+from lm.models.terms import Term
 
 __all__ = ["PipelineEngine", "stage_layers"]
 
@@ -65,60 +66,56 @@ class PipelineEngine(TorchEngine):
 
     name = "fsdp"
 
-    def __init__(self, model: nn.Module, family: Family, loss: LossFn, cfg: JobConfig, env: DistEnv) -> None:
-        par = cfg.parallel
+    def __init__(self, model: nn.Module, family: Family, parallel: ParallelConfig, train: TrainConfig,
+                 optim: OptimConfig, env: DistEnv) -> None:
         mesh = device_mesh(env)
-        self.num_stages = par.pipeline_stages
+        self.num_stages = parallel.pipeline_stages
         layers = stage_layers(len(family.blocks(model)), self.num_stages)
-        self.stage_ids = [env.pp_rank + k * env.pp for k in range(par.pp_stages_per_rank)]
+        self.stage_ids = [env.pp_rank + k * env.pp for k in range(parallel.pp_stages_per_rank)]
         self.stages = [family.pipeline_stage(model, layers[s], env.tp) for s in self.stage_ids]
         blocks = [family.blocks(model)[i] for s in self.stage_ids for i in layers[s]]
-        parallelize(self.stages, blocks, family, model, cfg, env, mesh)
+        parallelize(self.stages, blocks, family, model, parallel, train, env, mesh)
         with FullTensorInit():  # the other stages' parameters stay on the meta device: their numbers are skipped
             model.init_weights()
         parts = merged(self.stages)
-        super().__init__(parts, parts, family, loss, cfg, env)
+        super().__init__(parts, parts, family, train, optim, env)
         self.pp_group = mesh["pp"].get_group()
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group)  # global rank of each pipeline rank
         self.has_first, self.has_last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
         stages = [PipelineStage(stage, s, self.num_stages, env.device, group=self.pp_group)
                   for s, stage in zip(self.stage_ids, self.stages)]
-        n_micro = cfg.train.batch_size // (cfg.train.micro_batch_size * env.dp_size)
-        self._terms: list[torch.Tensor] = []
-        if par.pp_schedule == "interleaved_1f1b":
-            self.schedule = ScheduleInterleaved1F1B(stages, n_micro, loss_fn=self._loss)
+        n_micro = train.batch_size // (train.micro_batch_size * env.dp_size)
+        self._step_loss: LossFn | None = None  # the step's loss, while its schedule runs
+        self._terms: list[dict[str, Term]] = []
+        if parallel.pp_schedule == "interleaved_1f1b":
+            self._schedule = ScheduleInterleaved1F1B(stages, n_micro, loss_fn=self._loss)
         else:
-            kind = ScheduleGPipe if par.pp_schedule == "gpipe" else Schedule1F1B
-            self.schedule = kind(stages[0], n_micro, loss_fn=self._loss)
+            kind = ScheduleGPipe if parallel.pp_schedule == "gpipe" else Schedule1F1B
+            self._schedule = kind(stages[0], n_micro, loss_fn=self._loss)
 
     def _loss(self, h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """One micro-batch's loss on the last stage, from its output `h`: the family's loss (z-loss included),
-        its forward already run by the pipeline. Keeps the logged terms."""
-        loss, terms = self.loss(self.stages[-1], lambda *inputs: h, [None, target])
-        self._terms.append(whole(terms))
-        return loss
+        """One micro-batch's loss on the last stage, from its output `h`: the family's loss, its forward already
+        run by the pipeline. Keeps the terms the trainer logs."""
+        losses = self._step_loss(self.stages[-1], lambda *inputs: h, [None, target])
+        self._terms.append({name: whole(term) for name, term in losses.detached().items()})
+        return losses.optimized
 
-    def accumulate(self, batches: list[list[torch.Tensor]]) -> torch.Tensor:
-        """The step's micro-batches through the schedule (inputs into the first stage, targets to the last);
-        the summed loss terms, sent from the last stage to the others."""
+    def schedule(self, batches: list[list[torch.Tensor]], loss: LossFn) -> list[dict[str, Term]]:
+        """Forward and backward of the step's micro-batches through the pipeline schedule (inputs into the first
+        stage, targets to the last); each micro-batch's detached terms on the last stage's ranks, none on the
+        others."""
         x = torch.cat([batch[0] for batch in batches])
         y = torch.cat([batch[1] for batch in batches])
-        self._terms = []
+        self._step_loss, self._terms = loss, []
         with parallel_loss(self.env.tp):
             if self.has_first:
-                self.schedule.step(x, target=y if self.has_last else None)
+                self._schedule.step(x, target=y if self.has_last else None)
             elif self.has_last:
-                self.schedule.step(target=y)
+                self._schedule.step(target=y)
             else:
-                self.schedule.step()
+                self._schedule.step()
         # the first step also calls the loss once on the stages' shape-inference pass: only the last n_micro count
-        terms = self._terms[-len(batches):]
-        total = torch.stack(terms).sum(0) if self.has_last else torch.zeros(2, device=self.env.device)
-        dist.broadcast(total, src=self.pp_ranks[-1], group=self.pp_group)
-        return total
-
-    def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int) -> torch.Tensor:
-        raise NotImplementedError("a pipeline runs a step's micro-batches together: call accumulate")
+        return self._terms[-len(batches):] if self.has_last else []
 
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The norm over every stage's gradients: this rank's squared norm summed over the pipeline ranks."""

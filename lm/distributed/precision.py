@@ -4,11 +4,11 @@ import contextlib
 
 import torch
 
-from lm.config import JobConfig, use_bf16
+from lm.config import use_bf16
 
 
-def autocast_for(cfg: JobConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast where `use_bf16` says so (on CUDA by default); plain fp32 otherwise."""
-    if not use_bf16(cfg.train.dtype, device.type):
+def autocast_for(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast where `use_bf16` says so of train.dtype `dtype` (on CUDA by default); plain fp32 otherwise."""
+    if not use_bf16(dtype, device.type):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)

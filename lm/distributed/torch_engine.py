@@ -12,68 +12,71 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from lm.config import JobConfig
+from lm.config import OptimConfig, TrainConfig
 from lm.distributed.env import DistEnv
-from lm.distributed.micro_batches import MicroBatchLoop
 from lm.distributed.optim import build_optimizer, set_lr
 from lm.distributed.tensor_parallel import parallel_loss, whole
-from lm.models.family import Family, LossFn, Run
+from lm.models.family import Family, Run
 from lm.models.loss import compiled_loss
 
 T = TypeVar("T")
 
 
-class TorchEngine(MicroBatchLoop):
+class TorchEngine:
     """The parts of an engine that plain torch provides; `DDPEngine` and `FSDPEngine` add the wrapping."""
 
     name: str
     autocast: contextlib.AbstractContextManager = contextlib.nullcontext()
     skips_nonfinite = True
+    schedule = None
+    backward = staticmethod(torch.autograd.backward)
 
-    def __init__(self, model: nn.Module, train_model: Run, family: Family, loss: LossFn, cfg: JobConfig,
+    def __init__(self, model: nn.Module, train_model: Run, family: Family, train: TrainConfig, optim: OptimConfig,
                  env: DistEnv, eval_run: Run | None = None) -> None:
         """`train_model`: the forward training calls (DDP's wrapper, say); `eval_run`: the one evaluation calls
         (the model itself by default: no gradient is reduced)."""
-        self.model, self.train_model, self.loss, self.cfg, self.env = model, train_model, loss, cfg, env
+        self.model, self.run, self.optim, self.env = model, train_model, optim, env
         self.eval_run = model if eval_run is None else eval_run
-        self.optimizer = build_optimizer(model, cfg.optim, family.output_layers(model), env.world_size, env.rank)
+        # train.compile: the float32 loss compiled too, except over vocabulary slices (DTensors)
+        self.compile_loss = train.compile and env.tp == 1
+        self.optimizer = build_optimizer(model, optim, family.output_layers(model), env.world_size, env.rank)
 
     def set_lr(self, lr: float) -> None:
-        set_lr(self.optimizer, lr, self.cfg.optim)
+        set_lr(self.optimizer, lr, self.optim)
 
     def _sync(self, last: bool) -> contextlib.AbstractContextManager:
         """Reduce gradients only in the backward of the `last` micro-batch."""
         raise NotImplementedError
 
-    def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int) -> torch.Tensor:
-        # under tensor parallelism the logits are split over the vocabulary: the loss and its backward run on
-        # those slices (parallel_loss), and the logged terms come back whole
-        # train.compile: the float32 loss compiled too, except over vocabulary slices (DTensors)
-        with self._sync(last), self.autocast, parallel_loss(self.env.tp), \
-                compiled_loss(self.cfg.train.compile and self.env.tp == 1):
-            loss, terms = self.loss(self.model, self.train_model, batch)
-            (loss / num_micro).backward()
-        return whole(terms)
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool):
+        """Forward and backward of one micro-batch run inside: gradients reduced on the `last` one, under the
+        engine's precision. Under tensor parallelism the logits are split over the vocabulary: the loss and its
+        backward run on those slices (`parallel_loss`)."""
+        with self._sync(last), self.autocast, parallel_loss(self.env.tp), compiled_loss(self.compile_loss):
+            yield
 
-    def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Clip the global gradient norm and step, unless the norm is NaN or inf: then the step is
-        skipped. Clears gradients; returns the norm before clipping and whether the step was applied, as
-        0-dim tensors on the device (no host sync).
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm to `max_norm`; the norm before clipping, a 0-dim tensor on the device."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = self.grad_norm([p.grad for p in params])
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def optimizer_step(self, norm: torch.Tensor) -> torch.Tensor:
+        """Step, unless the gradient norm is NaN or inf: then the step is skipped. Clears gradients; returns
+        whether the step was applied, a 0-dim tensor on the device (no host sync).
 
         A NaN anywhere in any rank's loss or gradients reaches every rank's norm through the gradient
         reduction, so all ranks skip together.
         """
-        clip = self.cfg.optim.grad_clip or float("inf")
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = self.grad_norm([p.grad for p in params])
-        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
         applied = torch.isfinite(norm)
         # The skip is decided on the device: the fused AdamW leaves weights, moments and step counts
         # alone where found_inf is 1, so the host never waits for the norm before queuing the next step.
         self.optimizer.found_inf = (~applied).float()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm, applied
+        return applied
 
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The 2-norm of all the model's gradients, whole (a 0-dim tensor on the device)."""

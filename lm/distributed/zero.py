@@ -5,6 +5,7 @@ work without it installed.
 """
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -15,15 +16,14 @@ from typing import TypeVar
 import torch
 import torch.nn as nn
 
-from lm.config import JobConfig, use_bf16
+from lm.config import OptimConfig, ParallelConfig, TrainConfig, use_bf16
 from lm.distributed.activation import checkpoint_blocks
 from lm.distributed.env import DistEnv
 from lm.distributed.materialize import WeightLoader, materialize
-from lm.distributed.micro_batches import MicroBatchLoop
 from lm.distributed.optim import build_optimizer, set_lr
 from lm.errors import ConfigError
 from lm.io import held_output
-from lm.models.family import Family, LossFn, Run
+from lm.models.family import Family, Run
 
 T = TypeVar("T")
 
@@ -42,34 +42,35 @@ _BATCH_KEYS = {
 }
 
 
-def deepspeed_config(cfg: JobConfig, world_size: int, device: torch.device, load_universal: bool = False) -> dict:
+def deepspeed_config(parallel: ParallelConfig, train: TrainConfig, optim: OptimConfig, world_size: int,
+                     device: torch.device, load_universal: bool = False) -> dict:
     """The DeepSpeed config our job implies, updated by the user's JSON (parallel.deepspeed_config).
 
     The batch arithmetic is ours: a user JSON that sets a batch key to another value is refused, since
     the loader would feed a different batch than DeepSpeed accumulates. Optimizer and schedule are ours
     too (passed in as objects), so the JSON may not name them.
     """
-    accum = cfg.train.batch_size // (cfg.train.micro_batch_size * world_size)
-    bf16 = use_bf16(cfg.train.dtype, device.type)
-    zero: dict = {"stage": cfg.parallel.zero_stage}
-    if cfg.parallel.cpu_offload:
+    accum = train.batch_size // (train.micro_batch_size * world_size)
+    bf16 = use_bf16(train.dtype, device.type)
+    zero: dict = {"stage": parallel.zero_stage}
+    if parallel.cpu_offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     ours = {
-        "train_batch_size": cfg.train.batch_size,
-        "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
+        "train_batch_size": train.batch_size,
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": accum,
-        "gradient_clipping": cfg.optim.grad_clip,
+        "gradient_clipping": optim.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": bf16},
         "steps_per_print": 2**31 - 1,  # we log ourselves
         "checkpoint": {"load_universal": load_universal},
     }
-    if cfg.parallel.cpu_offload:
+    if parallel.cpu_offload:
         # our torch AdamW steps the offloaded state on the CPU; DeepSpeed would insist on its compiled one
         ours["zero_force_ds_cpu_optimizer"] = False
-    if not cfg.parallel.deepspeed_config:
+    if not parallel.deepspeed_config:
         return ours
-    path = Path(cfg.parallel.deepspeed_config)
+    path = Path(parallel.deepspeed_config)
     try:
         user = json.loads(path.read_text())
     except FileNotFoundError:
@@ -83,10 +84,10 @@ def deepspeed_config(cfg: JobConfig, world_size: int, device: torch.device, load
             raise ConfigError(f"parallel.deepspeed_config: {path} sets {key}={user[key]}, but this job has "
                               f"{ours[key]} ({source}); change the job's config instead, or drop the key")
     user_zero = user.get("zero_optimization")
-    stage = user_zero.get("stage", cfg.parallel.zero_stage) if isinstance(user_zero, dict) else cfg.parallel.zero_stage
-    if stage != cfg.parallel.zero_stage:
+    stage = user_zero.get("stage", parallel.zero_stage) if isinstance(user_zero, dict) else parallel.zero_stage
+    if stage != parallel.zero_stage:
         raise ConfigError(f"parallel.deepspeed_config: {path} sets zero_optimization.stage={stage!r}, but this job "
-                          f"has {cfg.parallel.zero_stage} (parallel.zero_stage); change the job's config instead, "
+                          f"has {parallel.zero_stage} (parallel.zero_stage); change the job's config instead, "
                           "or drop the key")
     for key in ("optimizer", "scheduler"):
         if key in user:
@@ -98,9 +99,9 @@ def deepspeed_config(cfg: JobConfig, world_size: int, device: torch.device, load
     return merged
 
 
-def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: JobConfig, env: DistEnv,
-               load_universal: bool = False):
-    """Wrap `model` and `optimizer` in a DeepSpeed engine on the process group lm already started."""
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict, deepspeed_json: str, env: DistEnv):
+    """Wrap `model` and `optimizer` in a DeepSpeed engine with `config` (`deepspeed_config`, read from the user's
+    `deepspeed_json`) on the process group lm already started."""
     # DeepSpeed reads its rank from the environment; a run started without a launcher has none
     for key, value in (("LOCAL_RANK", env.local_rank), ("RANK", env.rank), ("WORLD_SIZE", env.world_size)):
         os.environ.setdefault(key, str(value))
@@ -113,13 +114,12 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: JobConfi
 
         try:
             engine, ds_optimizer, _, _ = deepspeed.initialize(
-                model=model, optimizer=optimizer,
-                config=deepspeed_config(cfg, env.world_size, env.device, load_universal), dist_init_required=False,
+                model=model, optimizer=optimizer, config=config, dist_init_required=False,
             )
         except ValidationError as err:  # a value of the user's JSON that DeepSpeed's schema refuses
             first = err.errors()[0]
             where = ".".join(str(part) for part in first["loc"])
-            raise ConfigError(f"parallel.deepspeed_config: {cfg.parallel.deepspeed_config}: {err.title} {where}: "
+            raise ConfigError(f"parallel.deepspeed_config: {deepspeed_json}: {err.title} {where}: "
                               f"{first['msg']}, got {first.get('input')!r}") from None
     return engine, ds_optimizer
 
@@ -137,40 +137,49 @@ def convert_to_universal(step_dir: Path, tag: str, out_tag: str) -> None:
     ds_to_universal.main(args)
 
 
-class DeepSpeedEngine(MicroBatchLoop):
+class DeepSpeedEngine:
     """DeepSpeed ZeRO stage 1-3 around our model and our AdamW; DeepSpeed's own checkpoints."""
 
     name = "deepspeed"
     skips_nonfinite = False  # without fp16 loss scaling it applies every step before its norm is known
+    schedule = None
 
-    def __init__(self, model: nn.Module, family: Family, loss: LossFn, cfg: JobConfig, env: DistEnv,
-                 load_weights: WeightLoader | None, load_universal: bool = False) -> None:
-        self.cfg, self.env, self.loss, self.load_universal = cfg, env, loss, load_universal
-        if cfg.train.compile:  # not wired up (nor tried) inside DeepSpeed's engine
+    def __init__(self, model: nn.Module, family: Family, parallel: ParallelConfig, train: TrainConfig,
+                 optim: OptimConfig, env: DistEnv, load_weights: WeightLoader | None,
+                 load_universal: bool = False) -> None:
+        self.optim, self.env, self.zero_stage, self.load_universal = optim, env, parallel.zero_stage, load_universal
+        if train.compile:  # not wired up (nor tried) inside DeepSpeed's engine
             log.warning("train.compile is not applied under parallel.engine=deepspeed; the model runs eager")
         # whole and final before initialize: DeepSpeed copies the weights into its fp32 master partitions
         self.model = materialize(model, env.device, load_weights)
-        checkpoint_blocks(family.blocks(self.model), cfg.parallel.activation_checkpointing)
-        optimizer = build_optimizer(self.model, cfg.optim, family.output_layers(self.model))
-        self.engine, self.optimizer = initialize(self.model, optimizer, cfg, env, load_universal)
+        checkpoint_blocks(family.blocks(self.model), parallel.activation_checkpointing)
+        optimizer = build_optimizer(self.model, optim, family.output_layers(self.model))
+        config = deepspeed_config(parallel, train, optim, env.world_size, env.device, load_universal)
+        self.engine, self.optimizer = initialize(self.model, optimizer, config, parallel.deepspeed_config, env)
+        self.run = self.engine
+        # the step divides the loss by the micro-batches itself, as it does for the other engines
+        self.backward = functools.partial(self.engine.backward, scale_wrt_gas=False)
 
     def set_lr(self, lr: float) -> None:
-        set_lr(self.optimizer, lr, self.cfg.optim)
+        set_lr(self.optimizer, lr, self.optim)
 
-    def forward_backward(self, batch: list[torch.Tensor], last: bool, num_micro: int) -> torch.Tensor:
-        """DeepSpeed divides the loss by its accumulation steps and steps the optimizer on the last one."""
-        loss, terms = self.loss(self.model, self.engine, batch)
-        self.engine.backward(loss)
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool):
+        """One micro-batch's forward and backward run inside; then DeepSpeed counts it, and on the last one reduces
+        the gradients, clips them (its gradient_clipping) and steps."""
+        yield
         self.engine.step()
-        return terms
 
-    def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step already happened inside DeepSpeed's last micro-step, which (without fp16 loss
-        scaling) cannot skip it; report its gradient norm and whether it was finite, as 0-dim tensors on
-        the device like the other engines' (DeepSpeed hands the norm over as a Python float)."""
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The gradient norm DeepSpeed clipped by in its last micro-step (to the same max_norm, from its config),
+        as a 0-dim tensor on the device like the other engines' (DeepSpeed hands it over as a Python float)."""
         norm = self.engine.get_global_grad_norm()
-        norm = torch.as_tensor(0.0 if norm is None else norm, dtype=torch.float32, device=self.env.device)
-        return norm, torch.isfinite(norm)
+        return torch.as_tensor(0.0 if norm is None else norm, dtype=torch.float32, device=self.env.device)
+
+    def optimizer_step(self, norm: torch.Tensor) -> torch.Tensor:
+        """The step already happened inside DeepSpeed's last micro-step, which (without fp16 loss scaling)
+        cannot skip it; whether its norm was finite, a 0-dim tensor on the device."""
+        return torch.isfinite(norm)
 
     def parameters_finite(self) -> bool:
         """Whether this rank's partition of the fp32 master weights holds only finite values."""
@@ -184,7 +193,7 @@ class DeepSpeedEngine(MicroBatchLoop):
 
     def full_weights(self) -> contextlib.AbstractContextManager:
         """Every parameter whole on every rank inside the block (ZeRO-3 gathers them; stages 1-2 hold them)."""
-        if self.cfg.parallel.zero_stage != 3:
+        if self.zero_stage != 3:
             return contextlib.nullcontext()
         import deepspeed
 

@@ -11,8 +11,8 @@ mapping ask the family, never which family they have:
 - model: how to build it (on the meta device too), its repeated blocks (what FSDP shards and activation
   checkpointing recomputes), its output layers, a device check, and how it splits over tensor-parallel ranks
   (`tensor_parallel`: a style per module, which `lm.distributed.tensor_parallel` applies);
-- training: the objective that turns token windows into its batches, the loss of a batch, the scores of a
-  validation batch;
+- training: the objective that turns token windows into its batches, the loss of a batch as named terms
+  (`lm.models.terms`), the scores of a validation batch;
 - sizes: parameters, FLOPs per token, and the activation bytes the memory planner adds per micro-batch;
 - inference: how it samples text (or that it does not);
 - Hugging Face: the transformers classes it exports to and imports from (`lm.hf.targets`).
@@ -25,7 +25,7 @@ tensor, the final hidden states (the trunk); a family's loss applies the output 
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from lm.errors import ConfigError
 from lm.models.config import ModelConfig
@@ -37,12 +37,30 @@ if TYPE_CHECKING:
     from lm.data.config import DataConfig
     from lm.data.objectives import Objective
     from lm.hf.targets import HFReader, Target
+    from lm.models.terms import Losses
 
 Run = Callable[..., "torch.Tensor"]
 """The model's forward as an engine calls it (through DDP's, FSDP's or DeepSpeed's wrapper and their hooks)."""
-LossFn = Callable[["nn.Module", Run, list["torch.Tensor"]], tuple["torch.Tensor", "torch.Tensor"]]
-"""A micro-batch's loss: (model, its forward through the engine, batch) -> (loss to backpropagate, the detached
-(2,) loss and z-loss term the trainer logs): a family's `loss` with the run's optim.z_loss."""
+LossFn = Callable[["nn.Module", Run, list["torch.Tensor"]], "Losses"]
+"""A micro-batch's loss as the step calls it: (model, its forward through the engine, batch) -> named terms
+(`lm.models.terms`): a family's `loss` with the run's loss options bound."""
+
+
+class LossOptions(Protocol):
+    """The job's settings a family's loss may read (the optim section)."""
+
+    z_loss: float
+    """The z-loss coefficient: 0 for none; a family whose config allows it (`ModelConfig.z_loss`) adds the term"""
+
+
+@dataclass(frozen=True)
+class PlainLoss:
+    """Loss options that add nothing to the model's own loss: what code outside a training run passes."""
+
+    z_loss: float = 0.0
+
+
+PLAIN_LOSS = PlainLoss()
 
 
 class TPStyle(enum.Enum):
@@ -181,10 +199,10 @@ class Family:
         raise NotImplementedError
 
     def loss(self, model: "nn.Module", run: Run, batch: list["torch.Tensor"],
-             z_loss: float = 0.0) -> tuple["torch.Tensor", "torch.Tensor"]:
-        """One training micro-batch: the loss to backpropagate, and the detached (2,) pair (loss without the
-        z-loss term, mean log Z^2; 0 without optim.z_loss) that the trainer logs. `run` is the model's
-        forward through the engine; `model` the module whose heads the loss applies."""
+             optim: LossOptions = PLAIN_LOSS) -> "Losses":
+        """One training micro-batch's loss as named terms (`lm.models.terms`), one of them the objective that
+        backward differentiates. `run` is the model's forward through the engine; `model` the module whose heads
+        the loss applies; `optim` the job's loss options."""
         raise NotImplementedError
 
     def score_batch(self, model: "nn.Module", run: Run, batch: list["torch.Tensor"]) -> Scored:

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from lm.models.terms import Losses, mean_terms
+
 _compiling = False  # inside compiled_loss()
 
 
@@ -107,9 +109,11 @@ def next_token_loss(logits: Callable[[torch.Tensor], torch.Tensor], h: torch.Ten
     return head_loss(logits(h), targets, with_z)
 
 
-def with_z_loss(terms: torch.Tensor, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss to backpropagate, cross-entropy + z_loss * mean log Z^2, of `terms`: the (2,) pair of
-    `head_loss(..., with_z=True)`, or a scalar cross-entropy when z_loss is 0; and the detached (2,) pair."""
-    if z_loss:
-        return terms[0] + z_loss * terms[1], terms.detach()
-    return terms, torch.stack([terms, torch.zeros_like(terms)]).detach()
+def cross_entropy_terms(loss: torch.Tensor, weight: float, z_loss: float = 0.0) -> Losses:
+    """A cross-entropy as named terms (`lm.models.terms`) over `weight` targets: "loss", the scalar `loss`; with
+    z_loss, `loss` is the (2,) pair of `head_loss(..., with_z=True)`, and the terms add "z_loss" (its mean log
+    Z^2) and the optimized "objective", cross-entropy + z_loss * mean log Z^2."""
+    if not z_loss:
+        return Losses(mean_terms(weight, loss=loss))
+    objective = loss[0] + z_loss * loss[1]
+    return Losses(mean_terms(weight, loss=loss[0], z_loss=loss[1], objective=objective), objective="objective")

@@ -15,9 +15,10 @@ import torch.nn as nn
 
 from lm.data.objectives import NextToken, Objective
 from lm.models.config import ModelConfig
-from lm.models.family import Family, Run, SampleOptions, Scored
+from lm.models.family import PLAIN_LOSS, Family, LossOptions, Run, SampleOptions, Scored
 from lm.models.generate import fit_prompt, generate, generate_batch
-from lm.models.loss import next_token_loss, with_z_loss
+from lm.models.loss import cross_entropy_terms, next_token_loss
+from lm.models.terms import Losses
 from lm.tokenizer import continuation_text, prompt_ids
 
 if TYPE_CHECKING:
@@ -43,8 +44,10 @@ class NextTokenFamily(Family):
         return next_token_loss(model.logits, h, y, getattr(model.cfg, "loss_chunk", 0), with_z)
 
     def loss(self, model: nn.Module, run: Run, batch: list[torch.Tensor],
-             z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-        return with_z_loss(self._cross_entropy(model, run, batch, bool(z_loss)), z_loss)
+             optim: LossOptions = PLAIN_LOSS) -> Losses:
+        """The cross-entropy over the batch's next tokens (and optim.z_loss's term), weighted by their count."""
+        loss = self._cross_entropy(model, run, batch, bool(optim.z_loss))
+        return cross_entropy_terms(loss, batch[1].numel(), optim.z_loss)
 
     def score_batch(self, model: nn.Module, run: Run, batch: list[torch.Tensor]) -> Scored:
         return Scored(self._cross_entropy(model, run, batch, False).float(), batch[1].numel())

@@ -10,26 +10,23 @@ LM_FAULT_KILL_SAVE=R:S   rank R SIGKILLs itself inside the save of step S, right
 
 import os
 import signal
+from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
+
+from lm.models.family import LossFn
+from lm.models.terms import Losses
 
 if TYPE_CHECKING:
     from lm.training.trainer import Trainer
 
 
 def install_faults(trainer: "Trainer") -> None:
-    """Wrap `trainer`'s engine (its loss, its save) and add a step hook, as the LM_FAULT_* variables ask."""
+    """Wrap `trainer`'s loss and its engine's save, and add a step hook, as the LM_FAULT_* variables ask."""
     rank, engine = trainer.env.rank, trainer.engine
     nan_steps = {int(s) for s in os.environ.get("LM_FAULT_NAN_STEPS", "").split(",") if s}
     if nan_steps and rank == 0:
-        loss = engine.loss
-
-        def loss_or_nan(*args):
-            value, terms = loss(*args)
-            if trainer.step + 1 in nan_steps:  # the step being taken, as it will be logged
-                return value * float("nan"), terms * float("nan")
-            return value, terms
-
-        engine.loss = loss_or_nan
+        trainer.loss = nan_at(trainer.loss, lambda: trainer.step + 1 in nan_steps)  # the step being taken, as logged
     if not _first_attempt():
         return
     if (kill_after := _rank_step("LM_FAULT_KILL")) and kill_after[0] == rank:
@@ -43,6 +40,18 @@ def install_faults(trainer: "Trainer") -> None:
                 _die()
 
         engine.save = save_then_die
+
+
+def nan_at(loss: LossFn, now: Callable[[], bool]) -> LossFn:
+    """`loss` with every term made NaN whenever `now()` says so."""
+    def loss_or_nan(*args) -> Losses:
+        losses = loss(*args)
+        if not now():
+            return losses
+        return Losses({name: replace(term, value=term.value * float("nan")) for name, term in losses.terms.items()},
+                      losses.objective)
+
+    return loss_or_nan
 
 
 def _die() -> None:

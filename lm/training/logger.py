@@ -4,13 +4,16 @@ steps each train line sums up."""
 import contextlib
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from lm.config import JobConfig
 from lm.distributed.env import DistEnv
+from lm.models.terms import Reduce, Term
 from lm.report.metrics import METRICS_FILE
 
 log = logging.getLogger("lm.train")
@@ -71,18 +74,31 @@ class MetricLogger:
 
 
 class TrainWindow:
-    """The steps since the last log line: their (2,) cross-entropy and z-loss term summed on the device over
-    the applied steps (read once per line: one host sync), and their wall time spent training (`paused`
-    leaves the rest out)."""
+    """The steps since the last log line: each loss term over the applied steps, kept on the device (read once
+    per line: one host sync), and their wall time spent training (`paused` leaves the rest out)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.loss = torch.zeros(2, device=device)
+        self.device = device
+        self.reduces: dict[str, Reduce] = {}
+        self.sums: dict[str, torch.Tensor] = {}
+        """MEAN and SUM terms: their step values added over the applied steps; MAX terms: the largest"""
+        self.weights: dict[str, torch.Tensor] = {}
+        """MEAN terms: their weights (targets) added over the applied steps"""
         self.applied = torch.zeros((), device=device)
         self.steps = 0
         self.start = time.perf_counter()
 
-    def add(self, loss: torch.Tensor, applied: torch.Tensor) -> None:
-        self.loss += torch.where(applied, loss, 0.0)  # a skipped step's NaN would poison the mean
+    def add(self, terms: dict[str, Term], applied: torch.Tensor) -> None:
+        for name, term in terms.items():
+            if name not in self.reduces:
+                self.reduces[name] = term.reduce
+                self.sums[name] = torch.full((), -math.inf if term.reduce is Reduce.MAX else 0.0, device=self.device)
+                self.weights[name] = torch.zeros((), device=self.device)
+            if term.reduce is Reduce.MAX:
+                self.sums[name] = torch.maximum(self.sums[name], torch.where(applied, term.value, -math.inf))
+            else:  # a skipped step's NaN would poison the mean
+                self.sums[name] += torch.where(applied, term.value, 0.0)
+                self.weights[name] += torch.where(applied, term.weight, 0.0)
         self.applied += applied
         self.steps += 1
 
@@ -93,15 +109,59 @@ class TrainWindow:
         yield
         self.start += time.perf_counter() - paused
 
-    def read(self, env: DistEnv) -> tuple[list[float], int, float]:
-        """([cross-entropy, z-loss term] averaged over the window's applied steps and over ranks, steps,
-        seconds); starts a new window."""
-        loss = env.all_reduce_mean(self.loss / self.applied.clamp(min=1)).tolist()
+    def read(self, env: DistEnv) -> tuple[dict[str, float], int, float]:
+        """(each term over the window's applied steps and over ranks, steps, seconds); starts a new window.
+
+        A MEAN or SUM term is averaged over the applied steps; over ranks a MEAN term is weighted by each rank's
+        weights, a SUM term added over the data-parallel ranks, a MAX term the largest. A term only some ranks
+        hold (a pipeline's last stage) is taken from them."""
+        names = self.reduces
+        if env.is_distributed:  # every rank reduces the same terms in the same order
+            names = {}
+            for held in env.all_gather_object({name: reduce.value for name, reduce in self.reduces.items()}):
+                names |= {name: Reduce(value) for name, value in held.items() if name not in names}
+        values = {}
+        for name, reduce in names.items():
+            held = name in self.sums
+            if reduce is Reduce.MAX:
+                local = self.sums[name] if held else torch.tensor(-math.inf, device=self.device)
+            else:
+                local = self.sums[name] / self.applied.clamp(min=1) if held else torch.zeros((), device=self.device)
+            values[name] = local
+        values = across_ranks(values, names, {name: self.weights.get(name) for name in names}, env)
         steps, seconds = self.steps, time.perf_counter() - self.start
-        self.loss.zero_()
-        self.applied.zero_()
-        self.steps, self.start = 0, time.perf_counter()
-        return loss, steps, seconds
+        self.__init__(self.device)
+        return values, steps, seconds
+
+
+def across_ranks(values: dict[str, torch.Tensor], reduces: dict[str, Reduce],
+                 weights: dict[str, torch.Tensor | None], env: DistEnv) -> dict[str, float]:
+    """Each rank's value of each term combined over the ranks as its `Reduce` says (a no-op on one process)."""
+    if not values:
+        return {}
+    if not env.is_distributed:
+        return dict(zip(values, torch.stack(list(values.values())).tolist()))
+    out = {}
+    means = [name for name, reduce in reduces.items() if reduce is Reduce.MEAN]
+    if means:
+        held = torch.stack([weights[name] if weights[name] is not None else torch.zeros((), device=env.device)
+                            for name in means])
+        total = held.clone()
+        dist.all_reduce(total)
+        # each rank's share of the weight: a half on each of two ranks with as many targets, so the sum below is
+        # the plain mean over ranks to the last bit
+        share = torch.where(total > 0, held / total.clamp(min=1e-30), 0.0)
+        mean = torch.stack([values[name] for name in means]) * share
+        dist.all_reduce(mean)
+        out |= dict(zip(means, mean.tolist()))
+    # the ranks of a tensor- or context-parallel group hold the same values
+    for reduce, op, copies in ((Reduce.SUM, dist.ReduceOp.SUM, env.tp * env.cp), (Reduce.MAX, dist.ReduceOp.MAX, 1)):
+        names = [name for name, r in reduces.items() if r is reduce]
+        if names:
+            stacked = torch.stack([values[name] for name in names])
+            dist.all_reduce(stacked, op=op)
+            out |= dict(zip(names, (stacked / copies).tolist()))
+    return {name: out[name] for name in reduces}
 
 
 def hparams(cfg: JobConfig, n_params: int) -> dict[str, object]:

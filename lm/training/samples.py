@@ -32,5 +32,5 @@ def periodic_sample(engine: Engine, family: Family, cfg: JobConfig, tokenizer, e
     weights' dtype. Eager: compiled blocks would compile again for every cache length.
     """
     gathered = engine.full_weights() if family.samples_outside_forward else contextlib.nullcontext()
-    with gathered, autocast_for(cfg, env.device), torch.compiler.set_stance("force_eager"):
+    with gathered, autocast_for(cfg.train.dtype, env.device), torch.compiler.set_stance("force_eager"):
         return family.sample(engine.model, tokenizer, cfg.log.sample_prompt, sample_options(cfg, env.device))

@@ -38,7 +38,7 @@ def build_run_engine(cfg: JobConfig, family: Family, env: DistEnv, load_weights:
     torch.manual_seed(cfg.train.seed)
     with torch.device("meta"):
         model = family.build(cfg.model)
-    return build_engine(model, family, cfg, env, load_weights, load_universal)
+    return build_engine(model, family, cfg.parallel, cfg.train, cfg.optim, env, load_weights, load_universal)
 
 
 @dataclass

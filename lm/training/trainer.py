@@ -4,6 +4,7 @@ The trainer asks the model's family (`lm.models.family`) what differs by model, 
 kind of parallelism; `lm.training.setup` puts the run together before the first step.
 """
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from lm.training.samples import periodic_sample
 from lm.training.save import last_good, probe_output_dir, save_run
 from lm.training.schedule import lr_at
 from lm.training.setup import build_run_engine, choose_start, open_data
+from lm.training.step import Step, train_step
 from lm.training.token_data import to_device
 
 log = logging.getLogger("lm.train")
@@ -63,6 +65,7 @@ class Trainer:
         start = choose_start(cfg, env, self.ckpt_root, self.data.identity())
         self.engine = build_run_engine(cfg, self.family, env, start.load_weights, start.load_universal)
         self.model = self.engine.model
+        self.loss = functools.partial(self.family.loss, optim=cfg.optim)
         self.loader = self.data.loader
         self.step, self.tokens_seen = 0, 0
         self.elapsed_before = 0.0  # wall seconds trained by earlier processes of this run (before a resume)
@@ -132,12 +135,11 @@ class Trainer:
         window = TrainWindow(self.env.device)
         while self.step < cfg.train.steps:
             lr = lr_at(self.step, cfg.optim.lr, cfg.schedule, cfg.train.steps)
-            self.engine.set_lr(lr)
-            loss, grad_norm, applied = self._train_step()
+            step = self._train_step(lr)
             self.step += 1
             self.tokens_seen += cfg.train.batch_size * cfg.data.seq_len
-            self.skipped.add(applied)
-            window.add(loss, applied)
+            self.skipped.add(step.applied)
+            window.add(step.terms, step.applied)
             last = self.step == cfg.train.steps
             log_step = self.step % cfg.log.every == 0 or last
             # read at log steps when the engine skips a non-finite step on the device, so it can wait; one that
@@ -145,7 +147,7 @@ class Trainer:
             if log_step or not self.engine.skips_nonfinite:
                 self._check_nonfinite()
             if log_step:
-                history.append(self._log_train(window, lr, grad_norm))
+                history.append(self._log_train(window, lr, step.grad_norm))
             with window.paused():
                 stop = self._after_step(last, signals, history)
             if stop:
@@ -179,20 +181,18 @@ class Trainer:
         return True
 
     def _log_train(self, window: TrainWindow, lr: float, grad_norm: torch.Tensor) -> dict:
-        """One train line: the window's mean loss, its throughput and MFU; returns the row logged."""
-        (loss, z_loss), steps, seconds = window.read(self.env)
+        """One train line: the window's mean of each loss term, its throughput and MFU; returns the row logged."""
+        terms, steps, seconds = window.read(self.env)
         tok_s = steps * self.cfg.train.batch_size * self.cfg.data.seq_len / seconds
         flops_s = self.flops_per_token * tok_s / self.env.world_size
         # a head's loss is a cross-entropy over classes or an MSE: no perplexity
-        ppl = {} if self.cfg.task.file else {"train/ppl": perplexity(loss)}
+        ppl = {} if self.cfg.task.file or "loss" not in terms else {"train/ppl": perplexity(terms["loss"])}
         row = {
-            "train/loss": loss, **ppl, "train/lr": lr,
+            **{f"train/{name}": value for name, value in terms.items()}, **ppl, "train/lr": lr,
             "train/grad_norm": grad_norm.item(), "train/skipped_steps": self.skipped.total,
             "perf/tokens_per_s": tok_s, "perf/tflops_per_device": flops_s / 1e12,
             "perf/mfu": flops_s / self.peak_flops if self.peak_flops else None,
         }
-        if self.cfg.optim.z_loss:  # train/loss stays the cross-entropy alone, comparable with val/loss
-            row["train/z_loss"] = z_loss
         if self.data.is_mixture:  # tokens each source has served, and the epochs they make of its windows
             draws = self.loader.draws_per_source()
             for source, n, windows in zip(self.data.sources, draws.tolist(), self.loader.sources):
@@ -200,9 +200,11 @@ class Trainer:
                         f"data/{source.name}/epochs": n / windows.num_samples}
         perf = f"mfu {row['perf/mfu']:.1%}" if self.peak_flops else f"{flops_s / 1e12:.3f} TFLOP/s"
         skipped = f" | {self.skipped.total} skipped" if self.skipped.total else ""
+        shown = [f"{name} {value:.4f}" for name, value in terms.items()]  # "loss" first, then the family's others
+        if ppl:
+            shown.insert(1, f"ppl {ppl['train/ppl']:.1f}")
         self.metrics.log(self.step, self.tokens_seen, self.elapsed_s(), row, (
-            f"step {{step}}/{self.cfg.train.steps} | loss {{train_loss:.4f}} | "
-            f"{'ppl {train_ppl:.1f} | ' if ppl else ''}"
+            f"step {{step}}/{self.cfg.train.steps} | {' | '.join(shown)} | "
             f"lr {{train_lr:.2e}} | grad norm {{train_grad_norm:.3f}} | {{perf_tokens_per_s:,.0f}} tok/s | "
             f"{perf}{skipped}"
         ))
@@ -239,15 +241,11 @@ class Trainer:
                 "resume from it"
             )
 
-    def _train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Forward/backward over this rank's micro-batches, clip, step. Returns the mean (2,) cross-entropy
-        and z-loss term, the grad norm and whether the optimizer step was applied (not skipped for a
-        non-finite norm), the last two 0-dim; all on the device."""
-        micro_batches = self.loader.next_batch()
-        # the objective's batches ((x, y) for a next-token model, ...), which the family's loss reads
-        loss_sum = self.engine.accumulate([to_device(batch, self.env.device) for batch in micro_batches])
-        grad_norm, applied = self.engine.optimizer_step()
-        return loss_sum / len(micro_batches), grad_norm, applied
+    def _train_step(self, lr: float) -> Step:
+        """One optimizer step over this rank's next micro-batches (the objective's batches: (x, y) for a next-token
+        model, ...), which the family's loss reads."""
+        micro_batches = [to_device(batch, self.env.device) for batch in self.loader.next_batch()]
+        return train_step(self.engine, self.loss, micro_batches, lr, self.cfg.optim.grad_clip)
 
     def save(self) -> Path:
         """Checkpoint the run (a collective; see `save_run`)."""

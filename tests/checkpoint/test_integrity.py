@@ -21,7 +21,7 @@ from lm.checkpoint.resume import latest_valid_checkpoint, load_checkpoint
 from lm.checkpoint.store import checkpoint_root, complete_checkpoints, save_checkpoint
 from lm.distributed.env import init_distributed
 from lm.errors import CheckpointError
-from tests.checkpoint.test_store import setup
+from tests.checkpoint.test_store import one_step, setup
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,16 +30,15 @@ def state(step: int) -> dict:
     return {"step": step, "tokens_seen": 8 * step, "position": step}
 
 
-def train_one_more(engine) -> None:
-    engine.forward_backward([torch.ones(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)], True, 1)
-    engine.optimizer_step()
+def train_one_more(cfg, engine) -> None:
+    one_step(cfg, engine, torch.ones(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
 
 
 def save_two(root: Path) -> tuple[Path, Path]:
     cfg, engine = setup()
     env = init_distributed("cpu")
     first = save_checkpoint(root, 1, engine, state(1), cfg, env, keep=2)
-    train_one_more(engine)
+    train_one_more(cfg, engine)
     return first, save_checkpoint(root, 2, engine, state(2), cfg, env, keep=2)
 
 
@@ -174,10 +173,10 @@ def then_die(fn):
     return wrapped
 
 save(1)
-train_one_more(engine)
+train_one_more(cfg, engine)
 if point == "replace":
     save(2)
-    train_one_more(engine)
+    train_one_more(cfg, engine)
     real_rename = Path.rename
     def rename(self, target):
         if self.name == "step_00000002.tmp":  # the old step_00000002 is already moved aside

@@ -1,3 +1,5 @@
+from functools import partial
+
 import pytest
 import torch
 
@@ -8,6 +10,7 @@ from lm.distributed.env import init_distributed
 from lm.errors import CheckpointError, ConfigError
 from lm.models.registry import family_of
 from lm.training.setup import build_run_engine
+from lm.training.step import train_step
 
 TINY = ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=16", "--model.block_size=16", "--data.seq_len=8"]
 
@@ -16,9 +19,14 @@ def setup(seed=0):
     """A ddp engine (one process) after one optimizer step, so AdamW has state to save."""
     cfg = load_config(None, [*TINY, f"--train.seed={seed}"])
     engine = build_run_engine(cfg, family_of(cfg.model), init_distributed("cpu"))
-    engine.forward_backward([torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long)], True, 1)
-    engine.optimizer_step()
+    one_step(cfg, engine, torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long))
     return cfg, engine
+
+
+def one_step(cfg, engine, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One optimizer step of `engine` on the micro-batch (x, y)."""
+    loss = partial(family_of(cfg.model).loss, optim=cfg.optim)
+    train_step(engine, loss, [[x, y]], cfg.optim.lr, cfg.optim.grad_clip)
 
 
 def test_save_keeps_the_newest_and_ignores_incomplete(tmp_path):

@@ -268,7 +268,7 @@ def test_an_engine_draws_the_weights_a_cpu_build_would_and_lets_a_loader_replace
     torch.manual_seed(5)
     with torch.device("meta"):
         model = family.build(cfg.model)
-    engine = build_engine(model, family, cfg, env)
+    engine = build_engine(model, family, cfg.parallel, cfg.train, cfg.optim, env)
     assert engine.model is model and model.lm_head.weight is model.wte.weight  # materialised and tied again
     for (name, expected), actual in zip(reference.state_dict().items(), model.state_dict().values()):
         assert torch.equal(expected, actual), name
@@ -280,5 +280,5 @@ def test_an_engine_draws_the_weights_a_cpu_build_would_and_lets_a_loader_replace
 
     with torch.device("meta"):
         other = family.build(cfg.model)
-    zeros = build_engine(other, family, cfg, env, load_weights=zero_all)
+    zeros = build_engine(other, family, cfg.parallel, cfg.train, cfg.optim, env, load_weights=zero_all)
     assert all(not p.any() for p in zeros.model.parameters())

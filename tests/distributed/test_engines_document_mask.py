@@ -48,7 +48,7 @@ def _worker(rank: int, port: int, engine: str, pos: str, out: dict) -> None:
     torch.manual_seed(cfg.train.seed)
     with torch.device("meta"):
         model = family.build(cfg.model)
-    eng = build_engine(model, family, cfg, env)
+    eng = build_engine(model, family, cfg.parallel, cfg.train, cfg.optim, env)
 
     def loss_of(batch: list[torch.Tensor]) -> float:
         return eng.evaluate(lambda model, run: family.score_batch(model, run, batch)).loss.item()

@@ -5,6 +5,7 @@ error), attention must run a fused SDPA kernel in bf16, and bf16 training throug
 learn.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -18,8 +19,10 @@ from lm.bench.training import random_batch, sdpa_kernel
 from lm.config import load_config
 from lm.distributed.env import DistEnv, init_device
 from lm.models.registry import family_of
+from lm.training.faults import nan_at
 from lm.training.nonfinite import SkippedSteps
 from lm.training.setup import build_run_engine
+from lm.training.step import train_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -41,21 +44,17 @@ def test_a_training_step_never_waits_for_the_host(engine, optim):
 
 
 def sync_free_steps(cfg, device: torch.device) -> None:
-    built = build_run_engine(cfg, family_of(cfg.model), DistEnv(rank=0, local_rank=0, world_size=1, device=device))
+    family = family_of(cfg.model)
+    built = build_run_engine(cfg, family, DistEnv(rank=0, local_rank=0, world_size=1, device=device))
     x = random_batch(cfg, 4, device)
     batch = [x[:, :-1], x[:, 1:]]
-    loss, poisoned = built.loss, [False]
-
-    def loss_or_nan(*args):  # a NaN loss from the test's side, as lm.training.faults makes one
-        value, terms = loss(*args)
-        return (value * float("nan"), terms * float("nan")) if poisoned[0] else (value, terms)
-
-    built.loss = loss_or_nan
+    poisoned = [False]
+    # a NaN loss from the test's side, as lm.training.faults makes one
+    loss = nan_at(functools.partial(family.loss, optim=cfg.optim), lambda: poisoned[0])
 
     def step(poison: bool) -> torch.Tensor:
         poisoned[0] = poison
-        built.forward_backward(batch, last=True, num_micro=1)
-        return built.optimizer_step()[1]
+        return train_step(built, loss, [batch], cfg.optim.lr, cfg.optim.grad_clip).applied
 
     step(False)  # warm-up: lazy initialisation (cuBLAS handles, FSDP's first all-gather) may synchronise
     skipped = SkippedSteps(device)

@@ -131,7 +131,7 @@ def test_mlm_loss_is_cross_entropy_over_the_masked_positions_of_the_full_logits(
     ids[chosen] = cfg.mask_id
     with torch.no_grad():
         full = model.mlm_logits(model(ids))
-        loss, _ = ENCODER.loss(model, model, [ids, labels])
+        loss = ENCODER.loss(model, model, [ids, labels]).optimized
         scored = ENCODER.score_batch(model, model, [ids, labels])
     n = int(chosen.sum())
     assert full.shape == (3, 10, cfg.padded_vocab_size) and scored.count == n
@@ -152,7 +152,7 @@ def test_classify_and_regress_heads_give_cross_entropy_and_mean_squared_error() 
     classifier = randomised(Encoder(config(head="classify", num_classes=5)))
     classes = torch.tensor([0, 4, 2, 2])
     out = ENCODER.task_outputs(classifier, classifier, ids, keep)
-    loss, _ = ENCODER.loss(classifier, classifier, [ids, classes, keep])
+    loss = ENCODER.loss(classifier, classifier, [ids, classes, keep]).optimized
     assert out.shape == (4, 5)
     h0 = classifier(ids)[:, 0]  # pooling first: the [CLS] position
     torch.testing.assert_close(out, h0 @ classifier.score.weight.T + classifier.score.bias)
@@ -162,7 +162,7 @@ def test_classify_and_regress_heads_give_cross_entropy_and_mean_squared_error() 
     regressor = randomised(Encoder(config(head="regress", pooling="mean")))
     targets = torch.tensor([0.5, -1.0, 2.0, 0.0])
     out = ENCODER.task_outputs(regressor, regressor, ids, keep)
-    loss, _ = ENCODER.loss(regressor, regressor, [ids, targets, keep])
+    loss = ENCODER.loss(regressor, regressor, [ids, targets, keep]).optimized
     assert out.shape == (4,)
     assert abs(loss.item() - ((out - targets) ** 2).mean().item()) <= 1e-6
 
@@ -182,7 +182,7 @@ def test_mlm_overfits_one_batch() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     losses = []
     for _ in range(150):
-        loss, _ = ENCODER.loss(model, model, [ids, labels])
+        loss = ENCODER.loss(model, model, [ids, labels]).optimized
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -201,7 +201,7 @@ def test_every_position_and_norm_runs_forward_and_backward(pos: str, norm: str) 
     ids = torch.randint(0, cfg.vocab_size, (2, 12))
     labels = torch.where(torch.rand(2, 12) < 0.3, ids, IGNORE)
     labels[:, 1] = ids[:, 1]
-    loss, _ = ENCODER.loss(model, model, [ids, labels])
+    loss = ENCODER.loss(model, model, [ids, labels]).optimized
     loss.backward()
     assert torch.isfinite(loss) and loss.item() > 1.0
     for name, p in model.named_parameters():

@@ -29,7 +29,7 @@ def logits(model: GPT, idx: torch.Tensor, **kw: object) -> torch.Tensor:
 
 def loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The training loss the family computes for a batch (x, y)."""
-    return GPT_FAMILY.loss(model, model, [idx, targets])[0]
+    return GPT_FAMILY.loss(model, model, [idx, targets]).optimized
 
 
 def test_logits_cover_the_padded_vocabulary() -> None:

@@ -11,8 +11,10 @@ from lm.config import load_config
 from lm.distributed.env import init_distributed
 from lm.errors import ConfigError
 from lm.models.config import ModelConfig
+from lm.models.family import PlainLoss
 from lm.models.loss import chunked_cross_entropy
 from lm.models.registry import config_class, get_family
+from lm.models.terms import Losses
 from lm.training.trainer import Trainer
 
 # B * T = 2 * 9 = 18 positions: 1 and 6 divide it, 5 and 7 do not, 64 is more than all of them
@@ -31,15 +33,15 @@ def build(cfg: ModelConfig) -> torch.nn.Module:
     return get_family(cfg.arch).build(cfg)
 
 
-def family_loss(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0):
-    """The loss the trainer backpropagates, and the (cross-entropy, z-loss term) it logs."""
-    return get_family(model.cfg.arch).loss(model, model, [idx, targets], z_loss)
+def family_loss(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> Losses:
+    """The loss's named terms, whose objective the trainer backpropagates."""
+    return get_family(model.cfg.arch).loss(model, model, [idx, targets], PlainLoss(z_loss))
 
 
 def loss_and_grads(cfg: ModelConfig, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
     torch.manual_seed(0)
     model = build(cfg)
-    loss, _ = family_loss(model, idx, targets)
+    loss = family_loss(model, idx, targets).optimized
     loss.backward()
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
@@ -71,7 +73,7 @@ def test_loss_chunk_0_is_the_plain_path_bit_for_bit() -> None:
     torch.manual_seed(0)
     model = build(tiny())
     idx, targets = torch.randint(0, 100, (B, T)), torch.randint(0, 100, (B, T))
-    logits, (loss, _) = model.logits(model(idx)), family_loss(model, idx, targets)
+    logits, loss = model.logits(model(idx)), family_loss(model, idx, targets).optimized
     plain = torch.nn.functional.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))
     assert tiny().loss_chunk == 0 and logits.shape == (B, T, 128)
     assert torch.equal(loss, plain)

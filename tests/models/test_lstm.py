@@ -26,7 +26,7 @@ def logits(model: LSTMLM, idx: torch.Tensor, **kw: object) -> torch.Tensor:
 
 
 def loss(model: LSTMLM, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return LSTM.loss(model, model, [idx, targets])[0]
+    return LSTM.loss(model, model, [idx, targets]).optimized
 
 
 def tiny_model(seed: int = 0, **overrides: object) -> LSTMLM:

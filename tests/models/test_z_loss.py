@@ -29,11 +29,16 @@ def test_the_loss_adds_the_z_term_and_its_gradients_match_the_formula(arch, chun
     idx, targets = torch.randint(0, 100, (B, T)), torch.randint(0, 100, (B, T))
     torch.manual_seed(0)
     model = build(cfg)
-    loss, terms = family_loss(model, idx, targets, z_loss=0.5)
-    ce, no_z = family_loss(model, idx, targets)
-    assert terms.shape == no_z.shape == (2,) and no_z[1] == 0
-    torch.testing.assert_close(terms[0], ce, rtol=0, atol=1e-6)
-    torch.testing.assert_close(loss, terms[0] + 0.5 * terms[1], rtol=0, atol=1e-6)
+    with_z = family_loss(model, idx, targets, z_loss=0.5)
+    plain = family_loss(model, idx, targets)
+    # the cross-entropy is optimized alone without it, and logged as "loss" either way
+    assert list(plain.terms) == ["loss"] and plain.objective == "loss"
+    assert list(with_z.terms) == ["loss", "z_loss", "objective"] and with_z.objective == "objective"
+    terms = {name: term.value for name, term in with_z.detached().items()}
+    assert not any(value.requires_grad for value in terms.values())
+    torch.testing.assert_close(terms["loss"], plain.optimized, rtol=0, atol=1e-6)
+    loss = with_z.optimized
+    torch.testing.assert_close(loss, terms["loss"] + 0.5 * terms["z_loss"], rtol=0, atol=1e-6)
     loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     # the same objective spelled out from the plain logits

@@ -52,11 +52,11 @@ def main(argv: list[str]) -> None:
     threading.Thread(target=sample, daemon=True).start()
     step = trainer._train_step
 
-    def measured_step():
+    def measured_step(lr):
         if trainer.step == 1:  # the second step: weights, gradients and optimizer state all exist
             sampling.set()
         try:
-            return step()
+            return step(lr)
         finally:
             sampling.clear()
 

@@ -11,8 +11,8 @@ from lm.data.span_corruption import corrupted_lengths
 from lm.errors import ConfigError, PromptError
 from lm.models.encdec import hf_remote
 from lm.models.encdec.config import EncDecConfig
-from lm.models.family import Family, Run, SampleOptions, Scored
-from lm.models.loss import with_z_loss
+from lm.models.family import PLAIN_LOSS, Family, LossOptions, Run, SampleOptions, Scored
+from lm.models.loss import cross_entropy_terms
 from lm.models.sizes import (
     block_params,
     checkpointed_blocks,
@@ -24,6 +24,7 @@ from lm.models.sizes import (
     stack_bytes,
     stack_params,
 )
+from lm.models.terms import Losses
 
 if TYPE_CHECKING:
     from lm.data.config import DataConfig
@@ -75,8 +76,9 @@ class EncDecFamily(Family):
         return F.cross_entropy(logits.float().flatten(0, 1), tgt_out.reshape(-1), ignore_index=model.cfg.pad_id)
 
     def loss(self, model: nn.Module, run: Run, batch: list[torch.Tensor],
-             z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-        return with_z_loss(self._cross_entropy(model, run, batch), 0.0)
+             optim: LossOptions = PLAIN_LOSS) -> Losses:
+        # a mean over the non-padding targets, of which a micro-batch of full windows has the same number
+        return cross_entropy_terms(self._cross_entropy(model, run, batch), batch[2].numel())
 
     def score_batch(self, model: nn.Module, run: Run, batch: list[torch.Tensor]) -> Scored:
         # a full window holds no padding: every target counts

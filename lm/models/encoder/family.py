@@ -11,8 +11,8 @@ from lm.data.masking import IGNORE, target_count
 from lm.data.objectives import MaskedLM, Objective
 from lm.models.encoder import hf, hf_remote
 from lm.models.encoder.config import EncoderConfig
-from lm.models.family import Family, Run, Scored
-from lm.models.loss import with_z_loss
+from lm.models.family import PLAIN_LOSS, Family, LossOptions, Run, Scored
+from lm.models.loss import cross_entropy_terms
 from lm.models.sizes import (
     block_params,
     checkpointed_blocks,
@@ -25,6 +25,7 @@ from lm.models.sizes import (
     position_params,
     stack_bytes,
 )
+from lm.models.terms import Losses
 
 if TYPE_CHECKING:
     from lm.data.config import DataConfig
@@ -87,13 +88,16 @@ class EncoderFamily(Family):
         return F.cross_entropy(out.float(), labels)
 
     def loss(self, model: nn.Module, run: Run, batch: list[torch.Tensor],
-             z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Masked LM on shards' windows; a fine-tuning head on labelled rows (ids, labels, keep)."""
+             optim: LossOptions = PLAIN_LOSS) -> Losses:
+        """Masked LM on shards' windows, weighted by the masked tokens; a fine-tuning head on labelled rows (ids,
+        labels, keep), weighted by the rows."""
         head = model.cfg.task_head
         if head is None:
-            return with_z_loss(self._masked(model, run, batch)[2], 0.0)
+            _, targets, loss = self._masked(model, run, batch)
+            return cross_entropy_terms(loss, targets.numel())
         ids, labels, keep = batch
-        return with_z_loss(self._task_loss(self.task_outputs(model, run, ids, keep), labels, head), 0.0)
+        return cross_entropy_terms(self._task_loss(self.task_outputs(model, run, ids, keep), labels, head),
+                                   labels.shape[0])
 
     def score_batch(self, model: nn.Module, run: Run, batch: list[torch.Tensor]) -> Scored:
         """Masked LM: the loss over the masked tokens and how many of them the argmax predicts."""
