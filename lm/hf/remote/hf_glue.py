@@ -1,9 +1,10 @@
 """What stands between transformers' calling convention and lm's layers (layers.py, attention.py, block.py, the
 export's copies of lm's own files): transformers' cache seen as lm's per-layer cache, its attention_mask as lm's
-masks, its position_ids, and its output classes. Plain torch.
+masks, its position_ids, its accessors of the embeddings and its output classes. Plain torch.
 """
 
 import torch
+import torch.nn as nn
 
 from .attention import key_padding_mask
 
@@ -61,6 +62,22 @@ def token_positions(attention_mask: torch.Tensor | None, position_ids: torch.Ten
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
     return torch.arange(past, past + T, device=device)
+
+
+class TokenEmbeddings:
+    """transformers' accessors of a model whose token embedding is `wte` and output layer `lm_head` (lm's names)."""
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.wte = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
 
 
 def output_with_cache(output_class, cache, **fields):

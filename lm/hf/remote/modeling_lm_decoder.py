@@ -17,11 +17,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .block import Block
 from .configuration_lm import LMDecoderConfig, TransformerConfig
-from .hf_glue import layer_caches, output_with_cache, padded_causal_mask, token_positions
+from .hf_glue import TokenEmbeddings, layer_caches, output_with_cache, padded_causal_mask, token_positions
 from .layers import add_positions, make_norm
 
 
-class LMDecoderForCausalLM(PreTrainedModel, GenerationMixin):
+class LMDecoderForCausalLM(TokenEmbeddings, PreTrainedModel, GenerationMixin):
     """The decoder and its output layer; parameter names are lm's own (wte, wpe, blocks.<i>..., ln_f, lm_head)."""
 
     config_class = LMDecoderConfig
@@ -43,18 +43,6 @@ class LMDecoderForCausalLM(PreTrainedModel, GenerationMixin):
         # a tied output layer is the embedding: the weights file holds it once
         self._tied_weights_keys = {"lm_head.weight": "wte.weight"} if config.tie_word_embeddings else {}
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.wte
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.wte = value
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cache=None, labels: torch.LongTensor | None = None,

@@ -17,11 +17,11 @@ from transformers.modeling_outputs import MaskedLMOutput
 
 from .block import Block
 from .configuration_lm import LMEncoderConfig, TransformerConfig
-from .hf_glue import key_mask
+from .hf_glue import TokenEmbeddings, key_mask
 from .layers import add_positions, make_norm
 
 
-class LMEncoderForMaskedLM(PreTrainedModel):
+class LMEncoderForMaskedLM(TokenEmbeddings, PreTrainedModel):
     """The encoder and its masked-LM head; parameter names are lm's own (wte, wpe, emb_norm, blocks.<i>..., ln_f,
     mlm_dense, mlm_norm, lm_head)."""
 
@@ -48,18 +48,6 @@ class LMEncoderForMaskedLM(PreTrainedModel):
         # a tied output layer's weight is the embedding (its bias is its own): the weights file holds it once
         self._tied_weights_keys = {"lm_head.weight": "wte.weight"} if config.tie_word_embeddings else {}
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.wte
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.wte = value
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.LongTensor | None = None, **kwargs) -> MaskedLMOutput:
