@@ -22,7 +22,8 @@ from lm.tokenizer import load_tokenizer
 TEXT = "KING DUNCAN.\nWhat bloody man is that?  He can report,\n\tAs seemeth by his plight, 1606: naïve café 🙂"
 HF_FILES = {"config.json", "generation_config.json", "model.safetensors",
             "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"}
-CODE_FILES = {"configuration_lm.py", "lm_layers.py", "modeling_lm_decoder.py"}
+CODE_FILES = {"configuration_lm.py", "hf_glue.py", "layers.py", "attention.py", "block.py", "kv_cache.py",
+              "modeling_lm_decoder.py"}
 
 
 def train_run(data_dir: Path, out: Path, *model_flags: str) -> Path:

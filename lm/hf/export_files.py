@@ -21,7 +21,7 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from lm.hf.importing import GENERATION_CONFIG, read_config_json
-from lm.hf.remote_code import CODE_DIR
+from lm.hf.remote_code import exported_source
 from lm.hf.targets import Target, hf_state_dict
 from lm.hf.tokenizer_files import write_hf_tokenizer
 from lm.io import atomic_path, file_above, merge_dir, temp_sibling
@@ -61,9 +61,9 @@ def export_hf(model: nn.Module, target: Target, encoding: Tokenizer | None, toke
     source = read_config_json(origin)[0] if origin is not None else {}
     config |= {key: source[key] for key in TOKEN_ID_KEYS if key in source}
     written = [_write_json(out_dir / "config.json", config)]
-    for name in target.code:  # lm's own modeling code, which config.json's auto_map names
-        shutil.copyfile(CODE_DIR / name, out_dir / name)
-        written.append(out_dir / name)
+    for path in target.code:  # lm's own modeling code, which config.json's auto_map names
+        (out_dir / path.name).write_text(exported_source(path), encoding="utf-8")
+        written.append(out_dir / path.name)
     if origin is not None and (origin / GENERATION_CONFIG).is_file():
         shutil.copyfile(origin / GENERATION_CONFIG, out_dir / GENERATION_CONFIG)
         written.append(out_dir / GENERATION_CONFIG)

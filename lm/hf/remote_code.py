@@ -1,30 +1,41 @@
 """Exports as code: for a model no transformers class computes, the export writes lm's own modeling files beside
-the weights (`CODE_DIR`: a configuration, the shared layers and one modeling file per family, importing only torch
-and transformers), and config.json's `auto_map` names their classes, so transformers loads the directory with
+the weights, and config.json's `auto_map` names their classes, so transformers loads the directory with
 `trust_remote_code=True`. Each family's last export target is such a class (`lm.models.<family>.hf_remote`).
 
-The files are package data, copied into exports and never imported by lm. A modeling file reproduces the options it
-was written for and no others: `option_needs` keeps the target to those, refusing by name any value it does not
-know, and any config key added to lm after it (unless left at its default), so a new option is refused in one
-line rather than exported wrong.
+The files import only torch, transformers and each other. The layers are lm's own source (`lm.models.layers`,
+`attention`, `block`, ...), written with their imports of each other made relative (`exported_source`), so a model
+change is made once; what only transformers needs (a configuration, the glue to its cache and masks, one modeling
+file per family) is package data in `CODE_DIR`, copied into exports and never imported by lm. A modeling file
+reproduces the options it was written for and no others: `option_needs` keeps the target to those, refusing by
+name any value it does not know, and any config key added to lm after it (unless left at its default), so a new
+option is refused in one line rather than exported wrong.
 """
 
 import dataclasses
+import re
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch.nn as nn
 
 from lm.hf.targets import Need, Part, Plan, yaml_value
 
-__all__ = ["CODE_DIR", "TRANSFORMER_KEYS", "code_files", "code_note", "option_needs", "plan_by_name", "remote_config",
-           "transformer_fields"]
+__all__ = ["CODE_DIR", "TRANSFORMER_KEYS", "code_files", "code_note", "exported_source", "layer_files", "option_needs",
+           "plan_by_name", "remote_config", "transformer_fields"]
 
 CODE_DIR = Path(__file__).with_name("remote")
-"""The modeling files an export as code copies"""
+"""The files only an export as code needs, which it copies: the configuration, the glue and the modeling files"""
 
-CONFIG_FILE, LAYERS_FILE = "configuration_lm.py", "lm_layers.py"
+CONFIG_FILE, GLUE_FILE = "configuration_lm.py", "hf_glue.py"
+
+LAYER_IMPORT = re.compile(r"^from lm\.models\.(\w+) import ", re.MULTILINE)
+"""How lm's layer modules import each other (one module of lm.models, by name)"""
+
+STAND_INS = {"config": Path(CONFIG_FILE).stem}
+"""lm.models modules the export does not carry, and the written file that stands in for each: the layers' config is
+a dataclass of lm's config system; configuration_lm.py's `TransformerConfig` gives them its keys under its names"""
 
 TRANSFORMER_KEYS: dict[str, tuple[Any, ...] | None] = {
     "arch": None, "vocab_size": None, "block_size": None, "n_layer": None, "d_model": None, "n_head": None,
@@ -34,8 +45,8 @@ TRANSFORMER_KEYS: dict[str, tuple[Any, ...] | None] = {
     # dropout acts in training only, and the padding rows up to vocab_multiple are not exported
     "dropout": None, "vocab_multiple": None,
 }
-"""The shared transformer keys (`lm.models.config.TransformerConfig`) lm_layers.py knows, with the values it computes
-(None: any value). A family's target adds its own keys."""
+"""The shared transformer keys (`lm.models.config.TransformerConfig`) configuration_lm.py carries, with the values the
+modeling files compute (None: any value). A family's target adds its own keys."""
 
 
 def option_needs(config_class: type, known: dict[str, tuple[Any, ...] | None]) -> tuple[Need, ...]:
@@ -89,9 +100,38 @@ def transformer_fields(cfg: Any, vocab_size: int) -> dict[str, Any]:
     }
 
 
-def code_files(modeling_file: str) -> tuple[str, ...]:
-    """The files an export of the class in `modeling_file` holds: its configuration, the layers and itself."""
-    return CONFIG_FILE, LAYERS_FILE, modeling_file
+def layer_files(root: ModuleType) -> tuple[Path, ...]:
+    """The source files of lm's layer module `root` (lm.models.block) and of every lm.models module it imports,
+    directly or through another, except those with a stand-in (`STAND_INS`); by name."""
+    found: dict[str, Path] = {}
+    todo = [Path(root.__file__)]
+    while todo:
+        path = todo.pop()
+        if path.name not in found:
+            found[path.name] = path
+            imported = LAYER_IMPORT.findall(path.read_text(encoding="utf-8"))
+            todo += [path.with_name(f"{name}.py") for name in imported if name not in STAND_INS]
+    return tuple(found[name] for name in sorted(found))
+
+
+def code_files(modeling_file: str, layers: ModuleType) -> tuple[Path, ...]:
+    """The files an export of the class in `modeling_file` holds: its configuration, the glue, lm's layer files from
+    the module `layers` (lm.models.block) down, and itself."""
+    return CODE_DIR / CONFIG_FILE, CODE_DIR / GLUE_FILE, *layer_files(layers), CODE_DIR / modeling_file
+
+
+def exported_source(path: Path) -> str:
+    """Code file `path` as the export writes it: an lm layer file's imports of other lm.models modules become
+    relative imports of the files written beside it (or of their stand-ins), under a line that says where it comes
+    from. ValueError where an import of lm is left, which transformers could not load without lm installed."""
+    text = path.read_text(encoding="utf-8")
+    if path.parent != CODE_DIR:
+        text = f"# lm.models.{path.stem}: lm's own source, its imports of lm made relative by lm.export\n" + \
+            LAYER_IMPORT.sub(lambda m: f"from .{STAND_INS.get(m[1], m[1])} import ", text)
+    if left := re.search(r"^\s*(from|import)\s+lm\b.*", text, re.MULTILINE):
+        raise ValueError(f"{path}: the export cannot carry `{left[0].strip()}`; a layer file may import torch and "
+                         "lm.models' layer modules only")
+    return text
 
 
 def code_note(hf_class: str, modeling_file: str) -> str:

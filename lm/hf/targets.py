@@ -10,6 +10,7 @@ parity tests feed transformers the very tensors the export writes.
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,8 +85,8 @@ class Target:
     """Whether the export writes the tokenizer's files beside the model (an encoder's ids are not the tokenizer's)"""
     note: Callable[[Any, str], str] | None = None
     """(model config, data.tokenizer) -> what a user of the export must know that its files do not say"""
-    code: tuple[str, ...] = ()
-    """Files of `lm.hf.remote_code.CODE_DIR` written beside config.json: the class is lm's own code, which
+    code: tuple[Path, ...] = ()
+    """Source files written beside config.json (`lm.hf.remote_code.code_files`): the class is lm's own code, which
     transformers runs with trust_remote_code=True"""
     generation: Callable[[Any], dict[str, Any]] | None = None
     """model config -> its generation_config.json, where generation does not start, end and pad with the end-of-text

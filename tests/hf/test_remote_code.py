@@ -5,6 +5,10 @@ the code predates is refused by name; the files import nothing but torch and tra
 
 import ast
 import dataclasses
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelFo
 
 from lm.errors import ExportError
 from lm.hf.export_files import write_export
-from lm.hf.remote_code import CODE_DIR
+from lm.hf.remote_code import CODE_DIR, exported_source
 from lm.hf.targets import pick_target
 from lm.models.encdec.config import EncDecConfig
 from lm.models.encdec.sampling import generate_seq2seq
@@ -178,16 +182,81 @@ def test_a_config_key_the_code_predates_is_refused_by_name_unless_left_at_its_de
 
 
 def test_the_code_imports_only_torch_and_transformers_and_every_file_is_exported():
+    """Every file of CODE_DIR goes out with some family, beside lm's own layer files, and as written each imports
+    the standard library, torch, transformers and the files beside it, never lm."""
     shipped = set()
     for family in ("gpt", "encoder", "encdec"):
         shipped |= set(family_of(EncDecConfig() if family == "encdec" else
                                  EncoderConfig() if family == "encoder" else GPTConfig()).hf_targets[-1].code)
-    assert shipped == {p.name for p in CODE_DIR.glob("*.py")}
-    for path in CODE_DIR.glob("*.py"):
+    assert set(CODE_DIR.glob("*.py")) <= shipped
+    assert {p.name for p in shipped - set(CODE_DIR.glob("*.py"))} == {"layers.py", "attention.py", "block.py",
+                                                                      "kv_cache.py"}
+    names = {p.stem for p in shipped}
+    for path in shipped:
         imported = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(ast.parse(exported_source(path))):
             if isinstance(node, ast.Import):
                 imported |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 imported.add(node.module.split(".")[0])
-        assert imported <= {"math", "torch", "transformers"}, (path.name, imported)
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 1 and node.module in names, (path.name, node.module)
+        assert imported <= {"collections", "dataclasses", "math", "torch", "transformers"}, (path.name, imported)
+
+
+def test_a_layer_file_that_imports_more_of_lm_is_refused(tmp_path):
+    """An import the export cannot carry stops the export by name instead of writing code that needs lm."""
+    layer = tmp_path / "layers.py"
+    layer.write_text("import torch\n\nfrom lm.models.block import Block\nfrom lm.errors import ConfigError\n")
+    with pytest.raises(ValueError, match="cannot carry `from lm.errors import ConfigError`"):
+        exported_source(layer)
+
+
+HIDDEN_LM = """
+import sys, torch
+from importlib.abc import MetaPathFinder
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
+
+
+class NoLM(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "lm" or name.startswith("lm."):
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden)")
+
+
+sys.meta_path.insert(0, NoLM())
+out, idx, src, tgt = sys.argv[1], *torch.load(sys.argv[2])
+with torch.no_grad():
+    logits = [AutoModelForCausalLM.from_pretrained(f"{out}/gpt", trust_remote_code=True)(idx).logits,
+              AutoModelForMaskedLM.from_pretrained(f"{out}/encoder", trust_remote_code=True)(idx).logits,
+              AutoModelForSeq2SeqLM.from_pretrained(f"{out}/encdec", trust_remote_code=True)(
+                  input_ids=src, decoder_input_ids=tgt).logits]
+assert not [name for name in sys.modules if name == "lm" or name.startswith("lm.")]
+torch.save(logits, sys.argv[3])
+"""
+
+
+def test_exports_load_and_give_our_logits_without_lm(tmp_path):
+    """Each family's export holds no import of lm and runs in a Python where lm cannot be imported."""
+    models = {"gpt": random_model(GPTConfig(**TINY, **DECODERS["demo-modern"])),
+              "encoder": random_model(EncoderConfig(**TINY, **ENCODERS["demo-encoder"])),
+              "encdec": random_model(EncDecConfig(**TINY, n_sentinels=10, **ENCDECS["demo-encdec"]))}
+    for arch, model in models.items():
+        write_export(model, pick_target(model.cfg, family_of(model.cfg).hf_targets, arch), None, "gpt2",
+                     tmp_path / arch)
+        for path in (tmp_path / arch).glob("*.py"):
+            assert not re.search(r"^\s*(from|import)\s+lm\b", path.read_text(), re.MULTILINE), path
+    idx, src, tgt = ids(VOCAB, (2, 32), seed=1), ids(VOCAB, (2, 20), seed=2), ids(VOCAB, (2, 12), seed=3)
+    torch.save((idx, src, tgt), tmp_path / "inputs.pt")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONPATH": ""}
+    done = subprocess.run([sys.executable, "-c", HIDDEN_LM, str(tmp_path), str(tmp_path / "inputs.pt"),
+                           str(tmp_path / "logits.pt")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    theirs = torch.load(tmp_path / "logits.pt")
+    with torch.no_grad():
+        ours = [models["gpt"].logits(models["gpt"](idx)), models["encoder"].mlm_logits(models["encoder"](idx)),
+                models["encdec"].logits(models["encdec"](src, tgt))]
+    for mine, other in zip(ours, theirs):
+        assert_same(mine, other)

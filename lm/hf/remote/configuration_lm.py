@@ -2,6 +2,7 @@
 computes: the decoder (`LMDecoderConfig`), the masked-LM encoder (`LMEncoderConfig`) and the encoder-decoder
 (`LMEncDecConfig`). The keys are lm's `model.*` keys with the values the model was built with (n_kv_head and d_ff
 as numbers, never 0 for "the default"); transformers' usual names (hidden_size, num_hidden_layers, ...) read them.
+`TransformerConfig` hands those keys to lm's layer files, written beside this one, under the names they read.
 """
 
 from transformers import PretrainedConfig
@@ -71,3 +72,27 @@ class LMEncDecConfig(LMTransformerConfig):
         self.share_embeddings, self.n_sentinels, self.sentinel_start = share_embeddings, n_sentinels, sentinel_start
         kwargs.setdefault("is_encoder_decoder", True)
         super().__init__(**kwargs)
+
+
+class TransformerConfig:
+    """The options of lm's shared layers (layers.py, attention.py, block.py: lm's own files, which the export copies)
+    under the names they read in lm (`lm.models.config.TransformerConfig`), taken from an `LMTransformerConfig`.
+    The decoder's own keys (d_head, qk_norm_scope, rope scaling) default to what lm's encoders build with; the
+    transformers config keeps rope scaling as rope_scaling_type, since transformers owns rope_scaling."""
+
+    SAME_KEYS = ("d_model", "n_head", "pos", "rope_theta", "norm", "norm_eps", "norm_position", "mlp", "bias",
+                 "qkv_bias", "qk_norm", "dropout")
+
+    def __init__(self, config: LMTransformerConfig) -> None:
+        for key in self.SAME_KEYS:
+            setattr(self, key, getattr(config, key))
+        self.kv_heads, self.ff_dim = config.n_kv_head, config.d_ff
+        self.head_dim = getattr(config, "d_head", 0) or config.d_model // config.n_head
+        self.qk_norm_scope = getattr(config, "qk_norm_scope", "head")
+        self.rope_scaling = getattr(config, "rope_scaling_type", "none")
+        self.rope_factor = getattr(config, "rope_factor", 1.0)
+        self.rope_low_freq_factor = getattr(config, "rope_low_freq_factor", 1.0)
+        self.rope_high_freq_factor = getattr(config, "rope_high_freq_factor", 4.0)
+        self.rope_original_context = getattr(config, "rope_original_context", 8192)
+        # a post-norm block already ends in a norm; the other placements end their stack in one
+        self.final_norm = config.norm_position != "post"

@@ -4,9 +4,9 @@ class computes (QK-norm, a ReLU squared MLP, post-norm blocks, sinusoidal positi
 loads it, and its logits are lm's.
 
 Token embeddings (plus learned or sinusoidal positions, or rotary positions inside attention) feed n_layer causal
-blocks (`lm_layers.py`), then a final norm (pre-norm models) and the output layer, tied to the embedding or not.
-`generate` keeps each layer's keys and values in transformers' cache; a batch of prompts may be left-padded
-(attention_mask), each row then getting the positions it has alone.
+blocks (lm's own block.py, written beside this file), then a final norm (pre-norm models) and the output layer,
+tied to the embedding or not. `generate` keeps each layer's keys and values in transformers' cache; a batch of
+prompts may be left-padded (attention_mask), each row then getting the positions it has alone.
 """
 
 import torch
@@ -15,11 +15,13 @@ import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .configuration_lm import LMDecoderConfig
-from .lm_layers import Block, causal_mask, embed_positions, final_norm, output_with_cache, token_positions
+from .block import Block
+from .configuration_lm import LMDecoderConfig, TransformerConfig
+from .hf_glue import TokenEmbeddings, layer_caches, output_with_cache, padded_causal_mask, token_positions
+from .layers import add_positions, make_norm
 
 
-class LMDecoderForCausalLM(PreTrainedModel, GenerationMixin):
+class LMDecoderForCausalLM(TokenEmbeddings, PreTrainedModel, GenerationMixin):
     """The decoder and its output layer; parameter names are lm's own (wte, wpe, blocks.<i>..., ln_f, lm_head)."""
 
     config_class = LMDecoderConfig
@@ -30,28 +32,17 @@ class LMDecoderForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: LMDecoderConfig) -> None:
         super().__init__(config)
+        self.layer_config = TransformerConfig(config)
         self.wte = nn.Embedding(config.vocab_size, config.d_model)
         if config.pos == "learned":
             self.wpe = nn.Embedding(config.block_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config, i, causal=True) for i in range(config.n_layer))
-        self.ln_f = final_norm(config)
+        self.blocks = nn.ModuleList(Block(self.layer_config, causal=True) for _ in range(config.n_layer))
+        self.ln_f = make_norm(self.layer_config) if self.layer_config.final_norm else nn.Identity()
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         # a tied output layer is the embedding: the weights file holds it once
         self._tied_weights_keys = {"lm_head.weight": "wte.weight"} if config.tie_word_embeddings else {}
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.wte
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.wte = value
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cache=None, labels: torch.LongTensor | None = None,
@@ -67,12 +58,12 @@ class LMDecoderForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"sequence of {past + T} tokens ({past} cached + {T} new) exceeds the model's "
                              f"block_size={cfg.block_size}")
         positions = token_positions(attention_mask, position_ids, past, T, input_ids.device)  # (T,) or (B, T)
-        x, rope = embed_positions(self.wte(input_ids), positions, cfg, getattr(self, "wpe", None))  # (B, T, C)
-        x = self.drop(x)
-        mask = causal_mask(attention_mask, past, T, input_ids.device)
-        for i, block in enumerate(self.blocks):
+        x, rope = add_positions(self.wte(input_ids), positions, self.layer_config, getattr(self, "wpe", None))
+        x = self.drop(x)  # (B, T, C)
+        mask = padded_causal_mask(attention_mask, past, T, input_ids.device)
+        for i, (block, layer_cache) in enumerate(zip(self.blocks, layer_caches(cache, cfg.n_layer))):
             rotary = not (cfg.nope_interval and (i + 1) % cfg.nope_interval == 0)  # every n-th layer: no positions
-            x = block(x, rope if rotary else None, mask, cache)
+            x = block(x, rope=rope if rotary else None, cache=layer_cache, mask=mask)
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
         if cfg.logit_softcap:
             logits = cfg.logit_softcap * torch.tanh(logits.float() / cfg.logit_softcap)

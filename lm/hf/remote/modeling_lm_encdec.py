@@ -3,11 +3,11 @@ corruption) as a transformers model. `lm.export` writes this file beside the wei
 `AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=True)` loads it, and its logits are lm's.
 
 Token embeddings scaled by sqrt(d_model) plus sinusoidal or learned positions feed n_layer encoder blocks; the
-decoder's n_layer blocks add cross-attention to the encoder's output (`lm_layers.py`); a pre-norm stack ends in a
-norm of its own. The source is text with sentinel ids (config.sentinel_start + i) where spans are missing; the
-decoder starts from the padding id (config.pad_token_id, generation's decoder_start_token_id) and writes each
-sentinel followed by its span. `generate` encodes the source once and caches the decoder's own keys and values; the
-cross-attention keys and values are projected from the encoder's output at every step.
+decoder's n_layer blocks add cross-attention to the encoder's output (lm's own block.py, written beside this file);
+a pre-norm stack ends in a norm of its own. The source is text with sentinel ids (config.sentinel_start + i) where
+spans are missing; the decoder starts from the padding id (config.pad_token_id, generation's decoder_start_token_id)
+and writes each sentinel followed by its span. `generate` encodes the source once and caches the decoder's own keys
+and values; the cross-attention keys and values are projected from the encoder's output at every step.
 """
 
 import math
@@ -18,18 +18,20 @@ import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
-from .configuration_lm import LMEncDecConfig
-from .lm_layers import Block, causal_mask, embed_positions, final_norm, key_mask, output_with_cache
+from .block import Block
+from .configuration_lm import LMEncDecConfig, TransformerConfig
+from .hf_glue import key_mask, layer_caches, output_with_cache
+from .layers import add_positions, make_norm
 
 
-def embed(ids: torch.Tensor, table: nn.Embedding, pos_table: nn.Embedding | None, start: int, config
-          ) -> torch.Tensor:
+def embed(ids: torch.Tensor, table: nn.Embedding, pos_table: nn.Embedding | None, start: int,
+          config: TransformerConfig, block_size: int) -> torch.Tensor:
     """ids (B, T) at positions start.. -> (B, T, C): the token embedding scaled by sqrt(d_model), plus positions."""
     T = ids.size(1)
-    if start + T > config.block_size:
-        raise ValueError(f"sequence of {start + T} tokens exceeds the model's block_size={config.block_size}")
+    if start + T > block_size:
+        raise ValueError(f"sequence of {start + T} tokens exceeds the model's block_size={block_size}")
     positions = torch.arange(start, start + T, device=ids.device)
-    x, _ = embed_positions(table(ids) * math.sqrt(config.d_model), positions, config, pos_table)
+    x, _ = add_positions(table(ids) * math.sqrt(config.d_model), positions, config, pos_table)
     return x
 
 
@@ -40,19 +42,20 @@ class LMEncDecEncoder(nn.Module):
 
     def __init__(self, config: LMEncDecConfig) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.layer_config = config, TransformerConfig(config)
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         if config.pos == "learned":
             self.pos = nn.Embedding(config.block_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config, i, causal=False) for i in range(config.n_layer))
-        self.norm = final_norm(config)
+        self.blocks = nn.ModuleList(Block(self.layer_config, causal=False) for _ in range(config.n_layer))
+        self.norm = make_norm(self.layer_config) if self.layer_config.final_norm else nn.Identity()
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 **kwargs) -> BaseModelOutput:
         """The encoder's output (B, S, C) for source ids (B, S); attention_mask (B, S): 1 for real tokens, 0 for
         padding, which no position attends to."""
-        x = self.drop(embed(input_ids, self.embed, getattr(self, "pos", None), 0, self.config))
+        x = self.drop(embed(input_ids, self.embed, getattr(self, "pos", None), 0, self.layer_config,
+                            self.config.block_size))
         mask = key_mask(attention_mask)  # (B, 1, 1, S) or None
         for block in self.blocks:
             x = block(x, mask=mask)
@@ -64,24 +67,24 @@ class LMEncDecDecoder(nn.Module):
 
     def __init__(self, config: LMEncDecConfig) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.layer_config = config, TransformerConfig(config)
         if not config.share_embeddings:
             self.embed = nn.Embedding(config.vocab_size, config.d_model)
         if config.pos == "learned":
             self.pos = nn.Embedding(config.block_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config, i, causal=True, cross=True) for i in range(config.n_layer))
-        self.norm = final_norm(config)
+        self.blocks = nn.ModuleList(Block(self.layer_config, causal=True, cross=True) for _ in range(config.n_layer))
+        self.norm = make_norm(self.layer_config) if self.layer_config.final_norm else nn.Identity()
 
     def forward(self, input_ids: torch.LongTensor, table: nn.Embedding, memory: torch.Tensor,
                 memory_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """Hidden states (B, T, C) of decoder inputs (B, T), embedded by `table`, after the positions already in
         `cache`, over the encoder's output memory (B, S, C) with its padding memory_mask (B, 1, 1, S) or None."""
         past = cache.get_seq_length() if cache is not None else 0
-        x = self.drop(embed(input_ids, table, getattr(self, "pos", None), past, self.config))
-        mask = causal_mask(None, past, input_ids.size(1), input_ids.device)
-        for block in self.blocks:
-            x = block(x, mask=mask, cache=cache, memory=memory, memory_mask=memory_mask)
+        x = self.drop(embed(input_ids, table, getattr(self, "pos", None), past, self.layer_config,
+                            self.config.block_size))
+        for block, layer_cache in zip(self.blocks, layer_caches(cache, self.config.n_layer)):
+            x = block(x, cache=layer_cache, memory=memory, memory_mask=memory_mask)
         return self.norm(x)
 
 

@@ -4,9 +4,9 @@ heads, no biases, an untied output layer). `lm.export` writes this file beside t
 `AutoModelForMaskedLM.from_pretrained(path, trust_remote_code=True)` loads it, and its logits are lm's.
 
 Token embeddings (plus learned or sinusoidal positions, or rotary positions inside attention) are normalised and
-feed n_layer bidirectional blocks (`lm_layers.py`), then a final norm (pre-norm models); the head is dense, GELU
-(tanh approximation), norm and the output layer. The model always saw [CLS] (config.cls_token_id) first: put it in
-front of every sequence.
+feed n_layer bidirectional blocks (lm's own block.py, written beside this file), then a final norm (pre-norm
+models); the head is dense, GELU (tanh approximation), norm and the output layer. The model always saw [CLS]
+(config.cls_token_id) first: put it in front of every sequence.
 """
 
 import torch
@@ -15,11 +15,13 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
-from .configuration_lm import LMEncoderConfig
-from .lm_layers import Block, embed_positions, final_norm, key_mask, make_norm
+from .block import Block
+from .configuration_lm import LMEncoderConfig, TransformerConfig
+from .hf_glue import TokenEmbeddings, key_mask
+from .layers import add_positions, make_norm
 
 
-class LMEncoderForMaskedLM(PreTrainedModel):
+class LMEncoderForMaskedLM(TokenEmbeddings, PreTrainedModel):
     """The encoder and its masked-LM head; parameter names are lm's own (wte, wpe, emb_norm, blocks.<i>..., ln_f,
     mlm_dense, mlm_norm, lm_head)."""
 
@@ -31,32 +33,21 @@ class LMEncoderForMaskedLM(PreTrainedModel):
 
     def __init__(self, config: LMEncoderConfig) -> None:
         super().__init__(config)
+        self.layer_config = layers = TransformerConfig(config)
         d = config.d_model
         self.wte = nn.Embedding(config.vocab_size, d)
         if config.pos == "learned":
             self.wpe = nn.Embedding(config.block_size, d)
-        self.emb_norm = make_norm(config)
+        self.emb_norm = make_norm(layers)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config, i, causal=False) for i in range(config.n_layer))
-        self.ln_f = final_norm(config)
+        self.blocks = nn.ModuleList(Block(layers, causal=False) for _ in range(config.n_layer))
+        self.ln_f = make_norm(layers) if layers.final_norm else nn.Identity()
         self.mlm_dense = nn.Linear(d, d, bias=config.bias)
-        self.mlm_norm = make_norm(config)
+        self.mlm_norm = make_norm(layers)
         self.lm_head = nn.Linear(d, config.vocab_size, bias=config.bias)
         # a tied output layer's weight is the embedding (its bias is its own): the weights file holds it once
         self._tied_weights_keys = {"lm_head.weight": "wte.weight"} if config.tie_word_embeddings else {}
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.wte
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.wte = value
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.LongTensor | None = None, **kwargs) -> MaskedLMOutput:
@@ -67,11 +58,11 @@ class LMEncoderForMaskedLM(PreTrainedModel):
         if T > cfg.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds the model's block_size={cfg.block_size}")
         positions = torch.arange(T, device=input_ids.device)
-        x, rope = embed_positions(self.wte(input_ids), positions, cfg, getattr(self, "wpe", None))  # (B, T, C)
-        x = self.drop(self.emb_norm(x))
+        x, rope = add_positions(self.wte(input_ids), positions, self.layer_config, getattr(self, "wpe", None))
+        x = self.drop(self.emb_norm(x))  # (B, T, C)
         mask = key_mask(attention_mask)  # (B, 1, 1, T) or None
         for block in self.blocks:
-            x = block(x, rope, mask)
+            x = block(x, rope=rope, mask=mask)
         h = self.ln_f(x)
         logits = self.lm_head(self.mlm_norm(F.gelu(self.mlm_dense(h), approximate="tanh")))  # (B, T, vocab_size)
         loss = None

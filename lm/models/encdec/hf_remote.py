@@ -22,6 +22,7 @@ from lm.hf.remote_code import (
     transformer_fields,
 )
 from lm.hf.targets import Plan, Target
+from lm.models import block
 from lm.models.encdec.config import EncDecConfig
 
 __all__ = ["TARGET", "encdec_target"]
@@ -80,7 +81,7 @@ def encdec_note(cfg: EncDecConfig, tokenizer: str) -> str:
 def encdec_target(config_class: type = EncDecConfig) -> Target:
     """The target for configs of `config_class` (EncDecConfig; a test passes a subclass with a key added)."""
     return Target("lm's own code", HF_CLASS, option_needs(config_class, KNOWN), encdec_config, encdec_plan,
-                  note=encdec_note, code=code_files(MODELING_FILE), generation=encdec_generation)
+                  note=encdec_note, code=code_files(MODELING_FILE, block), generation=encdec_generation)
 
 
 TARGET = encdec_target()

@@ -19,6 +19,7 @@ from lm.hf.remote_code import (
     transformer_fields,
 )
 from lm.hf.targets import Plan, Target
+from lm.models import block
 from lm.models.encoder.config import EncoderConfig
 from lm.models.encoder.hf import encoding_note
 
@@ -56,7 +57,7 @@ def encoder_note(cfg: EncoderConfig, tokenizer: str) -> str:
 def encoder_target(config_class: type = EncoderConfig) -> Target:
     """The target for configs of `config_class` (EncoderConfig; a test passes a subclass with a key added)."""
     return Target("lm's own code", HF_CLASS, option_needs(config_class, KNOWN), encoder_config, encoder_plan,
-                  tokenizer_files=False, note=encoder_note, code=code_files(MODELING_FILE))
+                  tokenizer_files=False, note=encoder_note, code=code_files(MODELING_FILE, block))
 
 
 TARGET = encoder_target()

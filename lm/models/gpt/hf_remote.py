@@ -19,6 +19,7 @@ from lm.hf.remote_code import (
     transformer_fields,
 )
 from lm.hf.targets import Plan, Target
+from lm.models import block
 from lm.models.gpt.config import GPTConfig
 
 __all__ = ["TARGET", "decoder_target"]
@@ -57,7 +58,7 @@ def decoder_plan(cfg: GPTConfig) -> Plan:
 def decoder_target(config_class: type = GPTConfig) -> Target:
     """The target for configs of `config_class` (GPTConfig; a test passes a subclass with a key added)."""
     return Target("lm's own code", HF_CLASS, option_needs(config_class, KNOWN), decoder_config, decoder_plan,
-                  note=lambda cfg, tokenizer: code_note(HF_CLASS, MODELING_FILE), code=code_files(MODELING_FILE))
+                  note=lambda cfg, tokenizer: code_note(HF_CLASS, MODELING_FILE), code=code_files(MODELING_FILE, block))
 
 
 TARGET = decoder_target()

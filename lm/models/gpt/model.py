@@ -9,6 +9,8 @@ References: Radford et al. 2019, "Language Models are Unsupervised Multitask Lea
 Vaswani et al. 2017, "Attention Is All You Need"; Touvron et al. 2023, "LLaMA".
 """
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn as nn
 
@@ -120,19 +122,32 @@ class GPT(nn.Module):
             pos = positions  # (B, T)
             # built once here rather than in every block: all layers share it
             mask = document_causal_mask(positions)  # (B, 1, T, T)
-        x, rope = add_positions(self.wte(idx), pos, cfg, getattr(self, "wpe", None))  # (B, T, C)
-        x = self.drop(x)
-        for i, block in enumerate(self.blocks):
-            x = block(x, rope=rope if cfg.rotary_layer(i) else None, cache=None if cache is None else cache[i],
+        x, rope = self.embed(idx, pos)
+        return self.ln_f(self.run_blocks(x, rope, enumerate(self.blocks), cache, mask))
+
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Token ids idx (B, T) at int positions `pos` (T,) or (B, T) -> the embedded stream (B, T, C), positions
+        added as model.pos says, and the rotary angles for attention (None without rope)."""
+        x, rope = add_positions(self.wte(idx), pos, self.cfg, getattr(self, "wpe", None))  # (B, T, C)
+        return self.drop(x), rope
+
+    def run_blocks(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                   blocks: Iterable[tuple[int, nn.Module]], cache: KVCache | None = None,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The stream x (B, T, C) through `blocks`, (layer index, block) pairs in order -> (B, T, C). The index
+        picks the layer's cache and whether it rotates (model.nope_interval); a pipeline stage passes its own."""
+        for i, block in blocks:
+            x = block(x, rope=rope if self.cfg.rotary_layer(i) else None, cache=None if cache is None else cache[i],
                       mask=mask)
-        return self.ln_f(x)
+        return x
 
 
 class GPTStage(nn.Module):
     """One pipeline stage of a GPT: its blocks `layers`, with the embeddings when it is the first stage and the
     final norm and head when it is the last. The modules are the whole model's own, not copies, under the same
     names (`blocks.<i>`), so a stage's state dict holds the whole model's keys for its part and checkpoints move
-    between layouts.
+    between layouts. It computes through GPT's own `embed` and `run_blocks`, so a stage's numbers are the model's.
 
     `sequence_shards`: how many slices the residual stream between stages is cut into along the sequence (the
     tensor-parallel ranks, 1 without them): a later stage receives T / sequence_shards positions of each window,
@@ -154,16 +169,12 @@ class GPTStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) into the first stage, the previous stage's output into the others -> this stage's
         output (B, T, C), final-normed on the last stage (whose `logits` make the logits)."""
-        cfg = self.cfg
         if self.is_first:
-            pos = torch.arange(x.shape[1], device=x.device)
-            x, rope = add_positions(self.wte(x), pos, cfg, getattr(self, "wpe", None))  # (B, T, C)
-            x = self.drop(x)
+            x, rope = GPT.embed(self, x, torch.arange(x.shape[1], device=x.device))  # (B, T, C)
         else:
             pos = torch.arange(x.shape[1] * self.sequence_shards, device=x.device)
-            rope = rope_angles(pos, cfg) if cfg.pos == "rope" else None
-        for i, block in self.blocks.items():
-            x = block(x, rope=rope if cfg.rotary_layer(int(i)) else None)
+            rope = rope_angles(pos, self.cfg) if self.cfg.pos == "rope" else None
+        x = GPT.run_blocks(self, x, rope, ((int(i), block) for i, block in self.blocks.items()))
         return self.ln_f(x) if self.is_last else x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
