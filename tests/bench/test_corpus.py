@@ -36,6 +36,7 @@ def test_both_sides_write_the_same_tokens(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "datasets.log", "prepare.log"]  # outputs gone
 
 
+@pytest.mark.process
 def test_memory_is_the_process_itself_and_its_whole_tree(tmp_path):
     child = "b = bytearray(300 << 20); import time; time.sleep(1)"
     row = run_measured([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', "

@@ -44,6 +44,7 @@ def launches(run_dir: Path) -> int:
     return sum(line.startswith("# ") for line in (run_dir / "train.log").read_text().splitlines())
 
 
+@pytest.mark.process
 def test_a_killed_sweep_continues_where_it_stopped_and_a_finished_one_trains_nothing(base_config, tmp_path):
     out = tmp_path / "sweep"
     first = subprocess.Popen(sweep_command(base_config, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -116,6 +116,7 @@ def test_no_weight_decay_on_biases_norms_embeddings():
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
+@pytest.mark.process
 def test_two_process_torchrun_loss_falls(tiny_data_dir, tmp_path, capsys):
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
