@@ -65,6 +65,7 @@ def test_sampling_rows_decode_the_same_tokens():
     assert rows[2]["same tokens"] >= 0.9  # transformers runs the exported copy; a near-tie may flip
 
 
+@pytest.mark.process
 def test_prepare_and_loader_rows():
     prep = bench_prepare(tiny(), reps=1, repeat=1)
     assert prep["documents"] == 38 and prep["tokens"] > 1_000_000  # the built-in plays, each with its EOT

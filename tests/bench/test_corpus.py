@@ -25,6 +25,7 @@ def test_the_gpt2_tokenizer_json_makes_tiktokens_ids(tmp_path):
     assert (hf.n_vocab, hf.eot_token) == (50257, 50256)
 
 
+@pytest.mark.process
 def test_both_sides_write_the_same_tokens(tmp_path):
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d, "source": "x"}) + "\n" for d in DOCS * 5))
     ours = prepare_row([str(tmp_path / "a.jsonl")], "gpt2", tmp_path)
