@@ -91,6 +91,7 @@ def test_a_model_key_that_disagrees_is_one_error(tmp_path):
         load_config(None, [f"--checkpoint.init_from={tmp_path}", "--model.n_layer=3"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, edit, fragment", REFUSALS, ids=[f"{k}-{next(iter(e))}" for k, e, _ in REFUSALS])
 def test_a_refused_checkpoint_stops_the_run_before_it_writes(kind, edit, fragment, tiny_data_dir, tmp_path, capsys):
     checkpoint = refused_checkpoint(kind, edit, tmp_path / "hf")
