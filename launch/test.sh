@@ -1,13 +1,23 @@
 #!/usr/bin/env bash
 # Lint, check the layers contract, then run the test suite (CPU only; real 2-process gloo groups where
 # distribution matters). A back-arrow or an import circle fails here, before any test runs.
+#   bash launch/test.sh            the full suite: what CI runs
+#   bash launch/test.sh --quick    the tests that start no process and train only a few steps in-process
+# Other arguments go to pytest. Either tier ends with its 10 slowest tests and fails when its wall time is over
+# LM_TEST_BUDGET_S (default 1800 s for the full suite, 180 s for --quick; docs/dev/notes.md, CI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . launch/activate.sh
+tier=(); budget=1800
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  tier=(-m "not process and not slow"); budget=180
+fi
+export LM_TEST_BUDGET_S="${LM_TEST_BUDGET_S:-$budget}"
 # torch.compile's kernel cache stays inside the checkout, so reruns in the same workspace are warm
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}"
 # and so are the C++ ops DeepSpeed builds at every initialize on CPU (20-60 s each when cold)
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}"
 ruff check lm tests experiments
 lint-imports --no-logo
-python -m pytest -q "$@"
+python -m pytest -q ${tier[@]+"${tier[@]}"} "$@"

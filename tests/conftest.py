@@ -11,6 +11,9 @@ from lm.data.config import DataConfig
 from lm.data.corpora import clean_markdown, find_corpus
 from lm.data.prepare import prepare
 
+# tests.budget: the 10 slowest tests and a time budget for the run (LM_TEST_BUDGET_S); pytester: pytest inside a test
+pytest_plugins = ["tests.budget", "pytester"]
+
 # DeepSpeed calls torch.distributed functions that torch has deprecated, and every call warns: in the output
 # of a failed torchrun those lines bury the error. The tools' own processes inherit this filter.
 os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")

@@ -372,6 +372,7 @@ def test_the_table_covers_every_area():
     assert {c.id.split(":")[0] for c in CASES} == {"config", "data", "checkpoint", "cli"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_refused_by_name_and_changes_no_file(case, workspace, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a GPU machine too runs the CPU cases
@@ -425,6 +426,7 @@ def random_command(rng: random.Random) -> tuple[str, list[str]]:
     return tool, argv
 
 
+@pytest.mark.slow
 def test_random_command_lines_end_in_a_result_or_one_error_line(workspace, tmp_path, capsys, monkeypatch):
     """Exit 0, or exit 2 with one `error:` line and no traceback; nothing outside the output changes, and the
     output itself only where --force allows it."""

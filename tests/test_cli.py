@@ -36,6 +36,7 @@ def test_manifest_tokenizer_mismatch(tiny_data_dir, tmp_path, capsys):
     assert code == 2 and "prepared with tokenizer 'gpt2', but data.tokenizer='cl100k_base'" in err
 
 
+@pytest.mark.process
 def test_console_entry_point_runs_as_a_process():
     result = subprocess.run([sys.executable, "-m", "lm", "train", "--model.n_layr=2"],
                             capture_output=True, text=True, timeout=120)

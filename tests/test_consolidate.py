@@ -219,6 +219,7 @@ def deepspeed_runs(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name", RUNS)
 def test_deepspeed_checkpoint_consolidates_to_the_engine_parameters(deepspeed_runs, tmp_path, name):
     run = deepspeed_runs / name

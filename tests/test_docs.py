@@ -207,11 +207,13 @@ def test_the_pages_show_commands():
     assert len(ALL) > 40 and {c.page for c in ALL} >= {"README.md"}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("command", ALL, ids=str)
 def test_every_documented_command_parses(command, monkeypatch):
     check(command, monkeypatch)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("line", [
     "python -m lm.train --config configs/demo.yaml --train.stpes=3",  # a misspelled key
     "python -m lm.train --config configs/demo.yaml --model.arch=lstm --model.n_head=4",  # not the family's key
@@ -229,6 +231,7 @@ def test_a_wrong_command_fails_the_check(line, monkeypatch, tmp_path):
         check(command, monkeypatch)
 
 
+@pytest.mark.process
 def test_a_documented_refusal_must_be_the_one_the_tool_gives(monkeypatch, tmp_path):
     page = tmp_path / "page.md"
     page.write_text("```\n$ python -m lm.train --model.n_layr=2\nerror: model.n_layr: not a key of a decoder-only "

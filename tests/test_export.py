@@ -80,6 +80,7 @@ def assert_same_model(run_dir: Path, out: Path, hf_class: str) -> None:
     assert tokenizer.eos_token_id == hf.config.eos_token_id == hf.generation_config.eos_token_id == encoding.eot_token
 
 
+@pytest.mark.process
 def test_gpt2_run_exports_to_gpt2(trained_run, tmp_path):
     out = tmp_path / "hf" / "gpt2"  # parents are created
     result = export_process("lm.export", "--checkpoint", str(trained_run), "--to", "hf", str(out))
@@ -89,6 +90,7 @@ def test_gpt2_run_exports_to_gpt2(trained_run, tmp_path):
     assert_same_model(trained_run, out, "GPT2LMHeadModel")
 
 
+@pytest.mark.process
 def test_llama_run_exports_to_llama(llama_run, tmp_path):
     out = tmp_path / "llama"
     result = export_process("lm", "export", "--checkpoint", str(llama_run), "--to", "hf", str(out))
@@ -97,6 +99,7 @@ def test_llama_run_exports_to_llama(llama_run, tmp_path):
     assert_same_model(llama_run, out, "LlamaForCausalLM")
 
 
+@pytest.mark.process
 def test_a_run_no_native_class_computes_exports_as_lm_code(tiny_data_dir, tmp_path):
     """demo-modern's block (QK-norm, ReLU squared) goes out as lm's own modeling code beside the weights."""
     run_dir = train_run(tiny_data_dir, tmp_path / "run", "--model.pos=rope", "--model.norm=rmsnorm",

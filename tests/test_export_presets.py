@@ -126,6 +126,7 @@ def test_every_preset_is_listed():
     assert {p.stem for p in CONFIGS.glob("*.yaml")} == set(EXPECTED)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_a_run_of_every_preset_exports_and_transformers_scores_it_as_lm_eval(name, data_dirs, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM

@@ -155,6 +155,7 @@ except RuntimeError:
 """
 
 
+@pytest.mark.process
 def test_held_output_shows_after_success_and_drops_on_error():
     done = subprocess.run([sys.executable, "-c", HELD], capture_output=True, text=True, check=True,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+# every test here runs a launch script (torchrun, DeepSpeed, Slurm) in processes of its own: the full tier only
+pytestmark = pytest.mark.process
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
     "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",

@@ -22,12 +22,14 @@ def lint_imports(package_parent: Path) -> subprocess.CompletedProcess:
                           cwd=package_parent, env=env, capture_output=True, text=True)
 
 
+@pytest.mark.process
 def test_the_contracts_hold():
     result = lint_imports(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4 kept, 0 broken" in result.stdout
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("victim, planted, broken", [
     # model code reaching up into the trainer, from inside a function
     ("models/gpt/model.py", "from lm.training import trainer", "Layers: tools on top"),

@@ -23,6 +23,7 @@ def layouts(*args: str, cwd=None) -> subprocess.CompletedProcess:
                           cwd=cwd)
 
 
+@pytest.mark.process
 def test_three_layouts_print_the_same_losses_side_by_side(tiny_data_dir, tiny_data_config, tmp_path):
     result = layouts("--layout", "1", "--layout", "2:tp=2", "--layout", "2:pp=2", "--steps", "3", "--max-rel", "1e-5",
                      "--out", str(tmp_path / "runs"), *tiny(tiny_data_config))
@@ -58,6 +59,7 @@ def test_layouts_read_a_process_count_and_parallel_keys(text, parsed):
     assert (layout.nproc, layout.settings) == parsed
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("args, message", [
     (["--layout", "x:tp=2", "--layout", "1"], "error: --layout x:tp=2: expected NPROC or NPROC:key=value,..."),
     (["--layout", "2:tp", "--layout", "1"], "error: --layout 2:tp: 'tp' is not key=value"),
@@ -78,6 +80,7 @@ def test_bad_layouts_are_refused_before_anything_runs(args, message, tmp_path):
     assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.process
 def test_an_out_directory_with_files_in_it_is_refused(tmp_path):
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "keep.txt").write_text("mine")

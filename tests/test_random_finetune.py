@@ -155,6 +155,7 @@ def random_finetune(rng: random.Random, ws: Path, i: int) -> tuple[list[str], Pa
     return argv, out
 
 
+@pytest.mark.slow
 def test_random_finetunes_train_or_are_refused_in_one_line(finetune_workspace, capsys, monkeypatch):
     """Exit 2 with one error line and nothing written, or a new run directory with finite metrics and nothing
     else written; the encoder and the labelled file are byte-identical afterwards."""
@@ -219,6 +220,7 @@ def random_predict(rng: random.Random, ws: Path, runs: dict[str, Path], i: int) 
     return argv, head
 
 
+@pytest.mark.slow
 def test_random_predictions_are_made_or_refused_in_one_line(finetune_workspace, finetuned_runs, capsys, monkeypatch):
     """Exit 2 with one error line and nothing written, or one finite prediction per row (written to --out only);
     the runs, the encoder and the file are byte-identical afterwards."""

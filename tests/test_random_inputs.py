@@ -78,6 +78,7 @@ def workspace(tiny_data_dir, tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_random_configs_are_planned_or_refused_in_one_line(workspace, capsys):
     """lm.train --dry-run reads the whole config (its family's keys, the mixture, every range) and writes
     nothing, valid or not."""
@@ -117,6 +118,7 @@ def _corrupt(node: object, rng: random.Random) -> object:
     return rng.choice(VALUES)
 
 
+@pytest.mark.slow
 def test_random_tokenizer_files_prepare_or_are_refused_in_one_line(workspace, tokenizer_jsons, capsys):
     rng = random.Random(2)
     (workspace / "corpus.txt").write_text("Fair is foul, and foul is fair. " * 20)
@@ -155,6 +157,7 @@ def _write_labelled(path: Path, rows: list[dict]) -> None:
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
+@pytest.mark.slow
 def test_random_labelled_files_are_read_or_refused_with_their_name(tmp_path):
     rng = random.Random(3)
     for i in range(CASES["labelled"]):

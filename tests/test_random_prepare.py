@@ -291,6 +291,7 @@ def random_case(rng: random.Random, root: Path, i: int) -> tuple[list[str], dict
     return argv + (["--force"] if rng.random() < 0.2 else []), data, entries, held
 
 
+@pytest.mark.slow
 def test_random_corpora_prepare_exactly_or_are_refused_in_one_line(prepare_workspace, capsys):
     """Exit 2 with one error line and nothing written, or the exact tokens of the documents in data.dir and
     nothing else written; a second run of a success reuses its data and changes nothing."""

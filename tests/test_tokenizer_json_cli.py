@@ -55,6 +55,7 @@ def offline(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
+@pytest.mark.slow
 def test_prepare_train_eval_sample(tokenizer_jsons, prepared, trained, tmp_path, capsys, caplog):
     capsys.readouterr()
     text = tmp_path / "t.txt"
@@ -73,6 +74,7 @@ def test_prepare_train_eval_sample(tokenizer_jsons, prepared, trained, tmp_path,
     assert capsys.readouterr().out.strip()
 
 
+@pytest.mark.slow
 def test_training_logged_a_sample_of_the_prompt(prepared, tokenizer_jsons, tmp_path, caplog):
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="lm.train"):
@@ -82,6 +84,7 @@ def test_training_logged_a_sample_of_the_prompt(prepared, tokenizer_jsons, tmp_p
     assert samples and samples[-1].startswith("step 1 | sample: " + repr(PROMPT)[:-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokenizer, vocab_size, message", [
     ("eot", 400, r"error: {data}: prepared with tokenizer '{bos}' \(tokenizer hash [0-9a-f]{{12}}\), but "
                  r"data.tokenizer='{eot}' \(tokenizer hash [0-9a-f]{{12}}\), which makes other ids; prepare again"),

@@ -188,6 +188,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, error", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
 def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, monkeypatch, extra, error):
     ws = tmp_path / "ws"

@@ -21,6 +21,7 @@ def tiny(*extra: str):
     return load_config(None, [*TINY, *extra])
 
 
+@pytest.mark.slow
 def test_training_rows_time_our_model_and_transformers_on_the_same_weights():
     cfg = tiny()
     hf = bench_model(cfg, CPU, 2, warmup=1, reps=2, hf=True)
@@ -46,6 +47,7 @@ def test_sdpa_kernel_names_the_backend_that_runs():
         assert sdpa_kernel(tiny(), CPU, 2) == "math"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
 def test_engine_rows_run_the_trainer_interface(engine):
     extra = ["--parallel.zero_stage=2"] if engine == "deepspeed" else []
@@ -57,6 +59,7 @@ def test_engine_rows_run_the_trainer_interface(engine):
     assert row["ms/step"] > 0 and row["tokens/s"] > 0
 
 
+@pytest.mark.slow
 def test_sampling_rows_decode_the_same_tokens():
     rows = bench_sampling(tiny(), CPU, batch=3, new_tokens=12, warmup=1, reps=2, reps_no_cache=1)
     assert [r["method"] for r in rows] == ["ours, KV cache", "ours, no cache", "transformers generate"]
@@ -65,6 +68,7 @@ def test_sampling_rows_decode_the_same_tokens():
     assert rows[2]["same tokens"] >= 0.9  # transformers runs the exported copy; a near-tie may flip
 
 
+@pytest.mark.process
 def test_prepare_and_loader_rows():
     prep = bench_prepare(tiny(), reps=1, repeat=1)
     assert prep["documents"] == 38 and prep["tokens"] > 1_000_000  # the built-in plays, each with its EOT

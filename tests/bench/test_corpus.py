@@ -25,6 +25,7 @@ def test_the_gpt2_tokenizer_json_makes_tiktokens_ids(tmp_path):
     assert (hf.n_vocab, hf.eot_token) == (50257, 50256)
 
 
+@pytest.mark.process
 def test_both_sides_write_the_same_tokens(tmp_path):
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d, "source": "x"}) + "\n" for d in DOCS * 5))
     ours = prepare_row([str(tmp_path / "a.jsonl")], "gpt2", tmp_path)
@@ -36,6 +37,7 @@ def test_both_sides_write_the_same_tokens(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "datasets.log", "prepare.log"]  # outputs gone
 
 
+@pytest.mark.process
 def test_memory_is_the_process_itself_and_its_whole_tree(tmp_path):
     child = "b = bytearray(300 << 20); import time; time.sleep(1)"
     row = run_measured([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', "

@@ -204,6 +204,7 @@ save(2)
 """
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("point, survivor", [
     ("engine", 1),    # after the engine's DCP files
     ("rng", 1),       # after every rank's RNG file
@@ -245,6 +246,7 @@ def _choose(rank: int, port: int, root: str, out: dict) -> None:
     env.close()
 
 
+@pytest.mark.process
 def test_all_ranks_take_the_checkpoint_rank_0_verified(tmp_path):
     _, second = save_two(tmp_path)
     flip_byte(second / ".metadata")

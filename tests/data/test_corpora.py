@@ -259,6 +259,7 @@ def test_bad_hub_sources(tmp_path, source, message):
         find_corpus(source.format(tmp=tmp_path))
 
 
+@pytest.mark.process
 def test_a_hub_dataset_offline_is_one_error_line(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-m", "lm.prepare", "--data.source=hf:stanfordnlp/imdb",

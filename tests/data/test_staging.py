@@ -29,6 +29,7 @@ def tree_digest(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
 
 
+@pytest.mark.process
 def test_a_prepare_killed_with_sigkill_goes_on_from_its_finished_shards(tmp_path, caplog):
     # 12 plays (0.5 M tokens) on one thread into shards of 10,000 tokens: ~0.2 s of tokenizing, ~50 shards,
     # and the kill lands right after the second shard is recorded

@@ -14,6 +14,7 @@ from tests.distributed.test_engines import held_share, resume_copy, train
 from tests.distributed.test_pipeline import LLAMA4, assert_same
 
 
+@pytest.mark.process
 def test_cp2_by_fsdp2_trains_like_one_process_and_resumes_without_it(tiny_data_dir, tmp_path):
     one = train(1, tmp_path / "one", tiny_data_dir, *LLAMA4)
     assert_same(train(4, tmp_path / "cp2dp2", tiny_data_dir, *LLAMA4, "--parallel.cp=2"), one, range(1, 11))
@@ -22,6 +23,7 @@ def test_cp2_by_fsdp2_trains_like_one_process_and_resumes_without_it(tiny_data_d
     assert_same(train(1, run, tiny_data_dir, *LLAMA4), one, range(6, 11))
 
 
+@pytest.mark.process
 def test_cp2_matches_one_process_with_learned_positions_recomputation_and_z_loss(tiny_data_dir, tmp_path):
     flags = ["--parallel.engine=fsdp", "--model.n_head=4", "--train.steps=4", "--optim.z_loss=1e-4",
              "--parallel.activation_checkpointing=1"]

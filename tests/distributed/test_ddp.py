@@ -1,6 +1,7 @@
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -33,6 +34,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
     assert not dist.is_initialized()
 
 
+@pytest.mark.process
 def test_accumulation_skips_all_reduce_until_the_last_micro_step():
     with mp.Manager() as manager:
         out = manager.dict()

@@ -78,6 +78,7 @@ def resume_copy(src: Path, dst: Path, step: int = 3) -> Path:
     return dst
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("engine", ENGINES)
 def test_two_processes_match_one_and_resume(engine, tiny_data_dir, tmp_path):
     flags = ENGINES[engine]
@@ -103,6 +104,7 @@ def check_resumes(two: dict[int, float], tmp_path: Path, data_dir: Path, *flags:
         assert alone[step] == pytest.approx(two[step], rel=RESHARD_REL), step
 
 
+@pytest.mark.process
 def test_a_nan_step_is_skipped_by_every_rank_under_fsdp(tiny_data_dir, tmp_path, monkeypatch):
     # rank 0's loss at step 2 is NaN; the reduced gradients carry it to rank 1's shard, so a rank that
     # stepped anyway would hold NaN weights and every later loss would be NaN
@@ -115,6 +117,7 @@ def test_a_nan_step_is_skipped_by_every_rank_under_fsdp(tiny_data_dir, tmp_path,
         assert two[step] == pytest.approx(one[step], rel=SAME_BATCH_REL), step
 
 
+@pytest.mark.process
 def test_activation_checkpointing_changes_no_loss_under_fsdp(tiny_data_dir, tmp_path):
     plain = train(2, tmp_path / "plain", tiny_data_dir, "--parallel.engine=fsdp", "--train.steps=3")
     recomputed = train(2, tmp_path / "ac", tiny_data_dir, "--parallel.engine=fsdp", "--train.steps=3",
@@ -126,6 +129,7 @@ ENCDEC = ["--model.arch=encdec", "--model.pos=sinusoidal", "--model.n_sentinels=
           "--optim.lr=1e-2"]
 
 
+@pytest.mark.process
 def test_encoder_decoder_trains_under_fsdp_and_deepspeed(tiny_data_dir, tmp_path):
     reference = train(1, tmp_path / "ddp", tiny_data_dir, *ENCDEC)
     for name, flags in (("fsdp", ENGINES["fsdp"]), ("zero3", ENGINES["zero3"])):
@@ -135,6 +139,7 @@ def test_encoder_decoder_trains_under_fsdp_and_deepspeed(tiny_data_dir, tmp_path
             assert losses[step] == pytest.approx(reference[step], rel=SAME_BATCH_REL), (name, step)
 
 
+@pytest.mark.process
 def test_lstm_trains_alike_under_the_sharding_engines(tiny_data_dir, tmp_path):
     # nn.LSTM caches references to its weights (_flat_weights), and FSDP2 and ZeRO-3 swap the weights of a
     # layer in and out around its forward: the losses show the LSTM computes with the gathered ones. (DDP and
@@ -213,6 +218,7 @@ def test_a_checkpoint_of_another_engine_family_is_refused_with_what_to_do(tmp_pa
         check_engine(step, zero2, 2)
 
 
+@pytest.mark.process
 def test_deepspeed_cpu_offload_trains_like_no_offload(tiny_data_dir, tmp_path):
     flags = [*ENGINES["zero2"], "--train.steps=2"]
     plain = train(1, tmp_path / "plain", tiny_data_dir, *flags)
@@ -238,6 +244,7 @@ def test_fsdp_offload_on_a_cpu_run_is_refused_before_anything_is_written(tiny_da
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.process
 def test_deepspeed_says_that_it_does_not_compile(tiny_data_dir, tmp_path):
     # a process of its own: DeepSpeed keeps its groups module-wide, so a second engine in a process whose
     # first group was destroyed fails

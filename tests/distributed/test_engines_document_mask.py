@@ -16,6 +16,9 @@ from lm.distributed.env import init_distributed
 from lm.models.registry import family_of
 from tests.distributed.test_engines import HEADS, TINY, train
 
+# every test here trains on 2-process gloo groups: the full tier only
+pytestmark = pytest.mark.process
+
 EOT = 50256
 # A window's tokens (T + 1 = 25): the tail of a document, then documents of 6, 3 and 9 tokens, each closed by
 # the end-of-text token, which opens the next one

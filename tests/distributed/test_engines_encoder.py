@@ -9,6 +9,9 @@ import pytest
 from tests.conftest import write_rows
 from tests.distributed.test_engines import ENGINES, SAME_BATCH_REL, check_resumes, resume_copy, train
 
+# every test here trains on 2-process gloo groups under torchrun: the full tier only
+pytestmark = pytest.mark.process
+
 ENCODER = ["--model.arch=encoder", "--optim.lr=1e-2"]
 
 

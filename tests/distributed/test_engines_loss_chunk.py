@@ -6,6 +6,9 @@ import pytest
 
 from tests.distributed.test_engines import ENGINES, SAME_BATCH_REL, train
 
+# every test here trains on 2-process gloo groups under torchrun: the full tier only
+pytestmark = pytest.mark.process
+
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero3"])
 def test_chunked_loss_on_2_ranks_equals_one_plain_process(engine, tiny_data_dir, tmp_path):

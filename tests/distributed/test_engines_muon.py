@@ -9,6 +9,9 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from tests.distributed.test_engines import ENGINES, SAME_BATCH_REL, check_resumes, train
 
+# every test here trains on 2-process gloo groups under torchrun: the full tier only
+pytestmark = pytest.mark.process
+
 MUON = ["--optim.name=muon", "--optim.muon_lr=0.03", "--optim.z_loss=1e-3"]
 
 

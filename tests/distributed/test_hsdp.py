@@ -10,6 +10,7 @@ from tests.distributed.test_engines import held_share, resume_copy, train
 from tests.distributed.test_pipeline import LLAMA4, assert_same
 
 
+@pytest.mark.process
 def test_two_groups_of_two_train_like_one_process_and_resume_in_one(tiny_data_dir, tmp_path):
     one = train(1, tmp_path / "one", tiny_data_dir, *LLAMA4)
     assert_same(train(4, tmp_path / "hsdp", tiny_data_dir, *LLAMA4, "--parallel.dp_replicate=2"), one, range(1, 11))

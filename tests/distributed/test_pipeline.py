@@ -34,6 +34,7 @@ def assert_same(got: dict[int, float], want: dict[int, float], steps) -> None:
         assert got[step] == pytest.approx(want[step], rel=SAME_REL), (step, got, want)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("layout", [PP2, INTERLEAVED], ids=["pp2xfsdp2-1f1b", "pp2xfsdp2-interleaved"])
 def test_four_ranks_train_like_one_process(layout, reference, tiny_data_dir, tmp_path):
     assert_same(train(4, tmp_path / "run", tiny_data_dir, *LLAMA4, *layout), reference[1], range(1, 11))
@@ -41,11 +42,13 @@ def test_four_ranks_train_like_one_process(layout, reference, tiny_data_dir, tmp
     assert 0.2 < held_share(tmp_path / "run") < 0.3
 
 
+@pytest.mark.process
 def test_gpipe_on_two_stages_trains_like_one_process(reference, tiny_data_dir, tmp_path):
     flags = [*PP2, "--parallel.pp_schedule=gpipe"]
     assert_same(train(2, tmp_path / "run", tiny_data_dir, *LLAMA4, *flags), reference[1], range(1, 11))
 
 
+@pytest.mark.process
 def test_tp2_by_pp2_trains_like_one_process_and_checkpoints_move_between_layouts(reference, tiny_data_dir,
                                                                                   tmp_path):
     one_dir, one = reference

@@ -26,6 +26,7 @@ def assert_same(got: dict[int, float], want: dict[int, float], steps) -> None:
         assert got[step] == pytest.approx(want[step], rel=SAME_REL), (step, got, want)
 
 
+@pytest.mark.process
 def test_tp2_by_fsdp2_trains_like_one_process_and_resumes_under_fsdp4_and_one_process(tiny_data_dir, tmp_path):
     one = train(1, tmp_path / "one", tiny_data_dir, *LLAMA)
     two_d = train(4, tmp_path / "tp2dp2", tiny_data_dir, *LLAMA, "--parallel.tp=2")
@@ -55,6 +56,7 @@ def test_tp2_by_fsdp2_trains_like_one_process_and_resumes_under_fsdp4_and_one_pr
         assert diff.max() < 1e-3 and (diff > 1e-5).sum() <= 10, (name, diff.max(), (diff > 1e-5).sum())
 
 
+@pytest.mark.process
 def test_a_one_process_checkpoint_resumes_with_tensor_parallelism(tiny_data_dir, tmp_path):
     one = train(1, tmp_path / "one", tiny_data_dir, *LLAMA)
     run = resume_copy(tmp_path / "one", tmp_path / "tp2", step=5)
@@ -74,6 +76,7 @@ CASES = {
 }
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", CASES)
 def test_tp2_matches_one_process(case, tiny_data_dir, tmp_path):
     flags = ["--parallel.engine=fsdp", "--model.n_head=4", "--train.steps=4", *CASES[case]]
@@ -108,6 +111,7 @@ def test_a_layout_the_model_cannot_take_is_refused_by_the_config(flags, message)
     assert message in str(err.value)
 
 
+@pytest.mark.process
 def test_a_world_size_that_tp_does_not_divide_is_refused_before_any_process_group(tiny_data_dir, tmp_path):
     # what each of 3 ranks sees: WORLD_SIZE=3 and no store to join; the check comes before joining one
     env = {**os.environ, "WORLD_SIZE": "3", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",

@@ -5,7 +5,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.training.test_faults import TINY, run_env
+
+# every test here runs lm.train under DeepSpeed in a process of its own: the full tier only
+pytestmark = pytest.mark.process
 
 
 def test_a_refused_deepspeed_json_prints_only_our_error_line(tiny_data_dir, tmp_path):

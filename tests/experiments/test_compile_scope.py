@@ -1,6 +1,11 @@
 """The compile-scope measurement: each scope's row for gpt2-124m (one 256-token sequence on a CPU), printed."""
 
+import pytest
+
 from experiments import compile_scope
+
+# torch.compile of gpt2-124m on the CPU, two scopes: the full tier only
+pytestmark = pytest.mark.slow
 
 
 def test_each_scope_gets_a_timed_row(capsys):

@@ -45,6 +45,7 @@ def test_snippets_are_disjoint_runs_of_a_document_each_text_once():
     assert "x y x" in texts or "y x y" in texts
 
 
+@pytest.mark.slow
 def test_lines_task_is_balanced_seeded_and_cut_to_the_word():
     rows = lines_task(60, 7, seed=3)
     assert rows == lines_task(60, 7, seed=3)
@@ -65,6 +66,7 @@ def test_lines_task_refuses_bad_arguments():
         lines_task(5, 100_000, 0)
 
 
+@pytest.mark.slow
 def test_cli_writes_a_labelled_csv(tmp_path, capsys):
     from lm.data.labelled import read_labelled
 

@@ -1,10 +1,13 @@
 """The loss_chunk measurement on a tiny model: a training step timed in a fresh process, its memory read, and the
 table printed."""
 
+import pytest
+
 from experiments import losschunk
 from lm.config import load_config
 
 
+@pytest.mark.process
 def test_a_fresh_process_times_a_step_and_reads_its_memory():
     cfg = load_config(None, ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
                              "--data.seq_len=16", "--train.device=cpu"])

@@ -66,6 +66,7 @@ def _convert(name: str, out: Path):
     return name, enc, paths, hf
 
 
+@pytest.mark.slow
 def test_encodes_like_tiktoken(converted, sample_text):
     _, enc, _, hf = converted
     ids = hf.encode(sample_text, add_special_tokens=False)

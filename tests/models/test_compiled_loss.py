@@ -7,6 +7,7 @@ import torch
 from lm.models.loss import compiled_loss, next_token_loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [0, 24])  # 24 does not divide the 2 x 20 positions: a shorter last chunk
 @pytest.mark.parametrize("with_z", [False, True])
 def test_the_compiled_loss_matches_eager_in_value_and_gradient(chunk, with_z):

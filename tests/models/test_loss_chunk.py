@@ -108,6 +108,7 @@ def train_losses(data_dir, out, *extra: str) -> list[float]:
     return [json.loads(row)["train/loss"] for row in rows]
 
 
+@pytest.mark.slow
 def test_a_training_run_with_loss_chunk_has_the_same_losses(tiny_data_dir, tmp_path) -> None:
     plain = train_losses(tiny_data_dir, tmp_path / "plain")
     # 2 x 16 = 32 positions per micro-batch: chunks of 12 leave a shorter last one

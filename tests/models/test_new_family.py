@@ -38,6 +38,7 @@ def conv_runs(tiny_data_dir, tmp_path_factory):
     return {name: (root / name, losses) for name, losses in runs.items()}
 
 
+@pytest.mark.process
 def test_it_trains_alike_on_one_and_two_processes_and_resumes_under_another_engine(conv_runs):
     (_, one), (two_dir, two), (_, resumed) = conv_runs["one"], conv_runs["two"], conv_runs["resumed"]
     assert sorted(one) == sorted(two) == [1, 2, 3, 4] and two[4] < two[1]
@@ -51,6 +52,7 @@ def test_it_trains_alike_on_one_and_two_processes_and_resumes_under_another_engi
     assert state["engine"] == "fsdp" and state["world_size"] == 2
 
 
+@pytest.mark.process
 def test_the_tools_evaluate_and_sample_its_checkpoint(conv_runs, capsys):
     run_dir = conv_runs["two"][0]
     assert run(eval_tool.main, ["--checkpoint", str(run_dir), "--max-tokens", "200"]) == 0
@@ -107,6 +109,7 @@ def test_its_config_takes_its_own_keys_and_refuses_the_others():
         load_config(None, ["--model.arch=conv", "--data.document_mask=true"])
 
 
+@pytest.mark.process
 def test_the_command_line_finds_it_through_lm_families(tmp_path):
     help_text = subprocess.run([sys.executable, "-m", "lm.train", "--help"], capture_output=True, text=True,
                                env={**os.environ, "LM_FAMILIES": PLUGIN}).stdout

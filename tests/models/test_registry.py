@@ -45,6 +45,7 @@ def test_a_name_is_registered_once():
         register(get_family("gpt"))
 
 
+@pytest.mark.process
 def test_reading_a_config_imports_no_torch():
     code = ("import sys; from lm.config import load_config; "
             "cfg = load_config('configs/demo-encdec.yaml', ['--model.n_layer=3']); "
@@ -54,6 +55,7 @@ def test_reading_a_config_imports_no_torch():
     assert result.stdout.strip() == "[]"
 
 
+@pytest.mark.process
 def test_lm_families_naming_a_module_that_is_not_there_is_one_error():
     result = subprocess.run([sys.executable, "-m", "lm.train", "--model.arch=mine", "--dry-run"], capture_output=True,
                             text=True, env={**os.environ, "LM_FAMILIES": "no_such_package.family"})

@@ -24,6 +24,7 @@ MEASURED = ["--model.n_layer=4", "--model.d_model=256", "--model.n_head=4", "--m
             "--log.sample_every=0", "--log.tensorboard=false", "--parallel.engine=fsdp"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("tp, pp, checkpointing", [(1, 1, 1), (2, 1, 0), (1, 2, 0), (2, 2, 0)],
                          ids=["fsdp4-checkpointing", "tp2xfsdp2", "pp2xfsdp2", "tp2xpp2"])
 def test_the_estimate_is_within_a_fifth_of_the_measured_peak(tp, pp, checkpointing, tiny_data_dir, tmp_path):

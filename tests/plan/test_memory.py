@@ -299,6 +299,7 @@ def _train(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           env={**os.environ, **(env or {})})
 
 
+@pytest.mark.process
 def test_dry_run_prints_the_plan_and_touches_nothing(tmp_path):
     out_dir, data_dir = tmp_path / "run", tmp_path / "no-data"
     result = _train("--config", "configs/llama-7b.yaml", "--dry-run", "--nproc", "8",
@@ -313,6 +314,7 @@ def test_dry_run_prints_the_plan_and_touches_nothing(tmp_path):
     assert "torch.distributed" not in result.stderr  # no process group was started
 
 
+@pytest.mark.process
 def test_dry_run_takes_the_world_size_from_the_environment(tmp_path):
     result = _train("--config", "configs/gpt2-124m.yaml", "--dry-run", f"--train.out_dir={tmp_path / 'run'}",
                     env={"WORLD_SIZE": "4"})
@@ -321,6 +323,7 @@ def test_dry_run_takes_the_world_size_from_the_environment(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("args, message", [
     (["--dry-run", "--nproc", "0"], "argument --nproc: expected a positive integer, got 0"),
     (["--dry-run", "--nproc", "two"], "argument --nproc: expected a positive integer, got 'two'"),

@@ -44,6 +44,7 @@ def launches(run_dir: Path) -> int:
     return sum(line.startswith("# ") for line in (run_dir / "train.log").read_text().splitlines())
 
 
+@pytest.mark.process
 def test_a_killed_sweep_continues_where_it_stopped_and_a_finished_one_trains_nothing(base_config, tmp_path):
     out = tmp_path / "sweep"
     first = subprocess.Popen(sweep_command(base_config, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -115,6 +116,7 @@ def test_bad_grids_are_refused_before_any_run_starts(base_config, tmp_path, caps
     assert not out.exists()
 
 
+@pytest.mark.process
 def test_a_directory_of_another_base_config_is_refused_unless_forced(base_config, tmp_path, capsys):
     out = tmp_path / "sweep"
     args = ["--config", str(base_config), "--grid", "optim.lr=3e-3", "--out", str(out), "--train.steps=2",
@@ -162,6 +164,7 @@ def test_dry_run_lists_the_runs_and_writes_nothing(base_config, tmp_path, capsys
     assert not out.exists()
 
 
+@pytest.mark.process
 def test_nproc_runs_each_combination_as_a_torchrun_job(base_config, tmp_path, capsys):
     out = tmp_path / "sweep"
     args = ["--config", str(base_config), "--grid", "model.arch=gpt", "--out", str(out), "--nproc", "2",

@@ -41,6 +41,7 @@ def test_a_flipped_byte_in_a_data_shard_is_named_when_hashes_are_checked(flipped
     assert not (tmp_path / "run").exists()  # refused before the run directory was made
 
 
+@pytest.mark.process
 def test_both_ranks_refuse_a_flipped_data_shard_together(flipped_data, tmp_path):
     # rank 0 hashes and broadcasts its finding: rank 1 must fail too, not wait in a collective
     result = subprocess.run(train_cmd(2, flipped_data, tmp_path / "run", "--data.verify_hashes=true",
@@ -88,6 +89,7 @@ def test_a_dataset_that_changed_under_a_run_is_refused_on_resume(tiny_data_dir, 
     assert state["step"] == 4 and state["data"]["source"].endswith("scene_0*.txt")
 
 
+@pytest.mark.process
 def test_token_ids_beyond_the_vocabulary_stop_training_naming_the_shard(tiny_data_dir, tmp_path):
     """Bytes flipped after preparing (data.verify_hashes off, the default) into ids the embedding does not
     have: the window that holds one stops the run with the file and position, not an IndexError."""

@@ -42,6 +42,7 @@ def torchrun(args: list[str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("arch", ["gpt", "encdec"])
 def test_two_process_resume_is_bit_exact(arch, tiny_data_dir, tmp_path):
     extra = ENCDEC if arch == "encdec" else []

@@ -119,6 +119,7 @@ def run_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
 
 
+@pytest.mark.process
 def test_sigterm_saves_exits_0_and_the_resumed_run_equals_an_uninterrupted_one(tiny_data_dir, tmp_path):
     # the schedule's length is fixed, so a run cut short follows the same learning rates as a long one
     steps = ["--train.steps=400", "--checkpoint.every=1000", "--schedule.decay_steps=400"]
@@ -144,6 +145,7 @@ def test_sigterm_saves_exits_0_and_the_resumed_run_equals_an_uninterrupted_one(t
     assert_same_weights(tmp_path / "stopped", tmp_path / "straight")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
 def test_a_killed_rank_restarts_the_group_which_finishes_like_an_uninterrupted_run(engine, tiny_data_dir, tmp_path):
     extra = ["--train.steps=8", "--checkpoint.every=2", f"--parallel.engine={engine}", "--train.batch_size=8"]
@@ -157,6 +159,7 @@ def test_a_killed_rank_restarts_the_group_which_finishes_like_an_uninterrupted_r
     assert_same_weights(tmp_path / "killed", tmp_path / "straight")
 
 
+@pytest.mark.process
 def test_a_rank_killed_during_a_save_restarts_from_the_previous_checkpoint(tiny_data_dir, tmp_path):
     # rank 1 dies right after writing its shard of step 6, while rank 0 waits for it: step_00000006.tmp is
     # left half-written, and the restarted group must resume from step 4 and still end like a straight run

@@ -40,6 +40,7 @@ def test_the_probe_counts_what_a_checkpoint_writes():
     assert checkpoint_bytes(load_config(None, TINY)) > 25 * MIB
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("small_disk", [20], indirect=True)
 def test_a_disk_too_small_for_one_checkpoint_is_refused_before_training(small_disk, tiny_data_dir):
     result = train(tiny_data_dir, small_disk / "run", "--train.steps=2")
@@ -50,6 +51,7 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_training(small_di
     assert list(small_disk.iterdir()) == []
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("small_disk", [40], indirect=True)
 def test_a_disk_that_fills_up_fails_the_save_cleanly_and_frees_what_it_wrote(small_disk, tiny_data_dir):
     out = small_disk / "run"

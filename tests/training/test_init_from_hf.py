@@ -56,6 +56,7 @@ def first_batch_loss(hf: PreTrainedModel, data_dir: Path, *flags: str) -> float:
     return F.cross_entropy(logits.flatten(0, 1), torch.from_numpy(y).flatten()).item()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("engine, kind, lr", [
     ("ddp", LLAMA, 1e-3), ("fsdp", LLAMA, 1e-3), ("fsdp", GPT2, 1e-3), ("zero3", LLAMA, 1e-3), ("fsdp", QWEN3, 1e-3),
     ("ddp", OLMO2, 1e-3),
@@ -90,6 +91,7 @@ def test_a_model_key_that_disagrees_is_one_error(tmp_path):
         load_config(None, [f"--checkpoint.init_from={tmp_path}", "--model.n_layer=3"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, edit, fragment", REFUSALS, ids=[f"{k}-{next(iter(e))}" for k, e, _ in REFUSALS])
 def test_a_refused_checkpoint_stops_the_run_before_it_writes(kind, edit, fragment, tiny_data_dir, tmp_path, capsys):
     checkpoint = refused_checkpoint(kind, edit, tmp_path / "hf")
@@ -120,6 +122,7 @@ def test_a_checkpoint_missing_a_tensor_stops_the_run_before_it_writes(tiny_data_
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.process
 def test_an_export_of_a_continued_checkpoint_keeps_its_token_ids_and_generation_settings(tiny_data_dir, tmp_path):
     """A Llama 3.2-like checkpoint (tied embedding) whose config.json says bos 1 and eos 2: continued training
     and export write those ids and its generation_config.json back, whatever lm's tokenizer would choose, and

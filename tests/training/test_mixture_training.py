@@ -13,6 +13,9 @@ import pytest
 from lm.data.config import DataConfig
 from lm.data.prepare import prepare
 
+# every test here runs lm.train in processes of its own (torchrun for 2): the full tier only
+pytestmark = pytest.mark.process
+
 TINY = [
     "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
     "--data.seq_len=16", "--train.batch_size=8", "--train.micro_batch_size=2", "--train.device=cpu",

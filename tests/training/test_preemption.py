@@ -3,6 +3,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from lm.training.preemption import StopSignals
 
 
@@ -14,6 +16,7 @@ def test_sigterm_is_one_request_however_often_it_comes():
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the previous handler is back
 
 
+@pytest.mark.process
 def test_a_second_ctrl_c_ends_the_process_at_once():
     code = ("import os, signal, time\n"
             "from lm.training.preemption import StopSignals\n"

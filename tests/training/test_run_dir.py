@@ -67,6 +67,7 @@ def wait_for_steps(metrics: Path, n: int, proc: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.process
 def test_workers_left_by_a_killed_torchrun_keep_the_directory_from_a_second_run(tiny_data_dir, tmp_path):
     out = tmp_path / "run"
     args = [*TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}", "--train.steps=400",

@@ -116,6 +116,7 @@ def test_no_weight_decay_on_biases_norms_embeddings():
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
+@pytest.mark.process
 def test_two_process_torchrun_loss_falls(tiny_data_dir, tmp_path, capsys):
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -159,6 +160,7 @@ def test_tensorboard_receives_the_logged_scalars(tiny_data_dir, tmp_path):
     assert events.Scalars("val/loss")[0].value == pytest.approx(rows[-1]["val/loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_compiled_training_matches_eager_and_saves_bare_names(tiny_data_dir, tmp_path):
     env = init_distributed("cpu")
     eager = Trainer(tiny_config(tiny_data_dir, tmp_path / "eager", "--train.steps=2"), env).fit()
