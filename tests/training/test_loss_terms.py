@@ -16,6 +16,8 @@ AUX = ["--model.arch=gpt_aux", "--model.n_head=2", "--model.tie_embeddings=false
 TERMS = ("loss", "hidden_sq", "targets", "hidden_max")
 TOKENS_PER_STEP = 8 * 16  # TINY's train.batch_size x data.seq_len
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture(scope="module")
 def aux_runs(tiny_data_dir, tmp_path_factory) -> Path:
