@@ -162,11 +162,15 @@ class Parallel:
 
 
 class ObjectiveFn(Protocol):
+    """`Training.objective`'s signature."""
+
     def __call__(self, cfg: Any, data: "DataConfig", seq_len: int, seed: int,
                  document_eot: int | None = None) -> "Objective": ...
 
 
 class FamilyLoss(Protocol):
+    """`Training.loss`'s signature."""
+
     def __call__(self, model: "nn.Module", run: Run, batch: list["torch.Tensor"],
                  optim: LossOptions = PLAIN_LOSS) -> "Losses": ...
 
@@ -226,6 +230,8 @@ class HFAdapter:
 
 
 class ActivationBytes(Protocol):
+    """`Estimates.activation_bytes`'s signature."""
+
     def __call__(self, cfg: Any, data: "DataConfig", micro_batch: int, act_bytes: int, residual_bytes: int,
                  every: int, fused_attention: bool) -> tuple[int, int]: ...
 

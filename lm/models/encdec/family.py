@@ -97,7 +97,8 @@ def score(model: nn.Module, run: Run, batch: list[torch.Tensor]) -> Scored:
 
 def flops_per_token(cfg: EncDecConfig, seq_len: int, data: "DataConfig", params: int) -> float:
     """Training FLOPs per window token of span corruption of windows of seq_len + 1 tokens, each a source of S
-    and a target of T tokens (`corrupted_lengths`); the count of parameters is the stacks' own.
+    and a target of T tokens (`corrupted_lengths`). The stacks run on different tokens, so it counts each one's
+    parameters itself and leaves `params` aside.
 
     Per sample: 6 per parameter per token it touches (encoder blocks on the source tokens; decoder blocks and the
     output head on the target tokens) plus the attention scores, 12 * n_layer * d_model times (S^2 encoder + T^2
