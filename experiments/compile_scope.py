@@ -23,6 +23,7 @@ from lm.distributed.optim import build_optimizer
 from lm.distributed.precision import autocast_for
 from lm.models.loss import compiled_loss
 from lm.models.registry import family_of
+from lm.plan.counts import flops_per_token
 from lm.plan.flops import peak_flops
 
 SCOPES = ["blocks", "blocks+loss", "whole"]
@@ -42,7 +43,7 @@ def measure(device: torch.device, scope: str, micro: int, warmup: int, reps: int
 
     def loss_of(inputs, targets):
         with compiled_loss(scope == "blocks+loss"):
-            return family.loss(model, model, [inputs, targets]).optimized
+            return family.training.loss(model, model, [inputs, targets]).optimized
 
     if scope == "whole":
         loss_of = torch.compile(loss_of)
@@ -65,7 +66,7 @@ def measure(device: torch.device, scope: str, micro: int, warmup: int, reps: int
     reset_peak_memory(device)
     seconds = median_seconds(step, device, warmup, reps)
     tokens = micro * cfg.data.seq_len / seconds
-    flops = family.flops_per_token(cfg.model, cfg.data.seq_len, cfg.data) * tokens
+    flops = flops_per_token(cfg.model, cfg.data.seq_len, cfg.data) * tokens
     peak = peak_flops(device)
     mfu = flops / peak if peak else None
     return [scope, f"{micro} x {cfg.data.seq_len}", fmt(seconds * 1e3, ".1f"), fmt(tokens, ",.0f"),

@@ -52,7 +52,7 @@ def bench_model_paths(cfg: JobConfig, device: torch.device, batch: int, seq_len:
     def step(pos: torch.Tensor | None) -> None:
         batch = [inputs, targets] if pos is None else [inputs, targets, pos]
         with autocast:
-            loss = get_family("gpt").loss(model, model, batch).optimized
+            loss = get_family("gpt").training.loss(model, model, batch).optimized
         loss.backward()
         model.zero_grad(set_to_none=True)
 

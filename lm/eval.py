@@ -54,13 +54,14 @@ def _windows(args: argparse.Namespace, cfg: JobConfig, family: Family, parser: a
     if head := cfg.model.task_head:
         raise ConfigError(f"--checkpoint: {args.checkpoint} is a fine-tuned {cfg.model.arch} (model.head={head}); "
                           "score it on labelled rows with python -m lm.predict")
-    if not family.causal_lm:
+    if not family.training.causal_lm:
         if args.stride is not None:
             parser.error(f"--stride: applies to next-token checkpoints; {cfg.model.title} is scored on "
                          "non-overlapping windows")
         if not 0 < seq_len <= cfg.model.block_size:
             parser.error(f"--seq-len: must be in [1, {cfg.model.block_size}] (the model's block_size), got {seq_len}")
-        return seq_len, None, family.objective(cfg.model, cfg.data, seq_len, cfg.train.seed, _document_eot(cfg))
+        objective = family.training.objective(cfg.model, cfg.data, seq_len, cfg.train.seed, _document_eot(cfg))
+        return seq_len, None, objective
     if not 0 < seq_len <= cfg.model.block_size:
         parser.error(f"--seq-len: must be in [1, {cfg.model.block_size}] (the model's block_size), got {seq_len}")
     stride = args.stride if args.stride is not None else max(1, seq_len // 2)

@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
         step_dir = resolve_checkpoint(args.checkpoint)
         saved = read_config(step_dir)
     # refuse before loading weights or creating anything
-    target = pick_target(saved.model, family_of(saved.model).hf_targets, saved.model.title)
+    target = pick_target(saved.model, family_of(saved.model).hf.targets, saved.model.title)
     model, job, _ = load_for_inference(step_dir, torch.device("cpu"))
     out = args.out.resolve()
     tokenizer = model_tokenizer(job.data.tokenizer, job.model.vocab_size) if target.tokenizer_files else None

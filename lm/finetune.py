@@ -5,7 +5,7 @@
 
 The checkpoint (a run directory, a step directory of any engine, or a consolidated .safetensors) gives the run
 its model (`model.*`: the trunk must stay the checkpoint's; the keys that choose the head, its family's
-`head_keys`, are the run's), its tokenizer and its window length (the longest example, data.seq_len); the
+`TaskHead.keys`, are the run's), its tokenizer and its window length (the longest example, data.seq_len); the
 trunk's weights start from it and the head is drawn fresh (`lm.checkpoint.trunk`). Everything else is a
 training run like `lm.train`'s: any engine under torchrun, checkpoints, resume (the same command again), metrics
 in TensorBoard. Run under torchrun for several processes.
@@ -32,8 +32,8 @@ def _flags(parser: argparse.ArgumentParser) -> None:
 def encoder_base(path: Path, saved: JobConfig) -> dict:
     """The config sections a fine-tuning run takes from the checkpoint at `path`, whose config is `saved`: the
     trunk's model keys, the tokenizer and window length, and checkpoint.init_from itself."""
-    head_keys = family_of(saved.model).head_keys
-    model = {k: v for k, v in dataclasses.asdict(saved.model).items() if k not in head_keys}
+    head = family_of(saved.model).training.head
+    model = {k: v for k, v in dataclasses.asdict(saved.model).items() if head is None or k not in head.keys}
     return {"model": model, "data": {"tokenizer": saved.data.tokenizer, "seq_len": saved.data.seq_len},
             "checkpoint": {"init_from": str(path)}}
 
@@ -43,7 +43,7 @@ def encoder_config(path: Path) -> JobConfig:
     if not path.exists():
         raise ConfigError(f"--encoder: no such file or directory {str(path)!r}")
     saved = saved_config(path)
-    if not family_of(saved.model).head_keys:
+    if family_of(saved.model).training.head is None:
         raise ConfigError(f"--encoder: {path} holds {saved.model.title} (model.arch={saved.model.arch}), which "
                           "has no fine-tuning head; lm.finetune trains a head on an encoder's checkpoint "
                           "(model.arch=encoder)")

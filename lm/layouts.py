@@ -84,7 +84,8 @@ def table(layouts: list[Layout], losses: list[dict[int, float]]) -> tuple[str, t
     """The side-by-side table, and the largest difference: (nats, step, layout, layout)."""
     width = max(12, *(len(layout.text) + 2 for layout in layouts))
     lines = ["step".ljust(6) + "".join(layout.text.rjust(width) for layout in layouts) + "max diff".rjust(12)]
-    worst = (0.0, 0, layouts[0].text, layouts[0].text)
+    # below any spread, so the first step counts even when every layout agrees bit for bit
+    worst = (-math.inf, 0, layouts[0].text, layouts[0].text)
     for step in sorted(set().union(*losses)):
         values = [run.get(step) for run in losses]
         present = [(v, layout.text) for v, layout in zip(values, layouts) if v is not None]

@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
         for ids, batch_labels, keep, weight in example_batches(examples, labels, args.batch_size, 0, 1,
                                                                cfg.model.pad_id):
             ids_t, keep_t = (torch.from_numpy(a).to(device) for a in (ids, keep))
-            out = family.task_outputs(model, model, ids_t, keep_t).float().cpu()
+            out = family.training.head.outputs(model, model, ids_t, keep_t).float().cpu()
             real = int(weight.sum())
             outputs.append(out[:real])
             sums += task_sums(head, cfg.model.num_classes, out, batch_labels, weight)

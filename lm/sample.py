@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     device = init_device(args.device, "--device")
     model, cfg, step_dir = load_for_inference(args.checkpoint, device)
     family = family_of(cfg.model)
-    if not family.generates:
+    if family.sampler is None:
         raise ConfigError(f"--checkpoint: {step_dir} is {cfg.model.title} (model.arch={cfg.model.arch}), which "
                           "generates no text; score it with python -m lm.eval, or a fine-tuned head with "
                           "python -m lm.predict")
@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
     for i in range(args.num_samples):
         options = SampleOptions(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i)
         try:
-            sample = family.sample(model, tokenizer, text, options)
+            sample = family.sampler.sample(model, tokenizer, text, options)
         except PromptError as err:  # a prompt or length the model cannot take
             parser.error(str(err))
         if args.num_samples > 1:

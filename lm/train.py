@@ -37,13 +37,13 @@ def dry_run(cfg: JobConfig, world_size: int, device_gib: float, nodes: int | Non
             gpus_per_node: int | None = None) -> None:
     """Print what the config would train and how much memory each engine needs per device; with `nodes`, also
     the layouts of that many nodes of `gpus_per_node` GPUs and the one to pick."""
-    from lm.models.registry import family_of
+    from lm.plan.counts import num_params
     from lm.plan.layouts import layout_table
     from lm.plan.memory_table import plan_table
 
     m = cfg.model
     print(f"model: {m.summary}, vocabulary {m.padded_vocab_size:,} (padded)")
-    print(f"parameters: {family_of(m).num_params(m):,}")
+    print(f"parameters: {num_params(m):,}")
     print(f"configured: parallel.engine={cfg.parallel.engine}"
           + (f" zero_stage={cfg.parallel.zero_stage}" if cfg.parallel.engine == "deepspeed" else "")
           + f" cpu_offload={cfg.parallel.cpu_offload} activation_checkpointing={cfg.parallel.activation_checkpointing}")

@@ -194,7 +194,7 @@ def _deepspeed_worker(rank: int, world: int, port: int, root: str) -> None:
                     "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "steps_per_print": 10**9},
         )
         idx = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank))
-        loss = family_of(cfg.model).loss(model, engine, [idx, idx]).optimized
+        loss = family_of(cfg.model).training.loss(model, engine, [idx, idx]).optimized
         engine.backward(loss)
         engine.step()
         step_dir = Path(root) / name / "checkpoints" / "step_00000001"

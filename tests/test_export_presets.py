@@ -108,7 +108,7 @@ def next_token_nll(hf, tokens: np.ndarray, document_eot: int | None) -> tuple[fl
 def objective_nll(hf, cfg, streams: list[np.ndarray]) -> tuple[float, int]:
     """Summed NLL and count of transformers' predictions of the targets of the run's own objective (an encoder's
     masked tokens, an encoder-decoder's spans), window k corrupted with the key k as lm.eval does."""
-    objective = family_of(cfg.model).objective(cfg.model, cfg.data, SEQ_LEN, cfg.train.seed)
+    objective = family_of(cfg.model).training.objective(cfg.model, cfg.data, SEQ_LEN, cfg.train.seed)
     rows = stream_windows(streams, SEQ_LEN)
     batch = [torch.from_numpy(t) for t in objective(np.stack(rows), np.arange(len(rows)))]
     if cfg.model.arch == "encoder":
@@ -142,7 +142,7 @@ def test_a_run_of_every_preset_exports_and_transformers_scores_it_as_lm_eval(nam
     assert type(hf).__name__ == EXPECTED[name]
 
     data_dir = Path(cfg.data.sources[0].dir)
-    causal = family_of(cfg.model).causal_lm
+    causal = family_of(cfg.model).training.causal_lm
     ours = lm_eval_loss(run_dir, data_dir, causal, capsys)
     streams = first_tokens(val_streams(data_dir, cfg.data.tokenizer, cfg.model.vocab_size), MAX_TOKENS)
     if causal:

@@ -37,7 +37,7 @@ def bench_loader(cfg: JobConfig, micro_batch: int, steps: int) -> dict:
             splits[split] = {"documents": 1, "tokens": count, "shards": shards}
         write_manifest(tmp, new_manifest(cfg.data.tokenizer, cfg.model.vocab_size, 0, "synthetic", "", splits))
         # its cost is part of the loader's
-        objective = family_of(cfg.model).objective(cfg.model, cfg.data, cfg.data.seq_len, 0)
+        objective = family_of(cfg.model).training.objective(cfg.model, cfg.data, cfg.data.seq_len, 0)
         loader = TokenLoader(tmp, "train", cfg.data.seq_len, 0, 0, 1, micro_batch, micro_batch, objective)
         loader.next_batch()  # the first touch builds the permutation and faults the pages in
         start = time.perf_counter()

@@ -64,7 +64,7 @@ def write_random_checkpoint(cfg: GPTConfig, directory: Path, dtype: torch.dtype,
     family = family_of(cfg)
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in family.build(cfg).named_parameters()}
-    target = pick_target(cfg, family.hf_targets, cfg.title)
+    target = pick_target(cfg, family.hf.targets, cfg.title)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(target.config(cfg, None, dtype), indent=2))
     tensors: list[tuple[str, tuple[int, ...]]] = []

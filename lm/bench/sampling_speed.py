@@ -22,7 +22,7 @@ def exported_hf_model(model: torch.nn.Module, cfg: JobConfig, device: torch.devi
     """`model` written by `lm.export --to hf` and read back by transformers (SDPA attention)."""
     from transformers import AutoModelForCausalLM
 
-    target = pick_target(cfg.model, family_of(cfg.model).hf_targets, cfg.model.title)
+    target = pick_target(cfg.model, family_of(cfg.model).hf.targets, cfg.model.title)
     with tempfile.TemporaryDirectory() as tmp:
         export_hf(model, target, load_tokenizer(cfg.data.tokenizer), cfg.data.tokenizer, Path(tmp))
         hf = AutoModelForCausalLM.from_pretrained(tmp, local_files_only=True, attn_implementation="sdpa",

@@ -18,6 +18,7 @@ from lm.hf.targets import hf_state_dict, pick_target
 from lm.models.block import Block
 from lm.models.loss import compiled_loss
 from lm.models.registry import family_of
+from lm.plan.counts import flops_per_token
 from lm.plan.flops import peak_flops
 from lm.training.setup import build_run_engine
 from lm.training.step import train_step
@@ -34,7 +35,7 @@ def hf_twin(model: nn.Module) -> nn.Module:
     SDPA attention, holding `model`'s weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    target = pick_target(model.cfg, family_of(model.cfg).hf_targets, model.cfg.title)
+    target = pick_target(model.cfg, family_of(model.cfg).hf.targets, model.cfg.title)
     fields = target.config(model.cfg, None, torch.float32)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
@@ -44,7 +45,7 @@ def hf_twin(model: nn.Module) -> nn.Module:
 
 def _row(cfg: JobConfig, device: torch.device, step_s: float, micro_batch: int, extra: dict) -> dict:
     tok_s = micro_batch * cfg.data.seq_len / step_s
-    flops = family_of(cfg.model).flops_per_token(cfg.model, cfg.data.seq_len, cfg.data) * tok_s
+    flops = flops_per_token(cfg.model, cfg.data.seq_len, cfg.data) * tok_s
     peak = peak_flops(device)
     return {"ms/step": step_s * 1e3, "tokens/s": tok_s, "TFLOP/s": flops / 1e12,
             "MFU": flops / peak if peak else None, "peak GiB": peak_memory_gib(device), **extra}
@@ -84,7 +85,7 @@ def training_step(cfg: JobConfig, device: torch.device, micro_batch: int, compil
                 loss = model(input_ids=inputs, labels=inputs).loss
             else:
                 with compiled_loss(compiled):  # as the trainer's train.compile: the blocks and the loss
-                    loss = family.loss(model, model, [inputs, targets]).optimized
+                    loss = family.training.loss(model, model, [inputs, targets]).optimized
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
@@ -141,7 +142,7 @@ def bench_engine(cfg: JobConfig, device: torch.device, micro_batch: int, warmup:
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=device)
     family = family_of(cfg.model)
     engine = build_run_engine(cfg, family, env)
-    loss = functools.partial(family.loss, optim=cfg.optim)
+    loss = functools.partial(family.training.loss, optim=cfg.optim)
     x = random_batch(cfg, micro_batch, device)
     batch = [x[:, :-1], x[:, 1:]]
 

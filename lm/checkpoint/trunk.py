@@ -2,8 +2,8 @@
 checkpoint of the same family and the new head (`model.head` classify or regress) is drawn fresh.
 
 A family that fine-tunes names its trunk parameters alike under every head (the encoder's, `lm.models.encoder`),
-so the trunk is the checkpoint's state dict without its head (`Family.is_head_param`), loaded by name; the keys
-that choose the head (`Family.head_keys`) may differ from the checkpoint's, no other. Any checkpoint form a run
+so the trunk is the checkpoint's state dict without its head (`TaskHead.is_param`), loaded by name; the keys
+that choose the head (`TaskHead.keys`) may differ from the checkpoint's, no other. Any checkpoint form a run
 can be scored from works: a run directory or step directory of any engine, or a consolidated .safetensors file.
 """
 
@@ -42,8 +42,8 @@ def check_trunk(saved: ModelConfig, current: ModelConfig, path: Path) -> None:
     if mismatch := family_mismatch(saved, current):
         raise ConfigError(f"checkpoint.init_from: {path} {mismatch}; model.head={current.task_head} fine-tunes a "
                           "pretrained checkpoint of its own family")
-    head_keys = family_of(current).head_keys
-    as_saved = dataclasses.replace(current, **{key: getattr(saved, key) for key in head_keys})
+    head = family_of(current).training.head
+    as_saved = dataclasses.replace(current, **{key: getattr(saved, key) for key in (head.keys if head else ())})
     if details := model_diff(saved, as_saved):
         raise ConfigError(f"checkpoint.init_from: {path} holds another {current.arch} ({details})")
 
@@ -57,7 +57,7 @@ def trunk_loader(path: Path, cfg: JobConfig) -> WeightLoader:
 def load_trunk(path: Path, model: nn.Module) -> None:
     """Copy the trunk of the checkpoint at `path` into `model` (whole, or sharded by FSDP: each rank keeps its
     slices); the head keeps the weights it was drawn with. Every trunk parameter must be in the checkpoint."""
-    family = family_of(model.cfg)
+    head = family_of(model.cfg).training.head
     if path.suffix == ".safetensors":
         source, _ = load_consolidated(path, device="cpu")
     else:
@@ -67,7 +67,7 @@ def load_trunk(path: Path, model: nn.Module) -> None:
         load_checkpoint_weights(step_dir, source)
     weights = source.state_dict()
     # in the model's order, the same on every rank: a sharded model scatters each tensor in a collective
-    trunk = [name for name in model.state_dict() if not family.is_head_param(name)]
+    trunk = [name for name in model.state_dict() if head is None or not head.is_param(name)]
     missing = sorted(name for name in trunk if name not in weights)
     if missing:
         raise CheckpointError(f"{path}: lacks the trunk weights {missing[:5]} of this model")

@@ -11,7 +11,7 @@ from lm.config.rules import DEVICES, DTYPES, one_of
 from lm.data.config import DataConfig
 from lm.errors import ConfigError
 from lm.models.config import ModelConfig
-from lm.models.registry import DEFAULT, config_class
+from lm.models.registry import DEFAULT, config_class, family_of
 from lm.tokenizer import VOCAB_SIZES, is_tokenizer_file
 
 OPTIMIZERS = ("adamw", "muon")
@@ -320,7 +320,7 @@ class JobConfig:
         if self.parallel.pp == 1:
             return
         stages = self.parallel.pipeline_stages
-        problem = self.model.pipeline_problem(stages)
+        problem = family_of(self.model).parallel.pipeline_problem(self.model, stages)
         if problem:
             raise ConfigError(f"parallel.pp={self.parallel.pp}: {problem}")
         if self.data.document_mask:
@@ -336,7 +336,7 @@ class JobConfig:
         cp = self.parallel.cp
         if cp == 1:
             return
-        problem = self.model.context_parallel_problem()
+        problem = family_of(self.model).parallel.context_problem(self.model, cp)
         if problem:
             raise ConfigError(f"parallel.cp={cp}: {problem}")
         if self.data.seq_len % (2 * cp):
@@ -352,7 +352,7 @@ class JobConfig:
         tp = self.parallel.tp
         if tp == 1:
             return
-        problem = self.model.tensor_parallel_problem(tp)
+        problem = family_of(self.model).parallel.tensor_problem(self.model, tp)
         if problem:
             raise ConfigError(f"parallel.tp={tp}: {problem}")
         if self.data.seq_len % tp:

@@ -5,7 +5,7 @@ shards and `keys` (B,) int64 name the samples (the loader passes global loader p
 and sample ids for validation). It returns the model's batch as a tuple of int64 arrays, the model's
 arguments in order; the trainer moves them to its device. Any randomness is a pure function of
 (seed, key), so a run resumed at any world size sees the same batch. Which objective trains which
-model is the model family's choice (`Family.objective`): this package knows no model.
+model is the model family's choice (`Training.objective`): this package knows no model.
 
 - NextToken: decoder-only language modelling (x, y).
 - SpanCorruption: T5's encoder-decoder objective (src, tgt_in, tgt_out).

@@ -98,7 +98,7 @@ def parallelize(roots: list[nn.Module], blocks: list[nn.Module], family: Family,
         # the final norm's sequence slice comes out as a view of its DTensor, which FSDP2 warns about on every rank
         # in case the caller changes it in place; the families' losses never do
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
-        plan = family.tensor_parallel(model)
+        plan = family.parallel.tensor_styles(model)
         for root in roots:  # a stage takes the plan's entries for the modules it holds
             names = {name for name, _ in root.named_modules()}
             apply_tensor_parallel(root, {name: style for name, style in plan.items() if name in names}, mesh["tp"])

@@ -72,7 +72,7 @@ class PipelineEngine(TorchEngine):
         self.num_stages = parallel.pipeline_stages
         layers = stage_layers(len(family.blocks(model)), self.num_stages)
         self.stage_ids = [env.pp_rank + k * env.pp for k in range(parallel.pp_stages_per_rank)]
-        self.stages = [family.pipeline_stage(model, layers[s], env.tp) for s in self.stage_ids]
+        self.stages = [family.parallel.stage(model, layers[s], env.tp) for s in self.stage_ids]
         blocks = [family.blocks(model)[i] for s in self.stage_ids for i in layers[s]]
         parallelize(self.stages, blocks, family, model, parallel, train, env, mesh)
         with FullTensorInit():  # the other stages' parameters stay on the meta device: their numbers are skipped

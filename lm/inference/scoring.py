@@ -1,7 +1,7 @@
 """Scoring a model on token streams: loss (nats per token) of a next-token model over strided windows, of any
 other model on its own pretraining task, and the unigram baseline.
 
-A next-token model (`Family.causal_lm`: the GPT, the LSTM) scores long inputs with strided windows: every
+A next-token model (`Training.causal_lm`: the GPT, the LSTM) scores long inputs with strided windows: every
 token is scored exactly once, and every window after the first keeps at least `seq_len - stride` tokens of
 context before the tokens it scores; an LSTM starts each window from a zero state, as it started each training
 window. Any other family is scored on its pretraining task, window by window (`score_windows`): each window of
@@ -98,7 +98,7 @@ def score_windows(family: Family, model: torch.nn.Module, streams: list[np.ndarr
     for i in range(0, len(rows), batch_size):
         keys = np.arange(i, min(i + batch_size, len(rows)), dtype=np.int64)
         batch = [torch.from_numpy(t).to(device) for t in objective(np.stack(rows[i:i + batch_size]), keys)]
-        scored = family.score_batch(model, model, batch)
+        scored = family.training.score(model, model, batch)
         nll += scored.loss.double().item() * scored.count
         count += scored.count
         if scored.correct is not None:

@@ -65,28 +65,6 @@ class ModelConfig:
     z_loss: ClassVar[bool] = False
     """Whether the family's loss adds the z-loss term (optim.z_loss)."""
 
-    tensor_parallel_refusal: ClassVar[str] = "has no tensor-parallel plan"
-    """Why the family does not split over tensor-parallel ranks (`tensor_parallel_problem`), if it does not."""
-
-    def tensor_parallel_problem(self, tp: int) -> str | None:
-        """Why this model cannot split over `tp` tensor-parallel ranks (a heads count that tp does not divide,
-        say), or None when it can."""
-        return f"{self.title} (model.arch={self.arch}) {self.tensor_parallel_refusal}"
-
-    context_parallel_refusal: ClassVar[str] = "has no context-parallel attention (its attention layers gather no keys)"
-    """Why the family does not split a window's tokens over ranks, if it does not."""
-
-    def context_parallel_problem(self) -> str | None:
-        """Why this model cannot split each window's tokens over context-parallel ranks, or None when it can."""
-        return f"{self.title} (model.arch={self.arch}) {self.context_parallel_refusal}"
-
-    pipeline_refusal: ClassVar[str] = "has no pipeline stages"
-    """Why the family does not cut into pipeline stages (`pipeline_problem`), if it does not."""
-
-    def pipeline_problem(self, stages: int) -> str | None:
-        """Why this model cannot be cut into `stages` pipeline stages, or None when it can."""
-        return f"{self.title} (model.arch={self.arch}) {self.pipeline_refusal}"
-
     def __post_init__(self) -> None:
         for key in ("vocab_size", "block_size", "n_layer", "d_model", "vocab_multiple"):
             if getattr(self, key) <= 0:

@@ -1,33 +1,36 @@
-"""The model family spec: everything about a family that the rest of lm asks, in one object per family.
+"""The model family spec: everything about a family that the rest of lm asks, in one small object per family.
 
 A family (the decoder-only GPT, the encoder-decoder, the encoder, the LSTM baseline, or one a user adds) lives in
 its own folder `lm/models/<family>/`: its config dataclass (`config.py`), its model (`model.py`, torch only)
-and a `Family` subclass (`family.py`) registered by name (`lm.models.registry`); `model.arch` picks it. The
-trainer, the engines, the planner, the checkpoints, the evaluation and sampling tools and the Hugging Face
-mapping ask the family, never which family they have:
+and its spec (`family.py`), a `Family` instance registered by name (`lm.models.registry`); `model.arch` picks
+it. The trainer, the engines, the planner, the checkpoints, the evaluation and sampling tools and the Hugging
+Face mapping ask the spec, never which family they have. A spec holds:
 
-- config: its dataclass, which also says what the job's other sections may ask of it (document masking,
-  z-loss, a fine-tuning head: `ModelConfig`), read without importing torch;
-- model: how to build it (on the meta device too), its repeated blocks (what FSDP shards and activation
-  checkpointing recomputes), its output layers, a device check, and how it splits over tensor-parallel ranks
-  (`tensor_parallel`: a style per module, which `lm.distributed.tensor_parallel` applies);
-- training: the objective that turns token windows into its batches, the loss of a batch as named terms
-  (`lm.models.terms`), the scores of a validation batch;
-- sizes: parameters, FLOPs per token, and the activation bytes the memory planner adds per micro-batch;
-- inference: how it samples text (or that it does not);
-- Hugging Face: the transformers classes it exports to and imports from (`lm.hf.targets`).
+- `name`, `config_class`: its model.arch and its config dataclass, which also says what the job's other
+  sections may ask of it (document masking, z-loss, a fine-tuning head: `ModelConfig`);
+- `build`, `blocks`, `output_layers`, `check_precision`: the model (on the meta device too), its repeated
+  blocks (what FSDP shards and activation checkpointing recomputes), the layers Muon leaves to AdamW, and a
+  refusal of bf16 on a device type it cannot run it on;
+- `training`: the objective that turns token windows into its batches, the loss of a batch as named terms
+  (`lm.models.terms`), the scores of a validation batch, and its fine-tuning head if it has one;
+- `parallel`: its tensor-parallel styles and pipeline stages, and why a config cannot split over tp, cp or pp
+  ranks, asked before launch;
+- `sampler`: how it writes text (None: it writes none);
+- `hf`: the transformers classes it exports to and imports from (`lm.hf.targets`);
+- `estimates`: what the planner cannot count on a built model: activation bytes, FLOPs beyond 6 per parameter.
+
+Parameter counts are not the family's: `lm.plan.counts` reads them off the model built on the meta device.
 
 The batches of a family are its own business: its objective makes them (a tuple of arrays, the model's inputs
-and targets in an order the family picks) and its `loss` and `score_batch` read them. Model forwards return one
-tensor, the final hidden states (the trunk); a family's loss applies the output head to them.
+and targets in an order the family picks) and its loss and scores read them. Model forwards return one tensor,
+the final hidden states (the trunk); a family's loss applies the output head to them.
 """
 
 import enum
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
-from lm.errors import ConfigError
 from lm.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -43,7 +46,7 @@ Run = Callable[..., "torch.Tensor"]
 """The model's forward as an engine calls it (through DDP's, FSDP's or DeepSpeed's wrapper and their hooks)."""
 LossFn = Callable[["nn.Module", Run, list["torch.Tensor"]], "Losses"]
 """A micro-batch's loss as the step calls it: (model, its forward through the engine, batch) -> named terms
-(`lm.models.terms`): a family's `loss` with the run's loss options bound."""
+(`lm.models.terms`): a family's `training.loss` with the run's loss options bound."""
 
 
 class LossOptions(Protocol):
@@ -64,7 +67,7 @@ PLAIN_LOSS = PlainLoss()
 
 
 class TPStyle(enum.Enum):
-    """What one module is under tensor parallelism, in a family's plan (`Family.tensor_parallel`). Between
+    """What one module is under tensor parallelism, in a family's plan (`Parallel.tensor_styles`). Between
     blocks each rank holds a slice of the sequence; inside a sublayer each rank holds some heads or hidden units."""
 
     COLUMNS = "columns"
@@ -118,158 +121,175 @@ class SampleOptions:
     """Where the prompt goes: the device the model computes on (None: its weights')"""
 
 
+Problem = Callable[[ModelConfig, int], "str | None"]
+"""(config, ranks) -> why the model cannot split over that many ranks, or None when it can."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A parallelism the family has not got, refused for every config: "<title> (model.arch=<arch>) <reason>"."""
+
+    reason: str
+
+    def __call__(self, cfg: ModelConfig, ranks: int) -> str:
+        return f"{cfg.title} (model.arch={cfg.arch}) {self.reason}"
+
+
+def no_problem(cfg: ModelConfig, ranks: int) -> None:
+    """Any number of ranks: the family splits every config."""
+    return None
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How a family splits over ranks beyond data parallelism. Each `*_problem` says why a config cannot split over
+    that many tensor-parallel, context-parallel or pipeline ranks; the job config and the layout planner ask them,
+    so a run is refused before any process group forms."""
+
+    tensor_styles: "Callable[[nn.Module], dict[str, TPStyle]] | None" = None
+    """Module name -> its style under tensor parallelism (parallel.tp > 1), which `lm.distributed.tensor_parallel`
+    applies"""
+    tensor_problem: Problem = Refusal("has no tensor-parallel plan")
+    context_problem: Problem = Refusal("has no context-parallel attention (its attention layers gather no keys)")
+    stage: "Callable[[nn.Module, range, int], nn.Module] | None" = None
+    """(model, layers, sequence_shards) -> the pipeline stage of `model` (built, on the meta device too) that runs
+    its blocks `layers` (with the embeddings when layers start at 0, the head when they end at the last block): a
+    module sharing the model's own submodules under their whole-model names. Its forward takes the previous
+    stage's output (token ids on the first stage); the last stage's output is what the loss reads from `run`.
+    `sequence_shards`: how many tensor-parallel sequence slices the stream between stages is cut into"""
+    pipeline_problem: Problem = Refusal("has no pipeline stages")
+    """(config, stages) -> why the model cannot be cut into that many pipeline stages"""
+
+
+class ObjectiveFn(Protocol):
+    """`Training.objective`'s signature."""
+
+    def __call__(self, cfg: Any, data: "DataConfig", seq_len: int, seed: int,
+                 document_eot: int | None = None) -> "Objective": ...
+
+
+class FamilyLoss(Protocol):
+    """`Training.loss`'s signature."""
+
+    def __call__(self, model: "nn.Module", run: Run, batch: list["torch.Tensor"],
+                 optim: LossOptions = PLAIN_LOSS) -> "Losses": ...
+
+
+@dataclass(frozen=True)
+class TaskHead:
+    """A fine-tuning head trained on labelled rows (`lm.finetune`), its trunk loaded from a pretrained checkpoint."""
+
+    keys: tuple[str, ...]
+    """Config keys that choose the head: free to differ from the checkpoint whose trunk it starts from"""
+    is_param: Callable[[str], bool]
+    """Whether a parameter (by name) belongs to the head: drawn fresh, not loaded from the trunk"""
+    outputs: "Callable[[nn.Module, Run, torch.Tensor, torch.Tensor], torch.Tensor]"
+    """(model, run, ids (B, T), padding keep (B, T)) -> (B, classes) logits or (B,) predictions"""
+
+
+@dataclass(frozen=True)
+class Training:
+    """How a family trains and is scored."""
+
+    objective: ObjectiveFn
+    """(cfg, data, seq_len, seed, document_eot) -> what turns windows of seq_len + 1 tokens into its batches
+    (`lm.data.objectives`), with `document_eot` (data.document_mask) each token's position inside its document
+    too; refuses, before any weights exist, windows the model cannot take"""
+    loss: FamilyLoss
+    """(model, run, batch, optim) -> one micro-batch's loss as named terms (`lm.models.terms`), one of them the
+    objective that backward differentiates; `run` is the model's forward through the engine, `model` the module
+    whose heads the loss applies, `optim` the job's loss options"""
+    score: "Callable[[nn.Module, Run, list[torch.Tensor]], Scored]"
+    """(model, run, batch) -> one validation batch's mean loss, targets and right predictions"""
+    causal_lm: bool = False
+    """A next-token model: lm.eval scores it over strided windows of a text or shards, with bits per byte"""
+    head: TaskHead | None = None
+    """Its fine-tuning head; None for a family that has none"""
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """How a family writes text."""
+
+    sample: "Callable[[nn.Module, Any, str, SampleOptions], str]"
+    """(model, tokenizer, prompt, options) -> the text the model writes for `prompt` (its continuation, or its masks
+    filled), prompt included; PromptError for a prompt or a length the model cannot take"""
+    outside_forward: bool = False
+    """Sampling calls methods other than forward, which a sharding engine's hooks do not see: the engine gathers
+    the whole model first"""
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """The transformers classes a family maps to and from (`lm.hf.targets`)."""
+
+    targets: tuple["Target", ...] = ()
+    """The classes it exports to, in order of preference"""
+    readers: Mapping[str, "HFReader"] = field(default_factory=dict)
+    """transformers class name -> how its config.json reads as this family's config"""
+
+
+class ActivationBytes(Protocol):
+    """`Estimates.activation_bytes`'s signature."""
+
+    def __call__(self, cfg: Any, data: "DataConfig", micro_batch: int, act_bytes: int, residual_bytes: int,
+                 every: int, fused_attention: bool) -> tuple[int, int]: ...
+
+
+@dataclass(frozen=True)
+class Estimates:
+    """What the planner cannot count on a built model (`lm.plan`)."""
+
+    activation_bytes: ActivationBytes | None = None
+    """(cfg, data, micro_batch, act_bytes, residual_bytes, every, fused_attention) -> (activations, logits): bytes
+    one device keeps for the backward of one micro-batch of `micro_batch` windows of data.seq_len tokens, logits
+    included, with every `every`-th block checkpointed (0: none); `act_bytes` wide matmul outputs, a
+    `residual_bytes` wide residual stream (`lm.plan.memory`)"""
+    flops_per_token: "Callable[[Any, int, DataConfig, int], float] | None" = None
+    """(cfg, seq_len, data, params) -> training FLOPs per token of windows of seq_len tokens, given the model's
+    `params` outside position tables (`lm.plan.counts`); None: 6 per parameter (forward and backward), which a
+    family with attention raises by its scores"""
+    memory_note: str = ""
+    """A caveat the memory plan prints under its table"""
+
+
+def lm_head(model: "nn.Module") -> list["nn.Module"]:
+    """The model's `lm_head`, if it has one."""
+    head = getattr(model, "lm_head", None)
+    return [] if head is None else [head]
+
+
+def any_precision(cfg: ModelConfig, device_type: str, bf16: bool) -> None:
+    """Every precision runs on every device type."""
+
+
+@dataclass(frozen=True)
 class Family:
-    """One model family's spec; see the module docstring. Subclasses set the class attributes and implement the
-    methods that raise NotImplementedError here."""
+    """One model family's spec; see the module docstring."""
 
-    name: ClassVar[str]
+    name: str
     """Registry key, the value of model.arch"""
-    config_class: ClassVar[type[ModelConfig]]
-
-    causal_lm: ClassVar[bool] = False
-    """A next-token model: scored over strided windows of a text or shards, with bits per byte."""
-    generates: ClassVar[bool] = True
-    """Whether it writes text (lm.sample, the trainer's periodic samples)."""
-    samples_outside_forward: ClassVar[bool] = False
-    """Sampling calls methods other than forward, which a sharding engine's hooks do not see: the engine
-    gathers the whole model first."""
-    head_keys: ClassVar[tuple[str, ...]] = ()
-    """Config keys that choose a fine-tuning head: free to differ from the checkpoint whose trunk it starts from."""
-    memory_note: ClassVar[str] = ""
-    """A caveat the memory plan prints under its table."""
-    hf_targets: ClassVar[tuple["Target", ...]] = ()
-    """The transformers classes it exports to, in order of preference (`lm.hf.targets`)."""
-    hf_readers: ClassVar[dict[str, "HFReader"]] = {}
-    """transformers class name -> how its config.json reads as this family's config (`lm.hf.targets`)."""
+    config_class: type[ModelConfig]
+    build: "Callable[[Any], nn.Module]"
+    """The model a config describes, its weights drawn from the global torch RNG (on the default device; under
+    `torch.device("meta")` nothing is allocated or drawn, and `model.init_weights()` draws later)"""
+    blocks: "Callable[[nn.Module], list[nn.Module]]"
+    """The repeated units in model order: what FSDP shards one by one, activation checkpointing recomputes and
+    torch.compile compiles"""
+    training: Training
+    parallel: Parallel = Parallel()
+    sampler: Sampler | None = None
+    """How it writes text (lm.sample, the trainer's periodic samples); None: it writes none"""
+    hf: HFAdapter = HFAdapter()
+    estimates: Estimates = Estimates()
+    output_layers: "Callable[[nn.Module], list[nn.Module]]" = lm_head
+    """The layers that map hidden states to outputs (their rows score one token or class each): Muon leaves them
+    to AdamW"""
+    check_precision: Callable[[Any, str, bool], None] = any_precision
+    """(cfg, device_type, bf16) -> None, or ConfigError for bf16 autocast on a device type the family cannot run it
+    on, before any step would"""
 
     @property
     def title(self) -> str:
         """How messages call it: "a decoder-only GPT"."""
         return self.config_class.title
-
-    # ---- config ----------------------------------------------------------------------------------
-
-    def is_head_param(self, name: str) -> bool:
-        """Whether a parameter belongs to the fine-tuning head (drawn fresh, not loaded from the trunk)."""
-        return False
-
-    # ---- model -----------------------------------------------------------------------------------
-
-    def build(self, cfg: ModelConfig) -> "nn.Module":
-        """The model `cfg` describes, its weights drawn from the global torch RNG (on the default device; under
-        `torch.device("meta")` nothing is allocated or drawn, and `model.init_weights()` draws later)."""
-        raise NotImplementedError
-
-    def blocks(self, model: "nn.Module") -> list["nn.Module"]:
-        """The repeated units in model order: what FSDP shards one by one, activation checkpointing recomputes
-        and torch.compile compiles."""
-        raise NotImplementedError
-
-    def output_layers(self, model: "nn.Module") -> list["nn.Module"]:
-        """The layers that map hidden states to outputs (their rows score one token or class each): Muon leaves
-        them to AdamW."""
-        head = getattr(model, "lm_head", None)
-        return [] if head is None else [head]
-
-    def tensor_parallel(self, model: "nn.Module") -> dict[str, TPStyle]:
-        """Module name -> its style under tensor parallelism (parallel.tp > 1). A family without a plan says why
-        in its config's `tensor_parallel_problem`, so such a run is refused before it starts."""
-        raise NotImplementedError
-
-    def pipeline_stage(self, model: "nn.Module", layers: range, sequence_shards: int = 1) -> "nn.Module":
-        """The pipeline stage of `model` (built, on the meta device too) that runs its blocks `layers` (with the
-        embeddings when layers start at 0, the head when they end at the last block): a module sharing the
-        model's own submodules under their whole-model names. Its forward takes the previous stage's output (token
-        ids on the first stage), and the last stage's output is what the family's loss reads from `run`.
-        `sequence_shards`: how many tensor-parallel sequence slices the stream between stages is cut into. A
-        family without stages says why in its config's `pipeline_problem`."""
-        raise NotImplementedError
-
-    def check_precision(self, cfg: ModelConfig, device_type: str, bf16: bool) -> None:
-        """Refuse, with ConfigError, bf16 autocast (`bf16`) on a device type this family cannot run it on,
-        before any step would."""
-
-    # ---- training --------------------------------------------------------------------------------
-
-    def objective(self, cfg: ModelConfig, data: "DataConfig", seq_len: int, seed: int,
-                  document_eot: int | None = None) -> "Objective":
-        """What turns windows of seq_len + 1 tokens into this family's batches (`lm.data.objectives`), with
-        `document_eot` (data.document_mask) each token's position inside its document too. Refuses, before any
-        weights exist, windows the model cannot take."""
-        raise NotImplementedError
-
-    def loss(self, model: "nn.Module", run: Run, batch: list["torch.Tensor"],
-             optim: LossOptions = PLAIN_LOSS) -> "Losses":
-        """One training micro-batch's loss as named terms (`lm.models.terms`), one of them the objective that
-        backward differentiates. `run` is the model's forward through the engine; `model` the module whose heads
-        the loss applies; `optim` the job's loss options."""
-        raise NotImplementedError
-
-    def score_batch(self, model: "nn.Module", run: Run, batch: list["torch.Tensor"]) -> Scored:
-        """One validation batch (of the objective's making): its mean loss, targets and right predictions."""
-        raise NotImplementedError
-
-    def task_outputs(self, model: "nn.Module", run: Run, ids: "torch.Tensor",
-                     keep: "torch.Tensor") -> "torch.Tensor":
-        """A fine-tuned head's outputs for labelled rows ids (B, T) with padding `keep` (B, T): (B, classes)
-        logits or (B,) predictions."""
-        raise ConfigError(f"model.arch: {self.title} (model.arch={self.name}) has no fine-tuning head")
-
-    # ---- sizes -----------------------------------------------------------------------------------
-
-    def num_params(self, cfg: ModelConfig, non_embedding: bool = False) -> int:
-        """Distinct parameters of the model (a tied head counted once); `non_embedding` leaves out position
-        tables (they do no matmul). This default counts the model built on the meta device."""
-        import torch
-
-        with torch.device("meta"):
-            model = self.build(cfg)
-        return sum(p.numel() for p in model.parameters())
-
-    def params_outside_embeddings(self, cfg: ModelConfig) -> int:
-        """Parameters outside every embedding table (tokens, positions, token types): what "non-embedding"
-        means in scaling-law counts. A tied head is the token embedding, so it is left out; an untied one
-        counts. Read off the model built on the meta device, so it holds for every family."""
-        import torch
-        import torch.nn as nn
-
-        with torch.device("meta"):
-            model = self.build(cfg)
-        tables = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-        return sum(p.numel() for p in model.parameters() if id(p) not in tables)
-
-    def flops_per_token(self, cfg: ModelConfig, seq_len: int, data: "DataConfig") -> float:
-        """Training FLOPs per token of windows of `seq_len` tokens: by default 6 per parameter (forward and
-        backward), which a family with attention raises by its scores."""
-        return 6 * self.num_params(cfg, non_embedding=True)
-
-    def unit_params(self, cfg: ModelConfig) -> int:
-        """Parameters of the largest repeated unit (what FSDP gathers as one)."""
-        import torch
-
-        with torch.device("meta"):
-            model = self.build(cfg)
-        return max(sum(p.numel() for p in block.parameters()) for block in self.blocks(model))
-
-    def root_params(self, cfg: ModelConfig) -> int:
-        """Parameters outside the repeated units (embeddings, final norms, head): FSDP's root unit."""
-        import torch
-
-        with torch.device("meta"):
-            model = self.build(cfg)
-        in_blocks = {id(p) for block in self.blocks(model) for p in block.parameters()}
-        return sum(p.numel() for p in set(model.parameters()) if id(p) not in in_blocks)
-
-    def activation_bytes(self, cfg: ModelConfig, data: "DataConfig", micro_batch: int, act_bytes: int,
-                         residual_bytes: int, every: int, fused_attention: bool) -> tuple[int, int]:
-        """(activations, logits): bytes one device keeps for the backward of one micro-batch of `micro_batch`
-        windows of data.seq_len tokens, logits included, with every `every`-th block checkpointed (0: none);
-        `act_bytes` wide matmul outputs, a `residual_bytes` wide residual stream (`lm.plan.memory`)."""
-        raise NotImplementedError(f"{self.title} (model.arch={self.name}) gives no activation estimate")
-
-    # ---- inference -------------------------------------------------------------------------------
-
-    def sample(self, model: "nn.Module", tokenizer, prompt: str, options: SampleOptions) -> str:
-        """The text the model writes for `prompt` (its continuation, or its masks filled), prompt included.
-        PromptError for a prompt or a length the model cannot take."""
-        raise ConfigError(f"{self.title} (model.arch={self.name}) generates no text")

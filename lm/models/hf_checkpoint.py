@@ -1,5 +1,5 @@
 """Which family reads a transformers checkpoint: the class its config.json names, looked up among every
-family's `hf_readers`, and its settings read as that family's config keys.
+family's `hf.readers`, and its settings read as that family's config keys.
 
 Everything that would change the forward and that the family does not reproduce is refused here, from
 config.json alone, before any weight is read: one CheckpointError naming the file and every such setting.
@@ -18,7 +18,7 @@ __all__ = ["read_hf_model"]
 def _readers() -> dict[str, tuple[str, HFReader]]:
     """transformers class -> (family name, its reader), over every registered family."""
     return {hf_class: (name, reader) for name in family_names()
-            for hf_class, reader in get_family(name).hf_readers.items()}
+            for hf_class, reader in get_family(name).hf.readers.items()}
 
 
 def _hf_class(hf: dict, origin: Path, readers: dict[str, tuple[str, HFReader]]) -> str:

@@ -74,6 +74,11 @@ def sinusoidal_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
     return pe
 
 
+class PositionTable(nn.Embedding):
+    """A learned table of positions (pos: learned), block_size rows: an embedding looked up by position, not by
+    token, which parameter counts "without embeddings" leave out (`lm.plan.counts`)."""
+
+
 def add_positions(x: torch.Tensor, positions: torch.Tensor, cfg: TransformerConfig, table: nn.Embedding | None
                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Token embeddings x (B, T, C) at `positions` ((T,), or (B, T) for packed documents), given their

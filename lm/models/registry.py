@@ -1,9 +1,9 @@
 """The model families by name (model.arch): each one's config class and its `Family` spec.
 
 The built-in families are imported when first asked for, and a config is read without importing their models
-(nor torch). A family from outside lm is added by `register(family)` in Python; for the command-line tools (and
-the processes torchrun starts), name the modules that call `register` in the environment variable LM_FAMILIES,
-comma-separated, and they are imported at the first lookup:
+(nor torch). A family from outside lm is added by `register(family)` in Python, `family` a `Family` instance
+(`lm.models.family`); for the command-line tools (and the processes torchrun starts), name the modules that call
+`register` in the environment variable LM_FAMILIES, comma-separated, and they are imported at the first lookup:
 
     LM_FAMILIES=mypkg.family torchrun --nproc_per_node=2 -m lm.train --model.arch=mine ...
 """
@@ -23,10 +23,10 @@ DEFAULT = "gpt"
 """The family of a config that names none."""
 
 _BUILTIN = {
-    "gpt": ("lm.models.gpt.config:GPTConfig", "lm.models.gpt.family:GPTFamily"),
-    "encdec": ("lm.models.encdec.config:EncDecConfig", "lm.models.encdec.family:EncDecFamily"),
-    "encoder": ("lm.models.encoder.config:EncoderConfig", "lm.models.encoder.family:EncoderFamily"),
-    "lstm": ("lm.models.lstm.config:LSTMConfig", "lm.models.lstm.family:LSTMFamily"),
+    "gpt": ("lm.models.gpt.config:GPTConfig", "lm.models.gpt.family:FAMILY"),
+    "encdec": ("lm.models.encdec.config:EncDecConfig", "lm.models.encdec.family:FAMILY"),
+    "encoder": ("lm.models.encoder.config:EncoderConfig", "lm.models.encoder.family:FAMILY"),
+    "lstm": ("lm.models.lstm.config:LSTMConfig", "lm.models.lstm.family:FAMILY"),
 }
 _builtin: dict[str, "Family"] = {}
 _registered: dict[str, "Family"] = {}
@@ -55,8 +55,8 @@ def register(family: "Family") -> None:
     """Make `family` known under family.name (model.arch). A name is registered once; a built-in one never."""
     if family.name in _BUILTIN or family.name in _registered:
         raise ValueError(f"model family {family.name!r} is already registered")
-    if family.config_class.arch != family.name:  # type: ignore[attr-defined]
-        raise ValueError(f"{family.config_class.__name__}.arch defaults to {family.config_class.arch!r}, "  # type: ignore[attr-defined]
+    if family.config_class.arch != family.name:
+        raise ValueError(f"{family.config_class.__name__}.arch defaults to {family.config_class.arch!r}, "
                          f"not the family's name {family.name!r}")
     _registered[family.name] = family
 
@@ -88,7 +88,7 @@ def get_family(arch: str) -> "Family":
     """The spec of family `arch`."""
     if arch in _BUILTIN:
         if arch not in _builtin:
-            _builtin[arch] = _load(_BUILTIN[arch][1])()  # type: ignore[operator]
+            _builtin[arch] = _load(_BUILTIN[arch][1])  # type: ignore[assignment]
         return _builtin[arch]
     _load_plugins()
     if arch not in _registered:

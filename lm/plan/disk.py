@@ -1,7 +1,7 @@
 """What a checkpoint of a config writes to disk, for the run directory's space probe."""
 
 from lm.config import JobConfig
-from lm.models.registry import family_of
+from lm.plan.counts import num_params
 
 _MARGIN = 1.02
 """DCP and DeepSpeed store each tensor with its own header and write metadata files: about 2 KiB a tensor."""
@@ -18,7 +18,7 @@ def checkpoint_bytes(cfg: JobConfig) -> int:
     float32 (measured: 16.02 for ZeRO-1), 14 in bf16, the tied head stored once.
     """
     model = cfg.model
-    n = family_of(model).num_params(model)
+    n = num_params(model)
     if cfg.parallel.engine == "deepspeed":
         raw = 16 * n
     else:

@@ -1,4 +1,4 @@
-"""The peak FLOP/s of known GPUs: with a family's training FLOPs per token (`Family.flops_per_token`), what
+"""The peak FLOP/s of known GPUs: with a family's training FLOPs per token (`lm.plan.counts.flops_per_token`), what
 TFLOP/s and MFU are made of."""
 
 import torch

@@ -9,7 +9,7 @@ the most:
   about half of the other parameters, all divided by tp (tensor parallelism splits every matrix; the norms it
   leaves whole are too small to count) and sharded by FSDP2 over the dp replicas;
 - gathered: FSDP2's unsharded units, the root and two blocks, divided by tp, as a 16-bit weight and gradient;
-- activations: what the family counts for the rank's blocks on one micro-batch (`Family.activation_bytes`),
+- activations: what the family counts for the rank's blocks on one micro-batch (`Estimates.activation_bytes`),
   divided by tp (sequence parallelism splits all of them), times the micro-batches in flight on that rank: 1
   without a pipeline, pp - r on pipeline rank r under 1F1B (Narayanan et al. 2021); plus one micro-batch's
   logits / tp on the last stage, with tp > 1 also the head's output slice, which torch's vocabulary-parallel
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from lm.config import JobConfig, device_type, use_bf16
 from lm.models.registry import family_of
 from lm.models.sizes import ceil_div
+from lm.plan.counts import activation_bytes, root_params, unit_params
 from lm.plan.memory import CUDA_CONTEXT_BYTES, GIB
 
 __all__ = ["LayoutEstimate", "estimate_layout", "layout_rows", "layout_table", "pick_layout"]
@@ -79,12 +80,12 @@ def estimate_layout(cfg: JobConfig, tp: int, pp: int, dp: int, activation_checkp
                     cpu_offload: bool = False) -> LayoutEstimate:
     """Per-GPU memory and communication of training `cfg` (fsdp, 1F1B when pp > 1) on the layout tp x pp x dp;
     with `cpu_offload` the model state lives in host memory."""
-    model, family = cfg.model, family_of(cfg.model)
+    model = cfg.model
     mixed = use_bf16(cfg.train.dtype, device_type(cfg.train.device))
     c = 2 if mixed else 4
     b, s, h = cfg.train.micro_batch_size, cfg.data.seq_len, model.d_model
     n_micro = cfg.train.batch_size // (b * dp)
-    unit, root = family.unit_params(model), family.root_params(model)
+    unit, root = unit_params(model), root_params(model)
     ranks = []
     for rank, layers in enumerate(_stage_layers(model.n_layer, pp)):
         first, last = rank == 0, rank == pp - 1
@@ -92,8 +93,8 @@ def estimate_layout(cfg: JobConfig, tp: int, pp: int, dp: int, activation_checkp
         params = (layers * unit + own_root) / tp
         state = 16 * ceil_div(int(params), dp)
         gathered = int((own_root + 2 * unit) / tp) * (2 * c)
-        acts, logits = family.activation_bytes(dataclasses.replace(model, n_layer=layers), cfg.data, b, c, c,
-                                               activation_checkpointing, True)
+        acts, logits = activation_bytes(dataclasses.replace(model, n_layer=layers), cfg.data, b, c, c,
+                                        activation_checkpointing, True)
         in_flight = 1 if pp == 1 else min(n_micro, pp - rank)  # 1F1B: stage r holds pp - r forwards at most
         # torch's vocabulary-parallel cross-entropy also keeps its input, the head's output (its slice after / tp)
         kept_input = b * s * model.padded_vocab_size * c if tp > 1 else 0
@@ -119,13 +120,13 @@ def layout_rows(cfg: JobConfig, nodes: int, gpus_per_node: int) -> list[LayoutEs
     global batch a whole number of micro-batches per replica and at least one per pipeline rank. Last, FSDP2 alone
     with its state offloaded to host memory (parallel.cpu_offload), every block recomputed."""
     world = nodes * gpus_per_node
-    model, train = cfg.model, cfg.train
+    model, train, parallel = cfg.model, cfg.train, family_of(cfg.model).parallel
     rows = []
     for tp in _divisors(gpus_per_node):
-        if tp > 1 and (model.tensor_parallel_problem(tp) or cfg.data.seq_len % tp):
+        if tp > 1 and (parallel.tensor_problem(model, tp) or cfg.data.seq_len % tp):
             continue
         for pp in _divisors(world // tp):
-            if pp > 1 and model.pipeline_problem(pp):
+            if pp > 1 and parallel.pipeline_problem(model, pp):
                 continue
             dp = world // (tp * pp)
             per_replica = train.micro_batch_size * dp

@@ -1,14 +1,13 @@
 """How much memory one device needs to train a config on each engine: an estimate, from the config alone.
 
-Nothing is built or allocated; every number is arithmetic on `JobConfig`. It is an estimate of the
-bytes torch allocates for tensors at the peak of a training step (the start of the backward pass,
-when every saved activation and the loss's gradients are alive). It ignores the CUDA context and
+Nothing is allocated; every number is arithmetic on `JobConfig` and on the model built on the meta device.
+It is an estimate of the bytes torch allocates for tensors at the peak of a training step (the start of the
+backward pass, when every saved activation and the loss's gradients are alive). It ignores the CUDA context and
 kernels (about 0.5-1 GiB per process), the caching allocator's fragmentation and reserve, NCCL's and
 DeepSpeed's communication buffers (DeepSpeed's `reduce_bucket_size` alone is 5e8 elements by default),
 temporaries inside kernels and the optimizer step, and the input batch. Plan with headroom.
 
-Parameters. N is counted exactly from the model config by its family (`Family.num_params`, equal to the
-parameters of the model it builds).
+Parameters. N is counted exactly on the model the family builds on the meta device (`lm.plan.counts`).
 
 Model state, bytes per parameter, and what each engine shards over W devices (Rajbhandari et al.
 2020, "ZeRO", section 3, for the DeepSpeed rows). "bf16" is what the run would use on
@@ -39,7 +38,7 @@ DeepSpeed its optimizer state (fp32 master and moments, 12 / W in bf16, 8 / W in
 fp32 gradient partition its CPU Adam steps on (4 / W).
 
 Activations: what one micro-batch's forward leaves for backward on each device, logits included, is the
-model family's to count (`Family.activation_bytes`; the transformer layers' terms and their sources are in
+model family's to count (`Estimates.activation_bytes`; the transformer layers' terms and their sources are in
 `lm.models.sizes`). Two widths enter it: c, the matmul inputs' and outputs' (2 in bf16, 4 in float32), and r,
 the residual stream's, which the norms save: 4 under ddp (autocast computes in bf16 but the weights, the
 embeddings' output and so the stream stay fp32), 2 under fsdp and deepspeed in bf16 (bf16 weights, no
@@ -50,8 +49,8 @@ from dataclasses import dataclass
 
 from lm.config import ENGINES, JobConfig, device_type, use_bf16
 from lm.models.config import ModelConfig
-from lm.models.registry import family_of
 from lm.models.sizes import ceil_div
+from lm.plan.counts import activation_bytes, num_params, root_params, unit_params
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 
@@ -95,8 +94,7 @@ def _states(engine: str, zero_stage: int, mixed: bool, world_size: int) -> list[
 
 def _gathered_units(cfg: ModelConfig) -> int:
     """Parameters unsharded at once under FSDP or ZeRO-3: the root unit and two blocks (one prefetched)."""
-    family = family_of(cfg)
-    return family.root_params(cfg) + 2 * family.unit_params(cfg)
+    return root_params(cfg) + 2 * unit_params(cfg)
 
 
 # ---- the estimate ------------------------------------------------------------------------------
@@ -178,8 +176,7 @@ def estimate_memory(
         raise ValueError(f"activation_checkpointing must be >= 0, got {activation_checkpointing}")
 
     mixed = use_bf16(cfg.train.dtype, device_type(cfg.train.device))  # as the run on this machine would
-    family = family_of(cfg.model)
-    n = family.num_params(cfg.model)
+    n = num_params(cfg.model)
     sums = {"parameters": 0, "gradients": 0, "optimizer": 0, "host": 0}
     for state in _states(engine, zero_stage, mixed, world_size):
         size = (ceil_div(n, world_size) if state.sharded else n) * state.bytes
@@ -193,9 +190,8 @@ def estimate_memory(
     # the residual stream has the embedding's dtype: fp32 weights under ddp autocast, bf16 weights otherwise
     residual = 2 if mixed and engine != "ddp" else 4
     b = cfg.train.micro_batch_size
-    acts, logits = family.activation_bytes(cfg.model, cfg.data, b, c, residual, activation_checkpointing,
-                                           fused_attention)
-    acts_none, _ = family.activation_bytes(cfg.model, cfg.data, b, c, residual, 0, fused_attention)
+    acts, logits = activation_bytes(cfg.model, cfg.data, b, c, residual, activation_checkpointing, fused_attention)
+    acts_none, _ = activation_bytes(cfg.model, cfg.data, b, c, residual, 0, fused_attention)
     return MemoryEstimate(
         engine=engine, zero_stage=zero_stage, world_size=world_size, cpu_offload=cpu_offload,
         activation_checkpointing=activation_checkpointing, mixed_precision=mixed, num_params=n,

@@ -74,7 +74,7 @@ def plan_table(cfg: JobConfig, world_size: int, device_gib: float = 80.0) -> str
         )
     lines.append(f"ckpt: activation checkpointing every n-th block (0: none). activ includes logits. "
                  f"fits: GPU GiB x 1.1 + 1 GiB (CUDA context) <= {device_gib:g} GiB")
-    if note := family_of(m).memory_note:
+    if note := family_of(m).estimates.memory_note:
         lines.append(note)
     best = pick(rows, device_gib)
     if best is None:

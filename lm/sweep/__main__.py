@@ -21,7 +21,7 @@ from lm.cli import positive_int, run, run_logged, train_command
 from lm.config import JobConfig, config_diff, load_config
 from lm.errors import ConfigError, SweepError
 from lm.io import atomic_write_text, output_dir_problem
-from lm.models.registry import family_of
+from lm.plan.counts import num_params
 from lm.report.figures import load_run, save_png, val_time_figure
 from lm.schema import Entries, Spec, check, table
 from lm.sweep.grid import expand, format_value, overrides, parse_grid, run_name
@@ -170,7 +170,7 @@ def main(argv: list[str]) -> int:
         statuses[r.name] = run_logged(command, r.dir / "train.log")
         log.info("[%d/%d] %s: %s", i, len(runs), r.name, statuses[r.name])
 
-    results = [read_result(r.dir, r.settings, family_of(r.cfg.model).num_params(r.cfg.model, non_embedding=True),
+    results = [read_result(r.dir, r.settings, num_params(r.cfg.model, non_embedding=True),
                            statuses[r.name]) for r in runs]
     atomic_write_text(out / "results.md", markdown(results))
     atomic_write_text(out / "results.csv", csv_text(results))

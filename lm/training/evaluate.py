@@ -58,7 +58,7 @@ def _evaluate_windows(engine: Engine, family: Family, data: TrainingData, cfg: J
         for batch in val_batches(windows, cfg.train.micro_batch_size, env.dp_rank, env.dp_size,
                                  cfg.train.eval_batches, data.objective):
             batch = to_device(batch, env.device)
-            scored = engine.evaluate(lambda model, run, batch=batch: family.score_batch(model, run, batch))
+            scored = engine.evaluate(lambda model, run, batch=batch: family.training.score(model, run, batch))
             total += scored.loss
             count += 1
             if scored.correct is not None:
@@ -88,7 +88,7 @@ def _evaluate_task(engine: Engine, family: Family, data: TaskData, cfg: JobConfi
                                                      env.dp_rank, env.dp_size, cfg.model.pad_id):
         ids_t, keep_t = to_device((ids, keep), env.device)
         outputs = engine.evaluate(lambda model, run, ids_t=ids_t, keep_t=keep_t:
-                                  family.task_outputs(model, run, ids_t, keep_t))
+                                  family.training.head.outputs(model, run, ids_t, keep_t))
         sums += task_sums(data.kind, data.num_classes, outputs, labels, weight)
     if env.is_distributed:
         total = torch.from_numpy(sums).to(env.device)

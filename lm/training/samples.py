@@ -31,6 +31,6 @@ def periodic_sample(engine: Engine, family: Family, cfg: JobConfig, tokenizer, e
     other methods has the whole weights gathered first. autocast: a bf16 FSDP forward meets a cache of the
     weights' dtype. Eager: compiled blocks would compile again for every cache length.
     """
-    gathered = engine.full_weights() if family.samples_outside_forward else contextlib.nullcontext()
+    gathered = engine.full_weights() if family.sampler.outside_forward else contextlib.nullcontext()
     with gathered, autocast_for(cfg.train.dtype, env.device), torch.compiler.set_stance("force_eager"):
-        return family.sample(engine.model, tokenizer, cfg.log.sample_prompt, sample_options(cfg, env.device))
+        return family.sampler.sample(engine.model, tokenizer, cfg.log.sample_prompt, sample_options(cfg, env.device))

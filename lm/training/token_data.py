@@ -71,7 +71,7 @@ def open_training_data(cfg: JobConfig, env: DistEnv) -> TrainingData:
     if cfg.data.document_mask:
         # one tokenizer, so one end-of-text id; every source must have recorded its boundaries
         eot = [document_eot(m, s.dir) for s, m in zip(sources, manifests)][0]
-    objective = family_of(cfg.model).objective(cfg.model, cfg.data, cfg.data.seq_len, cfg.train.seed, eot)
+    objective = family_of(cfg.model).training.objective(cfg.model, cfg.data, cfg.data.seq_len, cfg.train.seed, eot)
     dirs = [s.dir for s in sources]
     loader = TokenLoader(dirs, "train", cfg.data.seq_len, cfg.train.seed, env.dp_rank, env.dp_size,
                          cfg.train.batch_size, cfg.train.micro_batch_size, objective, [s.weight for s in sources])

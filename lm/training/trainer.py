@@ -20,6 +20,7 @@ from lm.distributed.env import DistEnv
 from lm.errors import TrainingError
 from lm.hf.importing import is_hf_checkpoint, keep_origin
 from lm.models.registry import family_of
+from lm.plan.counts import flops_per_token, num_params, params_outside_embeddings
 from lm.plan.disk import checkpoint_bytes
 from lm.plan.flops import peak_flops
 from lm.report.metrics import perplexity
@@ -65,7 +66,7 @@ class Trainer:
         start = choose_start(cfg, env, self.ckpt_root, self.data.identity())
         self.engine = build_run_engine(cfg, self.family, env, start.load_weights, start.load_universal)
         self.model = self.engine.model
-        self.loss = functools.partial(self.family.loss, optim=cfg.optim)
+        self.loss = functools.partial(self.family.training.loss, optim=cfg.optim)
         self.loader = self.data.loader
         self.step, self.tokens_seen = 0, 0
         self.elapsed_before = 0.0  # wall seconds trained by earlier processes of this run (before a resume)
@@ -73,8 +74,8 @@ class Trainer:
         if start.resume_from is not None:
             self._resume(start.resume_from)
         self.skipped = SkippedSteps(env.device)
-        self.n_params = self.family.num_params(cfg.model, non_embedding=True)
-        self.flops_per_token = self.family.flops_per_token(cfg.model, cfg.data.seq_len, cfg.data)
+        self.n_params = num_params(cfg.model, non_embedding=True)
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, cfg.data)
         self.peak_flops = peak_flops(env.device)
         if env.is_main and self.step < cfg.train.steps:  # a finished run is left as it is
             probe_output_dir(self.out_dir, checkpoint_bytes(cfg))
@@ -88,12 +89,13 @@ class Trainer:
                 held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in self.model.parameters())
                 layout = (f" (pipeline {env.pp} x data-parallel {env.dp_size} in {env.dp_replicate} HSDP group(s) "
                           f"x context-parallel {env.cp} x tensor-parallel {env.tp}; rank 0 holds {held:,} of "
-                          f"{self.family.num_params(cfg.model):,} parameters)")
+                          f"{num_params(cfg.model):,} parameters)")
             log.info("model: %.2fM parameters (%.2fM outside the embeddings), %d ranks%s on %s, engine %s",
-                     self.family.num_params(cfg.model) / 1e6, self.family.params_outside_embeddings(cfg.model) / 1e6,
+                     num_params(cfg.model) / 1e6, params_outside_embeddings(cfg.model) / 1e6,
                      env.world_size, layout, env.device, self.engine.name)
         # a family that writes no text (an encoder) has no periodic samples, whatever log.sample_every says
-        self.samples = bool(cfg.log.sample_every) and self.family.generates and env.tp == env.pp == env.cp == 1
+        generates = self.family.sampler is not None
+        self.samples = bool(cfg.log.sample_every) and generates and env.tp == env.pp == env.cp == 1
         if cfg.log.sample_every and max(env.tp, env.pp, env.cp) > 1 and env.is_main:
             log.info("no periodic samples under parallel.tp, pp or cp > 1 (a split model decodes no single "
                      "tokens yet); sample from a checkpoint with lm.sample")

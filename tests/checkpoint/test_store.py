@@ -25,7 +25,7 @@ def setup(seed=0):
 
 def one_step(cfg, engine, x: torch.Tensor, y: torch.Tensor) -> None:
     """One optimizer step of `engine` on the micro-batch (x, y)."""
-    loss = partial(family_of(cfg.model).loss, optim=cfg.optim)
+    loss = partial(family_of(cfg.model).training.loss, optim=cfg.optim)
     train_step(engine, loss, [[x, y]], cfg.optim.lr, cfg.optim.grad_clip)
 
 

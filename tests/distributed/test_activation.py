@@ -20,7 +20,7 @@ def test_activation_checkpointing_gives_the_same_gradients_as_none(arch, every):
         if wrap:
             blocks = 6 if arch == "encdec" else 3  # an LSTM's layers are its blocks
             assert checkpoint_blocks(family.blocks(model), every) == (blocks + every - 1) // every
-        family.loss(model, model, batch).optimized.backward()
+        family.training.loss(model, model, batch).optimized.backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert grads[0].keys() == grads[1].keys()  # same names: checkpoints do not notice
     for name in grads[0]:

@@ -54,7 +54,7 @@ def _worker(rank: int, port: int, engine: str, pos: str, out: dict) -> None:
     eng = build_engine(model, family, cfg.parallel, cfg.train, cfg.optim, env)
 
     def loss_of(batch: list[torch.Tensor]) -> float:
-        return eng.evaluate(lambda model, run: family.score_batch(model, run, batch)).loss.item()
+        return eng.evaluate(lambda model, run: family.training.score(model, run, batch)).loss.item()
 
     eng.train(False)
     x, y, positions = NextToken(document_eot=EOT)(packed_rows(), np.zeros(2, dtype=np.int64))

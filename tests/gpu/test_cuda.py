@@ -50,7 +50,7 @@ def sync_free_steps(cfg, device: torch.device) -> None:
     batch = [x[:, :-1], x[:, 1:]]
     poisoned = [False]
     # a NaN loss from the test's side, as lm.training.faults makes one
-    loss = nan_at(functools.partial(family.loss, optim=cfg.optim), lambda: poisoned[0])
+    loss = nan_at(functools.partial(family.training.loss, optim=cfg.optim), lambda: poisoned[0])
 
     def step(poison: bool) -> torch.Tensor:
         poisoned[0] = poison

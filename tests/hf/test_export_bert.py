@@ -149,7 +149,7 @@ def test_what_bert_cannot_reproduce_is_refused_by_name_writing_nothing(tmp_path,
                               f"BertForMaskedLM (BERT) needs {needs}")
     assert list(tmp_path.iterdir()) == []
     if model.cfg.head == "mlm":  # the family's last target, lm's own code, takes the rest
-        assert pick_target(model.cfg, get_family("encoder").hf_targets, "").hf_class == "LMEncoderForMaskedLM"
+        assert pick_target(model.cfg, get_family("encoder").hf.targets, "").hf_class == "LMEncoderForMaskedLM"
 
 
 def test_every_key_in_the_way_is_named_in_one_message():

@@ -28,7 +28,7 @@ def tiny_model() -> GPT:
 
 
 def export(model: GPT, tokenizer, name: str, out):
-    return export_hf(model, pick_target(model.cfg, get_family("gpt").hf_targets, "a GPT"), tokenizer, name, out)
+    return export_hf(model, pick_target(model.cfg, get_family("gpt").hf.targets, "a GPT"), tokenizer, name, out)
 
 
 def test_tokenizer_and_its_config_are_copied(tokenizer_jsons, tmp_path):

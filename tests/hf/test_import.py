@@ -66,7 +66,7 @@ def imported(directory: Path) -> GPT:
 
 
 def target(cfg: GPTConfig) -> Target:
-    return pick_target(cfg, get_family("gpt").hf_targets, cfg.title)
+    return pick_target(cfg, get_family("gpt").hf.targets, cfg.title)
 
 
 def assert_same_logits(ours: torch.Tensor, theirs: torch.Tensor) -> None:

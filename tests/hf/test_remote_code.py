@@ -43,7 +43,7 @@ def exported(model: torch.nn.Module, out: Path):
     """`model` written by the export (its family's first target that reproduces it must be lm's own code) and read
     back by transformers with nothing missing or left over."""
     cfg = model.cfg
-    target = pick_target(cfg, family_of(cfg).hf_targets, cfg.title)
+    target = pick_target(cfg, family_of(cfg).hf.targets, cfg.title)
     assert target.code, f"{target.hf_class} is a native class"
     write_export(model, target, None, "gpt2", out)
     hf, info = AUTO[cfg.arch].from_pretrained(out, local_files_only=True, trust_remote_code=True,
@@ -187,7 +187,7 @@ def test_the_code_imports_only_torch_and_transformers_and_every_file_is_exported
     shipped = set()
     for family in ("gpt", "encoder", "encdec"):
         shipped |= set(family_of(EncDecConfig() if family == "encdec" else
-                                 EncoderConfig() if family == "encoder" else GPTConfig()).hf_targets[-1].code)
+                                 EncoderConfig() if family == "encoder" else GPTConfig()).hf.targets[-1].code)
     assert set(CODE_DIR.glob("*.py")) <= shipped
     assert {p.name for p in shipped - set(CODE_DIR.glob("*.py"))} == {"layers.py", "attention.py", "block.py",
                                                                       "kv_cache.py"}
@@ -242,7 +242,7 @@ def test_exports_load_and_give_our_logits_without_lm(tmp_path):
               "encoder": random_model(EncoderConfig(**TINY, **ENCODERS["demo-encoder"])),
               "encdec": random_model(EncDecConfig(**TINY, n_sentinels=10, **ENCDECS["demo-encdec"]))}
     for arch, model in models.items():
-        write_export(model, pick_target(model.cfg, family_of(model.cfg).hf_targets, arch), None, "gpt2",
+        write_export(model, pick_target(model.cfg, family_of(model.cfg).hf.targets, arch), None, "gpt2",
                      tmp_path / arch)
         for path in (tmp_path / arch).glob("*.py"):
             assert not re.search(r"^\s*(from|import)\s+lm\b", path.read_text(), re.MULTILINE), path

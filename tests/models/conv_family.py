@@ -3,11 +3,11 @@ convolution instead of attention. Importing this module registers it as model.ar
 tools find it through LM_FAMILIES=tests.models.conv_family. Nothing in lm/ names it.
 
 What a family brings: its config (its own keys), its model (built on the meta device and drawn by
-`init_weights`; a forward from ids to hidden states, `logits`, and `new_cache` for sampling), and its spec:
-the next-token objective, loss, scores and sampling come from `NextTokenFamily`; this one adds how to build the
-model, its blocks (what FSDP shards and activation checkpointing recomputes) and what a micro-batch's
-activations cost in memory. Parameter counts and FLOPs come from the base spec, which counts the model built
-on the meta device.
+`init_weights`; a forward from ids to hidden states, `logits`, and `new_cache` for sampling), and its spec, a
+`Family` instance: the next-token objective, loss, scores and sampling come from `lm.models.next_token`; this one
+adds how to build the model, its blocks (what FSDP shards and activation checkpointing recomputes) and what a
+micro-batch's activations cost in memory. Parameter counts and FLOPs come from `lm.plan.counts`, which counts
+the model built on the meta device.
 """
 
 from dataclasses import dataclass
@@ -18,8 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lm.errors import ConfigError
+from lm.models import next_token
 from lm.models.config import ModelConfig
-from lm.models.next_token import NextTokenFamily
+from lm.models.family import Estimates, Family
 from lm.models.registry import register
 from lm.models.sizes import checkpointed_blocks, logits_bytes, stack_bytes
 
@@ -115,27 +116,27 @@ class ConvLM(nn.Module):
         return self.lm_head(h)
 
 
-class ConvFamily(NextTokenFamily):
-    name = "conv"
-    config_class = ConvConfig
-
-    def build(self, cfg: ConvConfig) -> nn.Module:
-        return ConvLM(cfg)
-
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
-        return list(model.blocks)
-
-    def activation_bytes(self, cfg: ConvConfig, data, micro_batch: int, act_bytes: int, residual_bytes: int,
-                         every: int, fused_attention: bool) -> tuple[int, int]:
-        """Per block: the two norms' inputs (r each), the padded convolution input, the MLP's input and its
-        hidden layer before and after GELU; outside: the final norm's and the head's inputs, and the logits."""
-        b, s, h, c, r = micro_batch, data.seq_len, cfg.d_model, act_bytes, residual_bytes
-        t = b * s
-        full = 2 * r * t * h + c * (t + b * (cfg.kernel_size - 1)) * h + c * t * h + 2 * c * t * 4 * h
-        k = checkpointed_blocks(cfg.n_layer, every)
-        blocks = stack_bytes(cfg.n_layer, k, full, r * t * h) + (full if k else 0)
-        logits = logits_bytes(t, cfg.padded_vocab_size)
-        return blocks + (r + c) * t * h + logits, logits
+def activation_bytes(cfg: ConvConfig, data, micro_batch: int, act_bytes: int, residual_bytes: int, every: int,
+                     fused_attention: bool) -> tuple[int, int]:
+    """Per block: the two norms' inputs (r each), the padded convolution input, the MLP's input and its hidden
+    layer before and after GELU; outside: the final norm's and the head's inputs, and the logits."""
+    b, s, h, c, r = micro_batch, data.seq_len, cfg.d_model, act_bytes, residual_bytes
+    t = b * s
+    full = 2 * r * t * h + c * (t + b * (cfg.kernel_size - 1)) * h + c * t * h + 2 * c * t * 4 * h
+    k = checkpointed_blocks(cfg.n_layer, every)
+    blocks = stack_bytes(cfg.n_layer, k, full, r * t * h) + (full if k else 0)
+    logits = logits_bytes(t, cfg.padded_vocab_size)
+    return blocks + (r + c) * t * h + logits, logits
 
 
-register(ConvFamily())
+FAMILY = Family(
+    name="conv",
+    config_class=ConvConfig,
+    build=ConvLM,
+    blocks=lambda model: list(model.blocks),
+    training=next_token.TRAINING,
+    sampler=next_token.SAMPLER,
+    estimates=Estimates(activation_bytes),
+)
+
+register(FAMILY)

@@ -36,7 +36,7 @@ def logits_and_loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor,
                     positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits of idx and the family's loss of the batch (x, y[, positions])."""
     batch = [idx, targets] if positions is None else [idx, targets, positions]
-    return model.logits(model(idx, positions)), get_family("gpt").loss(model, model, batch).optimized
+    return model.logits(model(idx, positions)), get_family("gpt").training.loss(model, model, batch).optimized
 
 
 def packed_positions(lengths: list[int]) -> torch.Tensor:

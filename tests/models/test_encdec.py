@@ -11,6 +11,7 @@ from lm.models.encdec.model import EncoderDecoder, padding_mask
 from lm.models.encdec.sampling import generate_seq2seq
 from lm.models.layers import sinusoidal_positions
 from lm.models.registry import get_family
+from lm.plan.counts import num_params
 
 ENCDEC = get_family("encdec")
 CFG = EncDecConfig(vocab_size=200, block_size=24, n_layer=2, n_head=4, d_model=32, pos="sinusoidal", n_sentinels=5,
@@ -183,7 +184,7 @@ def test_shared_or_separate_embeddings_and_tied_head(share: bool) -> None:
     emb = CFG.padded_vocab_size * CFG.d_model
     n = sum(p.numel() for p in model.parameters())  # a shared or tied tensor counted once
     assert n - (0 if share else emb) == sum(p.numel() for p in EncoderDecoder(CFG).parameters())
-    assert n == ENCDEC.num_params(model.cfg)
+    assert n == num_params(model.cfg)
 
 
 def test_same_seed_same_weights_and_loss_falls_when_fitting_one_batch() -> None:
@@ -199,7 +200,7 @@ def test_same_seed_same_weights_and_loss_falls_when_fitting_one_batch() -> None:
     opt = torch.optim.AdamW(a.parameters(), lr=3e-3)
     losses = []
     for _ in range(30):
-        loss = ENCDEC.loss(a, a, [src, tgt_in, tgt]).optimized
+        loss = ENCDEC.training.loss(a, a, [src, tgt_in, tgt]).optimized
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -131,8 +131,8 @@ def test_mlm_loss_is_cross_entropy_over_the_masked_positions_of_the_full_logits(
     ids[chosen] = cfg.mask_id
     with torch.no_grad():
         full = model.mlm_logits(model(ids))
-        loss = ENCODER.loss(model, model, [ids, labels]).optimized
-        scored = ENCODER.score_batch(model, model, [ids, labels])
+        loss = ENCODER.training.loss(model, model, [ids, labels]).optimized
+        scored = ENCODER.training.score(model, model, [ids, labels])
     n = int(chosen.sum())
     assert full.shape == (3, 10, cfg.padded_vocab_size) and scored.count == n
     expected = F.cross_entropy(full[chosen], labels[chosen])
@@ -151,8 +151,8 @@ def test_classify_and_regress_heads_give_cross_entropy_and_mean_squared_error() 
     keep = torch.ones_like(ids, dtype=torch.bool)
     classifier = randomised(Encoder(config(head="classify", num_classes=5)))
     classes = torch.tensor([0, 4, 2, 2])
-    out = ENCODER.task_outputs(classifier, classifier, ids, keep)
-    loss = ENCODER.loss(classifier, classifier, [ids, classes, keep]).optimized
+    out = ENCODER.training.head.outputs(classifier, classifier, ids, keep)
+    loss = ENCODER.training.loss(classifier, classifier, [ids, classes, keep]).optimized
     assert out.shape == (4, 5)
     h0 = classifier(ids)[:, 0]  # pooling first: the [CLS] position
     torch.testing.assert_close(out, h0 @ classifier.score.weight.T + classifier.score.bias)
@@ -161,8 +161,8 @@ def test_classify_and_regress_heads_give_cross_entropy_and_mean_squared_error() 
 
     regressor = randomised(Encoder(config(head="regress", pooling="mean")))
     targets = torch.tensor([0.5, -1.0, 2.0, 0.0])
-    out = ENCODER.task_outputs(regressor, regressor, ids, keep)
-    loss = ENCODER.loss(regressor, regressor, [ids, targets, keep]).optimized
+    out = ENCODER.training.head.outputs(regressor, regressor, ids, keep)
+    loss = ENCODER.training.loss(regressor, regressor, [ids, targets, keep]).optimized
     assert out.shape == (4,)
     assert abs(loss.item() - ((out - targets) ** 2).mean().item()) <= 1e-6
 
@@ -182,7 +182,7 @@ def test_mlm_overfits_one_batch() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     losses = []
     for _ in range(150):
-        loss = ENCODER.loss(model, model, [ids, labels]).optimized
+        loss = ENCODER.training.loss(model, model, [ids, labels]).optimized
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -201,7 +201,7 @@ def test_every_position_and_norm_runs_forward_and_backward(pos: str, norm: str) 
     ids = torch.randint(0, cfg.vocab_size, (2, 12))
     labels = torch.where(torch.rand(2, 12) < 0.3, ids, IGNORE)
     labels[:, 1] = ids[:, 1]
-    loss = ENCODER.loss(model, model, [ids, labels]).optimized
+    loss = ENCODER.training.loss(model, model, [ids, labels]).optimized
     loss.backward()
     assert torch.isfinite(loss) and loss.item() > 1.0
     for name, p in model.named_parameters():
@@ -226,7 +226,7 @@ def test_trunk_names_are_the_same_under_every_head_and_the_head_is_tied() -> Non
     regressor = Encoder(config(norm_position="pre", head="regress"))
     head = ("mlm_dense.", "mlm_norm.", "lm_head.", "score.")
     trunks = [{k for k in m.state_dict() if not k.startswith(head)} for m in (mlm, classifier, regressor)]
-    assert [k for k in classifier.state_dict() if ENCODER.is_head_param(k)] == ["score.weight", "score.bias"]
+    assert [k for k in classifier.state_dict() if ENCODER.training.head.is_param(k)] == ["score.weight", "score.bias"]
     assert trunks[0] == trunks[1] == trunks[2]
     assert {"wte.weight", "emb_norm.weight", "ln_f.weight", "blocks.1.mlp.proj.weight"} <= trunks[0]
     assert {k for k in classifier.state_dict() if k.startswith(head)} == {"score.weight", "score.bias"}

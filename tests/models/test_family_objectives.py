@@ -1,4 +1,4 @@
-"""Which objective each family trains on (`Family.objective`), with its vocabulary's ids."""
+"""Which objective each family trains on (`Training.objective`), with its vocabulary's ids."""
 
 import numpy as np
 import pytest
@@ -22,7 +22,7 @@ def encdec(**overrides) -> EncDecConfig:
 
 
 def build_objective(cfg: ModelConfig, seq_len: int, seed: int, document_eot: int | None = None):
-    return family_of(cfg).objective(cfg, DataConfig(), seq_len, seed, document_eot)
+    return family_of(cfg).training.objective(cfg, DataConfig(), seq_len, seed, document_eot)
 
 
 def test_each_architecture_gets_its_objective():

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from lm.models.gpt.config import GPTConfig
 from lm.models.gpt.model import GPT
 from lm.models.registry import get_family
+from lm.plan.counts import num_params
 
 GPT_FAMILY = get_family("gpt")
 
@@ -29,7 +30,7 @@ def logits(model: GPT, idx: torch.Tensor, **kw: object) -> torch.Tensor:
 
 def loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The training loss the family computes for a batch (x, y)."""
-    return GPT_FAMILY.loss(model, model, [idx, targets]).optimized
+    return GPT_FAMILY.training.loss(model, model, [idx, targets]).optimized
 
 
 def test_logits_cover_the_padded_vocabulary() -> None:
@@ -83,8 +84,8 @@ def test_num_params_counted_by_hand() -> None:
     model = tiny_model()
     # parameters() yields the tied head once; the planner counts from the config alone
     assert sum(p.numel() for p in model.parameters()) == wte + wpe + 2 * block + ln_f == 30592
-    assert GPT_FAMILY.num_params(model.cfg) == 30592
-    assert GPT_FAMILY.num_params(model.cfg, non_embedding=True) == wte + 2 * block + ln_f == 29568
+    assert num_params(model.cfg) == 30592
+    assert num_params(model.cfg, non_embedding=True) == wte + 2 * block + ln_f == 29568
 
 
 def test_no_biases_when_bias_is_false() -> None:
@@ -92,7 +93,7 @@ def test_no_biases_when_bias_is_false() -> None:
     assert not [name for name, _ in model.named_parameters() if name.endswith("bias")]
     # without the 2*32 LayerNorm biases and the linear biases of the count above
     expected = 128 * 32 + 32 * 32 + 2 * (32 + 32 * 96 + 32 * 32 + 32 + 32 * 128 + 128 * 32) + 32
-    assert sum(p.numel() for p in model.parameters()) == GPT_FAMILY.num_params(model.cfg) == expected
+    assert sum(p.numel() for p in model.parameters()) == num_params(model.cfg) == expected
 
 
 def test_init_statistics() -> None:
@@ -271,7 +272,7 @@ def test_logit_softcap_bounds_the_logits_and_chunks_the_same():
 def test_sizes_counted_from_the_config_match_the_built_model(overrides) -> None:
     cfg = tiny_config(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, **overrides)
     model = GPT(cfg)
-    assert get_family("gpt").num_params(cfg) == sum(p.numel() for p in model.parameters())
+    assert num_params(cfg) == sum(p.numel() for p in model.parameters())
     assert model.blocks[0].attn.q.out_features == cfg.n_head * cfg.head_dim
 
 
@@ -303,5 +304,5 @@ def test_bad_rotary_and_head_settings_name_their_key(overrides, fragment) -> Non
 
 def test_whole_projection_qk_norm_refuses_tensor_parallelism() -> None:
     cfg = tiny_config(qk_norm=True, qk_norm_scope="all", pos="rope")
-    assert "model.qk_norm_scope=all" in cfg.tensor_parallel_problem(2)
-    assert tiny_config(qk_norm=True, pos="rope").tensor_parallel_problem(2) is None
+    assert "model.qk_norm_scope=all" in GPT_FAMILY.parallel.tensor_problem(cfg, 2)
+    assert GPT_FAMILY.parallel.tensor_problem(tiny_config(qk_norm=True, pos="rope"), 2) is None

@@ -35,7 +35,7 @@ def build(cfg: ModelConfig) -> torch.nn.Module:
 
 def family_loss(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> Losses:
     """The loss's named terms, whose objective the trainer backpropagates."""
-    return get_family(model.cfg.arch).loss(model, model, [idx, targets], PlainLoss(z_loss))
+    return get_family(model.cfg.arch).training.loss(model, model, [idx, targets], PlainLoss(z_loss))
 
 
 def loss_and_grads(cfg: ModelConfig, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:

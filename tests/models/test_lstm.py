@@ -11,6 +11,7 @@ from lm.models.gpt.config import GPTConfig
 from lm.models.lstm.config import LSTMConfig
 from lm.models.lstm.model import LSTMLM
 from lm.models.registry import get_family
+from lm.plan.counts import num_params
 
 LSTM = get_family("lstm")
 
@@ -26,7 +27,7 @@ def logits(model: LSTMLM, idx: torch.Tensor, **kw: object) -> torch.Tensor:
 
 
 def loss(model: LSTMLM, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return LSTM.loss(model, model, [idx, targets]).optimized
+    return LSTM.training.loss(model, model, [idx, targets]).optimized
 
 
 def tiny_model(seed: int = 0, **overrides: object) -> LSTMLM:
@@ -76,7 +77,7 @@ def test_parameters_counted_by_hand_and_by_the_planner() -> None:
     assert untied.lm_head.weight is not untied.wte.weight
     assert sum(p.numel() for p in untied.parameters()) == 2 * v * c + 2 * 2 * 4 * c * c
     for model in (tied, untied):  # no position table: nothing to leave out
-        assert LSTM.num_params(model.cfg) == LSTM.num_params(model.cfg, non_embedding=True) == sum(
+        assert num_params(model.cfg) == num_params(model.cfg, non_embedding=True) == sum(
             p.numel() for p in model.parameters())
 
 

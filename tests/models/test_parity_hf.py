@@ -27,7 +27,7 @@ def tiny_config(**overrides: object) -> GPTConfig:
 
 
 def target(cfg: GPTConfig) -> Target:
-    return pick_target(cfg, family_of(cfg).hf_targets, cfg.title)
+    return pick_target(cfg, family_of(cfg).hf.targets, cfg.title)
 
 
 def random_model(cfg: GPTConfig, seed: int = 0) -> torch.nn.Module:
@@ -214,4 +214,4 @@ def test_a_family_without_a_transformers_class_is_refused_by_name():
     cfg = load_config(None, ["--model.arch=lstm"]).model
     with pytest.raises(ExportError, match=r"cannot export to Hugging Face: an LSTM \(model.arch=lstm\) has no "
                                           "transformers counterpart"):
-        pick_target(cfg, family_of(cfg).hf_targets, cfg.title)
+        pick_target(cfg, family_of(cfg).hf.targets, cfg.title)

@@ -29,10 +29,10 @@ def test_the_estimate_covers_what_a_save_writes_and_not_much_more(tmp_path, over
     family = family_of(cfg.model)
     engine = build_run_engine(cfg, family, env)
     rows = np.random.default_rng(0).integers(0, 1000, (2, cfg.data.seq_len + 1))
-    batch = family.objective(cfg.model, cfg.data, cfg.data.seq_len, 0)(rows, np.arange(2))
+    batch = family.training.objective(cfg.model, cfg.data, cfg.data.seq_len, 0)(rows, np.arange(2))
     # AdamW's moments exist from the first step on
-    train_step(engine, partial(family.loss, optim=cfg.optim), [[torch.from_numpy(a) for a in batch]], cfg.optim.lr,
-               cfg.optim.grad_clip)
+    train_step(engine, partial(family.training.loss, optim=cfg.optim), [[torch.from_numpy(a) for a in batch]],
+               cfg.optim.lr, cfg.optim.grad_clip)
     step_dir = save_checkpoint(tmp_path, 1, engine, {"step": 1, "tokens_seen": 0, "position": 0}, cfg, env, keep=1)
     written = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
     assert written <= checkpoint_bytes(cfg) <= 1.03 * written + 2.5 * 2**20

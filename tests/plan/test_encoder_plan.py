@@ -6,6 +6,7 @@ from lm.data.config import DataConfig
 from lm.models.encoder.config import EncoderConfig
 from lm.models.encoder.model import Encoder
 from lm.models.registry import get_family
+from lm.plan.counts import flops_per_token, num_params
 from lm.plan.memory import estimate_memory
 from tests.plan.test_memory import saved_bytes
 
@@ -22,12 +23,12 @@ TINY = dict(vocab_size=100, block_size=48, n_layer=2, n_head=2, d_model=16)
 ], ids=["mlm", "mlm-untied-post", "mlm-llama-style", "classify", "regress"])
 def test_encoder_parameter_count_equals_the_built_model(changes):
     cfg = EncoderConfig(**{**TINY, **changes})
-    assert ENCODER.num_params(cfg) == sum(p.numel() for p in ENCODER.build(cfg).parameters())
+    assert num_params(cfg) == sum(p.numel() for p in ENCODER.build(cfg).parameters())
 
 
 @pytest.mark.parametrize("head", ["mlm", "classify"])
 def test_encoder_flops_run_the_head_on_the_targets_alone(head):
-    # counted on a built model here, from the config alone in flops_per_token
+    # counted on the parts of a built model here, from the whole model and the config in flops_per_token
     cfg = EncoderConfig(**TINY, head=head, num_classes=3 if head == "classify" else 0)
     model = Encoder(cfg)
     trunk = sum(p.numel() for p in [*model.blocks.parameters(), *model.emb_norm.parameters(),
@@ -40,9 +41,9 @@ def test_encoder_flops_run_the_head_on_the_targets_alone(head):
         head_weights, per_window = sum(p.numel() for p in model.score.parameters()), 1
     attention = 12 * 2 * 16 * 40
     expected = 6 * trunk + attention + 6 * head_weights * per_window / 40
-    assert ENCODER.flops_per_token(cfg, 40, DataConfig()) == pytest.approx(expected, rel=1e-12)
+    assert flops_per_token(cfg, 40, DataConfig()) == pytest.approx(expected, rel=1e-12)
     if head == "mlm":  # BERT's rate: 6 targets of 39
-        assert ENCODER.flops_per_token(cfg, 40, DataConfig(mlm_rate=0.15)) == pytest.approx(
+        assert flops_per_token(cfg, 40, DataConfig(mlm_rate=0.15)) == pytest.approx(
             6 * trunk + attention + 6 * head_weights * 6 / 40, rel=1e-12)
 
 

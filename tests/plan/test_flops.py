@@ -6,16 +6,16 @@ from lm.models.encdec.config import EncDecConfig
 from lm.models.encdec.model import EncoderDecoder
 from lm.models.gpt.config import GPTConfig
 from lm.models.lstm.config import LSTMConfig
-from lm.models.registry import family_of
+from lm.plan import counts
 from lm.plan.flops import peak_flops
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
-    return family_of(cfg).flops_per_token(cfg, seq_len, DataConfig())
+    return counts.flops_per_token(cfg, seq_len, DataConfig())
 
 
 def num_params(cfg) -> int:
-    return family_of(cfg).num_params(cfg)
+    return counts.num_params(cfg)
 
 
 def test_flops_per_token_gpt2_small():

@@ -12,6 +12,7 @@ from lm.distributed.activation import checkpoint_blocks
 from lm.models.lstm.family import layer_activation_bytes as lstm_layer_activation_bytes
 from lm.models.registry import family_of
 from lm.models.sizes import block_params, checkpointed_blocks, layer_activation_bytes
+from lm.plan import counts
 from lm.plan.memory import GIB, estimate_memory
 from lm.plan.memory_table import pick, plan_rows, plan_table
 
@@ -28,7 +29,7 @@ def build(cfg):
 
 
 def num_params(cfg) -> int:
-    return family_of(cfg).num_params(cfg)
+    return counts.num_params(cfg)
 
 
 def _cfg(*overrides: str, engine: str = "ddp", dtype: str = "bfloat16", micro: int = 3):
@@ -146,7 +147,7 @@ def test_activation_checkpointing_keeps_block_inputs_and_one_block():
     (12, 1, 0, 12), (12, 0, 0, 0), (6, 4, 0, 2), (7, 3, 0, 3), (4, 3, 4, 1), (4, 2, 4, 2),
 ])
 def test_checkpointed_blocks_are_every_nth_from_the_first(n_blocks, every, start, expected):
-    # lm.distributed.activation checkpoints Family.blocks(model)[::every]: encoder blocks first, then decoder
+    # lm.distributed.activation checkpoints family.blocks(model)[::every]: encoder blocks first, then decoder
     assert checkpointed_blocks(n_blocks, every, start) == expected
     assert expected == sum(1 for i in range(start, start + n_blocks) if every and i % every == 0)
 
@@ -198,7 +199,7 @@ def saved_bytes(cfg, bf16_weights: bool, autocast: bool) -> int:
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape)[::-1] for p in model.parameters()}
     rows = np.random.default_rng(0).integers(0, 50000, (cfg.train.micro_batch_size, cfg.data.seq_len + 1))
-    batch = family.objective(cfg.model, cfg.data, cfg.data.seq_len, 0)(rows, np.arange(len(rows)))
+    batch = family.training.objective(cfg.model, cfg.data, cfg.data.seq_len, 0)(rows, np.arange(len(rows)))
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -210,7 +211,7 @@ def saved_bytes(cfg, bf16_weights: bool, autocast: bool) -> int:
 
     cast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
-        family.loss(model, model, list(map(torch.from_numpy, batch)))
+        family.training.loss(model, model, list(map(torch.from_numpy, batch)))
     return sum(saved.values())
 
 

@@ -110,10 +110,10 @@ def test_eval_on_the_trainers_validation_windows_gives_the_trainers_val_loss(enc
     _, out = encdec_run
     model, cfg, _ = load_for_inference(out, torch.device("cpu"))
     family = family_of(cfg.model)
-    objective = family.objective(cfg.model, cfg.data, 16, cfg.train.seed)
+    objective = family.training.objective(cfg.model, cfg.data, 16, cfg.train.seed)
     windows = SplitWindows(tiny_data_dir, "val", 16)
     with torch.no_grad():
-        trainer_losses = [family.score_batch(model, model, list(map(torch.from_numpy, batch))).loss.item()
+        trainer_losses = [family.training.score(model, model, list(map(torch.from_numpy, batch))).loss.item()
                           for batch in val_batches(windows, 4, 0, 1, 3, objective)]
     shards = read_manifest(tiny_data_dir)["splits"]["val"]["shards"]
     streams = [open_shard(Path(tiny_data_dir) / s["file"]) for s in shards]

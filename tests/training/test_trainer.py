@@ -207,7 +207,7 @@ def test_tensorboard_holds_the_hparams_and_the_periodic_samples(tiny_data_dir, t
     model = GPT(cfg.model)
     load_model_weights(out / "checkpoints/step_00000004", model)
     with torch.no_grad():
-        again = trainer.family.sample(model, load_tokenizer("gpt2"), cfg.log.sample_prompt,
+        again = trainer.family.sampler.sample(model, load_tokenizer("gpt2"), cfg.log.sample_prompt,
                                       sample_options(cfg, torch.device("cpu")))
     assert samples[4] == again
     assert len(samples[4]) > len("KING: the")

@@ -15,12 +15,6 @@ class EncDecConfig(TransformerConfig):
 
     arch: str = "encdec"
     title: ClassVar[str] = "an encoder-decoder"
-    pipeline_refusal: ClassVar[str] = (
-        "has no pipeline stages yet: its encoder output would have to reach every decoder "
-        "stage; train it with parallel.pp=1")
-    tensor_parallel_refusal: ClassVar[str] = (
-        "has no tensor-parallel plan yet: its two stacks and cross-attention are not split; "
-        "train it with parallel.tp=1 (FSDP2 shards it over every rank)")
     share_embeddings: bool = True
     """Encoder and decoder share one token embedding."""
     n_sentinels: int = 100

@@ -11,16 +11,26 @@ from lm.data.span_corruption import corrupted_lengths
 from lm.errors import ConfigError, PromptError
 from lm.models.encdec import hf_remote
 from lm.models.encdec.config import EncDecConfig
-from lm.models.family import PLAIN_LOSS, Family, LossOptions, Run, SampleOptions, Scored
+from lm.models.family import (
+    PLAIN_LOSS,
+    Estimates,
+    Family,
+    HFAdapter,
+    LossOptions,
+    Parallel,
+    Refusal,
+    Run,
+    SampleOptions,
+    Sampler,
+    Scored,
+    Training,
+)
 from lm.models.loss import cross_entropy_terms
 from lm.models.sizes import (
-    block_params,
     checkpointed_blocks,
     embedding_params,
-    final_norm_params,
     layer_activation_bytes,
     logits_bytes,
-    position_params,
     stack_bytes,
     stack_params,
 )
@@ -40,113 +50,117 @@ def cross_memory_bytes(cfg: EncDecConfig, batch: int, memory_len: int, c: int, r
     return keys_values + copies * c * m * cfg.d_model
 
 
-class EncDecFamily(Family):
-    name = "encdec"
-    config_class = EncDecConfig
-    samples_outside_forward = True  # encode, then decode step by step
-    hf_targets = (hf_remote.TARGET,)
+def build(cfg: EncDecConfig) -> nn.Module:
+    from lm.models.encdec.model import EncoderDecoder
 
-    def build(self, cfg: EncDecConfig) -> nn.Module:
-        from lm.models.encdec.model import EncoderDecoder
+    return EncoderDecoder(cfg)
 
-        return EncoderDecoder(cfg)
 
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
-        return [*model.encoder, *model.decoder]
+def blocks(model: nn.Module) -> list[nn.Module]:
+    return [*model.encoder, *model.decoder]
 
-    # ---- training --------------------------------------------------------------------------------
 
-    def objective(self, cfg: EncDecConfig, data: "DataConfig", seq_len: int, seed: int,
-                  document_eot: int | None = None) -> Objective:
-        """Span corruption of windows of seq_len + 1 tokens, with the sentinel and padding ids of its
-        vocabulary; refuses windows whose corrupted source or target is longer than the model's positions."""
-        objective = SpanCorruption(seed, cfg.sentinel_start, cfg.n_sentinels, cfg.pad_id, seq_len + 1)
-        if max(objective.lengths) > cfg.block_size:
-            raise ConfigError(
-                f"model.block_size: {cfg.block_size} is shorter than the corrupted windows of "
-                f"data.seq_len={seq_len} (source, target lengths {objective.lengths})"
-            )
-        return objective
+# ---- training ------------------------------------------------------------------------------------
 
-    def _cross_entropy(self, model: nn.Module, run: Run, batch: list[torch.Tensor]) -> torch.Tensor:
-        """Mean float32 cross-entropy over the non-padding targets of a batch (src, tgt_in, tgt_out)."""
-        src, tgt_in, tgt_out = batch
-        logits = model.logits(run(src, tgt_in))  # (B, T, padded_vocab_size)
-        # float32 softmax over the ~50k vocabulary, as in the GPT
-        return F.cross_entropy(logits.float().flatten(0, 1), tgt_out.reshape(-1), ignore_index=model.cfg.pad_id)
+def objective(cfg: EncDecConfig, data: "DataConfig", seq_len: int, seed: int,
+              document_eot: int | None = None) -> Objective:
+    """Span corruption of windows of seq_len + 1 tokens, with the sentinel and padding ids of its vocabulary;
+    refuses windows whose corrupted source or target is longer than the model's positions."""
+    objective = SpanCorruption(seed, cfg.sentinel_start, cfg.n_sentinels, cfg.pad_id, seq_len + 1)
+    if max(objective.lengths) > cfg.block_size:
+        raise ConfigError(
+            f"model.block_size: {cfg.block_size} is shorter than the corrupted windows of "
+            f"data.seq_len={seq_len} (source, target lengths {objective.lengths})"
+        )
+    return objective
 
-    def loss(self, model: nn.Module, run: Run, batch: list[torch.Tensor],
-             optim: LossOptions = PLAIN_LOSS) -> Losses:
-        # a mean over the non-padding targets, of which a micro-batch of full windows has the same number
-        return cross_entropy_terms(self._cross_entropy(model, run, batch), batch[2].numel())
 
-    def score_batch(self, model: nn.Module, run: Run, batch: list[torch.Tensor]) -> Scored:
-        # a full window holds no padding: every target counts
-        return Scored(self._cross_entropy(model, run, batch).float(), batch[2].numel())
+def _cross_entropy(model: nn.Module, run: Run, batch: list[torch.Tensor]) -> torch.Tensor:
+    """Mean float32 cross-entropy over the non-padding targets of a batch (src, tgt_in, tgt_out)."""
+    src, tgt_in, tgt_out = batch
+    logits = model.logits(run(src, tgt_in))  # (B, T, padded_vocab_size)
+    # float32 softmax over the ~50k vocabulary, as in the GPT
+    return F.cross_entropy(logits.float().flatten(0, 1), tgt_out.reshape(-1), ignore_index=model.cfg.pad_id)
 
-    # ---- sizes -----------------------------------------------------------------------------------
 
-    def root_params(self, cfg: EncDecConfig) -> int:
-        """Target embedding, a source embedding of its own (share_embeddings false), an untied head, both stacks'
-        final norms, two learned position tables."""
-        tables = 1 + (not cfg.tie_embeddings) + (not cfg.share_embeddings)
-        return tables * embedding_params(cfg) + 2 * final_norm_params(cfg) + 2 * position_params(cfg)
+def loss(model: nn.Module, run: Run, batch: list[torch.Tensor], optim: LossOptions = PLAIN_LOSS) -> Losses:
+    # a mean over the non-padding targets, of which a micro-batch of full windows has the same number
+    return cross_entropy_terms(_cross_entropy(model, run, batch), batch[2].numel())
 
-    def unit_params(self, cfg: EncDecConfig) -> int:
-        return block_params(cfg, cross=True)
 
-    def num_params(self, cfg: EncDecConfig, non_embedding: bool = False) -> int:
-        n = self.root_params(cfg) + cfg.n_layer * (block_params(cfg) + block_params(cfg, cross=True))
-        return n - 2 * position_params(cfg) if non_embedding else n
+def score(model: nn.Module, run: Run, batch: list[torch.Tensor]) -> Scored:
+    # a full window holds no padding: every target counts
+    return Scored(_cross_entropy(model, run, batch).float(), batch[2].numel())
 
-    def flops_per_token(self, cfg: EncDecConfig, seq_len: int, data: "DataConfig") -> float:
-        """Training FLOPs per window token of span corruption of windows of seq_len + 1 tokens, each a source
-        of S and a target of T tokens (`corrupted_lengths`).
 
-        Per sample: 6 per parameter per token it touches (encoder blocks on the source tokens; decoder blocks
-        and the output head on the target tokens) plus the attention scores, 12 * n_layer * d_model times
-        (S^2 encoder + T^2 decoder + T*S cross). Divided by the seq_len tokens the sample was cut from, so
-        tokens/s and MFU compare with the GPT's at the same data rate.
-        """
-        S, T = corrupted_lengths(seq_len + 1)
-        encoder = stack_params(cfg)
-        decoder = stack_params(cfg, cross=True) + embedding_params(cfg)  # and the output head
-        per_sample = 6 * (encoder * S + decoder * T) + 12 * cfg.n_layer * cfg.d_model * (S * S + T * T + T * S)
-        return per_sample / seq_len
+# ---- sizes ---------------------------------------------------------------------------------------
 
-    def activation_bytes(self, cfg: EncDecConfig, data: "DataConfig", micro_batch: int, act_bytes: int,
-                         residual_bytes: int, every: int, fused_attention: bool) -> tuple[int, int]:
-        """The encoder runs on the corrupted source (S tokens), the decoder on the target (U tokens);
-        cross-attention adds a norm, q and output and, outside the block, each layer's keys and values of the
-        encoder output and that output itself (`cross_memory_bytes`). Checkpointing counts blocks in model
-        order, the encoder's first."""
-        b, h, c, r = micro_batch, cfg.d_model, act_bytes, residual_bytes
-        src, tgt = corrupted_lengths(data.seq_len + 1)  # the span-corruption objective's source and target lengths
-        enc = layer_activation_bytes(cfg, b, src, c, r, fused_attention)
-        dec = layer_activation_bytes(cfg, b, tgt, c, r, fused_attention, memory_len=src)
-        k_enc, k_dec = checkpointed_blocks(cfg.n_layer, every), checkpointed_blocks(cfg.n_layer, every,
-                                                                                    start=cfg.n_layer)
-        blocks = (stack_bytes(cfg.n_layer, k_enc, enc, r * b * src * h)
-                  + stack_bytes(cfg.n_layer, k_dec, dec, r * b * tgt * h)
-                  + (max(enc, dec) if k_enc + k_dec else 0))
-        memory = cross_memory_bytes(cfg, b, src, c, r)
-        final_norm = r if cfg.final_norm else 0
-        drop = 1 if cfg.dropout > 0 else 0
+def flops_per_token(cfg: EncDecConfig, seq_len: int, data: "DataConfig", params: int) -> float:
+    """Training FLOPs per window token of span corruption of windows of seq_len + 1 tokens, each a source of S
+    and a target of T tokens (`corrupted_lengths`). The stacks run on different tokens, so it counts each one's
+    parameters itself and leaves `params` aside.
 
-        def tail(tokens: int) -> int:  # final norm and head input, embedding dropout mask
-            return (final_norm + c + drop) * tokens * h
+    Per sample: 6 per parameter per token it touches (encoder blocks on the source tokens; decoder blocks and the
+    output head on the target tokens) plus the attention scores, 12 * n_layer * d_model times (S^2 encoder + T^2
+    decoder + T*S cross). Divided by the seq_len tokens the sample was cut from, so tokens/s and MFU compare
+    with the GPT's at the same data rate.
+    """
+    S, T = corrupted_lengths(seq_len + 1)
+    encoder = stack_params(cfg)
+    decoder = stack_params(cfg, cross=True) + embedding_params(cfg)  # and the output head
+    per_sample = 6 * (encoder * S + decoder * T) + 12 * cfg.n_layer * cfg.d_model * (S * S + T * T + T * S)
+    return per_sample / seq_len
 
-        logits = logits_bytes(b * tgt, cfg.padded_vocab_size)
-        return blocks + memory + tail(b * src) + tail(b * tgt) + logits, logits
 
-    # ---- inference -------------------------------------------------------------------------------
+def activation_bytes(cfg: EncDecConfig, data: "DataConfig", micro_batch: int, act_bytes: int, residual_bytes: int,
+                     every: int, fused_attention: bool) -> tuple[int, int]:
+    """The encoder runs on the corrupted source (S tokens), the decoder on the target (U tokens); cross-attention
+    adds a norm, q and output and, outside the block, each layer's keys and values of the encoder output and that
+    output itself (`cross_memory_bytes`). Checkpointing counts blocks in model order, the encoder's first."""
+    b, h, c, r = micro_batch, cfg.d_model, act_bytes, residual_bytes
+    src, tgt = corrupted_lengths(data.seq_len + 1)  # the span-corruption objective's source and target lengths
+    enc = layer_activation_bytes(cfg, b, src, c, r, fused_attention)
+    dec = layer_activation_bytes(cfg, b, tgt, c, r, fused_attention, memory_len=src)
+    k_enc, k_dec = checkpointed_blocks(cfg.n_layer, every), checkpointed_blocks(cfg.n_layer, every, start=cfg.n_layer)
+    stacks = (stack_bytes(cfg.n_layer, k_enc, enc, r * b * src * h)
+              + stack_bytes(cfg.n_layer, k_dec, dec, r * b * tgt * h)
+              + (max(enc, dec) if k_enc + k_dec else 0))
+    memory = cross_memory_bytes(cfg, b, src, c, r)
+    final_norm = r if cfg.final_norm else 0
+    drop = 1 if cfg.dropout > 0 else 0
 
-    def sample(self, model: nn.Module, tokenizer, prompt: str, options: SampleOptions) -> str:
-        """The prompt with each `<mask>` filled (one at its end when it has none: a continuation)."""
-        from lm.models.encdec.sampling import fill_masks
+    def tail(tokens: int) -> int:  # final norm and head input, embedding dropout mask
+        return (final_norm + c + drop) * tokens * h
 
-        cfg = model.cfg
-        if options.max_new_tokens > cfg.block_size:
-            raise PromptError(f"--max-new-tokens: {options.max_new_tokens} exceeds the decoder's positions "
-                             f"(model.block_size={cfg.block_size})")
-        return fill_masks(model, tokenizer, prompt, options)
+    logits = logits_bytes(b * tgt, cfg.padded_vocab_size)
+    return stacks + memory + tail(b * src) + tail(b * tgt) + logits, logits
+
+
+# ---- inference -----------------------------------------------------------------------------------
+
+def sample(model: nn.Module, tokenizer, prompt: str, options: SampleOptions) -> str:
+    """The prompt with each `<mask>` filled (one at its end when it has none: a continuation)."""
+    from lm.models.encdec.sampling import fill_masks
+
+    cfg = model.cfg
+    if options.max_new_tokens > cfg.block_size:
+        raise PromptError(f"--max-new-tokens: {options.max_new_tokens} exceeds the decoder's positions "
+                          f"(model.block_size={cfg.block_size})")
+    return fill_masks(model, tokenizer, prompt, options)
+
+
+FAMILY = Family(
+    name="encdec",
+    config_class=EncDecConfig,
+    build=build,
+    blocks=blocks,
+    training=Training(objective, loss, score),
+    parallel=Parallel(
+        tensor_problem=Refusal("has no tensor-parallel plan yet: its two stacks and cross-attention are not split; "
+                               "train it with parallel.tp=1 (FSDP2 shards it over every rank)"),
+        pipeline_problem=Refusal("has no pipeline stages yet: its encoder output would have to reach every decoder "
+                                 "stage; train it with parallel.pp=1")),
+    sampler=Sampler(sample, outside_forward=True),  # encode, then decode step by step
+    hf=HFAdapter((hf_remote.TARGET,)),
+    estimates=Estimates(activation_bytes, flops_per_token),
+)

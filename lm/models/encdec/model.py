@@ -20,7 +20,7 @@ from lm.models.block import Block
 from lm.models.encdec.config import EncDecConfig
 from lm.models.init import init_weights_, residual_projections
 from lm.models.kv_cache import KVCache
-from lm.models.layers import make_norm, sinusoidal_positions
+from lm.models.layers import PositionTable, make_norm, sinusoidal_positions
 
 MemoryKV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per decoder layer, the cross-attention keys and values of the encoder output, each (B, nkv, S, hs)."""
@@ -48,8 +48,8 @@ class EncoderDecoder(nn.Module):
             if not cfg.share_embeddings:
                 self.src_embed = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
             if cfg.pos == "learned":
-                self.src_pos = nn.Embedding(cfg.block_size, cfg.d_model)
-                self.tgt_pos = nn.Embedding(cfg.block_size, cfg.d_model)
+                self.src_pos = PositionTable(cfg.block_size, cfg.d_model)
+                self.tgt_pos = PositionTable(cfg.block_size, cfg.d_model)
             self.drop = nn.Dropout(cfg.dropout)
             self.encoder = nn.ModuleList(Block(cfg, causal=False) for _ in range(cfg.n_layer))
             self.decoder = nn.ModuleList(Block(cfg, causal=True, cross=True) for _ in range(cfg.n_layer))

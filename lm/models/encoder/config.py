@@ -18,12 +18,6 @@ class EncoderConfig(TransformerConfig):
 
     arch: str = "encoder"
     title: ClassVar[str] = "an encoder"
-    pipeline_refusal: ClassVar[str] = (
-        "has no pipeline stages yet: its heads read the padding mask, which would have to "
-        "reach every stage; train it with parallel.pp=1")
-    tensor_parallel_refusal: ClassVar[str] = (
-        "has no tensor-parallel plan yet: its fine-tuning heads and masked-token "
-        "scoring are not split; train it with parallel.tp=1 (FSDP2 shards it over every rank)")
     document_masking: ClassVar[bool] = True
     rope_theta: float = 10000.0
     """Base of the rotary frequencies (pos: rope)."""

@@ -25,7 +25,7 @@ from lm.models.attention import document_mask, key_padding_mask
 from lm.models.block import Block
 from lm.models.encoder.config import EncoderConfig
 from lm.models.init import init_weights_, residual_projections
-from lm.models.layers import add_positions, make_norm
+from lm.models.layers import PositionTable, add_positions, make_norm
 
 
 class Encoder(nn.Module):
@@ -39,7 +39,7 @@ class Encoder(nn.Module):
         with torch.device("meta"):
             self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
             if cfg.pos == "learned":
-                self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
+                self.wpe = PositionTable(cfg.block_size, cfg.d_model)
             self.emb_norm = make_norm(cfg)
             self.drop = nn.Dropout(cfg.dropout)
             self.blocks = nn.ModuleList(Block(cfg, causal=False) for _ in range(cfg.n_layer))

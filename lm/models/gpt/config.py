@@ -1,6 +1,5 @@
 """The decoder-only family's keys: the shared transformer keys, and the options only this family has."""
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -55,40 +54,6 @@ class GPTConfig(TransformerConfig):
     def rotary_layer(self, layer: int) -> bool:
         """Whether block `layer` (from 0) rotates its queries and keys: not every nope_interval-th one."""
         return self.pos == "rope" and not (self.nope_interval and (layer + 1) % self.nope_interval == 0)
-
-    def tensor_parallel_problem(self, tp: int) -> str | None:
-        """Each rank keeps n_head / tp query heads, n_kv_head / tp key/value heads, d_ff / tp hidden units and
-        a 1/tp slice of the (padded) vocabulary, so tp must divide all four."""
-        sizes = {"query heads (model.n_head)": self.n_head, "key/value heads (model.n_kv_head)": self.kv_heads,
-                 "feed-forward units (model.d_ff)": self.ff_dim, "padded vocabulary rows": self.padded_vocab_size}
-        for what, n in sizes.items():
-            if n % tp:
-                common = math.gcd(*sizes.values())
-                fits = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
-                found = f"{tp} tensor-parallel ranks are more than its {n} {what}" if tp > n else \
-                    f"its {n} {what} do not split over {tp} tensor-parallel ranks"
-                return f"{found}; a tp that splits this model: {fits}"
-        if self.qk_norm and self.qk_norm_scope == "all":
-            return ("model.qk_norm_scope=all normalises every head's queries together, and each tensor-parallel "
-                    "rank holds some heads only; set model.qk_norm_scope=head or parallel.tp=1")
-        if self.loss_chunk:
-            return ("model.loss_chunk cuts the positions into chunks, and the vocabulary-parallel loss needs "
-                    "each rank's whole slice of logits; set model.loss_chunk=0 (the logits are 1/tp per rank)")
-        return None
-
-    def context_parallel_problem(self) -> str | None:
-        return None  # GPT.forward takes a SequenceShard
-
-    def pipeline_problem(self, stages: int) -> str | None:
-        """Every stage holds one block or more; the embedding sits on the first stage and the head on the last,
-        so they cannot share one weight."""
-        if stages > self.n_layer:
-            return (f"{stages} pipeline stages (parallel.pp x parallel.pp_stages_per_rank) are more than the "
-                    f"model's {self.n_layer} layers (model.n_layer); use at most {self.n_layer}")
-        if self.tie_embeddings:
-            return ("the token embedding sits on the first pipeline stage and the output head on the last, so "
-                    "they cannot share one weight; set model.tie_embeddings=false")
-        return None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,105 +1,127 @@
 """The decoder-only family (model.arch gpt): GPT-2 by default, Llama, Mistral and Qwen2 by options."""
 
+import math
 from typing import TYPE_CHECKING
 
-import torch.nn as nn
-
-from lm.models.family import TPStyle
+from lm.models import next_token
+from lm.models.family import Estimates, Family, HFAdapter, Parallel, TPStyle, no_problem
 from lm.models.gpt import hf, hf_remote
 from lm.models.gpt.config import GPTConfig
-from lm.models.next_token import NextTokenFamily
-from lm.models.sizes import (
-    block_params,
-    checkpointed_blocks,
-    embedding_params,
-    final_norm_params,
-    layer_activation_bytes,
-    logits_bytes,
-    position_params,
-    stack_bytes,
-)
+from lm.models.sizes import checkpointed_blocks, layer_activation_bytes, logits_bytes, stack_bytes
 
 if TYPE_CHECKING:
+    import torch.nn as nn
+
     from lm.data.config import DataConfig
 
 
-class GPTFamily(NextTokenFamily):
-    name = "gpt"
-    config_class = GPTConfig
-    hf_targets = (*hf.TARGETS, hf_remote.TARGET)  # the native classes first, lm's own code last
-    hf_readers = hf.READERS
+def build(cfg: GPTConfig) -> "nn.Module":
+    from lm.models.gpt.model import GPT
 
-    def build(self, cfg: GPTConfig) -> nn.Module:
-        from lm.models.gpt.model import GPT
+    return GPT(cfg)
 
-        return GPT(cfg)
 
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
-        return list(model.blocks)
+def blocks(model: "nn.Module") -> list["nn.Module"]:
+    return list(model.blocks)
 
-    def pipeline_stage(self, model: nn.Module, layers: range, sequence_shards: int = 1) -> nn.Module:
-        from lm.models.gpt.model import GPTStage
 
-        return GPTStage(model, layers, sequence_shards)
+def stage(model: "nn.Module", layers: range, sequence_shards: int = 1) -> "nn.Module":
+    from lm.models.gpt.model import GPTStage
 
-    def tensor_parallel(self, model: nn.Module) -> dict[str, TPStyle]:
-        """Megatron's split with sequence parallelism: each block's q, k, v and first MLP matrices by heads and
-        hidden units, its two output projections back to sequence slices; norms on sequence slices; the
-        embedding and the head by vocabulary rows. Positions are added while the embedded sequence is whole,
-        and the first block cuts it, so learned, sinusoidal and rotary positions all work."""
-        plan = {"wte": TPStyle.EMBEDDING, "blocks.0": TPStyle.SCATTER, "lm_head": TPStyle.HEAD}
-        if model.cfg.final_norm:
-            plan["ln_f"] = TPStyle.SEQUENCE
-        if model.cfg.pos == "learned":
-            plan["wpe"] = TPStyle.REPLICATE
-        for i, block in enumerate(model.blocks):
-            b = f"blocks.{i}."
-            plan |= {b + "ln_1": TPStyle.SEQUENCE, b + "attn": TPStyle.GATHER, b + "attn.q": TPStyle.COLUMNS,
-                     b + "attn.k": TPStyle.COLUMNS, b + "attn.v": TPStyle.COLUMNS, b + "attn.proj": TPStyle.ROWS,
-                     b + "ln_2": TPStyle.SEQUENCE, b + "mlp": TPStyle.GATHER, b + "mlp.fc": TPStyle.COLUMNS,
-                     b + "mlp.proj": TPStyle.ROWS}
-            if hasattr(block.mlp, "gate"):
-                plan[b + "mlp.gate"] = TPStyle.COLUMNS
-            if hasattr(block.attn, "q_norm"):
-                plan |= {b + "attn.q_norm": TPStyle.HEADS, b + "attn.k_norm": TPStyle.HEADS}
-        return plan
+    return GPTStage(model, layers, sequence_shards)
 
-    # ---- sizes -----------------------------------------------------------------------------------
 
-    def root_params(self, cfg: GPTConfig) -> int:
-        """Token embedding, untied head, final norm, learned positions."""
-        untied = 0 if cfg.tie_embeddings else embedding_params(cfg)
-        return embedding_params(cfg) + untied + final_norm_params(cfg) + position_params(cfg)
+def tensor_styles(model: "nn.Module") -> dict[str, TPStyle]:
+    """Megatron's split with sequence parallelism: each block's q, k, v and first MLP matrices by heads and
+    hidden units, its two output projections back to sequence slices; norms on sequence slices; the
+    embedding and the head by vocabulary rows. Positions are added while the embedded sequence is whole,
+    and the first block cuts it, so learned, sinusoidal and rotary positions all work."""
+    plan = {"wte": TPStyle.EMBEDDING, "blocks.0": TPStyle.SCATTER, "lm_head": TPStyle.HEAD}
+    if model.cfg.final_norm:
+        plan["ln_f"] = TPStyle.SEQUENCE
+    if model.cfg.pos == "learned":
+        plan["wpe"] = TPStyle.REPLICATE
+    for i, block in enumerate(model.blocks):
+        b = f"blocks.{i}."
+        plan |= {b + "ln_1": TPStyle.SEQUENCE, b + "attn": TPStyle.GATHER, b + "attn.q": TPStyle.COLUMNS,
+                 b + "attn.k": TPStyle.COLUMNS, b + "attn.v": TPStyle.COLUMNS, b + "attn.proj": TPStyle.ROWS,
+                 b + "ln_2": TPStyle.SEQUENCE, b + "mlp": TPStyle.GATHER, b + "mlp.fc": TPStyle.COLUMNS,
+                 b + "mlp.proj": TPStyle.ROWS}
+        if hasattr(block.mlp, "gate"):
+            plan[b + "mlp.gate"] = TPStyle.COLUMNS
+        if hasattr(block.attn, "q_norm"):
+            plan |= {b + "attn.q_norm": TPStyle.HEADS, b + "attn.k_norm": TPStyle.HEADS}
+    return plan
 
-    def unit_params(self, cfg: GPTConfig) -> int:
-        return block_params(cfg)
 
-    def num_params(self, cfg: GPTConfig, non_embedding: bool = False) -> int:
-        """Every parameter, a tied head counted once; `non_embedding` leaves out the position table (it does no
-        matmul) but keeps the token embedding, which tied is also the output layer (as in GPT-2's counts)."""
-        n = self.root_params(cfg) + cfg.n_layer * block_params(cfg)
-        return n - position_params(cfg) if non_embedding else n
+def tensor_problem(cfg: GPTConfig, tp: int) -> str | None:
+    """Each rank keeps n_head / tp query heads, n_kv_head / tp key/value heads, d_ff / tp hidden units and a 1/tp
+    slice of the (padded) vocabulary, so tp must divide all four."""
+    sizes = {"query heads (model.n_head)": cfg.n_head, "key/value heads (model.n_kv_head)": cfg.kv_heads,
+             "feed-forward units (model.d_ff)": cfg.ff_dim, "padded vocabulary rows": cfg.padded_vocab_size}
+    for what, n in sizes.items():
+        if n % tp:
+            common = math.gcd(*sizes.values())
+            fits = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
+            found = f"{tp} tensor-parallel ranks are more than its {n} {what}" if tp > n else \
+                f"its {n} {what} do not split over {tp} tensor-parallel ranks"
+            return f"{found}; a tp that splits this model: {fits}"
+    if cfg.qk_norm and cfg.qk_norm_scope == "all":
+        return ("model.qk_norm_scope=all normalises every head's queries together, and each tensor-parallel "
+                "rank holds some heads only; set model.qk_norm_scope=head or parallel.tp=1")
+    if cfg.loss_chunk:
+        return ("model.loss_chunk cuts the positions into chunks, and the vocabulary-parallel loss needs "
+                "each rank's whole slice of logits; set model.loss_chunk=0 (the logits are 1/tp per rank)")
+    return None
 
-    def flops_per_token(self, cfg: GPTConfig, seq_len: int, data: "DataConfig") -> float:
-        """6 per parameter (forward + backward) plus the attention scores: 12 * n_layer * n_head * head_dim *
-        seq_len for QK^T and AV in forward and backward (the PaLM appendix B estimate), counted for full rather
-        than causal attention."""
-        return 6 * self.num_params(cfg, non_embedding=True) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
 
-    def activation_bytes(self, cfg: GPTConfig, data: "DataConfig", micro_batch: int, act_bytes: int,
-                         residual_bytes: int, every: int, fused_attention: bool) -> tuple[int, int]:
-        """The blocks (`lm.models.sizes`), one of them recomputed when any is checkpointed; then the final norm's
-        and the head's inputs and the embedding's dropout mask; then the logits (with model.loss_chunk, one
-        chunk's: forward keeps none and backward recomputes one chunk at a time)."""
-        b, s, h = micro_batch, data.seq_len, cfg.d_model
-        t = b * s
-        full = layer_activation_bytes(cfg, b, s, act_bytes, residual_bytes, fused_attention)
-        k = checkpointed_blocks(cfg.n_layer, every)
-        blocks = stack_bytes(cfg.n_layer, k, full, residual_bytes * t * h) + (full if k else 0)
-        final_norm = residual_bytes if cfg.final_norm else 0
-        tail = (final_norm + act_bytes + (1 if cfg.dropout > 0 else 0)) * t * h
-        positions = min(t, cfg.loss_chunk or t)
-        # a soft-cap's tanh saves its fp32 output for backward
-        logits = logits_bytes(positions, cfg.padded_vocab_size) + (4 * positions * cfg.padded_vocab_size
-                                                                    if cfg.logit_softcap else 0)
-        return blocks + tail + logits, logits
+def pipeline_problem(cfg: GPTConfig, stages: int) -> str | None:
+    """Every stage holds one block or more; the embedding sits on the first stage and the head on the last, so
+    they cannot share one weight."""
+    if stages > cfg.n_layer:
+        return (f"{stages} pipeline stages (parallel.pp x parallel.pp_stages_per_rank) are more than the "
+                f"model's {cfg.n_layer} layers (model.n_layer); use at most {cfg.n_layer}")
+    if cfg.tie_embeddings:
+        return ("the token embedding sits on the first pipeline stage and the output head on the last, so "
+                "they cannot share one weight; set model.tie_embeddings=false")
+    return None
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int, data: "DataConfig", params: int) -> float:
+    """6 per parameter (forward + backward) plus the attention scores: 12 * n_layer * n_head * head_dim * seq_len
+    for QK^T and AV in forward and backward (the PaLM appendix B estimate), counted for full rather than causal
+    attention."""
+    return 6 * params + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
+
+
+def activation_bytes(cfg: GPTConfig, data: "DataConfig", micro_batch: int, act_bytes: int, residual_bytes: int,
+                     every: int, fused_attention: bool) -> tuple[int, int]:
+    """The blocks (`lm.models.sizes`), one of them recomputed when any is checkpointed; then the final norm's
+    and the head's inputs and the embedding's dropout mask; then the logits (with model.loss_chunk, one
+    chunk's: forward keeps none and backward recomputes one chunk at a time)."""
+    b, s, h = micro_batch, data.seq_len, cfg.d_model
+    t = b * s
+    full = layer_activation_bytes(cfg, b, s, act_bytes, residual_bytes, fused_attention)
+    k = checkpointed_blocks(cfg.n_layer, every)
+    stack = stack_bytes(cfg.n_layer, k, full, residual_bytes * t * h) + (full if k else 0)
+    final_norm = residual_bytes if cfg.final_norm else 0
+    tail = (final_norm + act_bytes + (1 if cfg.dropout > 0 else 0)) * t * h
+    positions = min(t, cfg.loss_chunk or t)
+    # a soft-cap's tanh saves its fp32 output for backward
+    logits = logits_bytes(positions, cfg.padded_vocab_size) + (4 * positions * cfg.padded_vocab_size
+                                                                if cfg.logit_softcap else 0)
+    return stack + tail + logits, logits
+
+
+FAMILY = Family(
+    name="gpt",
+    config_class=GPTConfig,
+    build=build,
+    blocks=blocks,
+    training=next_token.TRAINING,
+    parallel=Parallel(tensor_styles=tensor_styles, tensor_problem=tensor_problem, context_problem=no_problem,
+                      stage=stage, pipeline_problem=pipeline_problem),  # GPT.forward takes a SequenceShard
+    sampler=next_token.SAMPLER,
+    hf=HFAdapter((*hf.TARGETS, hf_remote.TARGET), hf.READERS),  # the native classes first, lm's own code last
+    estimates=Estimates(activation_bytes, flops_per_token),
+)

@@ -19,7 +19,7 @@ from lm.models.block import Block
 from lm.models.gpt.config import GPTConfig
 from lm.models.init import init_weights_, residual_projections
 from lm.models.kv_cache import KVCache
-from lm.models.layers import add_positions, make_norm, rope_angles
+from lm.models.layers import PositionTable, add_positions, make_norm, rope_angles
 
 
 def check_positions(positions: torch.Tensor, idx: torch.Tensor, cache: KVCache | None) -> None:
@@ -46,7 +46,7 @@ class GPT(nn.Module):
         with torch.device("meta"):
             self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
             if cfg.pos == "learned":
-                self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
+                self.wpe = PositionTable(cfg.block_size, cfg.d_model)
             self.drop = nn.Dropout(cfg.dropout)
             self.blocks = nn.ModuleList(Block(cfg, causal=True) for _ in range(cfg.n_layer))
             # A post-norm block already ends in a norm; the others leave the stream unnormalised.

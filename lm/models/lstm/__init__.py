@@ -1,2 +1,2 @@
 """The recurrent baseline (model.arch lstm): config.py (its keys), model.py (the LSTM language model),
-family.py (its spec, `LSTMFamily`). Importing this package imports none of them."""
+family.py (its spec, `FAMILY`). Importing this package imports none of them."""

@@ -15,12 +15,6 @@ class LSTMConfig(ModelConfig):
 
     arch: str = "lstm"
     title: ClassVar[str] = "an LSTM"
-    pipeline_refusal: ClassVar[str] = (
-        "has no pipeline stages yet: a few LSTM layers fit one device; train it with "
-        "parallel.pp=1")
-    tensor_parallel_refusal: ClassVar[str] = (
-        "has no tensor-parallel plan: each LSTM step mixes every hidden unit with "
-        "every other, so splitting units over ranks costs a collective per token; train it with parallel.tp=1")
     z_loss: ClassVar[bool] = True
     loss_chunk: int = 0
     """Compute the output head and loss this many of the B*T positions at a time, recomputing each chunk's

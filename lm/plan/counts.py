@@ -1,0 +1,106 @@
+"""A model's sizes, read off the model its family builds on the meta device (nothing allocated, nothing drawn),
+so they hold for every family, one a user adds too: its parameters, the units FSDP shards them into, its
+training FLOPs per token and the bytes its activations take.
+
+Parameters are the model's distinct ones (a tied head counted once). The count "without embeddings" of GPT-2's
+papers leaves out the learned position tables (`lm.models.layers.PositionTable`) and keeps the token
+embedding, which tied is also the output layer. What counting cannot see, the family's spec supplies
+(`Family.estimates`): the attention scores' FLOPs, which no parameter stands for, and the activations a
+micro-batch saves for backward.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from lm.data.config import DataConfig
+from lm.errors import ConfigError
+from lm.models.config import ModelConfig
+from lm.models.layers import PositionTable
+from lm.models.registry import family_of
+
+
+@dataclass(frozen=True)
+class Counts:
+    """The parameters of one model config, by where they sit."""
+
+    total: int
+    """Every distinct parameter"""
+    positions: int
+    """In learned position tables"""
+    embeddings: int
+    """In every embedding table (tokens, positions, token types)"""
+    unit: int
+    """In the largest repeated unit (`Family.blocks`): what FSDP gathers as one"""
+    root: int
+    """Outside the repeated units (embeddings, final norms, head): FSDP's root unit"""
+
+
+_counted: dict[tuple[type, str], Counts] = {}
+"""Counts by config (its class and its repr, which names every key): a planner asks for many layouts of one model."""
+
+
+def counts(cfg: ModelConfig) -> Counts:
+    """The parameters of the model `cfg` describes, counted on the meta device."""
+    key = (type(cfg), repr(cfg))
+    if key not in _counted:
+        family = family_of(cfg)
+        with torch.device("meta"):
+            model = family.build(cfg)
+        sizes = {id(p): p.numel() for p in model.parameters()}
+        tables = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        positions = {id(m.weight) for m in tables if isinstance(m, PositionTable)}
+        units = family.blocks(model)
+        in_units = {id(p) for unit in units for p in unit.parameters()}
+        _counted[key] = Counts(
+            total=sum(sizes.values()),
+            positions=sum(sizes[i] for i in positions),
+            embeddings=sum(sizes[i] for i in {id(p) for m in tables for p in m.parameters()}),
+            unit=max(sum(p.numel() for p in unit.parameters()) for unit in units),
+            root=sum(n for i, n in sizes.items() if i not in in_units),
+        )
+    return _counted[key]
+
+
+def num_params(cfg: ModelConfig, non_embedding: bool = False) -> int:
+    """Distinct parameters of the model (a tied head counted once); `non_embedding` leaves out position tables
+    (they do no matmul)."""
+    n = counts(cfg)
+    return n.total - n.positions if non_embedding else n.total
+
+
+def params_outside_embeddings(cfg: ModelConfig) -> int:
+    """Parameters outside every embedding table (tokens, positions, token types): what "non-embedding" means in
+    scaling-law counts. A tied head is the token embedding, so it is left out; an untied one counts."""
+    n = counts(cfg)
+    return n.total - n.embeddings
+
+
+def unit_params(cfg: ModelConfig) -> int:
+    """Parameters of the largest repeated unit (what FSDP gathers as one)."""
+    return counts(cfg).unit
+
+
+def root_params(cfg: ModelConfig) -> int:
+    """Parameters outside the repeated units (embeddings, final norms, head): FSDP's root unit."""
+    return counts(cfg).root
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, data: DataConfig) -> float:
+    """Training FLOPs per token of windows of `seq_len` tokens: 6 per parameter outside position tables (forward
+    and backward), or the family's own estimate from that count (`Estimates.flops_per_token`)."""
+    params = num_params(cfg, non_embedding=True)
+    estimate = family_of(cfg).estimates.flops_per_token
+    return 6 * params if estimate is None else estimate(cfg, seq_len, data, params)
+
+
+def activation_bytes(cfg: ModelConfig, data: DataConfig, micro_batch: int, act_bytes: int, residual_bytes: int,
+                     every: int, fused_attention: bool) -> tuple[int, int]:
+    """(activations, logits): the family's estimate of the bytes one device keeps for the backward of one
+    micro-batch (`Estimates.activation_bytes`); ConfigError for a family that gives none."""
+    family = family_of(cfg)
+    estimate = family.estimates.activation_bytes
+    if estimate is None:
+        raise ConfigError(f"model.arch: {family.title} (model.arch={family.name}) gives no activation estimate")
+    return estimate(cfg, data, micro_batch, act_bytes, residual_bytes, every, fused_attention)
