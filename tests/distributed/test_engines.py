@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from lm.checkpoint.resume import check_engine
+from lm.cli import train_command
 from lm.config import load_config
 from lm.distributed.zero import deepspeed_config
 from lm.errors import CheckpointError, ConfigError
+from tests.workers import job_env, torchrun_forced, train_in_pool
 
 TINY = [
     "--model.n_layer=2", "--model.d_model=32", "--model.block_size=32",
@@ -47,16 +49,19 @@ SAME_BATCH_REL = 1e-5
 RESHARD_REL = 1e-3
 
 
-def train(nproc: int, out: Path, data_dir: Path, *extra: str) -> dict[int, float]:
-    """Run lm.train on `nproc` processes (torchrun for 2) and return its logged train loss per step."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    cmd = [sys.executable, *launcher, "-m", "lm.train", *TINY, *heads_for(extra), f"--data.dir={data_dir}",
-           f"--train.out_dir={out}", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve()))
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
-    out.with_suffix(".log").write_text(result.stdout)  # beside the run, for tests that read its log lines
+def train(nproc: int, out: Path, data_dir: Path, *extra: str, torchrun: bool = False) -> dict[int, float]:
+    """Run lm.train on `nproc` processes and return its logged train loss per step: on this session's pool of
+    `nproc` ranks (`tests.workers`), or with `torchrun` (or LM_TESTS_TORCHRUN=1) in processes of its own, torchrun
+    for 2 or more. Rank 0's output goes to `<out>.log` either way."""
+    args = [*TINY, *heads_for(extra), f"--data.dir={data_dir}", f"--train.out_dir={out}", *extra]
+    if torchrun or torchrun_forced():
+        result = subprocess.run(train_command(nproc, args), capture_output=True, text=True, timeout=600,
+                                env=job_env())
+        assert result.returncode == 0, result.stdout + result.stderr
+        stdout = result.stdout
+    else:
+        stdout = train_in_pool(nproc, args, job_env())
+    out.with_suffix(".log").write_text(stdout)  # beside the run, for tests that read its log lines
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
