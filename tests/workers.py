@@ -235,8 +235,11 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection) -> None:
 
 def _run_job(rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str]) -> dict:
     """Run one job with its environment and output files, and put back what it changed of the process."""
+    import torch.distributed as dist
+
     from lm.models import registry
 
+    grouped = dist.is_initialized()
     saved_env = dict(os.environ)
     root = logging.getLogger()
     saved_logging = (root.level, list(root.handlers))
@@ -251,6 +254,8 @@ def _run_job(rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str]
         held = _redirect(out, err)
         try:
             reply["value"] = fn(*args)
+            if grouped and not dist.is_initialized():
+                raise RuntimeError("the job destroyed the pool's process group, which later jobs need")
         except BaseException:
             reply["error"] = traceback.format_exc()
         finally:
