@@ -50,3 +50,15 @@ def test_a_job_that_fails_on_one_rank_fails_with_its_error_and_the_next_job_gets
 def test_lm_trains_error_line_reaches_the_test(tmp_path):
     with pytest.raises(WorkerError, match=r"error: train.steps"):
         train_in_pool(2, ["--train.steps=0", f"--train.out_dir={tmp_path / 'run'}"], job_env())
+
+
+def destroy_group() -> None:
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def test_a_job_that_destroys_the_pools_group_fails_and_the_next_job_gets_a_fresh_pool():
+    with pytest.raises(WorkerError, match="the job destroyed the pool's process group"):
+        pool(2).run(destroy_group)
+    assert pool(2).run(ranks_and_sum, 0)[0]["value"][:3] == (0, 2, 1.0)

@@ -73,8 +73,7 @@ class Pool:
             self.conns.append(parent)
             self.procs.append(proc)
         replies = self._collect(time.monotonic() + START_TIMEOUT_S, GRACE_S)
-        failed = [r for r in replies if r is None or r["error"]]
-        if failed:
+        if any(r["error"] for r in replies):
             self.kill()
             raise WorkerError(f"a pool of {world_size} did not start:\n" + _report(replies))
 
@@ -87,15 +86,15 @@ class Pool:
         for conn in self.conns:
             conn.send((fn, args, job_env))
         replies = self._collect(time.monotonic() + timeout_s, grace_s)
-        if any(r is None or r["error"] for r in replies):
+        if any(r["error"] for r in replies):
             self.kill()
             raise WorkerError(f"{getattr(fn, '__name__', fn)} failed on a pool of {self.world_size}:\n"
                               + _report(replies))
         return replies
 
-    def _collect(self, deadline: float, grace_s: float) -> list[dict | None]:
-        """One reply per rank (None for a rank that died or did not answer by the deadline)."""
-        replies: list[dict | None] = [None] * self.world_size
+    def _collect(self, deadline: float, grace_s: float) -> list[dict]:
+        """One reply per rank; a rank that died or did not answer by the deadline gets one that says so."""
+        replies: list[dict] = [{}] * self.world_size
         waiting = dict(zip(self.conns, range(self.world_size)))
         while waiting:
             ready = wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
@@ -106,6 +105,7 @@ class Pool:
                 try:
                     replies[rank] = conn.recv()
                 except (EOFError, OSError):
+                    self.procs[rank].join(timeout=5)
                     replies[rank] = {"rank": rank, "error": f"rank {rank} died (exit code "
                                      f"{self.procs[rank].exitcode}) without a reply", "stdout": "", "stderr": ""}
                 if replies[rank]["error"]:
