@@ -160,3 +160,12 @@ def tokenizer_jsons(tiny_corpus_dir, tmp_path_factory) -> dict[str, Path]:
             path.with_name("tokenizer_config.json").write_text(json.dumps(config))
         paths[kind] = path
     return paths
+
+
+@pytest.fixture(scope="session", autouse=True)
+def worker_pools():
+    """Ends the gloo worker pools (`tests.workers`) that the session's tests started."""
+    yield
+    from tests.workers import close_pools
+
+    close_pools()

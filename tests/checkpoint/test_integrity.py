@@ -4,16 +4,13 @@ saves killed (SIGKILL, in a real subprocess) at each point of the save."""
 import hashlib
 import json
 import logging
-import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from lm.checkpoint.loading import load_for_inference
 from lm.checkpoint.manifest import MANIFEST, verify_checkpoint
@@ -22,6 +19,7 @@ from lm.checkpoint.store import checkpoint_root, complete_checkpoints, save_chec
 from lm.distributed.env import init_distributed
 from lm.errors import CheckpointError
 from tests.checkpoint.test_store import one_step, setup
+from tests.workers import pool
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -232,25 +230,14 @@ def test_a_save_killed_at_any_point_leaves_a_valid_checkpoint(tmp_path, point, s
     assert sorted(p.name for p in root.iterdir()) == sorted({path.name, "step_00000003"})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _choose(rank: int, port: int, root: str, out: dict) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    env = init_distributed("cpu")
-    out[rank] = latest_valid_checkpoint(Path(root), env).name
-    env.close()
+def _choose(root: str) -> str:
+    """In each rank of a 2-rank pool: the checkpoint it resumes from."""
+    return latest_valid_checkpoint(Path(root), init_distributed("cpu")).name
 
 
 @pytest.mark.process
 def test_all_ranks_take_the_checkpoint_rank_0_verified(tmp_path):
     _, second = save_two(tmp_path)
     flip_byte(second / ".metadata")
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_choose, args=(_free_port(), str(tmp_path), out), nprocs=2, join=True)
-        assert dict(out) == {0: "step_00000001", 1: "step_00000001"}
+    out = {reply["rank"]: reply["value"] for reply in pool(2).run(_choose, str(tmp_path))}
+    assert out == {0: "step_00000001", 1: "step_00000001"}

@@ -2,19 +2,19 @@
 size, and resume from 2 processes to 1 (resharding) that continues the loss trajectory."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from lm.checkpoint.resume import check_engine
+from lm.cli import train_command
 from lm.config import load_config
 from lm.distributed.zero import deepspeed_config
 from lm.errors import CheckpointError, ConfigError
+from tests.workers import job_env, torchrun_forced, train_in_pool
 
 TINY = [
     "--model.n_layer=2", "--model.d_model=32", "--model.block_size=32",
@@ -47,16 +47,19 @@ SAME_BATCH_REL = 1e-5
 RESHARD_REL = 1e-3
 
 
-def train(nproc: int, out: Path, data_dir: Path, *extra: str) -> dict[int, float]:
-    """Run lm.train on `nproc` processes (torchrun for 2) and return its logged train loss per step."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    cmd = [sys.executable, *launcher, "-m", "lm.train", *TINY, *heads_for(extra), f"--data.dir={data_dir}",
-           f"--train.out_dir={out}", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve()))
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
-    out.with_suffix(".log").write_text(result.stdout)  # beside the run, for tests that read its log lines
+def train(nproc: int, out: Path, data_dir: Path, *extra: str, torchrun: bool = False) -> dict[int, float]:
+    """Run lm.train on `nproc` processes and return its logged train loss per step: on this session's pool of
+    `nproc` ranks (`tests.workers`), or with `torchrun` (or LM_TESTS_TORCHRUN=1) in processes of its own, torchrun
+    for 2 or more. Rank 0's output goes to `<out>.log` either way."""
+    args = [*TINY, *heads_for(extra), f"--data.dir={data_dir}", f"--train.out_dir={out}", *extra]
+    if torchrun or torchrun_forced():
+        result = subprocess.run(train_command(nproc, args), capture_output=True, text=True, timeout=600,
+                                env=job_env())
+        assert result.returncode == 0, result.stdout + result.stderr
+        stdout = result.stdout
+    else:
+        stdout = train_in_pool(nproc, args, job_env())
+    out.with_suffix(".log").write_text(stdout)  # beside the run, for tests that read its log lines
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
@@ -158,30 +161,30 @@ def test_deepspeed_config_comes_from_ours_and_a_user_json_may_not_contradict_it(
 
     cfg = load_config(None, ["--parallel.engine=deepspeed", "--parallel.zero_stage=2", "--train.batch_size=32",
                              "--train.micro_batch_size=4", "--optim.grad_clip=0.5"])
-    ds = deepspeed_config(cfg, 2, torch.device("cpu"))
+    ds = deepspeed_config(cfg.parallel, cfg.train, cfg.optim, 2, torch.device("cpu"))
     batch = (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"])
     assert batch == (32, 4, 4)
     assert ds["zero_optimization"] == {"stage": 2} and ds["gradient_clipping"] == 0.5
     assert ds["bf16"] == {"enabled": False}
-    assert deepspeed_config(cfg, 2, torch.device("cuda"))["bf16"] == {"enabled": True}
+    assert deepspeed_config(cfg.parallel, cfg.train, cfg.optim, 2, torch.device("cuda"))["bf16"] == {"enabled": True}
 
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"zero_optimization": {"overlap_comm": True}, "wall_clock_breakdown": True}))
     cfg.parallel.deepspeed_config = str(user)
-    merged = deepspeed_config(cfg, 2, torch.device("cpu"))
+    merged = deepspeed_config(cfg.parallel, cfg.train, cfg.optim, 2, torch.device("cpu"))
     assert merged["zero_optimization"] == {"stage": 2, "overlap_comm": True} and merged["wall_clock_breakdown"]
     user.write_text(json.dumps({"train_batch_size": 64}))
     with pytest.raises(ConfigError, match=r"sets train_batch_size=64, but this job has 32 \(train.batch_size\)"):
-        deepspeed_config(cfg, 2, torch.device("cpu"))
+        deepspeed_config(cfg.parallel, cfg.train, cfg.optim, 2, torch.device("cpu"))
     user.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     with pytest.raises(ConfigError, match=r"sets zero_optimization.stage=3, but this job has 2 \(parallel.zero_st"):
-        deepspeed_config(cfg, 2, torch.device("cpu"))
+        deepspeed_config(cfg.parallel, cfg.train, cfg.optim, 2, torch.device("cpu"))
     user.write_text(json.dumps({"optimizer": {"type": "Adam"}}))
     with pytest.raises(ConfigError, match="sets 'optimizer'; lm passes its own AdamW"):
-        deepspeed_config(cfg, 2, torch.device("cpu"))
+        deepspeed_config(cfg.parallel, cfg.train, cfg.optim, 2, torch.device("cpu"))
     user.write_text("{not json")
     with pytest.raises(ConfigError, match="is not valid JSON"):
-        deepspeed_config(cfg, 2, torch.device("cpu"))
+        deepspeed_config(cfg.parallel, cfg.train, cfg.optim, 2, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -246,16 +249,12 @@ def test_fsdp_offload_on_a_cpu_run_is_refused_before_anything_is_written(tiny_da
 
 @pytest.mark.process
 def test_deepspeed_says_that_it_does_not_compile(tiny_data_dir, tmp_path):
-    # a process of its own: DeepSpeed keeps its groups module-wide, so a second engine in a process whose
-    # first group was destroyed fails
-    cmd = [sys.executable, "-m", "lm.train", *TINY, *HEADS, "--train.steps=1", "--parallel.engine=deepspeed",
-           "--parallel.zero_stage=1", "--train.compile=true", f"--data.dir={tiny_data_dir}",
-           f"--train.out_dir={tmp_path / 'run'}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve()))
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "train.compile is not applied under parallel.engine=deepspeed; the model runs eager" in result.stdout
+    # not in this process: DeepSpeed keeps its groups module-wide, so a second engine in a process whose first
+    # group was destroyed fails (a pool's group is never destroyed)
+    train(1, tmp_path / "run", tiny_data_dir, "--train.steps=1", "--parallel.engine=deepspeed",
+          "--parallel.zero_stage=1", "--train.compile=true")
+    assert ("train.compile is not applied under parallel.engine=deepspeed; the model runs eager"
+            in (tmp_path / "run.log").read_text())
 
 
 def test_an_engine_draws_the_weights_a_cpu_build_would_and_lets_a_loader_replace_them():

@@ -1,13 +1,9 @@
 """Document masking under the ddp and fsdp engines on real 2-process gloo groups: the loss of a packed window
 equals the losses of its documents run one by one, and training with the mask on 2 ranks gives 1 rank's losses."""
 
-import os
-import socket
-
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from lm.config import load_config
 from lm.data.objectives import NextToken
@@ -15,6 +11,7 @@ from lm.distributed.engine import build_engine
 from lm.distributed.env import init_distributed
 from lm.models.registry import family_of
 from tests.distributed.test_engines import HEADS, TINY, train
+from tests.workers import pool
 
 # every test here trains on 2-process gloo groups: the full tier only
 pytestmark = pytest.mark.process
@@ -23,12 +20,6 @@ EOT = 50256
 # A window's tokens (T + 1 = 25): the tail of a document, then documents of 6, 3 and 9 tokens, each closed by
 # the end-of-text token, which opens the next one
 LENGTHS = [3, 6, 3, 9]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def packed_rows() -> np.ndarray:
@@ -41,9 +32,9 @@ def packed_rows() -> np.ndarray:
     return np.stack(rows)
 
 
-def _worker(rank: int, port: int, engine: str, pos: str, out: dict) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _scores(engine: str, pos: str) -> tuple[float, float, list[int]]:
+    """In each rank of a 2-rank pool: the packed windows' loss, their documents' loss one by one, and the
+    documents each window opens."""
     cfg = load_config(None, [*TINY, *HEADS, f"--parallel.engine={engine}", f"--model.pos={pos}",
                              "--data.document_mask=true"])
     env = init_distributed("cpu")
@@ -67,17 +58,13 @@ def _worker(rank: int, port: int, engine: str, pos: str, out: dict) -> None:
             for a, b in zip(starts, starts[1:]):
                 doc = [torch.from_numpy(t[row:row + 1, a:b].copy()) for t in (x, y)]
                 total += loss_of(doc) * (b - a)
-    out[rank] = (packed, total / x.size, [len(np.flatnonzero(p == 0)) for p in positions])
-    env.close()
+    return packed, total / x.size, [len(np.flatnonzero(p == 0)) for p in positions]
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
 @pytest.mark.parametrize("pos", ["learned", "rope"])
 def test_a_packed_window_scores_as_its_documents_one_by_one(engine, pos):
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), engine, pos, out), nprocs=2, join=True)
-        results = dict(out)
+    results = {reply["rank"]: reply["value"] for reply in pool(2).run(_scores, engine, pos)}
     for rank in (0, 1):
         packed, alone, documents = results[rank]
         assert documents == [4, 4]  # the tail, then three documents each opened by EOT

@@ -1,10 +1,7 @@
 """The encoder-decoder through the whole system: trainer, 2-process resume, checkpoints, lm.eval, lm.sample."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +16,7 @@ from lm.errors import ConfigError
 from lm.models.encdec.model import EncoderDecoder
 from lm.models.registry import family_of
 from lm.training.trainer import Trainer
+from tests.workers import job_env, train_in_pool
 
 TINY = [
     "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
@@ -35,11 +33,9 @@ def losses(out_dir) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
-def torchrun(args: list[str]) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lm.train", *args]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout + result.stderr
+def train_two(args: list[str]) -> None:
+    """lm.train on this session's 2-rank pool (`tests.workers`)."""
+    train_in_pool(2, args, job_env())
 
 
 @pytest.mark.process
@@ -47,11 +43,11 @@ def torchrun(args: list[str]) -> None:
 def test_two_process_resume_is_bit_exact(arch, tiny_data_dir, tmp_path):
     extra = ENCDEC if arch == "encdec" else []
     common = [*TINY, *extra, f"--data.dir={tiny_data_dir}", "--train.steps=6", "--train.batch_size=8"]
-    torchrun([*common, f"--train.out_dir={tmp_path / 'full'}"])
+    train_two([*common, f"--train.out_dir={tmp_path / 'full'}"])
     # a second 2-process run that starts from the first run's step-3 checkpoint retraces steps 4..6
     (tmp_path / "resumed/checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "full/checkpoints/step_00000003", tmp_path / "resumed/checkpoints/step_00000003")
-    torchrun([*common, f"--train.out_dir={tmp_path / 'resumed'}"])
+    train_two([*common, f"--train.out_dir={tmp_path / 'resumed'}"])
     full, resumed = losses(tmp_path / "full"), losses(tmp_path / "resumed")
     assert sorted(resumed) == [4, 5, 6] and all(resumed[s] == full[s] for s in resumed)
     cfg = load_config(tmp_path / "full/config.yaml")

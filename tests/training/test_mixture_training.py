@@ -3,7 +3,6 @@ validation and token counts, and a run interrupted 2 -> 1 -> 2 ranks that reads 
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 
 from lm.data.config import DataConfig
 from lm.data.prepare import prepare
+from tests.workers import job_env, train_in_pool
 
 # every test here runs lm.train in processes of its own (torchrun for 2): the full tier only
 pytestmark = pytest.mark.process
@@ -36,13 +36,10 @@ def second_data_dir(tiny_corpus_dir, tmp_path_factory) -> Path:
 
 
 def train(nproc: int, out: Path, mixture: str, steps: int, *extra: str) -> list[dict]:
-    """Run lm.train on `nproc` processes (torchrun for 2) up to `steps`; returns every metrics row so far."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    cmd = [sys.executable, *launcher, "-m", "lm.train", *TINY, f"--data.mixture={mixture}",
-           f"--train.out_dir={out}", f"--train.steps={steps}", *extra]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout + result.stderr
+    """Run lm.train on `nproc` ranks of this session's pool (`tests.workers`) up to `steps`; returns every
+    metrics row so far."""
+    args = [*TINY, f"--data.mixture={mixture}", f"--train.out_dir={out}", f"--train.steps={steps}", *extra]
+    train_in_pool(nproc, args, job_env())
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

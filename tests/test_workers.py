@@ -1,0 +1,66 @@
+"""The worker pools of `tests.workers`: jobs run in every rank of a live gloo group, each in the environment the
+test gives it, and a job that fails on one rank fails with that rank's error, its pool replaced by a fresh one."""
+
+import os
+import time
+
+import pytest
+
+from tests.workers import WorkerError, job_env, pool, train_in_pool
+
+pytestmark = pytest.mark.process  # it starts worker pools
+
+
+def ranks_and_sum(add: int) -> tuple[int, int, float, str | None]:
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor(float(dist.get_rank() + add))
+    dist.all_reduce(value)
+    return dist.get_rank(), dist.get_world_size(), value.item(), os.environ.get("LM_WORKERS_PROBE")
+
+
+def fail_on_rank_one() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 gives up")
+    dist.barrier()  # rank 0 waits for a rank that never comes
+
+
+def test_a_job_runs_in_every_rank_of_one_group_with_the_tests_environment(monkeypatch):
+    monkeypatch.setenv("LM_WORKERS_PROBE", "yes")
+    replies = pool(2).run(ranks_and_sum, 10)
+    assert [r["value"] for r in replies] == [(0, 2, 21.0, "yes"), (1, 2, 21.0, "yes")]
+    monkeypatch.delenv("LM_WORKERS_PROBE")
+    assert pool(2).run(ranks_and_sum, 0)[1]["value"] == (1, 2, 1.0, None)
+
+
+def test_a_job_that_fails_on_one_rank_fails_with_its_error_and_the_next_job_gets_a_fresh_pool():
+    before = pool(2)
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match=r"(?s)rank 1: Traceback.*ValueError: rank 1 gives up.*"
+                                          r"rank 0 did not answer in time"):
+        before.run(fail_on_rank_one, grace_s=2)
+    assert time.monotonic() - started < 60
+    assert not before.alive
+    after = pool(2)
+    assert after is not before
+    assert [r["value"][2] for r in after.run(ranks_and_sum, 0)] == [1.0, 1.0]
+
+
+def test_lm_trains_error_line_reaches_the_test(tmp_path):
+    with pytest.raises(WorkerError, match=r"error: train.steps"):
+        train_in_pool(2, ["--train.steps=0", f"--train.out_dir={tmp_path / 'run'}"], job_env())
+
+
+def destroy_group() -> None:
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def test_a_job_that_destroys_the_pools_group_fails_and_the_next_job_gets_a_fresh_pool():
+    with pytest.raises(WorkerError, match="the job destroyed the pool's process group"):
+        pool(2).run(destroy_group)
+    assert pool(2).run(ranks_and_sum, 0)[0]["value"][:3] == (0, 2, 1.0)

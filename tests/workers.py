@@ -1,0 +1,309 @@
+"""Long-lived gloo process groups for the tests that only need ranks: one pool of 1, 2 or 4 worker processes per
+world size and pytest run, each worker importing torch and lm once and joining its pool's group once, then
+running jobs (a function and its arguments, in every rank) until the session ends.
+
+A torchrun of `lm.train` per test case spends most of its seconds starting Python and importing torch in every
+rank; a job in a pool spends them training. What a process of its own gave for free is put back around each
+job: the environment, the root logger's level and handlers, the SIGTERM/SIGINT handlers, the model families
+LM_FAMILIES registered, and torch.compile's caches. The groups a job's device mesh creates stay (every rank
+creates them in the same order, so later jobs stay in step).
+
+A job that fails on a rank, or does not answer in time, takes its pool down: a rank that raised may leave the
+others waiting in a collective that never completes, so the pool is killed and the next job starts a fresh one.
+The failure is raised in the test with every failed rank's traceback and output.
+
+The launchers' own behaviour (rendezvous, restarts, signals, a rank killed with SIGKILL) stays on real torchrun.
+Set LM_TESTS_TORCHRUN=1 to send every `train()` of the tests to torchrun again, to compare.
+"""
+
+import atexit
+import datetime
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+START_TIMEOUT_S = 180
+"""How long a pool may take to start: every rank imports torch and lm, on a busy 2-core machine."""
+JOB_TIMEOUT_S = 600
+"""How long a job may run; the torchrun it replaces had the same limit."""
+GRACE_S = 30
+"""Once one rank has failed, how long the others have to answer before the pool is killed."""
+GROUP_TIMEOUT_S = 900
+"""The gloo group's own timeout: longer than a job's, so that the pool's timeout is the one that acts."""
+LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_MAX_RESTARTS")
+"""What torchrun sets for its ranks: a job's environment takes these from its pool, never from the test."""
+
+
+class WorkerError(AssertionError):
+    """A job failed on some rank, or the pool did not answer in time (the pool is gone then)."""
+
+
+def torchrun_forced() -> bool:
+    """Whether LM_TESTS_TORCHRUN=1 asks for the tests' runs on torchrun, as before the pools."""
+    return os.environ.get("LM_TESTS_TORCHRUN", "0") == "1"
+
+
+class Pool:
+    """`world_size` worker processes joined in one gloo group (none for one process), started at once."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        ctx = multiprocessing.get_context("spawn")
+        port = _free_port()
+        self.conns: list[Connection] = []
+        self.procs = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            # not daemonic: a daemonic process may start no children, and a job may (a compiler, DeepSpeed's build)
+            proc = ctx.Process(target=_serve, args=(rank, world_size, port, child),
+                               name=f"lm-worker-{world_size}.{rank}")
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        replies = self._collect(time.monotonic() + START_TIMEOUT_S, GRACE_S)
+        if any(r["error"] for r in replies):
+            self.kill()
+            raise WorkerError(f"a pool of {world_size} did not start:\n" + _report(replies))
+
+    def run(self, fn: Callable[..., Any], *args: Any, env: dict[str, str] | None = None,
+            timeout_s: float = JOB_TIMEOUT_S, grace_s: float = GRACE_S) -> list[dict]:
+        """Call `fn(*args)` in every rank with `env` as the environment (the launcher's keys the pool's own); one
+        reply per rank: its "value", "stdout" and "stderr". Raises WorkerError, the pool killed, when a rank
+        raises, dies or does not answer within `timeout_s` (`grace_s` once another rank has failed)."""
+        job_env = {k: v for k, v in (os.environ if env is None else env).items() if k not in LAUNCHER_KEYS}
+        for conn in self.conns:
+            conn.send((fn, args, job_env))
+        replies = self._collect(time.monotonic() + timeout_s, grace_s)
+        if any(r["error"] for r in replies):
+            self.kill()
+            raise WorkerError(f"{getattr(fn, '__name__', fn)} failed on a pool of {self.world_size}:\n"
+                              + _report(replies))
+        return replies
+
+    def _collect(self, deadline: float, grace_s: float) -> list[dict]:
+        """One reply per rank; a rank that died or did not answer by the deadline gets one that says so."""
+        replies: list[dict] = [{}] * self.world_size
+        waiting = dict(zip(self.conns, range(self.world_size)))
+        while waiting:
+            ready = wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for conn in ready:
+                rank = waiting.pop(conn)
+                try:
+                    replies[rank] = conn.recv()
+                except (EOFError, OSError):
+                    self.procs[rank].join(timeout=5)
+                    replies[rank] = {"rank": rank, "error": f"rank {rank} died (exit code "
+                                     f"{self.procs[rank].exitcode}) without a reply", "stdout": "", "stderr": ""}
+                if replies[rank]["error"]:
+                    deadline = min(deadline, time.monotonic() + grace_s)
+        for rank in waiting.values():
+            replies[rank] = {"rank": rank, "error": f"rank {rank} did not answer in time", "stdout": "", "stderr": ""}
+        return replies
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self) -> None:
+        """Ask the workers to end; kill any that do not within a few seconds."""
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout=5)
+        self.kill()
+
+    def kill(self) -> None:
+        """End every worker at once (one may be stuck in a collective that never completes)."""
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=10)
+        for conn in self.conns:
+            conn.close()
+        if _pools.get(self.world_size) is self:
+            del _pools[self.world_size]
+
+
+_pools: dict[int, Pool] = {}
+
+
+def pool(world_size: int) -> Pool:
+    """This session's pool of `world_size` ranks, started on first use or after a failed job killed it."""
+    current = _pools.get(world_size)
+    if current is None or not current.alive:
+        if current is not None:
+            current.kill()
+        current = _pools[world_size] = Pool(world_size)
+    return current
+
+
+def close_pools() -> None:
+    """End every pool (the session fixture's teardown, and at exit)."""
+    for p in list(_pools.values()):
+        p.close()
+
+
+atexit.register(close_pools)
+
+
+def train_in_pool(nproc: int, args: list[str], env: dict[str, str]) -> str:
+    """`python -m lm.train ARGS` on a pool of `nproc` ranks with the environment `env`; rank 0's stdout, what
+    torchrun printed of the run. Raises WorkerError with the failed ranks' output when a rank exits non-zero."""
+    return pool(nproc).run(run_train, args, env=env)[0]["stdout"]
+
+
+def run_train(args: list[str]) -> int:
+    """What `python -m lm.train ARGS` runs in a rank; a non-zero exit (2 for bad input, its error line on
+    stderr) is raised, so that the job fails."""
+    from lm.cli import run
+    from lm.train import main
+
+    code = run(main, args)
+    if code != 0:
+        raise RuntimeError(f"lm.train exited {code}")
+    return code
+
+
+def _report(replies: list[dict]) -> str:
+    """The failed ranks' errors and output: those that raised first, then those that died or did not answer."""
+    failed = [(rank, r) for rank, r in enumerate(replies) if r["error"]]
+    failed.sort(key=lambda item: not item[1]["error"].startswith("Traceback"))
+    return "\n".join(f"--- rank {rank}: {r['error']}\n--- stdout:\n{r['stdout']}\n--- stderr:\n{r['stderr']}"
+                     for rank, r in failed)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(rank: int, world_size: int, port: int, conn: Connection) -> None:
+    """A worker's life: join the group, then run jobs until told to stop (None) or the pool is killed."""
+    # before torch is imported: one thread per rank, as the torchrun of the tests had
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if world_size > 1:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                          LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0")
+    try:
+        import torch.distributed as dist
+
+        import lm.train  # noqa: F401  the tool and what it imports, once
+        import lm.training.job  # noqa: F401
+        from lm.cli import setup_logging
+
+        setup_logging()
+        if world_size > 1:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+        conn.send({"rank": rank, "error": None, "stdout": "", "stderr": ""})
+    except BaseException:
+        conn.send({"rank": rank, "error": traceback.format_exc(), "stdout": "", "stderr": ""})
+        os._exit(1)
+    launcher_env = {k: v for k, v in os.environ.items() if k in LAUNCHER_KEYS}
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            break
+        if job is None:
+            break
+        fn, args, env = job
+        conn.send(_run_job(rank, fn, args, {**env, **launcher_env}))
+    # as lm's tools end: gloo's threads may still hold the last tensors, and an interpreter teardown can abort
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _run_job(rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str]) -> dict:
+    """Run one job with its environment and output files, and put back what it changed of the process."""
+    import torch.distributed as dist
+
+    from lm.models import registry
+
+    grouped = dist.is_initialized()
+    saved_env = dict(os.environ)
+    root = logging.getLogger()
+    saved_logging = (root.level, list(root.handlers))
+    saved_signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    saved_families = (dict(registry._registered), registry._plugins_loaded)
+    saved_modules = set(sys.modules)
+    os.environ.clear()
+    os.environ.update(env)
+    root.setLevel(logging.INFO)  # init_distributed lowers it on ranks other than 0, per job
+    reply: dict[str, Any] = {"rank": rank, "value": None, "error": None}
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        held = _redirect(out, err)
+        try:
+            reply["value"] = fn(*args)
+            if grouped and not dist.is_initialized():
+                raise RuntimeError("the job destroyed the pool's process group, which later jobs need")
+        except BaseException:
+            reply["error"] = traceback.format_exc()
+        finally:
+            _restore(held)
+            os.environ.clear()
+            os.environ.update(saved_env)
+            root.setLevel(saved_logging[0])
+            root.handlers[:] = saved_logging[1]
+            for signum, handler in saved_signals.items():
+                signal.signal(signum, handler)
+            # a family module LM_FAMILIES named registers itself when imported: forget both, so the next job
+            # imports it again if it names it too
+            registry._registered.clear()
+            registry._registered.update(saved_families[0])
+            registry._plugins_loaded = saved_families[1]
+            for name in set(sys.modules) - saved_modules:
+                if name in {m.strip() for m in env.get("LM_FAMILIES", "").split(",")}:
+                    del sys.modules[name]
+            if "torch._dynamo" in sys.modules:
+                sys.modules["torch._dynamo"].reset()
+        out.seek(0)
+        err.seek(0)
+        reply["stdout"] = out.read().decode(errors="replace")
+        reply["stderr"] = err.read().decode(errors="replace")
+    return reply
+
+
+def _redirect(out, err) -> list[tuple[int, int]]:
+    """Send file descriptors 1 and 2 (prints, logging, C code) to `out` and `err`; what `_restore` needs."""
+    held = []
+    for stream, fd, target in ((sys.stdout, 1, out), (sys.stderr, 2, err)):
+        stream.flush()
+        held.append((fd, os.dup(fd)))
+        os.dup2(target.fileno(), fd)
+    return held
+
+
+def _restore(held: list[tuple[int, int]]) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, original in held:
+        os.dup2(original, fd)
+        os.close(original)
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """The environment the tests' runs get: the test's own (LM_FAMILIES, LM_FAULT_*), one thread per rank, and
+    DeepSpeed's op builds kept in the checkout so reruns are warm."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve()))
+    return env
