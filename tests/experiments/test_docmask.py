@@ -1,6 +1,7 @@
 """The docmask bench on a tiny model: packed windows of several documents, both model paths timed, and
 flex_attention checked against SDPA with the same document mask."""
 
+import pytest
 import torch
 
 from experiments.docmask import bench_attention, bench_model_paths, packed_positions
@@ -30,6 +31,7 @@ def test_model_rows_time_both_paths_beyond_the_block_size():
     assert ms["is_causal"] > 0 and ms["mask"] > 0
 
 
+@pytest.mark.slow  # 16 s on the 2-core machine: every row of the bench, flex_attention among them
 def test_attention_rows_and_flex_attention_matches_sdpa_with_the_mask():
     row = bench_attention(tiny(), CPU, 2, 64, warmup=1, reps=1)
     assert row["max |flex - mask|"] < 1e-5

@@ -236,6 +236,7 @@ torch.save(logits, sys.argv[3])
 """
 
 
+@pytest.mark.process  # transformers loads the exports in a process without lm
 def test_exports_load_and_give_our_logits_without_lm(tmp_path):
     """Each family's export holds no import of lm and runs in a Python where lm cannot be imported."""
     models = {"gpt": random_model(GPTConfig(**TINY, **DECODERS["demo-modern"])),
