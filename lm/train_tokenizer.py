@@ -23,7 +23,7 @@ from lm.data.tokenizer_training import Tally, check_vocab_size, compression, cor
 from lm.errors import ConfigError
 from lm.io import atomic_write_text, output_file_problem
 from lm.tokenizer import load_tokenizer
-from lm.tokenizer_json import TOKENIZER_CONFIG
+from lm.tokenizer.hf_json import TOKENIZER_CONFIG
 
 log = logging.getLogger("lm.train_tokenizer")
 

