@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 
+from lm.checkpoint.run_dir import RunLock
 from lm.cli import run
 from lm.data.shards import HEADER_BYTES
-from lm.training.run_dir import RunLock
 from tests.distributed.test_engines import heads_for
 
 TOOLS = {

@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lm.checkpoint.resume import changed_settings, load_checkpoint
+from lm.checkpoint.run_dir import check_run_paths, lock_run_dir, probe_output_dir
 from lm.checkpoint.store import checkpoint_root
 from lm.config import JobConfig, save_config
 from lm.distributed.env import DistEnv
@@ -21,7 +22,6 @@ from lm.errors import TrainingError
 from lm.hf.importing import is_hf_checkpoint, keep_origin
 from lm.models.registry import family_of
 from lm.plan.counts import flops_per_token, num_params, params_outside_embeddings
-from lm.plan.disk import checkpoint_bytes
 from lm.plan.flops import peak_flops
 from lm.report.metrics import perplexity
 from lm.tokenizer import load_tokenizer
@@ -29,9 +29,8 @@ from lm.training.evaluate import evaluate
 from lm.training.logger import MetricLogger, TrainWindow, hparams, val_line
 from lm.training.nonfinite import SkippedSteps
 from lm.training.preemption import StopSignals
-from lm.training.run_dir import check_run_paths, lock_run_dir
 from lm.training.samples import periodic_sample
-from lm.training.save import last_good, probe_output_dir, save_run
+from lm.training.save import last_good, save_run
 from lm.training.schedule import lr_at
 from lm.training.setup import build_run_engine, choose_start, open_data
 from lm.training.step import Step, train_step
@@ -49,7 +48,6 @@ class Trainer:
         self.after_step: list[Callable[[int], object]] = []
         """Called with the step number once each step is done (evaluated, sampled, saved when due)."""
         check_run_paths(cfg)
-        self.data = open_data(cfg, env)
         self.out_dir = Path(cfg.train.out_dir)
         self.ckpt_root = checkpoint_root(self.out_dir)
         # held until fit() ends; released at once if setting up fails, so a refused run leaves no trace
@@ -61,8 +59,9 @@ class Trainer:
             raise
 
     def _set_up(self) -> None:
-        """Everything that reads the run directory, under its lock: resume, engine, counters, config."""
+        """Everything after the lock is taken: data, resume, engine, counters, config."""
         cfg, env = self.cfg, self.env
+        self.data = open_data(cfg, env)
         start = choose_start(cfg, env, self.ckpt_root, self.data.identity())
         self.engine = build_run_engine(cfg, self.family, env, start.load_weights, start.load_universal)
         self.model = self.engine.model
@@ -73,15 +72,15 @@ class Trainer:
         self.fit_started: float | None = None
         if start.resume_from is not None:
             self._resume(start.resume_from)
+        if env.is_main and self.step < cfg.train.steps:  # a finished run is left as it is
+            probe_output_dir(cfg)
+            save_config(cfg, self.out_dir / "config.yaml")
+            if start.resume_from is None and cfg.checkpoint.init_from and is_hf_checkpoint(cfg.checkpoint.init_from):
+                keep_origin(cfg.checkpoint.init_from, self.out_dir)
         self.skipped = SkippedSteps(env.device)
         self.n_params = num_params(cfg.model, non_embedding=True)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, cfg.data)
         self.peak_flops = peak_flops(env.device)
-        if env.is_main and self.step < cfg.train.steps:  # a finished run is left as it is
-            probe_output_dir(self.out_dir, checkpoint_bytes(cfg))
-            save_config(cfg, self.out_dir / "config.yaml")
-            if start.resume_from is None and cfg.checkpoint.init_from and is_hf_checkpoint(cfg.checkpoint.init_from):
-                keep_origin(cfg.checkpoint.init_from, self.out_dir)
         if env.is_main:
             layout = ""
             if max(env.tp, env.pp, env.cp, env.dp_replicate) > 1:

@@ -1,4 +1,5 @@
-"""The run directory (train.out_dir): kept apart from the data it trains on, and used by one run at a time.
+"""The run directory (train.out_dir): kept apart from the data it trains on, writable with room for a
+checkpoint, and used by one run at a time.
 
 The lock is an OS lock (`fcntl.flock`) on `<out_dir>/.lock`, taken by rank 0 before the run reads or writes
 anything there and held until it ends. The kernel drops it when the holding process dies, however it dies
@@ -11,6 +12,7 @@ machine, and on NFS it holds across machines only where the mount supports it (N
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -19,6 +21,7 @@ from lm.checkpoint.store import home_run
 from lm.config import JobConfig
 from lm.distributed.env import DistEnv
 from lm.errors import CheckpointError, ConfigError
+from lm.plan.disk import checkpoint_bytes
 
 LOCK = ".lock"
 
@@ -46,6 +49,26 @@ def check_run_paths(cfg: JobConfig) -> None:
         if out in data.parents:
             raise ConfigError(f"{key}: {source.dir!r} is inside train.out_dir {cfg.train.out_dir!r}; keep "
                               "prepared data out of the run directory")
+
+
+def probe_output_dir(cfg: JobConfig) -> None:
+    """Fail before training, not at the first save, when train.out_dir cannot be written or lacks the space
+    for one checkpoint of `cfg` (`lm.plan.disk`)."""
+    out_dir, needed = Path(cfg.train.out_dir), checkpoint_bytes(cfg)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".write_probe"
+        with open(probe, "wb") as f:
+            f.write(b"lm")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+        free = shutil.disk_usage(out_dir).free
+    except OSError as err:
+        raise CheckpointError(f"train.out_dir: cannot write to {out_dir}: {err.strerror or err}") from None
+    if free < needed:
+        raise CheckpointError(f"train.out_dir: {out_dir} has {free / 2**20:,.0f} MiB free, less than one "
+                              f"checkpoint needs (about {needed / 2**20:,.0f} MiB)")
 
 
 class RunLock:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from lm.checkpoint.run_dir import LOCK, RunLock, check_run_paths
 from lm.config import load_config
 from lm.errors import CheckpointError, ConfigError
-from lm.training.run_dir import LOCK, RunLock, check_run_paths
 from tests.training.test_faults import TINY, run_env
 
 
