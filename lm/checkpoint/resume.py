@@ -4,7 +4,6 @@ model, its optimizer, its engine family or (unless checkpoint.allow_data_change)
 run's."""
 
 import logging
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -15,9 +14,7 @@ from lm.checkpoint.store import complete_checkpoints, read_config, read_state, r
 from lm.config import JobConfig, config_diff
 from lm.distributed.engine import Engine
 from lm.distributed.env import DistEnv
-from lm.distributed.zero import DEEPSPEED_TAG, UNIVERSAL_TAG, convert_to_universal
 from lm.errors import CheckpointError, ConfigError
-from lm.io import publish_dir
 from lm.models.config import TRAINING_KEYS, ModelConfig
 
 log = logging.getLogger("lm.checkpoint")
@@ -40,14 +37,12 @@ def find_resume(root: Path, mode: str, env: DistEnv, allow_unverified: bool = Fa
 
 def check_resume(path: Path, cfg: JobConfig, data: dict, env: DistEnv) -> bool:
     """Refuse a checkpoint that does not fit the run (model, data, engine family); True when the engine
-    must load the DeepSpeed checkpoint's universal form, which this makes if it is not there yet."""
+    must load the DeepSpeed checkpoint's universal form (which the engine makes when it loads, if it is not
+    there yet)."""
     check_compatible(path, cfg)
     check_optimizer(path, cfg)
     check_data(path, data, cfg)
-    load_universal = check_engine(path, cfg, env.world_size)
-    if load_universal:
-        ensure_universal(path, env)
-    return load_universal
+    return check_engine(path, cfg, env.world_size)
 
 
 def latest_valid_checkpoint(root: Path, env: DistEnv | None = None, allow_unverified: bool = False) -> Path | None:
@@ -95,18 +90,6 @@ def check_engine(path: Path, cfg: JobConfig, world_size: int) -> bool:
         )
     resharded = state["world_size"] != world_size or state.get("zero_stage") != cfg.parallel.zero_stage
     return saved == "deepspeed" and resharded
-
-
-def ensure_universal(path: Path, env: DistEnv) -> None:
-    """Give a DeepSpeed checkpoint a universal twin (`deepspeed_universal/`), which loads at any world
-    size and ZeRO stage; rank 0 converts once, into a temporary directory renamed when complete."""
-    if env.is_main and not (path / UNIVERSAL_TAG).is_dir():
-        log.info("%s: converting the DeepSpeed checkpoint to a universal one for another world size or stage", path)
-        tmp_tag = UNIVERSAL_TAG + ".tmp"
-        shutil.rmtree(path / tmp_tag, ignore_errors=True)
-        convert_to_universal(path, DEEPSPEED_TAG, tmp_tag)
-        publish_dir(path / tmp_tag, path / UNIVERSAL_TAG)
-    env.barrier()
 
 
 def load_checkpoint(path: Path, engine: Engine, env: DistEnv) -> dict:

@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -22,7 +23,7 @@ from lm.distributed.env import DistEnv
 from lm.distributed.materialize import WeightLoader, materialize
 from lm.distributed.optim import build_optimizer, set_lr
 from lm.errors import ConfigError
-from lm.io import held_output
+from lm.io import held_output, publish_dir
 from lm.models.family import Family, Run
 
 T = TypeVar("T")
@@ -137,6 +138,18 @@ def convert_to_universal(step_dir: Path, tag: str, out_tag: str) -> None:
     ds_to_universal.main(args)
 
 
+def ensure_universal(path: Path, env: DistEnv) -> None:
+    """Give a DeepSpeed checkpoint a universal twin (`deepspeed_universal/`), which loads at any world
+    size and ZeRO stage; rank 0 converts once, into a temporary directory renamed when complete."""
+    if env.is_main and not (path / UNIVERSAL_TAG).is_dir():
+        log.info("%s: converting the DeepSpeed checkpoint to a universal one for another world size or stage", path)
+        tmp_tag = UNIVERSAL_TAG + ".tmp"
+        shutil.rmtree(path / tmp_tag, ignore_errors=True)
+        convert_to_universal(path, DEEPSPEED_TAG, tmp_tag)
+        publish_dir(path / tmp_tag, path / UNIVERSAL_TAG)
+    env.barrier()
+
+
 class DeepSpeedEngine:
     """DeepSpeed ZeRO stage 1-3 around our model and our AdamW; DeepSpeed's own checkpoints."""
 
@@ -203,7 +216,10 @@ class DeepSpeedEngine:
         self.engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG)
 
     def load(self, directory: Path) -> None:
-        tag = UNIVERSAL_TAG if self.load_universal else DEEPSPEED_TAG
+        tag = DEEPSPEED_TAG
+        if self.load_universal:
+            ensure_universal(directory, self.env)
+            tag = UNIVERSAL_TAG
         path, _ = self.engine.load_checkpoint(str(directory), tag=tag, load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"{directory / tag}: DeepSpeed found no checkpoint to load")
