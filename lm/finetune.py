@@ -19,6 +19,7 @@ from lm.checkpoint.trunk import saved_config
 from lm.cli import exit_without_teardown, run
 from lm.config import JobConfig, parse_cli
 from lm.errors import ConfigError
+from lm.hf.importing import is_hf_checkpoint
 from lm.models.registry import family_of
 
 DESCRIPTION = "Fine-tune a pretrained encoder: a classify or regress head on a labelled file (task.file)."
@@ -42,6 +43,9 @@ def encoder_config(path: Path) -> JobConfig:
     """The config of the checkpoint --encoder names, one of a family that fine-tunes a head."""
     if not path.exists():
         raise ConfigError(f"--encoder: no such file or directory {str(path)!r}")
+    if is_hf_checkpoint(path):
+        raise ConfigError(f"--encoder: {path} is a Hugging Face checkpoint; lm.finetune starts from an lm "
+                          "checkpoint (a run directory, a step directory or a consolidated .safetensors)")
     saved = saved_config(path)
     if family_of(saved.model).training.head is None:
         raise ConfigError(f"--encoder: {path} holds {saved.model.title} (model.arch={saved.model.arch}), which "

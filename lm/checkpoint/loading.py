@@ -27,16 +27,20 @@ def init_from_loader(path: Path, cfg: JobConfig) -> WeightLoader:
     head (an encoder's classify or regress) starts from an encoder checkpoint's trunk instead (`trunk_loader`)."""
     if cfg.model.task_head:
         return trunk_loader(path, cfg)
-    source = read_hf_model(path) if path.is_dir() else None  # a directory without config.json is refused by name
-    saved = config_class(source.arch)(**source.fields) if source else read_consolidated_config(path).model
-    if mismatch := family_mismatch(saved, cfg.model):
-        raise ConfigError(f"checkpoint.init_from: {path} {mismatch}")
-    if details := model_diff(saved, cfg.model):
-        raise ConfigError(f"checkpoint.init_from: {path} holds a different model ({details})")
-    if source is None:
+    if not path.is_dir():
+        saved = read_consolidated_config(path).model
+        if mismatch := family_mismatch(saved, cfg.model):
+            raise ConfigError(f"checkpoint.init_from: {path} {mismatch}")
+        if details := model_diff(saved, cfg.model):
+            raise ConfigError(f"checkpoint.init_from: {path} holds a different model ({details})")
         return functools.partial(load_consolidated_weights, path)
-    with torch.device("meta"):  # the tensors' names and shapes, checked before the engine allocates the model
-        check_hf_weights(source, family_of(saved).build(saved))
+    # A transformers checkpoint: the config took its model section from this config.json when it was loaded
+    # (lm.config.init_from), so what is left to check is every tensor's name and shape, before the engine
+    # allocates the model.
+    with torch.device("meta"):
+        model = family_of(cfg.model).build(cfg.model)
+    source = read_hf_model(path)  # a directory without config.json is refused by name
+    check_hf_weights(source, model)
     return functools.partial(load_hf_weights, source)
 
 

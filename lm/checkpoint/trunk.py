@@ -22,16 +22,12 @@ from lm.checkpoint.store import read_config, resolve_checkpoint
 from lm.config import JobConfig
 from lm.distributed.materialize import WeightLoader
 from lm.errors import CheckpointError, ConfigError
-from lm.hf.importing import is_hf_checkpoint
 from lm.models.config import ModelConfig
 from lm.models.registry import family_of
 
 
 def saved_config(path: Path) -> JobConfig:
     """The config of the checkpoint at `path` (a consolidated file, a run or a step directory)."""
-    if is_hf_checkpoint(path):
-        raise ConfigError(f"checkpoint.init_from: {path} is a Hugging Face checkpoint; fine-tuning starts from an "
-                          "lm checkpoint (a run directory, a step directory or a consolidated .safetensors)")
     if path.suffix == ".safetensors":
         return read_consolidated_config(path)
     return read_config(resolve_checkpoint(path))

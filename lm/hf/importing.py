@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from lm.hf.targets import HFReader
 
 __all__ = ["CONFIG_NAME", "GENERATION_CONFIG", "ORIGIN_DIR", "HFModel", "find_origin", "is_hf_checkpoint",
-           "keep_origin", "read_config_json"]
+           "keep_origin", "named_class", "read_config_json"]
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -58,6 +58,24 @@ def read_config_json(directory: str | Path) -> tuple[dict[str, Any], Path]:
         raise CheckpointError(f"{origin}: expected a JSON object of settings")
     check_config_json(hf, origin)
     return hf, origin
+
+
+def named_class(hf: dict[str, Any], origin: Path, model_types: dict[str, str]) -> str:
+    """Which of the transformers classes of `model_types` (class -> its model_type) the settings `hf` read from
+    `origin` describe: the one class they name in `architectures`, else the class of their `model_type`.
+    CheckpointError naming the file and the supported classes otherwise."""
+    archs = hf.get("architectures") or []
+    supported = ", ".join(model_types)
+    if archs:
+        if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in model_types:
+            raise CheckpointError(f"{origin}: architectures={archs} is not one lm imports; supported: {supported}")
+        return archs[0]
+    model_type = hf.get("model_type")
+    by_type = {kind: hf_class for hf_class, kind in model_types.items()}
+    if model_type not in by_type:
+        raise CheckpointError(f"{origin}: model_type={model_type!r} (and no architectures) is not one lm imports; "
+                              f"supported: {supported}")
+    return by_type[model_type]
 
 
 def keep_origin(directory: str | Path, run_dir: Path) -> None:

@@ -8,7 +8,7 @@ config.json alone, before any weight is read: one CheckpointError naming the fil
 from pathlib import Path
 
 from lm.errors import CheckpointError
-from lm.hf.importing import HFModel, read_config_json
+from lm.hf.importing import HFModel, named_class, read_config_json
 from lm.hf.targets import HFReader
 from lm.models.registry import family_names, get_family
 
@@ -21,21 +21,6 @@ def _readers() -> dict[str, tuple[str, HFReader]]:
             for hf_class, reader in get_family(name).hf.readers.items()}
 
 
-def _hf_class(hf: dict, origin: Path, readers: dict[str, tuple[str, HFReader]]) -> str:
-    archs = hf.get("architectures") or []
-    supported = ", ".join(readers)
-    if archs:
-        if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in readers:
-            raise CheckpointError(f"{origin}: architectures={archs} is not one lm imports; supported: {supported}")
-        return archs[0]
-    model_type = hf.get("model_type")
-    by_type = {reader.model_type: hf_class for hf_class, (_, reader) in readers.items()}
-    if model_type not in by_type:
-        raise CheckpointError(f"{origin}: model_type={model_type!r} (and no architectures) is not one lm imports; "
-                              f"supported: {supported}")
-    return by_type[model_type]
-
-
 def read_hf_model(directory: str | Path) -> HFModel:
     """The family and model config keys of the transformers checkpoint in `directory`, from its config.json.
 
@@ -43,9 +28,9 @@ def read_hf_model(directory: str | Path) -> HFModel:
     written for a checkpoint that would not give its own logits.
     """
     directory = Path(directory)
-    hf, origin = read_config_json(directory)
     readers = _readers()
-    hf_class = _hf_class(hf, origin, readers)
+    hf, origin = read_config_json(directory)
+    hf_class = named_class(hf, origin, {name: reader.model_type for name, (_, reader) in readers.items()})
     arch, reader = readers[hf_class]
     problems: list[str] = []
     if hf.get("quantization_config"):

@@ -166,6 +166,19 @@ def test_a_decoder_checkpoint_is_not_an_encoder(trained_run, separable_rows, tmp
     assert not out.exists()
 
 
+def test_a_hugging_face_checkpoint_is_no_encoder_to_fine_tune(separable_rows, tmp_path, capsys):
+    hf = tmp_path / "bert"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"architectures": ["BertForMaskedLM"], "model_type": "bert"}')
+    task = write_rows(tmp_path / "lines.csv", separable_rows)
+    out = tmp_path / "ft"
+    assert finetune_run(hf, out, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --encoder: {hf} is a Hugging Face checkpoint; lm.finetune starts from an lm checkpoint "
+                   "(a run directory, a step directory or a consolidated .safetensors)"], err
+    assert not out.exists()
+
+
 def test_a_changed_encoder_checkpoint_is_refused_as_a_resume_refuses_it(encoder_run, separable_rows, tmp_path,
                                                                         capsys):
     encoder = tmp_path / "encoder"
