@@ -322,11 +322,12 @@ def check_manifest(manifest: dict, tokenizer: str, vocab_size: int, data_dir: st
     """Fail if prepared data was tokenized differently from what the job config expects: by another tokenizer
     (`manifest_tokenizer`; a tokenizer.json named by `tokenizer` is read to hash it), or with ids the model
     cannot hold (a tiktoken encoding's size must equal model.vocab_size; a tokenizer.json's fit within it)."""
+    found = manifest_tokenizer(manifest)
     expected = tokenizer_identity(tokenizer)
-    if manifest_tokenizer(manifest) != expected:
+    if found != expected:
         name = manifest["tokenizer"]
         raise DataError(
-            f"{data_dir}: prepared with tokenizer {_described(name, manifest_tokenizer(manifest))}, but "
+            f"{data_dir}: prepared with tokenizer {_described(name, found)}, but "
             f"data.tokenizer={_described(tokenizer, expected)}, which makes other ids; prepare again with "
             f"`python -m lm.prepare` and this data.tokenizer (into another data.dir to keep these shards), or set "
             f"data.tokenizer to the one the shards were prepared with"
