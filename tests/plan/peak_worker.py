@@ -1,13 +1,17 @@
 """One rank of a small training run that reports the most heap memory it held during a training step, for
-tests/plan/test_layouts.py: run under torchrun with lm.train's flags; writes <out_dir>/peak_rank<R>.json.
+tests/plan/test_layouts.py: `main` runs as a job of the tests' 4-rank pool (`tests.workers`), or this file under
+torchrun with lm.train's flags; writes <out_dir>/peak_rank<R>.json and returns the peak.
 
 The heap is measured with glibc's mallinfo2 (bytes in use), which sees every tensor because `tune_cpu` (run
 when the device is set up) makes glibc serve even large allocations from the heap. The baseline is taken after
 the process group is up and before the model is built; a thread samples the heap every millisecond while the
 second step trains (after the first, the optimizer state exists), and the peak over the baseline is reported.
+In a pool's long-lived process the garbage of earlier jobs is collected before the baseline, so none of it is
+freed during the measured step, and the sampling thread ends with the job.
 """
 
 import ctypes
+import gc
 import json
 import os
 import sys
@@ -36,20 +40,22 @@ def in_use() -> int:
     return info.uordblks + info.hblkhd
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
     cfg = load_config(None, argv)
     env = init_distributed(cfg.train.device, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+    gc.collect()
     baseline = in_use()
     trainer = Trainer(cfg, env)
-    peak, sampling = [0], threading.Event()
+    peak, sampling, done = [0], threading.Event(), threading.Event()
 
     def sample() -> None:
-        while True:
+        while not done.is_set():
             if sampling.is_set():
                 peak[0] = max(peak[0], in_use())
             time.sleep(0.001)
 
-    threading.Thread(target=sample, daemon=True).start()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     step = trainer._train_step
 
     def measured_step(lr):
@@ -61,10 +67,14 @@ def main(argv: list[str]) -> None:
             sampling.clear()
 
     trainer._train_step = measured_step
-    trainer.fit()
+    try:
+        trainer.fit()
+    finally:
+        done.set()
+        sampler.join()
     Path(cfg.train.out_dir, f"peak_rank{env.rank}.json").write_text(json.dumps({"peak": peak[0] - baseline}))
     env.barrier()
-
+    return peak[0] - baseline
 
 if __name__ == "__main__":
     main(sys.argv[1:])

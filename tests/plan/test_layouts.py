@@ -3,7 +3,6 @@ peak of small runs of each layout on 4 CPU processes, against published figures,
 
 import glob
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,8 @@ from lm.config import load_config
 from lm.plan.layouts import estimate_layout, layout_rows, pick_layout
 from lm.plan.memory import GIB, estimate_memory
 from lm.train import main as train_main
+from tests.plan import peak_worker
+from tests.workers import job_env, pool, torchrun_forced
 
 WORKER = Path(__file__).with_name("peak_worker.py")
 # big enough that the model's tensors, not the process's own allocations, make the peak: ~0.3-1 GB per rank
@@ -31,11 +32,14 @@ def test_the_estimate_is_within_a_fifth_of_the_measured_peak(tp, pp, checkpointi
     flags = [*MEASURED, f"--parallel.tp={tp}", f"--parallel.pp={pp}",
              f"--parallel.activation_checkpointing={checkpointing}", f"--data.dir={tiny_data_dir}"]
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                             str(WORKER), *flags, f"--train.out_dir={out}"], capture_output=True, text=True,
-                            timeout=600, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    env = job_env(PYTHONPATH=str(Path.cwd()))
+    if torchrun_forced():
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                                 str(WORKER), *flags, f"--train.out_dir={out}"], capture_output=True, text=True,
+                                timeout=600, env=env)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    else:
+        pool(4).run(peak_worker.main, [*flags, f"--train.out_dir={out}"], env=env)
     peaks = [json.loads(Path(p).read_text())["peak"] for p in sorted(glob.glob(str(out / "peak_rank*.json")))]
     assert len(peaks) == 4
     estimate = estimate_layout(load_config(None, flags), tp, pp, 4 // (tp * pp), checkpointing).total
