@@ -2,10 +2,10 @@
 step (forward, backward, clip, AdamW) with the blocks compiled (the trainer before the loss was compiled),
 the blocks and the float32 loss (`train.compile` now), and the whole forward with the loss in one graph.
 
-    python -m experiments.compile_scope [--device cuda] [--micro 16 32] [--warmup 3] [--reps 10]
+    python -m experiments.compile_scope [--device cuda] [--micro 16 32] [--warmup 3] [--reps 10] [--preset demo]
 
-Prints one row per (what is compiled, micro-batch). Meant for a GPU; on a CPU gpt2-124m runs one 256-token
-sequence per step, as in lm.bench.
+Prints one row per (what is compiled, micro-batch). Meant for a GPU; on a CPU every step is one sequence (of
+256 tokens for gpt2-124m, as in lm.bench). --preset times another config of configs/ (the tests use demo).
 """
 
 import argparse
@@ -29,9 +29,10 @@ from lm.plan.flops import peak_flops
 SCOPES = ["blocks", "blocks+loss", "whole"]
 
 
-def measure(device: torch.device, scope: str, micro: int, warmup: int, reps: int) -> list[str]:
+def measure(device: torch.device, scope: str, micro: int, warmup: int, reps: int,
+            preset: str = "gpt2-124m") -> list[str]:
     torch._dynamo.reset()  # each row compiles from nothing and is timed after its own warm-up
-    cfg, _ = preset_config("gpt2-124m", device)
+    cfg, _ = preset_config(preset, device)
     if device.type == "cpu":
         micro = 1
     family = family_of(cfg.model)
@@ -80,10 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scopes", nargs="+", default=SCOPES, choices=SCOPES)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=positive_int, default=10)
+    parser.add_argument("--preset", default="gpt2-124m", help="a config of configs/ by name (default gpt2-124m)")
     args = parser.parse_args(argv)
     device = init_device(args.device, "--device")
-    rows = [measure(device, scope, micro, args.warmup, args.reps) for micro in args.micro for scope in args.scopes]
-    print_table("compile scope: gpt2-124m training step (forward, backward, clip, AdamW), one process",
+    rows = [measure(device, scope, micro, args.warmup, args.reps, args.preset)
+            for micro in args.micro for scope in args.scopes]
+    print_table(f"compile scope: {args.preset} training step (forward, backward, clip, AdamW), one process",
                 ["compiled", "batch x seq", "ms/step", "tokens/s", "MFU %", "peak GiB", "first step s"], rows)
     return 0
 
