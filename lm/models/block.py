@@ -18,7 +18,9 @@ class Block(nn.Module):
     (OLMo 2): x + norm(f(x)).
     """
 
-    def __init__(self, cfg: TransformerConfig, causal: bool = True, cross: bool = False) -> None:
+    def __init__(self, cfg: TransformerConfig, causal: bool = True, cross: bool = False,
+                 mlp: nn.Module | None = None) -> None:
+        """`mlp`: the feed-forward sublayer, when not the dense `MLP` (a mixture of experts)."""
         super().__init__()
         self.norm_position = cfg.norm_position
         self.ln_1 = make_norm(cfg)
@@ -27,7 +29,7 @@ class Block(nn.Module):
             self.ln_cross = make_norm(cfg)
             self.cross = CrossAttention(cfg)
         self.ln_2 = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if mlp is None else mlp
 
     def _residual(self, x: torch.Tensor, norm: nn.Module,
                   sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -34,10 +34,11 @@ class MLP(nn.Module):
     matrices so that a tensor-parallel rank keeps the same hidden units of both by splitting each along its rows.
     """
 
-    def __init__(self, cfg: TransformerConfig) -> None:
+    def __init__(self, cfg: TransformerConfig, hidden: int = 0) -> None:
+        """`hidden` units (0: model.d_ff's, `ff_dim`)."""
         super().__init__()
         self.kind = cfg.mlp
-        hidden = cfg.ff_dim
+        hidden = hidden or cfg.ff_dim
         if cfg.mlp == "swiglu":
             self.gate = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
         self.fc = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
@@ -47,17 +48,25 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T, C) -> (B, T, C)."""
-        h = self.fc(x)  # (B, T, hidden)
-        if self.kind == "swiglu":
-            h = F.silu(self.gate(x)) * h
-        elif self.kind == "relu":
-            h = F.relu(h)
-        elif self.kind == "relu2":  # the modded-nanogpt MLP: sparse like ReLU, smooth at 0 like GELU
-            h = F.relu(h).square()
-        else:
-            # GPT-2 was trained with the tanh approximation of GELU; keep it so its weights load unchanged.
-            h = F.gelu(h, approximate="tanh")
-        return self.drop(self.proj(h))
+        gate = self.gate(x) if self.kind == "swiglu" else None
+        return self.drop(self.proj(activate(self.kind, self.fc(x), gate)))  # hidden: (B, T, hidden)
+
+    def residual_outputs(self) -> set[nn.Module]:
+        """What writes into the residual stream (drawn with GPT-2's smaller scale, `lm.models.init`)."""
+        return {self.proj}
+
+
+def activate(kind: str, h: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The hidden units of a feed-forward network of model.mlp `kind`: its up projection h, and for swiglu its
+    gate projection, both (..., hidden)."""
+    if kind == "swiglu":
+        return F.silu(gate) * h
+    if kind == "relu":
+        return F.relu(h)
+    if kind == "relu2":  # the modded-nanogpt MLP: sparse like ReLU, smooth at 0 like GELU
+        return F.relu(h).square()
+    # GPT-2 was trained with the tanh approximation of GELU; keep it so its weights load unchanged.
+    return F.gelu(h, approximate="tanh")
 
 
 def sinusoidal_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
