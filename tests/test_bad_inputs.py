@@ -227,6 +227,9 @@ CASES = [
          r"model.logit_softcap: must be >= 0 \(0 = off\)"),
     Case("config: a loss chunk below zero", "train", train("--model.loss_chunk=-1"),
          r"model.loss_chunk: must be >= 0 \(0 turns chunking off\), got -1"),
+    Case("config: more experts per token than experts", "train",
+         train("--model.n_experts=4", "--model.experts_per_token=5"),
+         r"model.experts_per_token: 5 experts per token of model.n_experts=4; it must be 1 to 4"),
     # data: prepared shards, their manifest, and the corpus lm.prepare reads
     Case("data: no data directory", "train", train(data="{ws}/nowhere"),
          r"data.dir: no directory '{ws}/nowhere'; run `python -m lm.prepare` first"),

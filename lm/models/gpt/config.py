@@ -51,6 +51,41 @@ class GPTConfig(TransformerConfig):
     """Compute the output head and loss this many of the B*T positions at a time, recomputing each chunk's
     logits in backward, so the full (B*T, vocab) logits never exist. 0: off, the whole head at once."""
 
+    n_experts: int = 0
+    """Routed experts of each mixture-of-experts block (`lm.models.gpt.moe`); 0: every block has one dense MLP.
+    Experts are feed-forward networks of model.mlp's kind without biases (as Mixtral's, Qwen3-MoE's, OLMoE's)."""
+    experts_per_token: int = 2
+    """The experts the router sends each token to (top-k)."""
+    n_shared_experts: int = 0
+    """Experts every token goes through beside its routed ones (DeepSeek, Qwen2-MoE), each expert_d_ff wide."""
+    expert_d_ff: int = 0
+    """Hidden units of each expert; 0 means model.d_ff's (4 * d_model, or Llama's 8/3 * d_model for swiglu)."""
+    moe_every: int = 1
+    """Which blocks after the first moe_first_dense are mixtures of experts: every moe_every-th (1: all of them)."""
+    moe_first_dense: int = 0
+    """How many blocks at the bottom keep a dense MLP (DeepSeek-V3: 3)."""
+    router: str = "softmax"
+    """softmax: the top-k of the softmax over the experts (Mixtral, Qwen3-MoE, OLMoE); sigmoid: the top-k of
+    each expert's sigmoid score, their weights normalised to sum to 1 (DeepSeek-V3)."""
+    router_renorm: bool = True
+    """softmax router: rescale the k chosen weights to sum to 1 (Mixtral, Qwen3-MoE); false keeps the softmax's
+    own (OLMoE)."""
+    aux_loss_coef: float = 0.01
+    """Weight in the objective of the load-balancing loss (the term moe_balance, 1 when the load is even)."""
+    router_z_loss_coef: float = 0.0
+    """Weight in the objective of the router z-loss (the term router_z): the mean squared log-sum-exp of the
+    router logits (ST-MoE uses 1e-3)."""
+
+    @property
+    def expert_ff(self) -> int:
+        """Hidden units of one expert."""
+        return self.expert_d_ff or self.ff_dim
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` (from 0) is a mixture of experts."""
+        after = layer - self.moe_first_dense
+        return self.n_experts > 0 and after >= 0 and (after + 1) % self.moe_every == 0
+
     def rotary_layer(self, layer: int) -> bool:
         """Whether block `layer` (from 0) rotates its queries and keys: not every nope_interval-th one."""
         return self.pos == "rope" and not (self.nope_interval and (layer + 1) % self.nope_interval == 0)
@@ -77,7 +112,26 @@ class GPTConfig(TransformerConfig):
                     f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}")
             if self.rope_original_context < 1:
                 raise ConfigError(f"model.rope_original_context: must be at least 1, got {self.rope_original_context}")
+        self._check_experts()
         if self.logit_softcap < 0:
             raise ConfigError(f"model.logit_softcap: must be >= 0 (0 = off), got {self.logit_softcap}")
         if self.loss_chunk < 0:
             raise ConfigError(f"model.loss_chunk: must be >= 0 (0 turns chunking off), got {self.loss_chunk}")
+
+    def _check_experts(self) -> None:
+        check_choice("router", self.router, ("softmax", "sigmoid"))
+        for key in ("n_experts", "n_shared_experts", "expert_d_ff", "moe_first_dense"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"model.{key}: must be >= 0, got {getattr(self, key)}")
+        for key in ("aux_loss_coef", "router_z_loss_coef"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"model.{key}: must be >= 0, got {getattr(self, key)}")
+        if self.moe_every < 1:
+            raise ConfigError(f"model.moe_every: must be >= 1 (1: every block), got {self.moe_every}")
+        if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
+            raise ConfigError(f"model.experts_per_token: {self.experts_per_token} experts per token of "
+                              f"model.n_experts={self.n_experts}; it must be 1 to {self.n_experts}")
+        if self.n_experts and not any(self.moe_layer(i) for i in range(self.n_layer)):
+            raise ConfigError(f"model.n_experts: {self.n_experts} experts, but no block of the {self.n_layer} "
+                              f"(model.n_layer) is a mixture of experts with model.moe_first_dense="
+                              f"{self.moe_first_dense} and model.moe_every={self.moe_every}")

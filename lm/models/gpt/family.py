@@ -1,18 +1,21 @@
 """The decoder-only family (model.arch gpt): GPT-2 by default, Llama, Mistral and Qwen2 by options."""
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
 from lm.models import next_token
-from lm.models.family import Estimates, Family, HFAdapter, Parallel, TPStyle, no_problem
+from lm.models.family import PLAIN_LOSS, Estimates, Family, HFAdapter, LossOptions, Parallel, Run, TPStyle
 from lm.models.gpt import hf, hf_remote
 from lm.models.gpt.config import GPTConfig
 from lm.models.sizes import checkpointed_blocks, layer_activation_bytes, logits_bytes, stack_bytes
 
 if TYPE_CHECKING:
+    import torch
     import torch.nn as nn
 
     from lm.data.config import DataConfig
+    from lm.models.terms import Losses
 
 
 def build(cfg: GPTConfig) -> "nn.Module":
@@ -54,9 +57,29 @@ def tensor_styles(model: "nn.Module") -> dict[str, TPStyle]:
     return plan
 
 
+def loss(model: "nn.Module", run: Run, batch: list["torch.Tensor"], optim: LossOptions = PLAIN_LOSS) -> "Losses":
+    """The next-token loss (`lm.models.next_token`), and with model.n_experts the routers' terms
+    (`lm.models.gpt.moe.with_router_terms`)."""
+    from lm.models.gpt.moe import router_stats, with_router_terms
+
+    losses = next_token.loss(model, run, batch, optim)
+    cfg = model.cfg
+    return with_router_terms(losses, router_stats(model), batch[1].numel(), cfg.aux_loss_coef,
+                             cfg.router_z_loss_coef) if cfg.n_experts else losses
+
+
+def _experts_problem(cfg: GPTConfig, layout: str) -> str | None:
+    if cfg.n_experts:
+        return (f"model.n_experts: mixtures of experts train on data-parallel engines (ddp, fsdp, deepspeed) only "
+                f"so far, not under {layout}")
+    return None
+
+
 def tensor_problem(cfg: GPTConfig, tp: int) -> str | None:
     """Each rank keeps n_head / tp query heads, n_kv_head / tp key/value heads, d_ff / tp hidden units and a 1/tp
-    slice of the (padded) vocabulary, so tp must divide all four."""
+    slice of the (padded) vocabulary, so tp must divide all four. Experts have no tensor-parallel plan yet."""
+    if problem := _experts_problem(cfg, "tensor parallelism (parallel.tp)"):
+        return problem
     sizes = {"query heads (model.n_head)": cfg.n_head, "key/value heads (model.n_kv_head)": cfg.kv_heads,
              "feed-forward units (model.d_ff)": cfg.ff_dim, "padded vocabulary rows": cfg.padded_vocab_size}
     for what, n in sizes.items():
@@ -77,7 +100,9 @@ def tensor_problem(cfg: GPTConfig, tp: int) -> str | None:
 
 def pipeline_problem(cfg: GPTConfig, stages: int) -> str | None:
     """Every stage holds one block or more; the embedding sits on the first stage and the head on the last, so
-    they cannot share one weight."""
+    they cannot share one weight. The routers' loss terms are not gathered across stages yet."""
+    if problem := _experts_problem(cfg, "pipeline parallelism (parallel.pp)"):
+        return problem
     if stages > cfg.n_layer:
         return (f"{stages} pipeline stages (parallel.pp x parallel.pp_stages_per_rank) are more than the "
                 f"model's {cfg.n_layer} layers (model.n_layer); use at most {cfg.n_layer}")
@@ -87,11 +112,25 @@ def pipeline_problem(cfg: GPTConfig, stages: int) -> str | None:
     return None
 
 
+def context_problem(cfg: GPTConfig, ranks: int) -> str | None:
+    """Context parallelism splits every config but a mixture of experts, whose routers would see a slice of
+    each sequence on each rank."""
+    return _experts_problem(cfg, "context parallelism (parallel.cp)")
+
+
+def idle_expert_params(cfg: GPTConfig) -> int:
+    """The parameters of the experts a token does not go through: (n_experts - experts_per_token) experts in
+    every mixture-of-experts block."""
+    per_expert = (3 if cfg.mlp == "swiglu" else 2) * cfg.d_model * cfg.expert_ff
+    blocks = sum(cfg.moe_layer(i) for i in range(cfg.n_layer))
+    return blocks * (cfg.n_experts - cfg.experts_per_token) * per_expert if cfg.n_experts else 0
+
+
 def flops_per_token(cfg: GPTConfig, seq_len: int, data: "DataConfig", params: int) -> float:
-    """6 per parameter (forward + backward) plus the attention scores: 12 * n_layer * n_head * head_dim * seq_len
-    for QK^T and AV in forward and backward (the PaLM appendix B estimate), counted for full rather than causal
-    attention."""
-    return 6 * params + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
+    """6 per active parameter (forward + backward; a mixture of experts' idle experts left out) plus the
+    attention scores: 12 * n_layer * n_head * head_dim * seq_len for QK^T and AV in forward and backward (the
+    PaLM appendix B estimate), counted for full rather than causal attention."""
+    return 6 * (params - idle_expert_params(cfg)) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
 
 
 def activation_bytes(cfg: GPTConfig, data: "DataConfig", micro_batch: int, act_bytes: int, residual_bytes: int,
@@ -102,6 +141,12 @@ def activation_bytes(cfg: GPTConfig, data: "DataConfig", micro_batch: int, act_b
     b, s, h = micro_batch, data.seq_len, cfg.d_model
     t = b * s
     full = layer_activation_bytes(cfg, b, s, act_bytes, residual_bytes, fused_attention)
+    if cfg.n_experts:
+        # an upper estimate for every block: the larger of a dense one and a mixture of experts, whose k routed
+        # and the shared experts keep their hidden units for each token, beside each token's k copies
+        experts = dataclasses.replace(cfg, d_ff=(cfg.experts_per_token + cfg.n_shared_experts) * cfg.expert_ff)
+        routed = layer_activation_bytes(experts, b, s, act_bytes, residual_bytes, fused_attention)
+        full = max(full, routed + (cfg.experts_per_token * act_bytes * h + 4 * cfg.n_experts) * t)
     k = checkpointed_blocks(cfg.n_layer, every)
     stack = stack_bytes(cfg.n_layer, k, full, residual_bytes * t * h) + (full if k else 0)
     final_norm = residual_bytes if cfg.final_norm else 0
@@ -118,8 +163,8 @@ FAMILY = Family(
     config_class=GPTConfig,
     build=build,
     blocks=blocks,
-    training=next_token.TRAINING,
-    parallel=Parallel(tensor_styles=tensor_styles, tensor_problem=tensor_problem, context_problem=no_problem,
+    training=dataclasses.replace(next_token.TRAINING, loss=loss),
+    parallel=Parallel(tensor_styles=tensor_styles, tensor_problem=tensor_problem, context_problem=context_problem,
                       stage=stage, pipeline_problem=pipeline_problem),  # GPT.forward takes a SequenceShard
     sampler=next_token.SAMPLER,
     hf=HFAdapter((*hf.TARGETS, hf_remote.TARGET), hf.READERS),  # the native classes first, lm's own code last

@@ -38,7 +38,8 @@ from lm.models.gpt.config import GPTConfig
 
 __all__ = ["READERS", "TARGETS"]
 
-_LLAMA_BLOCK = (equals("pos", "rope"), equals("norm", "rmsnorm"), equals("mlp", "swiglu"), equals("logit_softcap", 0.0))
+_LLAMA_BLOCK = (equals("pos", "rope"), equals("norm", "rmsnorm"), equals("mlp", "swiglu"), equals("logit_softcap", 0.0),
+                equals("n_experts", 0))
 _ROTARY = (*_LLAMA_BLOCK, equals("norm_position", "pre"), equals("qk_norm", False), equals("nope_interval", 0))
 
 
@@ -200,7 +201,7 @@ def llama_plan(cfg: GPTConfig) -> Plan:
 TARGETS = (
     Target("GPT-2", "GPT2LMHeadModel", (
         equals("pos", "learned"), equals("norm", "layernorm"), equals("mlp", "gelu"), equals("norm_position", "pre"),
-        equals("bias", True), equals("qk_norm", False), equals("logit_softcap", 0.0),
+        equals("bias", True), equals("qk_norm", False), equals("logit_softcap", 0.0), equals("n_experts", 0),
         # GPT-2 attention has no grouped-query option: every query head has its own key/value head.
         ONE_KV_HEAD,
         Need("d_head", "0 (GPT-2's heads are n_embd / n_head wide)",

@@ -17,6 +17,7 @@ import torch.nn as nn
 from lm.models.attention import SequenceShard, document_causal_mask
 from lm.models.block import Block
 from lm.models.gpt.config import GPTConfig
+from lm.models.gpt.moe import MoE
 from lm.models.init import init_weights_, residual_projections
 from lm.models.kv_cache import KVCache
 from lm.models.layers import PositionTable, add_positions, make_norm, rope_angles
@@ -48,7 +49,8 @@ class GPT(nn.Module):
             if cfg.pos == "learned":
                 self.wpe = PositionTable(cfg.block_size, cfg.d_model)
             self.drop = nn.Dropout(cfg.dropout)
-            self.blocks = nn.ModuleList(Block(cfg, causal=True) for _ in range(cfg.n_layer))
+            self.blocks = nn.ModuleList(Block(cfg, causal=True, mlp=MoE(cfg, i) if cfg.moe_layer(i) else None)
+                                        for i in range(cfg.n_layer))
             # A post-norm block already ends in a norm; the others leave the stream unnormalised.
             self.ln_f = make_norm(cfg) if cfg.final_norm else nn.Identity()
             self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)

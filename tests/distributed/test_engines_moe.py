@@ -1,0 +1,40 @@
+"""Mixture-of-experts decoders (model.n_experts) under the data-parallel engines on real 2-process gloo groups:
+every logged term, the routers' included, as one process logs it on the same global batches, and a resume on
+2 processes and on 1."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.test_engines import ENGINES, SAME_BATCH_REL, check_resumes, train
+
+# every test here trains on 2-process gloo groups: the full tier only
+pytestmark = pytest.mark.process
+
+MOE = ["--model.n_head=4", "--model.n_experts=4", "--model.experts_per_token=2", "--model.expert_d_ff=32",
+       "--model.n_shared_experts=1", "--model.router_z_loss_coef=1e-3"]
+
+
+def terms(out: Path) -> dict[int, dict[str, float]]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith("train/") and k not in ("train/lr",)}
+            for r in rows if "train/loss" in r}
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero2"])
+def test_a_mixture_of_experts_on_two_processes_logs_what_one_process_does(engine, tiny_data_dir, tmp_path):
+    flags = [*ENGINES[engine], *MOE]
+    one = train(1, tmp_path / "one", tiny_data_dir, *flags)
+    two = train(2, tmp_path / "two", tiny_data_dir, *flags)
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4, 5, 6]
+    logged_one, logged_two = terms(tmp_path / "one"), terms(tmp_path / "two")
+    names = {"train/loss", "train/moe_balance", "train/router_z", "train/expert_load_0", "train/expert_load_1",
+             "train/objective"}
+    assert names <= set(logged_one[1]) and set(logged_one[1]) == set(logged_two[1])
+    for step in one:
+        for name in names:
+            assert logged_two[step][name] == pytest.approx(logged_one[step][name], rel=SAME_BATCH_REL), (step, name)
+    assert two[6] < two[1] - 0.1
+    if engine != "zero2":  # DeepSpeed's resharded resume goes through its universal form (test_engines)
+        check_resumes(two, tmp_path, tiny_data_dir, *flags)
