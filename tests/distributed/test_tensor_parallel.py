@@ -9,6 +9,8 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
+from lm import consolidate
+from lm.cli import run as run_tool
 from lm.config import load_config
 from lm.errors import ConfigError
 from tests.distributed.test_engines import held_share, resume_copy, train
@@ -47,8 +49,7 @@ def test_tp2_by_fsdp2_trains_like_one_process_and_resumes_under_fsdp4_and_one_pr
     weights = {}
     for run in ("one", "tp2dp2"):
         out = tmp_path / f"{run}.safetensors"
-        subprocess.run([sys.executable, "-m", "lm.consolidate", f"--checkpoint={tmp_path / run}", str(out)],
-                       check=True, capture_output=True)
+        assert run_tool(consolidate.main, [f"--checkpoint={tmp_path / run}", str(out)]) == 0
         weights[run] = load_file(out)
     assert sorted(weights["one"]) == sorted(weights["tp2dp2"])
     for name, tensor in weights["one"].items():
