@@ -138,7 +138,7 @@ CASES = [
          r"{ws}/list.yaml: expected a mapping of sections at the top level"),
     Case("config: unknown key", "train", train("--model.n_layers=3"),
          r"model.n_layers: not a key of a decoder-only GPT \(model.arch=gpt\); did you mean 'n_layer'\? it takes "
-         r"\['arch', 'bias', 'block_size', "),
+         r"\['arch', 'aux_loss_coef', 'bias', 'block_size', "),
     Case("config: a key the family does not read", "train", train("--model.arch=lstm", "--model.pos=rope"),
          r"model.pos: not a key of an LSTM \(model.arch=lstm\); it takes \['arch', 'bias', 'block_size', 'd_model', "
          r"'dropout', 'loss_chunk', 'n_layer', 'tie_embeddings', 'vocab_multiple', 'vocab_size'\]"),

@@ -43,10 +43,13 @@ def test_console_entry_point_runs_as_a_process():
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: model.n_layr: not a key of a decoder-only GPT (model.arch=gpt); did you mean 'n_layer'? it takes "
-        "['arch', 'bias', 'block_size', 'd_ff', 'd_head', 'd_model', 'dropout', 'logit_softcap', 'loss_chunk', "
-        "'mlp', 'n_head', 'n_kv_head', 'n_layer', 'nope_interval', 'norm', 'norm_eps', 'norm_position', 'pos', "
-        "'qk_norm', 'qk_norm_scope', 'qkv_bias', 'rope_factor', 'rope_high_freq_factor', 'rope_low_freq_factor', "
-        "'rope_original_context', 'rope_scaling', 'rope_theta', 'tie_embeddings', 'vocab_multiple', 'vocab_size']"
+        "['arch', 'aux_loss_coef', 'bias', 'block_size', 'd_ff', 'd_head', 'd_model', 'dropout', 'expert_d_ff', "
+        "'experts_per_token', 'logit_softcap', 'loss_chunk', 'mlp', 'moe_every', 'moe_first_dense', 'n_experts', "
+        "'n_head', 'n_kv_head', 'n_layer', 'n_shared_experts', 'nope_interval', 'norm', 'norm_eps', 'norm_position', "
+        "'pos', 'qk_norm', 'qk_norm_scope', 'qkv_bias', 'rope_factor', 'rope_high_freq_factor', "
+        "'rope_low_freq_factor', 'rope_original_context', 'rope_scaling', 'rope_theta', 'router', 'router_renorm', "
+        "'router_z_loss_coef', "
+        "'tie_embeddings', 'vocab_multiple', 'vocab_size']"
     ]
     listing = subprocess.run([sys.executable, "-m", "lm", "--help"], capture_output=True, text=True, timeout=60)
     assert listing.returncode == 0
