@@ -143,7 +143,9 @@ class MoE(nn.Module):
         weights, chosen, logits, probs = self.router(flat)  # (N, k), (N, k), (N, E), (N, E)
         pairs = chosen.reshape(-1)  # (N*k,) the expert of each (token, choice) pair
         order = pairs.argsort(stable=True)  # the pairs grouped by expert, tokens in order within each
-        counts = torch.bincount(pairs, minlength=probs.shape[-1])  # (E,)
+        # (E,): index_add rather than bincount, which reads the largest id back to the host to size its output
+        counts = torch.zeros(probs.shape[-1], dtype=torch.long, device=pairs.device).index_add_(
+            0, pairs, torch.ones_like(pairs))
         rows = order // self.k  # (N*k,) the token of each sorted pair
         y = self.experts(flat[rows], counts) * weights.reshape(-1)[order, None].to(flat.dtype)  # (N*k, C)
         out = self.drop(torch.zeros_like(flat).index_add(0, rows, y.to(flat.dtype)))  # each token's weighted sum
