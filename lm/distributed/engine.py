@@ -22,7 +22,6 @@ from lm.distributed.ddp import DDPEngine
 from lm.distributed.env import DistEnv, ensure_process_group
 from lm.distributed.fsdp import FSDPEngine
 from lm.distributed.materialize import WeightLoader
-from lm.distributed.pipeline import PipelineEngine
 from lm.distributed.zero import DeepSpeedEngine
 from lm.models.family import Family, LossFn, Run
 from lm.models.terms import Term
@@ -97,6 +96,9 @@ def build_engine(model: nn.Module, family: Family, parallel: ParallelConfig, tra
     ensure_process_group(env)  # FSDP2 and DeepSpeed shard over a group even when it has one rank
     if parallel.engine == "fsdp":
         if env.pp > 1:
+            # imported here: torch's pipelining schedules import dynamo, ~0.7 s of every process's start
+            from lm.distributed.pipeline import PipelineEngine
+
             return PipelineEngine(model, family, parallel, train, optim, env)
         return FSDPEngine(model, family, parallel, train, optim, env, load_weights)
     return DeepSpeedEngine(model, family, parallel, train, optim, env, load_weights, load_universal)
