@@ -81,7 +81,9 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_tp2_matches_one_process(case, tiny_data_dir, tmp_path):
     flags = ["--parallel.engine=fsdp", "--model.n_head=4", "--train.steps=4", *CASES[case]]
-    one = train(1, tmp_path / "one", tiny_data_dir, *flags)
+    # against the eager model: compiled and eager agree to rounding (tests/training/test_trainer.py), and a cold
+    # compile on one process more would double the case's time
+    one = train(1, tmp_path / "one", tiny_data_dir, *[f for f in flags if f != "--train.compile=true"])
     two = train(2, tmp_path / "tp2", tiny_data_dir, *flags, "--parallel.tp=2")
     assert sorted(two) == [1, 2, 3, 4]
     assert_same(two, one, range(1, 5))

@@ -20,6 +20,7 @@ from lm.errors import CheckpointError, TrainingError
 from lm.models.registry import family_of
 from lm.training.faults import install_faults
 from lm.training.trainer import Trainer
+from tests.workers import train_in_pool
 
 TINY = [
     "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
@@ -119,6 +120,19 @@ def run_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
 
 
+def straight_run(nproc: int, data_dir: Path, out: Path, *extra: str) -> Path:
+    """The uninterrupted run a faulty one is compared with, on the tests' pool of `nproc` ranks: how the ranks
+    were started is not what it checks, and a pool job starts no process."""
+    train_in_pool(nproc, [*TINY, f"--data.dir={data_dir}", f"--train.out_dir={out}", *extra], run_env())
+    return out
+
+
+KILLED = ["--train.steps=8", "--checkpoint.every=2", "--train.batch_size=8"]
+"""The runs whose ranks are killed: 8 steps of 8 sequences on 2 ranks, a checkpoint every 2."""
+
+
+
+
 @pytest.mark.process
 def test_sigterm_saves_exits_0_and_the_resumed_run_equals_an_uninterrupted_one(tiny_data_dir, tmp_path):
     # the schedule's length is fixed, so a run cut short follows the same learning rates as a long one
@@ -139,31 +153,27 @@ def test_sigterm_saves_exits_0_and_the_resumed_run_equals_an_uninterrupted_one(t
     # resume the stopped run to step stopped_at + 3, and compare with a run that never stopped
     target = [f"--train.steps={stopped_at + 3}", "--checkpoint.every=1000", "--schedule.decay_steps=400"]
     for out in ("stopped", "straight"):
-        result = subprocess.run(train_cmd(1, tiny_data_dir, tmp_path / out, *target),
-                                env=run_env(), capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stdout + result.stderr
+        straight_run(1, tiny_data_dir, tmp_path / out, *target)
     assert_same_weights(tmp_path / "stopped", tmp_path / "straight")
 
 
+# Each kill runs under one engine (ddp mid-step, fsdp mid-save): torchrun's restart is the same for both, and
+# both engines' resume from their own checkpoints is checked in tests/distributed/test_engines.py.
 @pytest.mark.process
-@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
-def test_a_killed_rank_restarts_the_group_which_finishes_like_an_uninterrupted_run(engine, tiny_data_dir, tmp_path):
-    extra = ["--train.steps=8", "--checkpoint.every=2", f"--parallel.engine={engine}", "--train.batch_size=8"]
+def test_a_killed_rank_restarts_the_group_which_finishes_like_an_uninterrupted_run(tiny_data_dir, tmp_path):
+    extra = [*KILLED, "--parallel.engine=ddp"]
     killed = subprocess.run(train_cmd(2, tiny_data_dir, tmp_path / "killed", *extra),
                             env=run_env(LM_FAULT_KILL="1:5"), capture_output=True, text=True, timeout=300)
     assert killed.returncode == 0, killed.stdout + killed.stderr
     assert "resumed from" in killed.stdout and "step_00000004 at step 4" in killed.stdout
-    straight = subprocess.run(train_cmd(2, tiny_data_dir, tmp_path / "straight", *extra), env=run_env(),
-                              capture_output=True, text=True, timeout=300)
-    assert straight.returncode == 0, straight.stdout + straight.stderr
-    assert_same_weights(tmp_path / "killed", tmp_path / "straight")
+    assert_same_weights(tmp_path / "killed", straight_run(2, tiny_data_dir, tmp_path / "straight", *extra))
 
 
 @pytest.mark.process
 def test_a_rank_killed_during_a_save_restarts_from_the_previous_checkpoint(tiny_data_dir, tmp_path):
     # rank 1 dies right after writing its shard of step 6, while rank 0 waits for it: step_00000006.tmp is
     # left half-written, and the restarted group must resume from step 4 and still end like a straight run
-    extra = ["--train.steps=8", "--checkpoint.every=2", "--train.batch_size=8"]
+    extra = [*KILLED, "--parallel.engine=fsdp"]
     killed = subprocess.run(train_cmd(2, tiny_data_dir, tmp_path / "killed", *extra),
                             env=run_env(LM_FAULT_KILL_SAVE="1:6"), capture_output=True, text=True, timeout=300)
     assert killed.returncode == 0, killed.stdout + killed.stderr
@@ -171,7 +181,4 @@ def test_a_rank_killed_during_a_save_restarts_from_the_previous_checkpoint(tiny_
     assert [p.name for p in complete_checkpoints(tmp_path / "killed/checkpoints")] == [
         "step_00000004", "step_00000006", "step_00000008"]
     assert not list((tmp_path / "killed/checkpoints").glob("*.tmp"))
-    straight = subprocess.run(train_cmd(2, tiny_data_dir, tmp_path / "straight", *extra), env=run_env(),
-                              capture_output=True, text=True, timeout=300)
-    assert straight.returncode == 0, straight.stdout + straight.stderr
-    assert_same_weights(tmp_path / "killed", tmp_path / "straight")
+    assert_same_weights(tmp_path / "killed", straight_run(2, tiny_data_dir, tmp_path / "straight", *extra))
