@@ -71,7 +71,7 @@ def write_random_checkpoint(cfg: GPTConfig, directory: Path, dtype: torch.dtype,
     for ours, parts in target.plan(cfg).items():
         rest = tuple(shapes[ours][1:])
         for part in parts:
-            tensors.append((part.name, (rest[0], part.rows) if part.transposed else (part.rows, *rest)))
+            tensors.append((part.name, part.stored_shape(rest)))
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, shape in tensors:

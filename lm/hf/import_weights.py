@@ -88,7 +88,7 @@ def _check_tensors(plan: Plan, stored: dict[str, StoredTensor], params: dict[str
         rest = tuple(params[ours].shape[1:])
         for part in parts:
             tensor = stored[part.name]
-            want = (rest[0], part.stored_rows) if part.transposed else (part.stored_rows, *rest)
+            want = part.stored_shape(rest)
             if not tensor.is_float:
                 raise CheckpointError(f"{tensor.path}: {tensor.name} is stored as {tensor.stored_dtype}; lm imports "
                                       f"floating-point weights ({', '.join(DTYPES)})")
@@ -103,7 +103,10 @@ def _fill(local: torch.Tensor, spans: list[tuple[Part, int, int]], stored: dict[
     for part, lo, hi in spans:
         tensor, dest = stored[part.name], local[at:at + hi - lo]
         lo, hi = lo + part.offset, hi + part.offset  # its rows (columns when transposed)
-        if part.transposed:  # our rows are its columns: read it whole
+        if part.slab:  # one expert's matrix: our whole row
+            whole = read_rows(tensor, 0, tensor.shape[0])
+            dest[0].copy_(whole.t() if part.transposed else whole)
+        elif part.transposed:  # our rows are its columns: read it whole
             dest.copy_(read_rows(tensor, 0, tensor.shape[0])[:, lo:hi].t())
         elif dest.dtype == tensor.dtype and dest.is_contiguous():
             read_rows(tensor, lo, hi, out=dest)

@@ -57,10 +57,19 @@ class Part:
     """Where our rows start in its rows (columns when transposed): GPT-2's c_attn holds our q, k and v"""
     of: int = 0
     """How many rows (columns when transposed) it has, when more than `rows`"""
+    slab: bool = False
+    """It is one whole row of ours (`rows` 1), without that dimension: one expert's matrix of a stacked
+    (n_experts, in, out) weight, which transformers stores expert by expert (transposed: as a Linear's (out, in))"""
 
     @property
     def stored_rows(self) -> int:
         return self.of or self.rows
+
+    def stored_shape(self, rest: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the stored tensor, given the dimensions of our parameter after its rows (dim 0)."""
+        if self.slab:
+            return tuple(reversed(rest)) if self.transposed else rest
+        return (rest[0], self.stored_rows) if self.transposed else (self.stored_rows, *rest)
 
 
 Plan = dict[str, tuple[Part, ...]]
@@ -136,7 +145,7 @@ def split_rows(tensor: torch.Tensor, parts: tuple[Part, ...]) -> list[tuple[Part
     """Our tensor cut into its parts' rows, each transposed back where it is stored so."""
     out, start = [], 0
     for part in parts:
-        piece = tensor[start:start + part.rows]
+        piece = tensor[start] if part.slab else tensor[start:start + part.rows]
         out.append((part, piece.t() if part.transposed else piece))
         start += part.rows
     return out

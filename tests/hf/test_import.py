@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from lm.errors import CheckpointError
 from lm.hf.import_weights import load_hf_weights
-from lm.hf.targets import Part, Target, hf_state_dict, pick_target, row_spans
+from lm.hf.targets import Part, Target, hf_state_dict, pick_target, row_spans, split_rows
 from lm.models.gpt.config import GPTConfig
 from lm.models.gpt.model import GPT
 from lm.models.hf_checkpoint import read_hf_model
@@ -42,11 +42,12 @@ CLASSES = {
 }
 
 
-def hf_checkpoint(kind: str, directory: Path, shard: str | None = None, seed: int = 0) -> PreTrainedModel:
-    """A random transformers model of `kind` saved into `directory` (sharded into files of at most `shard`).
-    Every parameter is drawn anew, biases and gains included: the init's zeros and ones would hide a
-    misplaced tensor."""
-    model_type, fields = CLASSES[kind]
+def hf_checkpoint(kind: str, directory: Path, shard: str | None = None, seed: int = 0,
+                  classes: dict[str, tuple[str, dict]] = CLASSES) -> PreTrainedModel:
+    """A random transformers model of `kind` (of `classes`: model_type and config fields) saved into `directory`
+    (sharded into files of at most `shard`). Every parameter is drawn anew, biases and gains included: the init's
+    zeros and ones would hide a misplaced tensor."""
+    model_type, fields = classes[kind]
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields), attn_implementation="eager")
     with torch.no_grad():
@@ -148,6 +149,17 @@ def test_row_spans_cut_a_rank_block_across_the_stored_tensors():
     assert row_spans(parts, 16, 16) == []  # the empty last block of an uneven FSDP split
 
 
+def test_a_slab_part_is_one_expert_of_a_stacked_weight_stored_as_a_linear():
+    stacked = torch.arange(2 * 3 * 5.0).reshape(2, 3, 5)  # (experts, in, out), as our Experts keep w_in
+    parts = (Part("experts.0.up_proj.weight", 1, transposed=True, slab=True),
+             Part("experts.1.up_proj.weight", 1, transposed=True, slab=True))
+    assert [part.stored_shape((3, 5)) for part in parts] == [(5, 3), (5, 3)]  # a Linear's (out, in)
+    assert [(part, piece.tolist()) for part, piece in split_rows(stacked, parts)] == \
+        [(parts[0], stacked[0].t().tolist()), (parts[1], stacked[1].t().tolist())]
+    assert row_spans(parts, 1, 2) == [(parts[1], 0, 1)]  # an FSDP rank holding the second expert reads its tensor
+    assert Part("q", 8).stored_shape((64,)) == (8, 64) and Part("c", 8, True, 8, 24).stored_shape((64,)) == (64, 24)
+
+
 # (class, config.json entries to change, the text the refusal must hold): every setting we refuse
 REFUSALS = [
     ("llama", dict(rope_parameters=None, rope_scaling={"type": "dynamic", "factor": 2.0}),
@@ -177,9 +189,9 @@ REFUSALS = [
 ]
 
 
-def refused_checkpoint(kind: str, edit: dict, directory: Path) -> Path:
-    """A saved checkpoint of `kind` whose config.json then has `edit` applied."""
-    hf_checkpoint(kind, directory)
+def refused_checkpoint(kind: str, edit: dict, directory: Path, classes: dict[str, tuple[str, dict]] = CLASSES) -> Path:
+    """A saved checkpoint of `kind` (of `classes`) whose config.json then has `edit` applied."""
+    hf_checkpoint(kind, directory, classes=classes)
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, **edit}))
     return directory
