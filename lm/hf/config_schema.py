@@ -10,7 +10,21 @@ from pathlib import Path
 from typing import Any
 
 from lm.errors import CheckpointError
-from lm.schema import Spec, Table, count, flag, fraction, ints, name, names, or_null, positive, table, token_ids
+from lm.schema import (
+    Spec,
+    Table,
+    count,
+    flag,
+    fraction,
+    ints,
+    name,
+    names,
+    nonnegative,
+    or_null,
+    positive,
+    table,
+    token_ids,
+)
 from lm.schema import check as check_schema
 
 __all__ = ["KEYS", "ROPE_KEYS", "check_config_json"]
@@ -42,6 +56,11 @@ KEYS: dict[str, Spec] = {
     "layer_types": names,
     # SmolLM3
     "no_rope_layer_interval": count, "no_rope_layers": ints,
+    # Mixtral, OLMoE, Qwen3-MoE
+    "num_local_experts": count, "num_experts": count, "num_experts_per_tok": count,
+    "moe_intermediate_size": count, "decoder_sparse_step": count, "mlp_only_layers": or_null(ints),
+    "norm_topk_prob": flag, "router_aux_loss_coef": nonnegative, "router_z_loss_coef": nonnegative,
+    "router_jitter_noise": nonnegative, "clip_qkv": or_null(positive),
 }
 
 

@@ -27,6 +27,11 @@ FAMILIES = {
     "qwen3": ("qwen3", dict(head_dim=12)),
     "olmo2": ("olmo2", {}),
     "smollm3": ("smollm3", dict(no_rope_layer_interval=3, pad_token_id=None)),  # the third layer without rotary
+    # mixtures of experts: 4 experts, top 2; Qwen3-MoE's first layer dense
+    "mixtral": ("mixtral", dict(num_local_experts=4)),
+    "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, pad_token_id=None)),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0],
+                                    norm_topk_prob=True)),
 }
 
 

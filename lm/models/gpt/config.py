@@ -7,6 +7,13 @@ from lm.errors import ConfigError
 from lm.models.config import NORM_POSITIONS, ROPE_SCALINGS, TransformerConfig, check_choice
 
 
+def moe_block(layer: int, first_dense: int, every: int) -> bool:
+    """Whether block `layer` (from 0) is a mixture of experts under model.moe_first_dense and model.moe_every:
+    every `every`-th block after the first `first_dense`."""
+    after = layer - first_dense
+    return after >= 0 and (after + 1) % every == 0
+
+
 @dataclass
 class GPTConfig(TransformerConfig):
     """A decoder-only transformer: GPT-2 by default, Llama-style by options (see `TransformerConfig`)."""
@@ -83,8 +90,7 @@ class GPTConfig(TransformerConfig):
 
     def moe_layer(self, layer: int) -> bool:
         """Whether block `layer` (from 0) is a mixture of experts."""
-        after = layer - self.moe_first_dense
-        return self.n_experts > 0 and after >= 0 and (after + 1) % self.moe_every == 0
+        return self.n_experts > 0 and moe_block(layer, self.moe_first_dense, self.moe_every)
 
     def rotary_layer(self, layer: int) -> bool:
         """Whether block `layer` (from 0) rotates its queries and keys: not every nope_interval-th one."""

@@ -1,4 +1,5 @@
-"""The decoder-only family (model.arch gpt): GPT-2 by default, Llama, Mistral and Qwen2 by options."""
+"""The decoder-only family (model.arch gpt): GPT-2 by default, Llama, Mistral and Qwen2 by options, mixtures of
+experts (Mixtral, OLMoE, Qwen3-MoE) with model.n_experts."""
 
 import dataclasses
 import math
@@ -6,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from lm.models import next_token
 from lm.models.family import PLAIN_LOSS, Estimates, Family, HFAdapter, LossOptions, Parallel, Run, TPStyle
-from lm.models.gpt import hf, hf_remote
+from lm.models.gpt import hf, hf_moe, hf_remote
 from lm.models.gpt.config import GPTConfig
 from lm.models.sizes import checkpointed_blocks, layer_activation_bytes, logits_bytes, stack_bytes
 
@@ -167,6 +168,7 @@ FAMILY = Family(
     parallel=Parallel(tensor_styles=tensor_styles, tensor_problem=tensor_problem, context_problem=context_problem,
                       stage=stage, pipeline_problem=pipeline_problem),  # GPT.forward takes a SequenceShard
     sampler=next_token.SAMPLER,
-    hf=HFAdapter((*hf.TARGETS, hf_remote.TARGET), hf.READERS),  # the native classes first, lm's own code last
+    # the native classes first, lm's own code last
+    hf=HFAdapter((*hf.TARGETS, *hf_moe.TARGETS, hf_remote.TARGET), {**hf.READERS, **hf_moe.READERS}),
     estimates=Estimates(activation_bytes, flops_per_token),
 )

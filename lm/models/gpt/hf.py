@@ -17,6 +17,9 @@ Export (`TARGETS`, in order of preference) and import (`READERS`):
   window only when it cannot bind (no window, or one at least max_position_embeddings long), since our
   attention is full causal.
 
+The mixtures of experts (Mixtral, OLMoE, Qwen3-MoE) are these blocks with experts: `lm.models.gpt.hf_moe`, which
+reads their attention and norms with `rotary_fields` and names their dense parts with `llama_plan`.
+
 Only options a class reproduces exactly are accepted. Knobs the class has in its config (GPT-2's n_inner and
 tie_word_embeddings, Llama's biases and key/value heads) are passed through; options it has no knob for (a
 post-norm block, rmsnorm with learned positions, a logit soft-cap) are refused rather than approximated, and
@@ -36,11 +39,12 @@ import torch
 from lm.hf.targets import ONE_KV_HEAD, HFReader, Need, Part, Plan, Target, equals
 from lm.models.gpt.config import GPTConfig
 
-__all__ = ["READERS", "TARGETS"]
+__all__ = ["LLAMA_BLOCK", "READERS", "TARGETS", "llama_plan", "rotary_config", "rotary_fields"]
 
-_LLAMA_BLOCK = (equals("pos", "rope"), equals("norm", "rmsnorm"), equals("mlp", "swiglu"), equals("logit_softcap", 0.0),
-                equals("n_experts", 0))
-_ROTARY = (*_LLAMA_BLOCK, equals("norm_position", "pre"), equals("qk_norm", False), equals("nope_interval", 0))
+LLAMA_BLOCK = (equals("pos", "rope"), equals("norm", "rmsnorm"), equals("mlp", "swiglu"), equals("logit_softcap", 0.0))
+"""What every rotary class needs; the dense ones also model.n_experts=0, the mixtures of experts (`hf_moe`) more"""
+_DENSE = (*LLAMA_BLOCK, equals("n_experts", 0))
+_ROTARY = (*_DENSE, equals("norm_position", "pre"), equals("qk_norm", False), equals("nope_interval", 0))
 
 
 def _common(cfg: GPTConfig, hf_class: str, eos_token_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
@@ -88,8 +92,8 @@ def _rope_parameters(cfg: GPTConfig) -> dict[str, Any]:
     return params
 
 
-def _rotary_config(cfg: GPTConfig, model_type: str, hf_class: str, eos_token_id: int | None,
-                   dtype: torch.dtype) -> dict[str, Any]:
+def rotary_config(cfg: GPTConfig, model_type: str, hf_class: str, eos_token_id: int | None,
+                  dtype: torch.dtype) -> dict[str, Any]:
     return {
         "model_type": model_type,
         **_common(cfg, hf_class, eos_token_id, dtype),
@@ -112,24 +116,24 @@ def _rotary_config(cfg: GPTConfig, model_type: str, hf_class: str, eos_token_id:
 
 
 def _llama_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
-    return {**_rotary_config(cfg, "llama", "LlamaForCausalLM", eos_token_id, dtype),
+    return {**rotary_config(cfg, "llama", "LlamaForCausalLM", eos_token_id, dtype),
             "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "pretraining_tp": 1}
 
 
 def _qwen2_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
     # its biases on q/k/v are built in; no layer uses a sliding window
-    return {**_rotary_config(cfg, "qwen2", "Qwen2ForCausalLM", eos_token_id, dtype), "use_sliding_window": False,
+    return {**rotary_config(cfg, "qwen2", "Qwen2ForCausalLM", eos_token_id, dtype), "use_sliding_window": False,
             "sliding_window": None, "max_window_layers": cfg.n_layer, "layer_types": ["full_attention"] * cfg.n_layer}
 
 
 def _qwen3_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
-    return {**_rotary_config(cfg, "qwen3", "Qwen3ForCausalLM", eos_token_id, dtype), "attention_bias": False,
+    return {**rotary_config(cfg, "qwen3", "Qwen3ForCausalLM", eos_token_id, dtype), "attention_bias": False,
             "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layer,
             "layer_types": ["full_attention"] * cfg.n_layer}
 
 
 def _smollm3_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
-    return {**_rotary_config(cfg, "smollm3", "SmolLM3ForCausalLM", eos_token_id, dtype),
+    return {**rotary_config(cfg, "smollm3", "SmolLM3ForCausalLM", eos_token_id, dtype),
             "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "use_sliding_window": False, "sliding_window": None,
             "no_rope_layer_interval": cfg.nope_interval,
             "pad_token_id": None,  # SmolLM3Config's default, 128004, is beyond a smaller vocabulary
@@ -138,7 +142,7 @@ def _smollm3_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dtype
 
 
 def _olmo2_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
-    return {**_rotary_config(cfg, "olmo2", "Olmo2ForCausalLM", eos_token_id, dtype), "attention_bias": False}
+    return {**rotary_config(cfg, "olmo2", "Olmo2ForCausalLM", eos_token_id, dtype), "attention_bias": False}
 
 
 def _with_vocab(cfg: GPTConfig, embed: str, body: Plan) -> Plan:
@@ -169,7 +173,8 @@ def gpt2_plan(cfg: GPTConfig) -> Plan:
 
 def llama_plan(cfg: GPTConfig) -> Plan:
     """Llama, Mistral, Qwen2, Qwen3 and OLMo 2 share these names; all use rotary's half-split layout, so no row is
-    permuted. OLMo 2 norms each sublayer's output (our ln_1 and ln_2 in that place)."""
+    permuted. OLMo 2 norms each sublayer's output (our ln_1 and ln_2 in that place). The blocks that are
+    mixtures of experts get no MLP here: each class names its experts (`hf_moe.moe_plan`)."""
     q_rows, kv_rows, d, ff = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.d_model, cfg.ff_dim
     plan: Plan = {}
     for i in range(cfg.n_layer):
@@ -181,6 +186,7 @@ def llama_plan(cfg: GPTConfig) -> Plan:
                     plan[f"{ours}attn.{proj}.{p}"] = (Part(f"{attn}{proj}_proj.{p}", rows),)
             if p == "weight" or cfg.bias:
                 plan[f"{ours}attn.proj.{p}"] = (Part(f"{attn}o_proj.{p}", d),)
+            if (p == "weight" or cfg.bias) and not cfg.moe_layer(i):  # a mixture's experts: `hf_moe`
                 plan[f"{ours}mlp.gate.{p}"] = (Part(f"{mlp}gate_proj.{p}", ff),)
                 plan[f"{ours}mlp.fc.{p}"] = (Part(f"{mlp}up_proj.{p}", ff),)
                 plan[f"{ours}mlp.proj.{p}"] = (Part(f"{mlp}down_proj.{p}", d),)
@@ -215,15 +221,15 @@ TARGETS = (
     Target("Qwen2", "Qwen2ForCausalLM", (*_ROTARY, equals("bias", False), equals("qkv_bias", True)),
            _qwen2_config, llama_plan),
     Target("Qwen3", "Qwen3ForCausalLM", (
-        *_LLAMA_BLOCK, equals("norm_position", "pre"), equals("qk_norm", True), equals("qk_norm_scope", "head"),
+        *_DENSE, equals("norm_position", "pre"), equals("qk_norm", True), equals("qk_norm_scope", "head"),
         equals("bias", False), equals("qkv_bias", False), equals("nope_interval", 0),
     ), _qwen3_config, llama_plan),
     Target("OLMo 2", "Olmo2ForCausalLM", (
-        *_LLAMA_BLOCK, equals("norm_position", "output"), equals("qk_norm", True), equals("qk_norm_scope", "all"),
+        *_DENSE, equals("norm_position", "output"), equals("qk_norm", True), equals("qk_norm_scope", "all"),
         equals("bias", False), equals("qkv_bias", False), equals("nope_interval", 0),
     ), _olmo2_config, llama_plan),
     Target("SmolLM3", "SmolLM3ForCausalLM", (
-        *_LLAMA_BLOCK, equals("norm_position", "pre"), equals("qk_norm", False),
+        *_DENSE, equals("norm_position", "pre"), equals("qk_norm", False),
         Need("nope_interval", "above 0 (layers without rotary positions)", lambda cfg: cfg.nope_interval > 0),
         Need("qkv_bias", "false (or model.bias=true)", lambda cfg: cfg.bias or not cfg.qkv_bias),
     ), _smollm3_config, llama_plan),
@@ -278,8 +284,9 @@ def _gpt2_fields(hf: dict, problems: list[str]) -> dict[str, Any]:
                 tie_embeddings=hf.get("tie_word_embeddings", True), vocab_multiple=1)
 
 
-def _rotary_fields(hf: dict, model_type: str, problems: list[str]) -> dict[str, Any]:
-    """The Llama-shaped classes: one block, with biases, windows, norms and head widths as the class has them."""
+def rotary_fields(hf: dict, model_type: str, problems: list[str]) -> dict[str, Any]:
+    """The Llama-shaped classes, mixtures of experts included (their attention and norms: `hf_moe` adds the
+    experts): one block, with biases, windows, norms and head widths as the class has them."""
     d, n_head = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} (lm's SwiGLU gates with silu)")
@@ -295,7 +302,7 @@ def _rotary_fields(hf: dict, model_type: str, problems: list[str]) -> dict[str, 
     nope: dict[str, Any] = {}
     if model_type == "smollm3":
         nope = {"nope_interval": _nope_interval(hf, problems)}
-    if model_type in ("qwen3", "olmo2") and hf.get("attention_bias", False):
+    if model_type in ("qwen3", "olmo2", "qwen3_moe", "olmoe") and hf.get("attention_bias", False):
         problems.append("attention_bias=true (lm's biases are on every projection or on q, k and v alone)")
     if model_type in ("llama", "smollm3"):
         attn, mlp = hf.get("attention_bias", False), hf.get("mlp_bias", False)
@@ -305,15 +312,16 @@ def _rotary_fields(hf: dict, model_type: str, problems: list[str]) -> dict[str, 
         bias = bool(attn)
     block = hf.get("max_position_embeddings", 2048)
     window = hf.get("sliding_window")
-    if model_type == "mistral" and window is not None and window < block:
+    if model_type in ("mistral", "mixtral") and window is not None and window < block:
         problems.append(f"sliding_window={window} below max_position_embeddings={block} (lm attends to every "
                         "earlier position)")
-    if model_type in ("qwen2", "qwen3", "smollm3"):
+    if model_type in ("qwen2", "qwen3", "smollm3", "qwen3_moe"):
         if hf.get("use_sliding_window", False):
             problems.append("use_sliding_window=true (lm attends to every earlier position)")
         if any(kind != "full_attention" for kind in hf.get("layer_types") or []):
             problems.append(f"layer_types={hf['layer_types']} (lm has full attention in every layer)")
-    norms = {"qwen3": dict(qk_norm=True), "olmo2": dict(norm_position="output", qk_norm=True, qk_norm_scope="all")}
+    norms = {"qwen3": dict(qk_norm=True), "olmo2": dict(norm_position="output", qk_norm=True, qk_norm_scope="all"),
+             "qwen3_moe": dict(qk_norm=True), "olmoe": dict(qk_norm=True, qk_norm_scope="all")}
     return dict(vocab_size=hf.get("vocab_size", 32000), block_size=block, n_layer=hf.get("num_hidden_layers", 32),
                 n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head, d_model=d, d_head=d_head,
                 d_ff=hf.get("intermediate_size", 11008), dropout=0.0, bias=bias, qkv_bias=qkv_bias,
@@ -346,7 +354,7 @@ def _gpt2_name(name: str) -> str:
 
 
 def _rotary_reader(model_type: str) -> HFReader:
-    return HFReader(model_type, lambda hf, problems: _rotary_fields(hf, model_type, problems), llama_plan)
+    return HFReader(model_type, lambda hf, problems: rotary_fields(hf, model_type, problems), llama_plan)
 
 
 READERS = {
