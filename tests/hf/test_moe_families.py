@@ -1,7 +1,8 @@
 """Mixtures of experts to and from transformers: tiny random Mixtral, OLMoE and Qwen3-MoE models (built with
 `from_config`, saved with `save_pretrained`) import with transformers' logits and loss and export back to the very
 tensors saved; lm's own mixtures export as each class and load with `from_pretrained` at our logits; what lm cannot
-express is refused by name. Greedy decoding and lm.eval's loss: `test_import_tools.py`."""
+express is refused by name. Greedy decoding and lm.eval's loss: `test_import_tools.py`. The runs against
+transformers are marked slow (docs/dev/notes.md, "Two tiers"); the refusals and the layer patterns are quick."""
 
 import pytest
 import torch
@@ -48,6 +49,7 @@ def batch(seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.slow  # a transformers reference run
 @pytest.mark.parametrize("kind", CLASSES)
 def test_imported_mixtures_give_transformers_logits_and_loss_and_export_back_the_same_tensors(kind, tmp_path):
     hf = hf_checkpoint(kind, tmp_path, classes=CLASSES)
@@ -69,6 +71,7 @@ def test_imported_mixtures_give_transformers_logits_and_loss_and_export_back_the
         assert torch.equal(exported[name], tensor), name
 
 
+@pytest.mark.slow  # a transformers reference run
 def test_a_sharded_mixture_imports_alike_and_decodes_through_the_kv_cache(tmp_path):
     hf = hf_checkpoint("mixtral", tmp_path, shard="20KB", classes=CLASSES)
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
@@ -80,6 +83,7 @@ def test_a_sharded_mixture_imports_alike_and_decodes_through_the_kv_cache(tmp_pa
         assert_same_logits(ours, hf(idx).logits)
 
 
+@pytest.mark.slow  # a transformers reference run
 def test_the_balance_term_weighs_what_transformers_router_aux_loss_weighs(tmp_path):
     """With one mixture layer (Qwen3-MoE's second), transformers' aux_loss is k times our moe_balance, and its loss
     with output_router_logits adds router_aux_loss_coef times it: lm's imported aux_loss_coef gives the same sum."""
@@ -110,6 +114,7 @@ MOE_KEYS = ("n_experts", "experts_per_token", "moe_first_dense", "moe_every", "r
             "expert_ff", "aux_loss_coef", "router_z_loss_coef", "qk_norm", "qk_norm_scope", "head_dim")
 
 
+@pytest.mark.slow  # a transformers reference run
 @pytest.mark.parametrize("hf_class", EXPORTS)
 def test_our_mixtures_export_as_each_class_and_load_with_our_logits(hf_class, tmp_path):
     cfg = GPTConfig(**{**OURS, **EXPORTS[hf_class]})
