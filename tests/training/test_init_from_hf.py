@@ -27,6 +27,9 @@ LLAMA = ("llama", dict(vocab_size=GPT2_VOCAB, hidden_size=32, intermediate_size=
                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32))
 QWEN3 = ("qwen3", {**LLAMA[1], "head_dim": 8})  # heads narrower than hidden_size / num_attention_heads
 OLMO2 = ("olmo2", LLAMA[1])
+# 4 experts, 2 a token, the first layer dense: under fsdp each rank reads the tensors of its 2 experts alone
+QWEN3_MOE = ("qwen3_moe", {**LLAMA[1], "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                           "mlp_only_layers": [0], "norm_topk_prob": True})
 LLAMA3 = ("llama", {**LLAMA[1], "tie_word_embeddings": True, "rope_parameters": {
     "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8}})
@@ -59,9 +62,10 @@ def first_batch_loss(hf: PreTrainedModel, data_dir: Path, *flags: str) -> float:
 @pytest.mark.process
 @pytest.mark.parametrize("engine, kind, lr", [
     ("ddp", LLAMA, 1e-3), ("fsdp", LLAMA, 1e-3), ("fsdp", GPT2, 1e-3), ("zero3", LLAMA, 1e-3), ("fsdp", QWEN3, 1e-3),
-    ("ddp", OLMO2, 1e-3),
+    ("ddp", OLMO2, 1e-3), ("fsdp", QWEN3_MOE, 1e-3),
     ("zero3", LLAMA3, 1e-2),  # starts near the uniform loss, where 5 steps at 1e-3 move it less than the batches do
-], ids=["ddp-llama", "fsdp-llama", "fsdp-gpt2", "zero3-llama", "fsdp-qwen3", "ddp-olmo2", "zero3-llama3"])
+], ids=["ddp-llama", "fsdp-llama", "fsdp-gpt2", "zero3-llama", "fsdp-qwen3", "ddp-olmo2", "fsdp-qwen3moe",
+        "zero3-llama3"])
 def test_training_continues_from_transformers_loss_on_two_ranks(engine, kind, lr, tiny_data_dir, tmp_path):
     hf = save_hf(kind, tmp_path / "hf")
     flags = ["--train.steps=5", f"--optim.lr={lr}", *ENGINES[engine], f"--checkpoint.init_from={tmp_path / 'hf'}"]
