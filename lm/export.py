@@ -2,13 +2,14 @@
 
 OUT gets config.json, model.safetensors, generation_config.json and the tokenizer's files (`lm.hf.export_files`): built
 from a tiktoken encoding, or the tokenizer.json the model was trained with (data.tokenizer) copied.
-The model's family lists the transformers classes it maps to (GPT2LMHeadModel, LlamaForCausalLM or
-Qwen2ForCausalLM for the decoder, BertForMaskedLM for an encoder's masked-LM head), then, last, lm's own
-modeling code for the family (LMDecoderForCausalLM, LMEncoderForMaskedLM, LMEncDecForConditionalGeneration:
-`lm.hf.remote_code`), written beside the weights and loaded with trust_remote_code=True. The first whose forward
-is the model's is written; a config none reproduces (the LSTM, a fine-tuning head, a key newer than the code) is
-refused before anything is loaded or written, naming the keys that differ. An encoder's export holds no tokenizer
-files: no tokenizer file knows its [MASK], [CLS] and padding ids, which the tool prints instead.
+The model's family lists the transformers classes it maps to (its `HFAdapter.targets`; docs/huggingface.md has the
+table: GPT-2, Llama, the Qwen, OLMo and mixture-of-experts classes for the decoder, BERT for an encoder's masked-LM
+head), then, last, lm's own modeling code for the family (LMDecoderForCausalLM, LMEncoderForMaskedLM,
+LMEncDecForConditionalGeneration: `lm.hf.remote_code`), written beside the weights and loaded with
+trust_remote_code=True. The first whose forward is the model's is written; a config none reproduces (the LSTM, a
+fine-tuning head, a key newer than the code) is refused before anything is loaded or written, naming the keys that
+differ. An encoder's export holds no tokenizer files: no tokenizer file knows its [MASK], [CLS] and padding ids, which
+the tool prints instead.
 """
 
 import argparse
@@ -35,9 +36,10 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lm.export",
         description="Export a checkpoint to another framework's format: --to hf writes a Hugging Face transformers "
-                    "directory (GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, or BertForMaskedLM for an "
-                    "encoder, chosen from the model config; any other model as lm's own modeling code, loaded with "
-                    "trust_remote_code=True; an encoder gets no tokenizer files).",
+                    "directory: the first transformers class of the model family's list whose forward is the model's "
+                    "(docs/huggingface.md lists them: GPT-2, Llama, Qwen, OLMo, Mixtral, BERT, ...); any other "
+                    "model as lm's own modeling code, loaded with trust_remote_code=True; an encoder gets no "
+                    "tokenizer files).",
     )
     parser.add_argument("--checkpoint", required=True,
                         help="run directory, its checkpoints/ or one step_XXXXXXXX directory")
