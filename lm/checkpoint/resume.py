@@ -15,7 +15,7 @@ from lm.config import JobConfig, config_diff
 from lm.distributed.engine import Engine
 from lm.distributed.env import DistEnv
 from lm.errors import CheckpointError, ConfigError
-from lm.models.config import TRAINING_KEYS, ModelConfig
+from lm.models.config import ModelConfig
 
 log = logging.getLogger("lm.checkpoint")
 
@@ -143,10 +143,11 @@ def family_mismatch(saved: ModelConfig, current: ModelConfig) -> str:
 
 
 def model_diff(saved: ModelConfig, current: ModelConfig) -> str:
-    """The model keys whose values differ, `model.key: old -> new, ...` in key order; dropout and loss_chunk
-    (training settings that change no weight) left out. Empty when the models have the same shape."""
+    """The model keys whose values differ, `model.key: old -> new, ...` in key order; the training settings that
+    change no weight (`ModelConfig.training_keys`: dropout, loss_chunk, ...) left out. Empty when the models have
+    the same shape."""
     diff = config_diff({"model": asdict(saved)}, {"model": asdict(current)},
-                       ignore=tuple(f"model.{key}" for key in TRAINING_KEYS))
+                       ignore=tuple(f"model.{key}" for key in current.training_keys))
     return ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in sorted(diff.items()))
 
 

@@ -2,8 +2,8 @@
 
 With `checkpoint.init_from` naming a transformers checkpoint directory, the `model` section is what its
 config.json describes (`lm.hf.importing`). A model key given in the YAML or on the command line must agree
-with it, except the keys that change training and not the weights (`TRAINING_KEYS`); anything else is a
-config that does not describe the checkpoint, refused by name. `data.tokenizer` defaults to the
+with it, except the keys that change training and not the weights (`ModelConfig.training_keys`); anything
+else is a config that does not describe the checkpoint, refused by name. `data.tokenizer` defaults to the
 checkpoint's own tokenizer.json when it has one.
 """
 
@@ -14,7 +14,6 @@ from typing import Any
 
 from lm.errors import CheckpointError, ConfigError
 from lm.hf.importing import is_hf_checkpoint
-from lm.models.config import TRAINING_KEYS
 from lm.models.registry import config_class
 
 __all__ = ["model_from_checkpoint"]
@@ -43,13 +42,13 @@ def model_from_checkpoint(raw: dict[str, Any], coerce: typing.Callable[[str, obj
         return raw  # the config's own check names the section
     hints = typing.get_type_hints(family)
     for key, value in given.items():
-        if key in TRAINING_KEYS or key not in hints:  # an unknown key is named by the config's own check
+        if key in family.training_keys or key not in hints:  # an unknown key is named by the config's own check
             continue
         if coerce(f"model.{key}", value, hints[key]) != getattr(derived, key):
             raise ConfigError(f"model.{key}: {value!r} disagrees with checkpoint.init_from={init_from}, whose "
                               f"config.json gives {getattr(derived, key)!r}; the model comes from the checkpoint, "
                               f"so drop model.{key}")
-    model = dataclasses.asdict(derived) | {key: given[key] for key in TRAINING_KEYS if key in given}
+    model = dataclasses.asdict(derived) | {key: given[key] for key in family.training_keys if key in given}
     data = raw.get("data") or {}
     tokenizer = Path(init_from) / TOKENIZER_FILE
     if isinstance(data, dict) and "tokenizer" not in data and tokenizer.is_file():

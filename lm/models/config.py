@@ -19,9 +19,6 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu", "relu2", "swiglu")
 NORM_POSITIONS = ("pre", "post")
 ROPE_SCALINGS = ("none", "linear", "llama3")
-TRAINING_KEYS = ("dropout", "loss_chunk")
-"""Model keys that change how a model trains, not its weights or its function: free to differ from a
-checkpoint's when a run starts from or resumes it."""
 
 
 def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -56,6 +53,9 @@ class ModelConfig:
     """Embedding and head rows: the vocabulary rounded up to a multiple of this, for efficient matmuls. A model
     imported from Hugging Face keeps its own rows (1): padding rows would add to every softmax's normaliser."""
 
+    training_keys: ClassVar[tuple[str, ...]] = ("dropout", "loss_chunk")
+    """Keys that change how the model trains, not its weights or its function: free to differ from a
+    checkpoint's when a run starts from or resumes it."""
     extra_ids: ClassVar[int] = 0
     """Ids a family adds after the tokenizer's (sentinels, [MASK], padding): part of total_vocab_size."""
     title: ClassVar[str] = "a model"

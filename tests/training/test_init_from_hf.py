@@ -4,6 +4,7 @@ engine's first loss on 2 gloo ranks is transformers' loss on the same batch."""
 import json
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from lm.checkpoint.resume import model_diff
 from lm.cli import run
 from lm.config import load_config
 from lm.data.loader import TokenLoader
@@ -86,6 +88,15 @@ def test_the_model_comes_from_the_checkpoint(tmp_path):
                                                                                   False, 1, 64, 500.0)
     assert (m.vocab_size, m.padded_vocab_size, m.tie_embeddings, m.norm_eps) == (GPT2_VOCAB, GPT2_VOCAB, False, 1e-6)
     assert m.dropout == 0.1  # a training setting, free to differ
+
+
+def test_a_mixture_of_experts_run_sets_its_own_loss_weights(tmp_path):
+    # config.json's router_aux_loss_coef gives model.aux_loss_coef, but the losses' weights are the run's to choose
+    save_hf(QWEN3_MOE, tmp_path)
+    cfg = load_config(None, [f"--checkpoint.init_from={tmp_path}", "--data.seq_len=16",
+                             "--model.aux_loss_coef=0.05", "--model.router_z_loss_coef=0.001"])
+    assert (cfg.model.n_experts, cfg.model.aux_loss_coef, cfg.model.router_z_loss_coef) == (4, 0.05, 0.001)
+    assert model_diff(cfg.model, replace(cfg.model, aux_loss_coef=0.0)) == ""  # and a resume may change them
 
 
 def test_a_model_key_that_disagrees_is_one_error(tmp_path):
