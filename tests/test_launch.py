@@ -309,10 +309,9 @@ def test_gpu_bench_script_saves_each_part_and_reports_a_failed_one(tmp_path):
     out = tmp_path / "out"
     script = ["bash", str(REPO / "launch/bench_gpu.sh"), str(out)]
     env = script_env(tmp_path, PYTHON=sys.executable)
-    ok = subprocess.run([*script, "tests"], env=env, capture_output=True, text=True, timeout=300)
-    assert ok.returncode == 0, ok.stdout + ok.stderr
+    # a failed part first: the parts after it still run and are saved, and the script exits 1 at the end
+    run = subprocess.run([*script, "nosuch", "tests"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "failed: nosuch (see" in run.stderr, run.stdout + run.stderr
+    assert "unknown part 'nosuch'" in (out / "nosuch.txt").read_text()
     saved = (out / "tests.txt").read_text()
     assert saved.startswith("== tests: ") and ("7 skipped" in saved or "7 passed" in saved)  # no GPU: skipped
-    bad = subprocess.run([*script, "tests", "nosuch"], env=env, capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 1 and "failed: nosuch (see" in bad.stderr
-    assert "unknown part 'nosuch'" in (out / "nosuch.txt").read_text()
