@@ -81,15 +81,21 @@ def resume_copy(src: Path, dst: Path, step: int = 3) -> Path:
     return dst
 
 
+@pytest.fixture(scope="module")
+def one_process(tiny_data_dir, tmp_path_factory) -> dict[int, float]:
+    """The losses of TINY on one process under ddp: every engine's 2 processes compute the same steps (the
+    engines' own single-process runs are the 2-to-1 resumes of `check_resumes`)."""
+    return train(1, tmp_path_factory.mktemp("one") / "ddp", tiny_data_dir, *ENGINES["ddp"])
+
+
 @pytest.mark.process
 @pytest.mark.parametrize("engine", ENGINES)
-def test_two_processes_match_one_and_resume(engine, tiny_data_dir, tmp_path):
+def test_two_processes_match_one_and_resume(engine, tiny_data_dir, tmp_path, one_process):
     flags = ENGINES[engine]
-    one = train(1, tmp_path / "one", tiny_data_dir, *flags)
     two = train(2, tmp_path / "two", tiny_data_dir, *flags)
-    assert sorted(one) == sorted(two) == [1, 2, 3, 4, 5, 6]
-    for step in one:
-        assert two[step] == pytest.approx(one[step], rel=SAME_BATCH_REL), step
+    assert sorted(one_process) == sorted(two) == [1, 2, 3, 4, 5, 6]
+    for step in one_process:
+        assert two[step] == pytest.approx(one_process[step], rel=SAME_BATCH_REL), step
     assert two[6] < two[1]
     state = json.loads((tmp_path / "two/checkpoints/step_00000006/state.json").read_text())
     assert state["world_size"] == 2 and state["engine"] == flags[0].split("=")[1]
