@@ -34,7 +34,7 @@ TOOLS = {
 TINY = [
     "--model.n_layer=2", "--model.d_model=32", "--model.block_size=32", "--data.seq_len=16",
     "--train.steps=8", "--train.batch_size=4", "--train.micro_batch_size=2", "--train.device=cpu",
-    "--train.eval_batches=2", "--log.tensorboard=false",
+    "--train.eval_batches=2", "--log.tensorboard=false", "--log.sample_tokens=4",
 ]
 
 

@@ -21,8 +21,11 @@ TINY = [
     "--data.seq_len=16", "--train.batch_size=8", "--train.micro_batch_size=2", "--train.device=cpu",
     "--train.eval_every=3", "--train.eval_batches=2", "--log.every=1", "--log.tensorboard=false",
     "--checkpoint.every=3", "--checkpoint.keep=5", "--optim.lr=3e-3", "--schedule.warmup_steps=2",
-    "--train.steps=6",
+    "--train.steps=6", "--log.sample_tokens=4",
 ]
+"""6 steps of a tiny model on global batches of 8 windows of 16 tokens. The end-of-run sample is 4 tokens long: it
+still runs the sampling path under every engine and layout, at a sixteenth of the default's 64 decode steps (each
+a pass over the 50k-token head)."""
 HEADS = ["--model.n_head=2"]
 """What TINY adds for a family with attention heads (lm's but the LSTM)."""
 ATTENTION = ("gpt", "encdec", "encoder")

@@ -23,6 +23,7 @@ TINY = [
     "--data.seq_len=16", "--train.batch_size=4", "--train.micro_batch_size=2", "--train.device=cpu",
     "--train.eval_every=3", "--train.eval_batches=2", "--log.every=1", "--log.tensorboard=false",
     "--checkpoint.every=3", "--checkpoint.keep=5", "--optim.lr=3e-3", "--schedule.warmup_steps=2",
+    "--log.sample_tokens=4",
 ]
 # windows of 17 tokens: 3 noise tokens in 1 span -> source 15, target 5 (sentinel, 3 tokens, end sentinel)
 ENCDEC = ["--model.arch=encdec", "--model.pos=sinusoidal", "--model.n_sentinels=4"]

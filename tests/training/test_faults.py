@@ -26,7 +26,7 @@ TINY = [
     "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
     "--data.seq_len=16", "--train.batch_size=4", "--train.micro_batch_size=2", "--train.device=cpu",
     "--train.eval_every=1000", "--train.eval_batches=2", "--log.every=1", "--log.tensorboard=false",
-    "--optim.lr=3e-3", "--schedule.warmup_steps=2",
+    "--optim.lr=3e-3", "--schedule.warmup_steps=2", "--log.sample_tokens=4",
 ]
 
 

@@ -13,7 +13,7 @@ from lm.training.trainer import Trainer
 
 TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
         "--data.seq_len=16", "--train.batch_size=4", "--train.micro_batch_size=2", "--train.device=cpu",
-        "--log.tensorboard=false", "--train.steps=2"]
+        "--log.tensorboard=false", "--train.steps=2", "--log.sample_tokens=4"]
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
