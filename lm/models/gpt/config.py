@@ -23,10 +23,10 @@ class GPTConfig(TransformerConfig):
     document_masking: ClassVar[bool] = True
     z_loss: ClassVar[bool] = True
     norm_positions: ClassVar[tuple[str, ...]] = (*NORM_POSITIONS, "output")
-    # the mixture-of-experts losses' weights: a run can set its own over an imported checkpoint's
-    training_keys: ClassVar[tuple[str, ...]] = (*TransformerConfig.training_keys, "aux_loss_coef", "router_z_loss_coef")
     """`output` (OLMo 2): each sublayer's output is normed before it joins the residual, x + norm(f(x)), and the
     stack ends in a final norm."""
+    # the mixture-of-experts losses' weights: a run can set its own over an imported checkpoint's
+    training_keys: ClassVar[tuple[str, ...]] = (*TransformerConfig.training_keys, "aux_loss_coef", "router_z_loss_coef")
     rope_theta: float = 10000.0
     """Base of the rotary frequencies (pos: rope)."""
     rope_scaling: str = "none"
