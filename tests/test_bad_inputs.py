@@ -230,6 +230,8 @@ CASES = [
     Case("config: more experts per token than experts", "train",
          train("--model.n_experts=4", "--model.experts_per_token=5"),
          r"model.experts_per_token: 5 experts per token of model.n_experts=4; it must be 1 to 4"),
+    Case("config: a balancing bias without experts", "train", train("--model.router_bias_rate=0.001"),
+         r"model.router_bias_rate: 0.001 balances the routers of a mixture of experts; it needs model.n_experts > 0"),
     # data: prepared shards, their manifest, and the corpus lm.prepare reads
     Case("data: no data directory", "train", train(data="{ws}/nowhere"),
          r"data.dir: no directory '{ws}/nowhere'; run `python -m lm.prepare` first"),

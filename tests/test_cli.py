@@ -47,8 +47,8 @@ def test_console_entry_point_runs_as_a_process():
         "'experts_per_token', 'logit_softcap', 'loss_chunk', 'mlp', 'moe_every', 'moe_first_dense', 'n_experts', "
         "'n_head', 'n_kv_head', 'n_layer', 'n_shared_experts', 'nope_interval', 'norm', 'norm_eps', 'norm_position', "
         "'pos', 'qk_norm', 'qk_norm_scope', 'qkv_bias', 'rope_factor', 'rope_high_freq_factor', "
-        "'rope_low_freq_factor', 'rope_original_context', 'rope_scaling', 'rope_theta', 'router', 'router_renorm', "
-        "'router_z_loss_coef', "
+        "'rope_low_freq_factor', 'rope_original_context', 'rope_scaling', 'rope_theta', 'router', "
+        "'router_bias_rate', 'router_renorm', 'router_z_loss_coef', "
         "'tie_embeddings', 'vocab_multiple', 'vocab_size']"
     ]
     listing = subprocess.run([sys.executable, "-m", "lm", "--help"], capture_output=True, text=True, timeout=60)

@@ -90,6 +90,9 @@ class Target:
     plan: Callable[[Any], Plan]
     extra: Callable[[Any, dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda cfg, weights: {}
     """Tensors it has that we do not, made from our weights (BERT's token-type table)"""
+    refuse: Callable[[Any, dict[str, torch.Tensor]], str | None] = lambda cfg, weights: None
+    """(model config, our state dict) -> why these weights cannot be written as it though their config can (a tensor
+    of ours it has no place for holds more than its default), or None"""
     tokenizer_files: bool = True
     """Whether the export writes the tokenizer's files beside the model (an encoder's ids are not the tokenizer's)"""
     note: Callable[[Any, str], str] | None = None
@@ -175,6 +178,8 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 def hf_state_dict(model: nn.Module, target: Target) -> dict[str, torch.Tensor]:
     """The transformers weights of `model` under `target`'s names, each a standalone contiguous tensor."""
     sd = model.state_dict()
+    if why := target.refuse(model.cfg, sd):
+        raise ExportError(f"cannot export to Hugging Face as {target.hf_class} ({target.name}): {why}")
     pieces: dict[str, list[tuple[Part, torch.Tensor]]] = {}
     for ours, parts in target.plan(model.cfg).items():
         for part, piece in split_rows(sd[ours], parts):

@@ -12,7 +12,8 @@ Face mapping ask the spec, never which family they have. A spec holds:
   blocks (what FSDP shards and activation checkpointing recomputes), the layers Muon leaves to AdamW, and a
   refusal of bf16 on a device type it cannot run it on;
 - `training`: the objective that turns token windows into its batches, the loss of a batch as named terms
-  (`lm.models.terms`), the scores of a validation batch, and its fine-tuning head if it has one;
+  (`lm.models.terms`), the scores of a validation batch, its fine-tuning head if it has one, and what it updates
+  outside the gradients after each optimizer step;
 - `parallel`: its tensor-parallel styles and pipeline stages, and why a config cannot split over tp, cp or pp
   ranks, asked before launch;
 - `sampler`: how it writes text (None: it writes none);
@@ -161,6 +162,10 @@ class Parallel:
     """(config, stages) -> why the model cannot be cut into that many pipeline stages"""
 
 
+StepUpdate = Callable[["nn.Module", Callable[["torch.Tensor"], "torch.Tensor"], "torch.Tensor"], None]
+"""`Training.after_step`'s signature: (model, reduce over the data-parallel ranks, whether the step was applied)."""
+
+
 class ObjectiveFn(Protocol):
     """`Training.objective`'s signature."""
 
@@ -205,6 +210,12 @@ class Training:
     """A next-token model: lm.eval scores it over strided windows of a text or shards, with bits per byte"""
     head: TaskHead | None = None
     """Its fine-tuning head; None for a family that has none"""
+    after_step: "StepUpdate | None" = None
+    """(model, reduce, applied) -> None, called on every rank after each optimizer step: updates what the model keeps
+    outside its gradients from what its training forwards counted since the last step (a mixture of experts'
+    balancing biases). `reduce` averages a tensor over the data-parallel ranks in place (the engine layer's
+    collective: model code imports no torch.distributed); `applied` is the step's 0-dim bool, False where the engine
+    skipped it. None: nothing to update"""
 
 
 @dataclass(frozen=True)

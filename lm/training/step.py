@@ -3,13 +3,14 @@ reduced on the last one), clipping and the optimizer step. The engine supplies t
 parallelism (`lm.distributed.engine.Engine`); the family's loss names the terms the trainer logs."""
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from lm.distributed.engine import Engine
 from lm.distributed.tensor_parallel import whole
-from lm.models.family import LossFn
+from lm.models.family import LossFn, StepUpdate
 from lm.models.terms import Term, combine
 
 
@@ -25,9 +26,11 @@ class Step:
     """0-dim bool: False where a non-finite norm made the engine skip the step"""
 
 
-def train_step(engine: Engine, loss: LossFn, batches: list[list[torch.Tensor]], lr: float, grad_clip: float) -> Step:
+def train_step(engine: Engine, loss: LossFn, batches: list[list[torch.Tensor]], lr: float, grad_clip: float,
+               after: StepUpdate | None = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Step:
     """One optimizer step over this rank's micro-batches `batches` (on the device) at learning rate `lr`,
-    clipping the gradients' global norm to `grad_clip` (0: no clipping)."""
+    clipping the gradients' global norm to `grad_clip` (0: no clipping); then the family's update outside the
+    gradients (`Training.after_step`), given `reduce`, the collective over the data-parallel ranks."""
     engine.set_lr(lr)
     if engine.schedule is not None:  # a pipeline's schedule runs forward and backward of every micro-batch
         micro_terms = engine.schedule(batches, loss)
@@ -41,4 +44,6 @@ def train_step(engine: Engine, loss: LossFn, batches: list[list[torch.Tensor]], 
             micro_terms.append({name: whole(term) for name, term in losses.detached().items()})
     norm = engine.clip_grad_norm(grad_clip or math.inf)
     applied = engine.optimizer_step(norm)
+    if after is not None:
+        after(engine.model, reduce or (lambda t: t), applied)
     return Step(combine(micro_terms) if micro_terms else {}, norm, applied)

@@ -246,7 +246,11 @@ class Trainer:
         """One optimizer step over this rank's next micro-batches (the objective's batches: (x, y) for a next-token
         model, ...), which the family's loss reads."""
         micro_batches = [to_device(batch, self.env.device) for batch in self.loader.next_batch()]
-        return train_step(self.engine, self.loss, micro_batches, lr, self.cfg.optim.grad_clip)
+        # the family's update averages over the whole world: a rank counts its own tokens, or (tensor parallelism,
+        # which runs a mixture of experts whole) the same as the rest of its group, so every sign is the data-parallel
+        # sum's; pipeline stages, whose routers differ, are refused for mixtures before launch
+        return train_step(self.engine, self.loss, micro_batches, lr, self.cfg.optim.grad_clip,
+                          self.family.training.after_step, self.env.all_reduce_mean)
 
     def save(self) -> Path:
         """Checkpoint the run (a collective; see `save_run`)."""

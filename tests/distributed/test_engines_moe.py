@@ -6,7 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from lm.checkpoint.model_weights import load_checkpoint_weights
+from lm.checkpoint.store import read_config, resolve_checkpoint
+from lm.models.registry import family_of
 from tests.distributed.test_engines import ENGINES, SAME_BATCH_REL, check_resumes, train
 
 # every test here trains on 2-process gloo groups: the full tier only
@@ -46,3 +50,35 @@ def test_a_mixture_of_experts_on_two_processes_logs_what_one_process_does(engine
     assert two[6] < two[1] - 0.1
     if engine != "zero2":  # DeepSpeed's resharded resume goes through its universal form (test_engines)
         check_resumes(two, tmp_path, tiny_data_dir, *flags)
+
+
+BALANCED = [*MOE, "--model.router_bias_rate=0.05", "--model.aux_loss_coef=0"]
+"""Auxiliary-loss-free balancing alone, at a rate that moves the routing of this tiny model within 6 steps"""
+
+
+def router_biases(run: Path) -> torch.Tensor:
+    """(blocks, experts): the balancing biases of the run's newest checkpoint."""
+    step_dir = resolve_checkpoint(run)
+    model = family_of(read_config(step_dir).model).build(read_config(step_dir).model)
+    load_checkpoint_weights(step_dir, model)
+    return torch.stack([block.mlp.router.score_bias for block in model.blocks])
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "zero2"])
+def test_balancing_biases_on_two_processes_are_those_of_one_and_resume(engine, tiny_data_dir, tmp_path):
+    flags = [*ENGINES[engine], *BALANCED]
+    one = train(1, tmp_path / "one", tiny_data_dir, *ENGINES["ddp"], *BALANCED)
+    two = train(2, tmp_path / "two", tiny_data_dir, *flags)
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=SAME_BATCH_REL), step
+    # 6 sign steps of 0.05 from 0: the loads counted over both ranks' micro-batches, as one process counts them
+    biases = router_biases(tmp_path / "two")
+    assert torch.equal(biases, router_biases(tmp_path / "one"))
+    assert biases.abs().max() >= 0.1 and torch.allclose(biases / 0.05, (biases / 0.05).round(), atol=1e-5)
+    half = router_biases(tmp_path / "two/checkpoints/step_00000003")
+    assert torch.equal(half, router_biases(tmp_path / "one/checkpoints/step_00000003"))
+    assert not torch.equal(half, biases)
+    if engine == "fsdp":  # resumed at step 3 on 2 processes (bit for bit) and on 1: the biases come back too
+        check_resumes(two, tmp_path, tiny_data_dir, *flags)
+        assert torch.equal(router_biases(tmp_path / "again"), biases)
+        assert torch.equal(router_biases(tmp_path / "alone"), biases)

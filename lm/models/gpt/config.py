@@ -1,5 +1,6 @@
 """The decoder-only family's keys: the shared transformer keys, and the options only this family has."""
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -84,6 +85,13 @@ class GPTConfig(TransformerConfig):
     router_z_loss_coef: float = 0.0
     """Weight in the objective of the router z-loss (the term router_z): the mean squared log-sum-exp of the
     router logits (ST-MoE uses 1e-3)."""
+    router_bias_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3; Wang et al. 2024): each router keeps a per-expert bias, added to
+    its scores to choose the top k only (the chosen experts' weights stay the unbiased scores), and after every
+    optimizer step moved by this much toward an even load: bias_e += rate * sign(mean load - load of e), the loads
+    counted over the step's micro-batches and ranks. The bias is part of the model (saved in checkpoints, used in
+    evaluation and sampling). 0: no bias (DeepSeek-V3 used 0.001); combine with model.aux_loss_coef=0 for
+    DeepSeek's recipe."""
 
     @property
     def expert_ff(self) -> int:
@@ -131,9 +139,12 @@ class GPTConfig(TransformerConfig):
         for key in ("n_experts", "n_shared_experts", "expert_d_ff", "moe_first_dense"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"model.{key}: must be >= 0, got {getattr(self, key)}")
-        for key in ("aux_loss_coef", "router_z_loss_coef"):
-            if not getattr(self, key) >= 0:
-                raise ConfigError(f"model.{key}: must be >= 0, got {getattr(self, key)}")
+        for key in ("aux_loss_coef", "router_z_loss_coef", "router_bias_rate"):
+            if not 0 <= getattr(self, key) < math.inf:
+                raise ConfigError(f"model.{key}: must be a finite number >= 0, got {getattr(self, key)}")
+        if self.router_bias_rate and not self.n_experts:
+            raise ConfigError(f"model.router_bias_rate: {self.router_bias_rate} balances the routers of a mixture of "
+                              "experts; it needs model.n_experts > 0 (or set it to 0)")
         if self.moe_every < 1:
             raise ConfigError(f"model.moe_every: must be >= 1 (1: every block), got {self.moe_every}")
         if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:

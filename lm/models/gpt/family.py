@@ -12,6 +12,8 @@ from lm.models.gpt.config import GPTConfig
 from lm.models.sizes import checkpointed_blocks, layer_activation_bytes, logits_bytes, stack_bytes
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
     import torch.nn as nn
 
@@ -67,6 +69,14 @@ def loss(model: "nn.Module", run: Run, batch: list["torch.Tensor"], optim: LossO
     cfg = model.cfg
     return with_router_terms(losses, router_stats(model), batch[1].numel(), cfg.aux_loss_coef,
                              cfg.router_z_loss_coef) if cfg.n_experts else losses
+
+
+def after_step(model: "nn.Module", reduce: "Callable[[torch.Tensor], torch.Tensor]", applied: "torch.Tensor") -> None:
+    """The routers' balancing biases (model.router_bias_rate) move toward an even load (`balance_routers`); a model
+    without them (a dense one, or a pipeline engine's stages) is left alone, with no collective."""
+    from lm.models.gpt.moe import balance_routers
+
+    balance_routers(model, reduce, applied)
 
 
 def _experts_problem(cfg: GPTConfig, layout: str) -> str | None:
@@ -164,7 +174,7 @@ FAMILY = Family(
     config_class=GPTConfig,
     build=build,
     blocks=blocks,
-    training=dataclasses.replace(next_token.TRAINING, loss=loss),
+    training=dataclasses.replace(next_token.TRAINING, loss=loss, after_step=after_step),
     parallel=Parallel(tensor_styles=tensor_styles, tensor_problem=tensor_problem, context_problem=context_problem,
                       stage=stage, pipeline_problem=pipeline_problem),  # GPT.forward takes a SequenceShard
     sampler=next_token.SAMPLER,

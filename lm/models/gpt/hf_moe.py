@@ -13,7 +13,9 @@ the experts.
   mixtures every `model.moe_every`-th after the first `model.moe_first_dense`, so a layer pattern those two keys
   cannot express is refused.
 
-None of the three has shared experts or a sigmoid router. They store each expert's three matrices expert by
+None of the three has shared experts, a sigmoid router or a balancing bias (model.router_bias_rate: DeepSeek-V3's
+e_score_correction_bias, which changes which experts a token goes to): a model whose biases are all 0 exports
+exactly, one whose biases have moved is refused by name. They store each expert's three matrices expert by
 expert, as Linear weights (out, in): gate (Mixtral's w1, gate_proj), up (w3, up_proj) and down (w2, down_proj) are
 our stacked w_gate, w_in and w_out, one expert a row (`Part.slab`), transposed; the router's gate is ours.
 
@@ -114,21 +116,32 @@ def _qwen3_moe_config(cfg: GPTConfig, eos_token_id: int | None, dtype: torch.dty
             "use_sliding_window": False, "sliding_window": None}
 
 
+def _moved_router_bias(cfg: GPTConfig, weights: dict[str, torch.Tensor]) -> str | None:
+    """Why a model whose balancing biases have moved cannot be written as these classes, or None."""
+    moved = [name for name, tensor in weights.items() if name.endswith(".router.score_bias") and bool(tensor.any())]
+    if not moved:
+        return None
+    return (f"{moved[0]} and the other routers' balancing biases (model.router_bias_rate={cfg.router_bias_rate}, "
+            f"DeepSeek-V3's e_score_correction_bias) are not 0 in {len(moved)} of its mixture-of-experts blocks, and "
+            "Mixtral, OLMoE and Qwen3-MoE have no place for them: without them their routers would send tokens to "
+            "other experts than lm's. Export a model trained with model.router_bias_rate=0")
+
+
 TARGETS = (
     Target("Mixtral", "MixtralForCausalLM", (
         *LLAMA_BLOCK, equals("norm_position", "pre"), equals("qk_norm", False), *_NO_BIAS, *_EXPERTS,
         equals("router_renorm", True), *_EVERY_BLOCK,
-    ), _mixtral_config, moe_plan(MIXTRAL_NAMES)),
+    ), _mixtral_config, moe_plan(MIXTRAL_NAMES), refuse=_moved_router_bias),
     Target("OLMoE", "OlmoeForCausalLM", (
         *LLAMA_BLOCK, equals("norm_position", "pre"), equals("qk_norm", True), equals("qk_norm_scope", "all"),
         *_NO_BIAS, Need("d_head", "0 (OLMoE's query norm is hidden_size wide)",
                         lambda cfg: cfg.head_dim * cfg.n_head == cfg.d_model),
         *_EXPERTS, *_EVERY_BLOCK,
-    ), _olmoe_config, moe_plan(QWEN_NAMES)),
+    ), _olmoe_config, moe_plan(QWEN_NAMES), refuse=_moved_router_bias),
     Target("Qwen3-MoE", "Qwen3MoeForCausalLM", (
         *LLAMA_BLOCK, equals("norm_position", "pre"), equals("qk_norm", True), equals("qk_norm_scope", "head"),
         *_NO_BIAS, *_EXPERTS,
-    ), _qwen3_moe_config, moe_plan(QWEN_NAMES)),
+    ), _qwen3_moe_config, moe_plan(QWEN_NAMES), refuse=_moved_router_bias),
 )
 
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 from lm.models.attention import SequenceShard, document_causal_mask
 from lm.models.block import Block
 from lm.models.gpt.config import GPTConfig
-from lm.models.gpt.moe import MoE
+from lm.models.gpt.moe import MoE, Router
 from lm.models.init import init_weights_, residual_projections
 from lm.models.kv_cache import KVCache
 from lm.models.layers import PositionTable, add_positions, make_norm, rope_angles
@@ -68,6 +68,9 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight
         skip = {self.lm_head} if self.cfg.tie_embeddings else set()  # tied: drawn once, as the embedding
         init_weights_(self, residual_projections(self.blocks), skip, self.cfg.n_layer)
+        for module in self.modules():
+            if isinstance(module, Router):
+                module.reset_bias()
 
     def new_cache(
         self,

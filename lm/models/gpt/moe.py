@@ -12,8 +12,14 @@ Transformer (Fedus et al. 2021), n_experts * sum_e f_e p_e, with f_e the share o
 expert e and p_e the router's mean probability for e (1 when the load is even), and the router z-loss of
 ST-MoE (Zoph et al. 2022), the mean squared log-sum-exp of the router logits. The family turns them into named
 loss terms (`with_router_terms`, `lm.models.gpt.family`).
+
+Auxiliary-loss-free balancing (DeepSeek-V3; Wang et al. 2024, model.router_bias_rate): a per-expert bias added to
+the router's scores chooses the top k, while the chosen experts' weights stay the unbiased scores, so the bias
+steers the load and no gradient. After each optimizer step `balance_routers` raises the bias of the experts that
+received fewer tokens than the mean over that whole step and lowers the others' by a fixed rate.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,12 +51,27 @@ class RouterStats:
 
 
 class Router(nn.Module):
-    """Scores each token against every expert and picks its top k (model.router)."""
+    """Scores each token against every expert and picks its top k (model.router); with model.router_bias_rate, by
+    the scores plus a balancing bias (`balance_routers`)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.kind, self.k, self.renorm = cfg.router, cfg.experts_per_token, cfg.router_renorm
         self.gate = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.bias_rate = cfg.router_bias_rate
+        if self.bias_rate:
+            # DeepSeek-V3's e_score_correction_bias: a buffer (no gradient, no optimizer), saved with the weights
+            self.register_buffer("score_bias", torch.zeros(cfg.n_experts))
+        self.routed: torch.Tensor | None = None
+        """(E,) int64: the (token, choice) pairs each expert received in training forwards since the last bias
+        update; not a buffer, which DDP would overwrite with rank 0's at every forward"""
+
+    def reset_bias(self) -> None:
+        """Zero the balancing bias, if there is one (the model's init, on the meta device's `to_empty` too)."""
+        if self.bias_rate:
+            with torch.no_grad():
+                self.score_bias.zero_()
+        self.routed = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, C) -> the top-k weights (N, k) float32, the chosen experts (N, k), the logits (N, E) float32 and
@@ -58,13 +79,28 @@ class Router(nn.Module):
         logits = self.gate(x).float()  # routing decisions in float32, as Mixtral's and DeepSeek's
         if self.kind == "sigmoid":
             scores = logits.sigmoid()
-            weights, chosen = scores.topk(self.k, dim=-1)
+            weights, chosen = self.top_k(scores)
             return weights / weights.sum(-1, keepdim=True), chosen, logits, scores / scores.sum(-1, keepdim=True)
         probs = logits.softmax(-1)
-        weights, chosen = probs.topk(self.k, dim=-1)
+        weights, chosen = self.top_k(probs)
         if self.renorm:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights, chosen, logits, probs
+
+    def top_k(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """scores (N, E) -> the k chosen experts' scores (N, k) and the experts (N, k); with a balancing bias the
+        experts are those of the top k of scores + bias, and a training forward counts them into `routed`."""
+        if not self.bias_rate:
+            return scores.topk(self.k, dim=-1)
+        chosen = (scores + self.score_bias).topk(self.k, dim=-1).indices  # (N, k)
+        if self.training:
+            # a checkpointed block's recomputation in backward counts its tokens again: every expert's count of
+            # that layer doubles, which leaves sign(mean - load), all the update reads, as it was
+            pairs = chosen.reshape(-1)
+            counts = torch.zeros(scores.shape[-1], dtype=torch.long, device=pairs.device).index_add_(
+                0, pairs, torch.ones_like(pairs))
+            self.routed = counts if self.routed is None else self.routed + counts
+        return scores.gather(-1, chosen), chosen
 
 
 class Experts(nn.Module):
@@ -160,6 +196,25 @@ class MoE(nn.Module):
 def router_stats(model: nn.Module) -> list[RouterStats]:
     """What each mixture-of-experts layer of `model` measured in its last forward, in block order."""
     return [m.stats for m in model.modules() if isinstance(m, MoE) and m.stats is not None]
+
+
+@torch.no_grad()
+def balance_routers(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor], applied: torch.Tensor) -> None:
+    """After an optimizer step, move each balancing router's bias (model.router_bias_rate) toward an even load:
+    bias_e += rate * sign(mean_e' load_e' - load_e), the loads those its training forwards counted since the last
+    update, then forget them. `reduce` averages a tensor over the data-parallel ranks in place (the engine
+    layer's collective; identity on one process), so every rank takes the same step from the whole step's load;
+    `applied` (0-dim bool) is False for a step the engine skipped, which then moves no bias either."""
+    routers = [m for m in model.modules() if isinstance(m, Router) and m.bias_rate]
+    if not routers:
+        return
+    # one collective for every layer; float64 holds any count exactly, and a mean over ranks keeps every sign
+    loads = reduce(torch.stack([torch.zeros_like(r.score_bias, dtype=torch.long) if r.routed is None else r.routed
+                                for r in routers]).double())  # (layers, E)
+    steps = torch.sign(loads.mean(-1, keepdim=True) - loads).float() * applied  # (layers, E)
+    for router, step in zip(routers, steps):
+        router.score_bias += router.bias_rate * step
+        router.routed = None
 
 
 def with_router_terms(losses: Losses, stats: list[RouterStats], weight: float, aux_loss_coef: float,
