@@ -43,7 +43,8 @@ def dry_run(cfg: JobConfig, world_size: int, device_gib: float, nodes: int | Non
 
     m = cfg.model
     print(f"model: {m.summary}, vocabulary {m.padded_vocab_size:,} (padded)")
-    print(f"parameters: {num_params(m):,}")
+    total, active = num_params(m), num_params(m, active=True)
+    print(f"parameters: {total:,}" + (f" ({active:,} active per token)" if active != total else ""))
     print(f"configured: parallel.engine={cfg.parallel.engine}"
           + (f" zero_stage={cfg.parallel.zero_stage}" if cfg.parallel.engine == "deepspeed" else "")
           + f" cpu_offload={cfg.parallel.cpu_offload} activation_checkpointing={cfg.parallel.activation_checkpointing}")

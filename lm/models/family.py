@@ -258,10 +258,13 @@ class Estimates:
     `residual_bytes` wide residual stream (`lm.plan.memory`)"""
     flops_per_token: "Callable[[Any, int, DataConfig, int], float] | None" = None
     """(cfg, seq_len, data, params) -> training FLOPs per token of windows of seq_len tokens, given the model's
-    `params` outside position tables (`lm.plan.counts`); None: 6 per parameter (forward and backward), which a
-    family with attention raises by its scores"""
+    active `params` outside position tables (`lm.plan.counts`); None: 6 per active parameter (forward and backward),
+    which a family with attention raises by its scores"""
     memory_note: str = ""
     """A caveat the memory plan prints under its table"""
+    idle_params: "Callable[[Any], int] | None" = None
+    """cfg -> the parameters a token does not go through, which its FLOPs leave out (a mixture of experts' experts
+    its router does not choose); None: every parameter is active"""
 
 
 def lm_head(model: "nn.Module") -> list["nn.Module"]:

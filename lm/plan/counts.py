@@ -4,9 +4,10 @@ training FLOPs per token and the bytes its activations take.
 
 Parameters are the model's distinct ones (a tied head counted once). The count "without embeddings" of GPT-2's
 papers leaves out the learned position tables (`lm.models.layers.PositionTable`) and keeps the token
-embedding, which tied is also the output layer. What counting cannot see, the family's spec supplies
-(`Family.estimates`): the attention scores' FLOPs, which no parameter stands for, and the activations a
-micro-batch saves for backward.
+embedding, which tied is also the output layer. The active ones are those one token goes through: all of them
+but a mixture of experts' experts its router does not choose, which is what its FLOPs count. What counting cannot
+see, the family's spec supplies (`Family.estimates`): which parameters a token leaves idle, the attention scores'
+FLOPs, which no parameter stands for, and the activations a micro-batch saves for backward.
 """
 
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ class Counts:
     """In the largest repeated unit (`Family.blocks`): what FSDP gathers as one"""
     root: int
     """Outside the repeated units (embeddings, final norms, head): FSDP's root unit"""
+    idle: int
+    """Not gone through by a token: a mixture of experts' unchosen experts (`Estimates.idle_params`)"""
 
 
 _counted: dict[tuple[type, str], Counts] = {}
@@ -59,15 +62,16 @@ def counts(cfg: ModelConfig) -> Counts:
             embeddings=sum(sizes[i] for i in {id(p) for m in tables for p in m.parameters()}),
             unit=max(sum(p.numel() for p in unit.parameters()) for unit in units),
             root=sum(n for i, n in sizes.items() if i not in in_units),
+            idle=0 if family.estimates.idle_params is None else family.estimates.idle_params(cfg),
         )
     return _counted[key]
 
 
-def num_params(cfg: ModelConfig, non_embedding: bool = False) -> int:
+def num_params(cfg: ModelConfig, non_embedding: bool = False, active: bool = False) -> int:
     """Distinct parameters of the model (a tied head counted once); `non_embedding` leaves out position tables
-    (they do no matmul)."""
+    (they do no matmul), `active` the parameters a token does not go through (a mixture's unchosen experts)."""
     n = counts(cfg)
-    return n.total - n.positions if non_embedding else n.total
+    return n.total - (n.positions if non_embedding else 0) - (n.idle if active else 0)
 
 
 def params_outside_embeddings(cfg: ModelConfig) -> int:
@@ -88,9 +92,9 @@ def root_params(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, data: DataConfig) -> float:
-    """Training FLOPs per token of windows of `seq_len` tokens: 6 per parameter outside position tables (forward
-    and backward), or the family's own estimate from that count (`Estimates.flops_per_token`)."""
-    params = num_params(cfg, non_embedding=True)
+    """Training FLOPs per token of windows of `seq_len` tokens: 6 per active parameter outside position tables
+    (forward and backward), or the family's own estimate from that count (`Estimates.flops_per_token`)."""
+    params = num_params(cfg, non_embedding=True, active=True)
     estimate = family_of(cfg).estimates.flops_per_token
     return 6 * params if estimate is None else estimate(cfg, seq_len, data, params)
 

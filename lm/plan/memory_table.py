@@ -3,6 +3,7 @@ as a table, whether each fits a device, and the setup to pick."""
 
 from lm.config import JobConfig
 from lm.models.registry import family_of
+from lm.plan.counts import num_params
 from lm.plan.memory import CUDA_CONTEXT_BYTES, GIB, MemoryEstimate, estimate_memory
 
 __all__ = ["describe", "fits", "pick", "plan_rows", "plan_table"]
@@ -58,11 +59,14 @@ def plan_table(cfg: JobConfig, world_size: int, device_gib: float = 80.0) -> str
     m = cfg.model
     rows = plan_rows(cfg, world_size)
     precision = "bf16 mixed precision" if rows[0].mixed_precision else "float32"
+    active = num_params(m, active=True)
+    # every expert's weights, gradients and moments are held, though a token goes through only its top k
+    held = f" (all held; {active:,} active per token)" if active != rows[0].num_params else ""
     head = (f"{'engine':<18} {'offload':>7} {'ckpt':>4} {'params':>7} {'grads':>7} {'optim':>7} {'gather':>7} "
             f"{'activ':>7} {'logits':>7} {'GPU GiB':>8} {'host GiB':>8}  fits {device_gib:g} GiB")
     lines = [
-        f"per-device memory estimate (GiB = 2^30 bytes): {rows[0].num_params:,} parameters, world size {world_size}, "
-        f"micro batch {cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, {precision}",
+        f"per-device memory estimate (GiB = 2^30 bytes): {rows[0].num_params:,} parameters{held}, "
+        f"world size {world_size}, micro batch {cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, {precision}",
         head, "-" * len(head),
     ]
     for r in rows:

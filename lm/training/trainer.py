@@ -89,9 +89,11 @@ class Trainer:
                 layout = (f" (pipeline {env.pp} x data-parallel {env.dp_size} in {env.dp_replicate} HSDP group(s) "
                           f"x context-parallel {env.cp} x tensor-parallel {env.tp}; rank 0 holds {held:,} of "
                           f"{num_params(cfg.model):,} parameters)")
-            log.info("model: %.2fM parameters (%.2fM outside the embeddings), %d ranks%s on %s, engine %s",
-                     num_params(cfg.model) / 1e6, params_outside_embeddings(cfg.model) / 1e6,
-                     env.world_size, layout, env.device, self.engine.name)
+            active = num_params(cfg.model, active=True)
+            log.info("model: %.2fM parameters (%s%.2fM outside the embeddings), %d ranks%s on %s, engine %s",
+                     num_params(cfg.model) / 1e6,
+                     f"{active / 1e6:.2f}M active per token, " if active != num_params(cfg.model) else "",
+                     params_outside_embeddings(cfg.model) / 1e6, env.world_size, layout, env.device, self.engine.name)
         # a family that writes no text (an encoder) has no periodic samples, whatever log.sample_every says
         generates = self.family.sampler is not None
         self.samples = bool(cfg.log.sample_every) and generates and env.tp == env.pp == env.cp == 1

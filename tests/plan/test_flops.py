@@ -45,3 +45,23 @@ def test_encdec_flops_count_encoder_on_source_and_decoder_on_target_tokens():
 
 def test_no_peak_on_a_cpu():
     assert peak_flops(torch.device("cpu")) is None
+
+
+def test_a_mixture_of_experts_counts_its_active_parameters():
+    # block 0 dense (gelu MLP 32 -> 64 -> 32), block 1 a mixture of 4 gelu experts 16 wide, 2 per token; rotary
+    # positions (no table), no biases, RMSNorm, a tied head over 128 padded rows
+    cfg = GPTConfig(vocab_size=96, vocab_multiple=64, block_size=16, n_layer=2, n_head=4, d_model=32, d_ff=64,
+                    mlp="gelu", pos="rope", norm="rmsnorm", bias=False, n_experts=4, experts_per_token=2,
+                    expert_d_ff=16, moe_first_dense=1)
+    attention, norms = 4 * 32 * 32, 2 * 32
+    experts = 4 * 2 * 32 * 16
+    total = 128 * 32 + 2 * (attention + norms) + 2 * 32 * 64 + 32 * 4 + experts + 32
+    assert (total, experts) == (20_768, 4_096)
+    assert counts.num_params(cfg) == total
+    active = total - experts // 2  # the 2 of 4 experts a token does not go through
+    assert active == 18_720
+    assert counts.num_params(cfg, active=True) == counts.num_params(cfg, non_embedding=True, active=True) == active
+    assert flops_per_token(cfg, 16) == 6 * 18_720 + 12 * 2 * 4 * 8 * 16
+    dense = GPTConfig(**{**cfg.__dict__, "n_experts": 0})
+    assert counts.num_params(dense, active=True) == counts.num_params(dense)
+

@@ -138,10 +138,10 @@ def idle_expert_params(cfg: GPTConfig) -> int:
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int, data: "DataConfig", params: int) -> float:
-    """6 per active parameter (forward + backward; a mixture of experts' idle experts left out) plus the
-    attention scores: 12 * n_layer * n_head * head_dim * seq_len for QK^T and AV in forward and backward (the
-    PaLM appendix B estimate), counted for full rather than causal attention."""
-    return 6 * (params - idle_expert_params(cfg)) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
+    """6 per active parameter (forward + backward; `params` leaves a mixture of experts' idle experts out,
+    `idle_expert_params`) plus the attention scores: 12 * n_layer * n_head * head_dim * seq_len for QK^T and AV in
+    forward and backward (the PaLM appendix B estimate), counted for full rather than causal attention."""
+    return 6 * params + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
 
 
 def activation_bytes(cfg: GPTConfig, data: "DataConfig", micro_batch: int, act_bytes: int, residual_bytes: int,
@@ -180,5 +180,5 @@ FAMILY = Family(
     sampler=next_token.SAMPLER,
     # the native classes first, lm's own code last
     hf=HFAdapter((*hf.TARGETS, *hf_moe.TARGETS, hf_remote.TARGET), {**hf.READERS, **hf_moe.READERS}),
-    estimates=Estimates(activation_bytes, flops_per_token),
+    estimates=Estimates(activation_bytes, flops_per_token, idle_params=idle_expert_params),
 )
