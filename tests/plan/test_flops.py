@@ -1,5 +1,6 @@
 import torch
 
+from lm.config import load_config
 from lm.data.config import DataConfig
 from lm.data.span_corruption import corrupted_lengths
 from lm.models.encdec.config import EncDecConfig
@@ -8,6 +9,7 @@ from lm.models.gpt.config import GPTConfig
 from lm.models.lstm.config import LSTMConfig
 from lm.plan import counts
 from lm.plan.flops import peak_flops
+from lm.train import dry_run
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
@@ -65,3 +67,14 @@ def test_a_mixture_of_experts_counts_its_active_parameters():
     dense = GPTConfig(**{**cfg.__dict__, "n_experts": 0})
     assert counts.num_params(dense, active=True) == counts.num_params(dense)
 
+
+def test_the_dry_run_states_total_and_active_parameters(capsys):
+    # configs/moe-tiny.yaml: 16 experts 168 wide, 2 per token, in each of 4 blocks; a token goes through
+    # demo-modern's whole count
+    dry_run(load_config("configs/moe-tiny.yaml"), 2, 80.0)
+    out = capsys.readouterr().out
+    idle = 4 * (16 - 2) * 3 * 128 * 168
+    assert idle == 3_612_672
+    assert "parameters: 10,773,888 (7,161,216 active per token)\n" in out
+    assert "10,773,888 parameters (all held; 7,161,216 active per token), world size 2" in out
+    assert counts.num_params(load_config("configs/demo-modern.yaml").model) == 10_773_888 - idle == 7_161_216
