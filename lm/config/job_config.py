@@ -161,6 +161,11 @@ class ParallelConfig:
     memory) or interleaved_1f1b (several stages per rank: a smaller bubble)."""
     pp_stages_per_rank: int = 1
     """Stages each pipeline rank holds: 1 for gpipe and 1f1b, 2 or more for interleaved_1f1b."""
+    ep: int = 1
+    """Expert-parallel ranks: the routed experts of every mixture-of-experts layer split over ep ranks taken from the
+    data-parallel ranks that shard the model (dp_shard), each token sent to the rank of its experts and back; FSDP2
+    shards each rank's experts over the dp_shard ranks holding the same ones. fsdp only, with pp and cp at 1; under
+    tp every tensor-parallel rank holds its ep rank's experts whole. ep divides model.n_experts and dp_shard."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -178,8 +183,13 @@ class ParallelConfig:
         if self.activation_checkpointing < 0:
             raise ConfigError("parallel.activation_checkpointing: must be >= 0 (0 = none), "
                               f"got {self.activation_checkpointing}")
+        if self.ep > 1 and self.engine != "fsdp":
+            raise ConfigError(f"parallel.ep={self.ep}: expert parallelism shards the experts with FSDP2; expected "
+                              f"parallel.engine=fsdp, got {self.engine} (whose ranks each hold every expert: set "
+                              "parallel.ep=1 there)")
         for key, what in (("tp", "tensor parallelism"), ("pp", "pipeline parallelism"),
-                          ("cp", "context parallelism"), ("dp_replicate", "HSDP")):
+                          ("cp", "context parallelism"), ("dp_replicate", "HSDP"),
+                          ("ep", "expert parallelism")):
             n = getattr(self, key)
             if n < 1:
                 raise ConfigError(f"parallel.{key}: must be >= 1 (1 = no {what}), got {n}")
@@ -191,6 +201,11 @@ class ParallelConfig:
         if self.cp > 1 and (self.tp > 1 or self.pp > 1):
             raise ConfigError("parallel.cp: context parallelism does not combine with parallel.tp or parallel.pp "
                               "yet; use it with FSDP2 alone (tp=1, pp=1)")
+        if self.ep > 1 and (self.pp > 1 or self.cp > 1):
+            # the pipeline engine shards its stages without the experts' meshes, and a router under cp would see
+            # a slice of each sequence
+            raise ConfigError(f"parallel.ep={self.ep}: expert parallelism does not combine with parallel.pp or "
+                              "parallel.cp yet; expected parallel.pp=1 and parallel.cp=1 with ep > 1")
 
     def _check_pipeline(self) -> None:
         if self.pp_schedule in ZERO_BUBBLE:
@@ -312,6 +327,7 @@ class JobConfig:
         self._check_tensor_parallel()
         self._check_pipeline()
         self._check_context_parallel()
+        self._check_expert_parallel()
         self._check_task()
         self._check_vocab_size()
 
@@ -345,6 +361,16 @@ class JobConfig:
         if self.data.document_mask:
             raise ConfigError("data.document_mask: under parallel.cp > 1 attention follows the causal order of the "
                               "whole window, not of its documents, yet; set data.document_mask=false")
+
+    def _check_expert_parallel(self) -> None:
+        """What the model must allow for parallel.ep ranks (that ep divides the data-parallel ranks is checked at
+        launch, `lm.distributed.layout.check_world`)."""
+        ep = self.parallel.ep
+        if ep == 1:
+            return
+        problem = family_of(self.model).parallel.expert_problem(self.model, ep)
+        if problem:
+            raise ConfigError(f"parallel.ep={ep}: {problem}")
 
     def _check_tensor_parallel(self) -> None:
         """What the model and the sequence must allow for parallel.tp ranks (the world size is checked at launch,

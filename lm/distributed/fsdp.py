@@ -8,13 +8,14 @@ same seed at any world size, and no rank ever holds the whole model.
 
 import contextlib
 import inspect
+import logging
 import warnings
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.overrides import TorchFunctionMode
 
@@ -22,12 +23,15 @@ from lm.config import OptimConfig, ParallelConfig, TrainConfig, use_bf16
 from lm.distributed.activation import checkpoint_blocks, compile_blocks
 from lm.distributed.context_parallel import ContextParallel
 from lm.distributed.env import DistEnv
-from lm.distributed.layout import device_mesh, shard_mesh
+from lm.distributed.expert_parallel import apply_expert_parallel
+from lm.distributed.layout import device_mesh, expert_meshes, shard_mesh
 from lm.distributed.materialize import WeightLoader
 from lm.distributed.tensor_parallel import apply_tensor_parallel
 from lm.distributed.torch_engine import TorchEngine
 from lm.errors import ConfigError
-from lm.models.family import Family
+from lm.models.family import Family, TPStyle
+
+log = logging.getLogger(__name__)
 
 # the random fills the models' init_weights use (normal_ and uniform_ are the ones lm's families draw from)
 _RANDOM_INITS = {init: inspect.signature(init) for init in (torch.nn.init.normal_, torch.nn.init.uniform_)}
@@ -94,11 +98,17 @@ def parallelize(roots: list[nn.Module], blocks: list[nn.Module], family: Family,
     options = {"mp_policy": mixed_precision(train.dtype, env.device)}
     if mesh is not None:
         options["mesh"] = shard_mesh(mesh)
+    experts = family.parallel.experts(model) if parallel.ep > 1 else []
+    if experts:
+        ep_mesh, experts_mesh = expert_meshes(mesh, parallel.ep)
+        apply_expert_parallel(experts, ep_mesh)
     if env.tp > 1:
         # the final norm's sequence slice comes out as a view of its DTensor, which FSDP2 warns about on every rank
         # in case the caller changes it in place; the families' losses never do
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
         plan = family.parallel.tensor_styles(model)
+        if experts:  # split over the ep ranks already, whole on every tensor-parallel rank
+            plan = {name: style for name, style in plan.items() if style is not TPStyle.EXPERTS}
         for root in roots:  # a stage takes the plan's entries for the modules it holds
             names = {name for name, _ in root.named_modules()}
             apply_tensor_parallel(root, {name: style for name, style in plan.items() if name in names}, mesh["tp"])
@@ -107,11 +117,31 @@ def parallelize(roots: list[nn.Module], blocks: list[nn.Module], family: Family,
         options["offload_policy"] = CPUOffloadPolicy()
     if train.compile:
         compile_blocks(blocks)
+    if experts:
+        shard_experts(experts, {**options, "mesh": experts_mesh}, env.dp_size)
     for block in blocks:
-        fully_shard(block, **options)
+        fully_shard(block, **options)  # what shard_experts sharded already is left to it
     for root in roots:
         fully_shard(root, **options)  # the embeddings, final norm and head: gathered once per forward
         root.to_empty(device="cpu" if parallel.cpu_offload else env.device)
+
+
+def shard_experts(modules: list[nn.Module], options: dict, dp_size: int) -> None:
+    """FSDP2 over the dp_shard ranks that hold the same experts (`options["mesh"]`), each module on its own, before
+    its block's fully_shard. Along dimension 1 (d_model or the hidden units), not 0: a rank's n / ep experts may be
+    fewer than those ranks.
+
+    An expert's gradient arrives summed over the tokens of its whole ep group (the all-to-all's backward), and
+    FSDP2's reduction sums it over the groups, so it is divided by all `dp_size` data-parallel ranks, as FSDP2
+    divides the other weights' gradients: the step equals one process's. Over 2 or more ranks the division comes
+    after a plain sum (gloo has no pre-multiplied sum); over one, not: torch 2.13's FSDP2 then divides a forced
+    sum's gradient twice (once in its copy for a single rank, once after), which tests/distributed/
+    test_expert_parallel.py's gradient norms catch."""
+    ranks = options["mesh"].size(-1)  # the shard dimension (under HSDP the replicas come first)
+    for module in modules:
+        fully_shard(module, **options, shard_placement_fn=lambda param: Shard(1))
+        module.set_gradient_divide_factor(float(dp_size))
+        module.set_force_sum_reduction_for_comms(ranks > 1)
 
 
 def shard_model(model: nn.Module, family: Family, parallel: ParallelConfig, train: TrainConfig, env: DistEnv,
@@ -139,8 +169,15 @@ class FSDPEngine(TorchEngine):
 
     def __init__(self, model: nn.Module, family: Family, parallel: ParallelConfig, train: TrainConfig,
                  optim: OptimConfig, env: DistEnv, load_weights: WeightLoader | None) -> None:
-        mesh = device_mesh(env) if max(env.tp, env.cp, env.dp_replicate) > 1 else None
+        mesh = device_mesh(env) if max(env.tp, env.cp, env.dp_replicate, parallel.ep) > 1 else None
         shard_model(model, family, parallel, train, env, mesh)
+        if parallel.ep > 1:
+            experts = family.parallel.experts(model)
+            params = [p for m in experts for p in m.parameters()]
+            if env.is_main:  # the split as built, which a test reads: an ep ignored would train the same
+                log.info("expert parallelism: %d ranks split the experts of %d layers; rank 0 holds %s of their %s "
+                         "parameters", parallel.ep, len(experts), f"{sum(p.to_local().numel() for p in params):,}",
+                         f"{sum(p.numel() for p in params):,}")
         if load_weights is not None:
             load_weights(model)  # each rank keeps its slices of the full tensors
         # under context parallelism the forward runs this rank's share of each window's tokens

@@ -1,6 +1,6 @@
 """How the ranks of a run are laid out, as one device mesh with named dimensions ("pp", "dp", "tp"): pipeline
 stages outermost, then data-parallel replicas (FSDP2), then tensor-parallel groups of parallel.tp consecutive
-ranks.
+ranks. Expert parallelism splits the data-parallel ranks further (`expert_meshes`).
 
 Consecutive ranks share a node under torchrun, so a tensor-parallel group, which talks in every layer, stays
 on one node's fast links; FSDP2 gathers once per block and a pipeline sends one activation per micro-batch,
@@ -27,6 +27,13 @@ def check_world(cfg: JobConfig, world_size: int) -> None:
         raise ConfigError(f"{what} does not divide the world size {world_size} (ranks torchrun started); "
                           f"the product must be one of {', '.join(map(str, fits))}, or start a multiple of "
                           f"{tp * pp * cp * replicas} ranks")
+    dp_shard = world_size // (tp * pp * cp * replicas)
+    if dp_shard % par.ep:
+        fits = [str(d) for d in range(1, dp_shard + 1) if dp_shard % d == 0]
+        raise ConfigError(f"parallel.ep={par.ep} does not divide the {dp_shard} data-parallel rank(s) that shard the "
+                          f"model (world size {world_size} / (tp {tp} x cp {cp} x pp {pp} x dp_replicate "
+                          f"{replicas})), which the expert-parallel ranks are taken from; expected one of "
+                          f"{', '.join(fits)}, or start a multiple of {tp * pp * cp * replicas * par.ep} ranks")
     if pp > 1:
         check_micro_batches(cfg, world_size // (tp * pp * cp))
 
@@ -70,3 +77,14 @@ def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
             warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
             return mesh["dp_replicate", "dp_shard_cp"]
     return mesh["dp_replicate", "dp_shard"]
+
+
+def expert_meshes(mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
+    """The ep ranks that split the experts between them, and the mesh FSDP2 shards each rank's experts over: the
+    run's dp_shard dimension split as (dp_shard_mod_ep, ep), ep innermost (torchtitan's layout) so that the
+    all-to-all of every layer runs between consecutive ranks, on one node; under HSDP the replicas too."""
+    dp_shard = mesh["dp_shard"].size()
+    split = mesh._unflatten("dp_shard", (dp_shard // ep, ep), ("dp_shard_mod_ep", "ep"))
+    if mesh["dp_replicate"].size() > 1:
+        return split["ep"], split["dp_replicate", "dp_shard_mod_ep"]
+    return split["ep"], split["dp_shard_mod_ep"]

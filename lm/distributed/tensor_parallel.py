@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -26,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from lm.distributed.expert_parallel import run_on_local_weights
 from lm.models.family import TPStyle
 
 __all__ = ["apply_tensor_parallel", "parallel_loss", "whole"]
@@ -45,6 +47,16 @@ class Replicated(ParallelStyle):
             return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
         return distribute_module(module, device_mesh, input_fn=wrap, output_fn=unwrap)  # parameters: replicated
+
+
+class WholeWeights(ParallelStyle):
+    """A module whose parameters every tensor-parallel rank holds whole (replicated DTensors, for FSDP2's single
+    mesh) and whose forward runs on their local tensors, fed plain inputs: a mixture's routed experts, whose rows
+    are grouped by expert, which no DTensor layout describes. Every rank computes the whole gradient."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        run_on_local_weights(module)
+        return distribute_module(module, device_mesh)  # parameters: replicated
 
 
 def _style(style: TPStyle) -> ParallelStyle:
@@ -69,13 +81,19 @@ def _style(style: TPStyle) -> ParallelStyle:
         return ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     if style is TPStyle.REPLICATE:  # whole on every rank, run on whole inputs (a position table)
         return Replicated()
+    if style is TPStyle.WHOLE:  # the whole sequence in, this rank's slice of the output back (no sum: all alike)
+        return PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                        use_local_input=True, output_layouts=(Replicate(),),
+                                        desired_output_layouts=(Shard(1),), use_local_output=True)
+    if style is TPStyle.EXPERTS:
+        return WholeWeights()
     raise ValueError(f"unknown tensor-parallel style {style}")
 
 
 def apply_tensor_parallel(model: nn.Module, plan: dict[str, TPStyle], mesh: DeviceMesh) -> None:
     """Parallelise `model` in place over the 1-D tensor-parallel `mesh`, module by module as `plan` says (module
     name -> style). Works on the meta device, before the weights exist. A tied head is tied again afterwards by
-    the model's own init_weights."""
+    the model's own init_weights. Parameters already DTensors (expert-parallel experts) are left to their mesh."""
     parallelize_module(model, mesh, {name: _style(style) for name, style in plan.items()})
     missed = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
     if missed:  # a plan that forgot a module: FSDP2 would shard these over another mesh than the rest

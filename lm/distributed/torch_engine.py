@@ -60,7 +60,8 @@ class TorchEngine:
         """Clip the global gradient norm to `max_norm`; the norm before clipping, a 0-dim tensor on the device."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = self.grad_norm([p.grad for p in params])
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        for group in by_mesh(params).values():  # one scaling per mesh: DTensor ops take one mesh
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
         return norm
 
     def optimizer_step(self, norm: torch.Tensor) -> torch.Tensor:
@@ -80,6 +81,9 @@ class TorchEngine:
 
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The 2-norm of all the model's gradients, whole (a 0-dim tensor on the device)."""
+        meshes = by_mesh(grads)
+        if len(meshes) > 1:  # expert-parallel experts live on a mesh of their own, which no DTensor op crosses
+            return torch.linalg.vector_norm(torch.stack([self.grad_norm(group) for group in meshes.values()]))
         norm = torch.nn.utils.get_total_norm(grads)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm  # sharded gradients: reduce the norm
 
@@ -108,3 +112,11 @@ class TorchEngine:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def by_mesh(tensors: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+    """`tensors` grouped by their DTensor mesh (None: plain tensors), in their order: the same on every rank."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device_mesh if isinstance(tensor, DTensor) else None, []).append(tensor)
+    return groups

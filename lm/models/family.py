@@ -90,6 +90,11 @@ class TPStyle(enum.Enum):
     """The output head: vocabulary rows split, logits left split for a vocabulary-parallel loss"""
     REPLICATE = "replicate"
     """Whole on every rank, fed whole inputs (a learned position table)"""
+    WHOLE = "whole"
+    """A sublayer run whole on every rank (a mixture of experts, whose router must see every token of the sequence):
+    its input gathered from sequence slices, its output cut back into this rank's slice"""
+    EXPERTS = "experts"
+    """A mixture's routed experts, their weights whole on every rank, run on the plain rows the router sorted"""
 
 
 @dataclass
@@ -160,6 +165,11 @@ class Parallel:
     `sequence_shards`: how many tensor-parallel sequence slices the stream between stages is cut into"""
     pipeline_problem: Problem = Refusal("has no pipeline stages")
     """(config, stages) -> why the model cannot be cut into that many pipeline stages"""
+    experts: "Callable[[nn.Module], list[nn.Module]] | None" = None
+    """model -> its modules of routed experts, which expert parallelism (parallel.ep) splits: stacked weights whose
+    first dimension counts the experts, and forward(rows sorted by expert (N, C), counts (n_experts,)) -> (N, C)"""
+    expert_problem: Problem = Refusal("has no experts to split over expert-parallel ranks; expected parallel.ep=1")
+    """(config, ep) -> why the model's experts cannot split over that many expert-parallel ranks"""
 
 
 StepUpdate = Callable[["nn.Module", Callable[["torch.Tensor"], "torch.Tensor"], "torch.Tensor"], None]

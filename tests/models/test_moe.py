@@ -134,8 +134,6 @@ def test_the_flops_count_the_active_experts_only():
      "model.experts_per_token: 5 experts per token of model.n_experts=4; it must be 1 to 4"),
     (["--model.n_experts=4", "--model.router=topk"], "model.router: unknown value 'topk'"),
     (["--model.n_experts=4", "--model.moe_first_dense=2"], "no block of the 2 (model.n_layer) is a mixture"),
-    (["--model.n_experts=4", "--parallel.engine=fsdp", "--parallel.tp=2"],
-     "mixtures of experts train on data-parallel engines (ddp, fsdp, deepspeed) only so far, not under tensor"),
     (["--model.n_experts=4", "--model.tie_embeddings=false", "--parallel.engine=fsdp", "--parallel.pp=2"],
      "not under pipeline parallelism"),
     (["--model.n_experts=4", "--parallel.engine=fsdp", "--parallel.cp=2"], "not under context parallelism"),

@@ -51,13 +51,43 @@ def tensor_styles(model: "nn.Module") -> dict[str, TPStyle]:
         b = f"blocks.{i}."
         plan |= {b + "ln_1": TPStyle.SEQUENCE, b + "attn": TPStyle.GATHER, b + "attn.q": TPStyle.COLUMNS,
                  b + "attn.k": TPStyle.COLUMNS, b + "attn.v": TPStyle.COLUMNS, b + "attn.proj": TPStyle.ROWS,
-                 b + "ln_2": TPStyle.SEQUENCE, b + "mlp": TPStyle.GATHER, b + "mlp.fc": TPStyle.COLUMNS,
-                 b + "mlp.proj": TPStyle.ROWS}
+                 b + "ln_2": TPStyle.SEQUENCE}
+        if hasattr(block.mlp, "router"):
+            plan |= _experts_styles(block.mlp, b + "mlp")
+        else:
+            plan |= {b + "mlp": TPStyle.GATHER, b + "mlp.fc": TPStyle.COLUMNS, b + "mlp.proj": TPStyle.ROWS}
         if hasattr(block.mlp, "gate"):
             plan[b + "mlp.gate"] = TPStyle.COLUMNS
         if hasattr(block.attn, "q_norm"):
             plan |= {b + "attn.q_norm": TPStyle.HEADS, b + "attn.k_norm": TPStyle.HEADS}
     return plan
+
+
+def _experts_styles(moe: "nn.Module", name: str) -> dict[str, TPStyle]:
+    """A mixture-of-experts sublayer runs whole on every tensor-parallel rank, over the whole sequence: its router's
+    balance is measured over the same tokens as on one process, and its experts stay whole (with parallel.ep, the
+    ones of this rank's expert-parallel group)."""
+    plan = {name: TPStyle.WHOLE, f"{name}.router.gate": TPStyle.REPLICATE, f"{name}.experts": TPStyle.EXPERTS}
+    if moe.shared is not None:
+        plan[f"{name}.shared"] = TPStyle.REPLICATE
+    return plan
+
+
+def experts(model: "nn.Module") -> list["nn.Module"]:
+    from lm.models.gpt.moe import MoE
+
+    return [m.experts for m in model.modules() if isinstance(m, MoE)]
+
+
+def expert_problem(cfg: GPTConfig, ep: int) -> str | None:
+    """Each expert-parallel rank holds n_experts / ep of every mixture-of-experts layer's experts."""
+    if not cfg.n_experts:
+        return "the model has no experts to split (model.n_experts=0); expected parallel.ep=1 or model.n_experts > 0"
+    if cfg.n_experts % ep:
+        fits = ", ".join(str(d) for d in range(1, cfg.n_experts + 1) if cfg.n_experts % d == 0)
+        return (f"its {cfg.n_experts} experts (model.n_experts) do not split over {ep} expert-parallel ranks; "
+                f"expected an ep that divides them: {fits}")
+    return None
 
 
 def loss(model: "nn.Module", run: Run, batch: list["torch.Tensor"], optim: LossOptions = PLAIN_LOSS) -> "Losses":
@@ -67,8 +97,18 @@ def loss(model: "nn.Module", run: Run, batch: list["torch.Tensor"], optim: LossO
 
     losses = next_token.loss(model, run, batch, optim)
     cfg = model.cfg
-    return with_router_terms(losses, router_stats(model), batch[1].numel(), cfg.aux_loss_coef,
+    return with_router_terms(_local_terms(losses), router_stats(model), batch[1].numel(), cfg.aux_loss_coef,
                              cfg.router_z_loss_coef) if cfg.n_experts else losses
+
+
+def _local_terms(losses: "Losses") -> "Losses":
+    """`losses` with each value as this rank holds it. Under tensor parallelism the cross-entropy over vocabulary
+    slices is a replicated DTensor (the same on every rank), and the routers' terms, plain tensors, cannot join it
+    in one graph; its local value can, and its backward hands the gradient back to the DTensor. Duck-typed: model
+    code imports no torch.distributed."""
+    local = {name: dataclasses.replace(term, value=term.value.to_local()) if hasattr(term.value, "to_local") else term
+             for name, term in losses.terms.items()}
+    return dataclasses.replace(losses, terms=local)
 
 
 def after_step(model: "nn.Module", reduce: "Callable[[torch.Tensor], torch.Tensor]", applied: "torch.Tensor") -> None:
@@ -81,16 +121,15 @@ def after_step(model: "nn.Module", reduce: "Callable[[torch.Tensor], torch.Tenso
 
 def _experts_problem(cfg: GPTConfig, layout: str) -> str | None:
     if cfg.n_experts:
-        return (f"model.n_experts: mixtures of experts train on data-parallel engines (ddp, fsdp, deepspeed) only "
-                f"so far, not under {layout}")
+        return (f"model.n_experts: mixtures of experts train on the data-parallel engines (ddp, fsdp, deepspeed) and "
+                f"under parallel.tp and parallel.ep so far, not under {layout}")
     return None
 
 
 def tensor_problem(cfg: GPTConfig, tp: int) -> str | None:
     """Each rank keeps n_head / tp query heads, n_kv_head / tp key/value heads, d_ff / tp hidden units and a 1/tp
-    slice of the (padded) vocabulary, so tp must divide all four. Experts have no tensor-parallel plan yet."""
-    if problem := _experts_problem(cfg, "tensor parallelism (parallel.tp)"):
-        return problem
+    slice of the (padded) vocabulary, so tp must divide all four. A mixture-of-experts sublayer is not split: every
+    tensor-parallel rank runs it whole (`_experts_styles`)."""
     sizes = {"query heads (model.n_head)": cfg.n_head, "key/value heads (model.n_kv_head)": cfg.kv_heads,
              "feed-forward units (model.d_ff)": cfg.ff_dim, "padded vocabulary rows": cfg.padded_vocab_size}
     for what, n in sizes.items():
@@ -176,7 +215,8 @@ FAMILY = Family(
     blocks=blocks,
     training=dataclasses.replace(next_token.TRAINING, loss=loss, after_step=after_step),
     parallel=Parallel(tensor_styles=tensor_styles, tensor_problem=tensor_problem, context_problem=context_problem,
-                      stage=stage, pipeline_problem=pipeline_problem),  # GPT.forward takes a SequenceShard
+                      stage=stage, pipeline_problem=pipeline_problem, experts=experts,
+                      expert_problem=expert_problem),  # GPT.forward takes a SequenceShard
     sampler=next_token.SAMPLER,
     # the native classes first, lm's own code last
     hf=HFAdapter((*hf.TARGETS, *hf_moe.TARGETS, hf_remote.TARGET), {**hf.READERS, **hf_moe.READERS}),

@@ -1,0 +1,107 @@
+"""Expert parallelism (parallel.ep) on real 4-process gloo groups: a mixture of experts trained with its experts split
+over ep ranks (with FSDP2, alone, and with tensor parallelism) logs the losses one process logs on the same global
+batches, and its checkpoint resumes under one process and under another ep, and consolidates to the whole experts."""
+
+import re
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from lm.cli import run
+from tests.distributed.test_engines import resume_copy, train
+from tests.distributed.test_engines_moe import terms
+
+# every test here trains on gloo groups of 4 processes: the full tier only
+pytestmark = pytest.mark.process
+
+MOE = ["--parallel.engine=fsdp", "--model.n_head=4", "--model.n_experts=8", "--model.experts_per_token=2",
+       "--model.expert_d_ff=32", "--model.n_shared_experts=1", "--train.steps=10", "--checkpoint.every=5"]
+"""A 2-layer mixture, d_model 32, 8 experts top-2 and a shared one, for 10 steps of global batches of 8 windows: 2
+windows per micro-batch on every layout, so every router measures its balance over the same tokens."""
+SAME_BATCH_REL = 1e-4
+"""A step of the split run against one process: the all-to-all and FSDP2 sum in another order than one process"""
+GRAD_NORM_REL = 2e-5
+"""The first step's gradient norm against one process's (a 4-process fsdp run without ep: 5e-6 off)"""
+RESUME_REL = 1e-5
+"""A resumed step against the same step of the uninterrupted run"""
+LAYOUTS = {"ep2": ["--parallel.ep=2"], "ep4": ["--parallel.ep=4"], "ep2_tp2": ["--parallel.ep=2", "--parallel.tp=2"],
+           "tp2": ["--parallel.tp=2"]}
+EXPERT_SHARE = {"ep2": 1 / 4, "ep4": 1 / 4, "ep2_tp2": 1 / 2}
+"""The share of the experts' parameters rank 0 holds: 1/ep of the experts, sharded by FSDP2 over the rest of dp_shard
+(tp2: no expert parallelism, the mixture whole on both tensor-parallel ranks, as under ep2_tp2)"""
+
+
+def expert_share(out: Path) -> float:
+    """The share of the experts' parameters rank 0 holds, as the run in `out` logged it."""
+    found = re.search(r"expert parallelism: \d+ ranks split .* rank 0 holds ([\d,]+) of their ([\d,]+) parameters",
+                      out.with_suffix(".log").read_text())
+    assert found, f"no expert-parallel layout in {out.with_suffix('.log')}"
+    held, total = (int(g.replace(",", "")) for g in found.groups())
+    return held / total
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_data_dir, tmp_path_factory) -> Path:
+    """The mixture on one process, which every layout's 4 processes must log alike."""
+    out = tmp_path_factory.mktemp("one") / "run"
+    train(1, out, tiny_data_dir, *MOE)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep2(tiny_data_dir, tmp_path_factory) -> Path:
+    """The mixture with ep=2 x FSDP2 on 4 processes: compared with one process, and resumed from its step 5."""
+    out = tmp_path_factory.mktemp("ep2") / "run"
+    train(4, out, tiny_data_dir, *MOE, *LAYOUTS["ep2"])
+    return out
+
+
+def losses(out: Path) -> dict[int, float]:
+    return {step: row["train/loss"] for step, row in terms(out).items()}
+
+
+def grad_norm(out: Path) -> float:
+    return terms(out)[1]["train/grad_norm"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_split_mixture_logs_the_losses_of_one_process(layout, one_process, ep2, tiny_data_dir, tmp_path):
+    out = ep2 if layout == "ep2" else tmp_path / layout
+    if layout != "ep2":
+        train(4, out, tiny_data_dir, *MOE, *LAYOUTS[layout])
+    split, one = losses(out), losses(one_process)
+    assert sorted(split) == sorted(one) == list(range(1, 11))
+    for step in one:
+        assert split[step] == pytest.approx(one[step], rel=SAME_BATCH_REL), (layout, step)
+    # AdamW hardly sees a gradient's scale, so the losses would not show experts' gradients divided wrongly; the
+    # first step's gradient norm (the same weights and batch) does
+    assert grad_norm(out) == pytest.approx(grad_norm(one_process), rel=GRAD_NORM_REL), layout
+    assert split[10] < split[1] - 0.1
+    if layout in EXPERT_SHARE:
+        assert expert_share(out) == pytest.approx(EXPERT_SHARE[layout])
+
+
+def test_an_expert_parallel_checkpoint_resumes_under_one_process_and_another_ep(ep2, tiny_data_dir, tmp_path):
+    uninterrupted = losses(ep2)
+    for name, nproc, flags in (("one", 1, []), ("ep4", 4, LAYOUTS["ep4"]), ("fsdp4", 4, [])):
+        resumed = train(nproc, resume_copy(ep2, tmp_path / name, step=5), tiny_data_dir, *MOE, *flags)
+        assert sorted(resumed) == [6, 7, 8, 9, 10]
+        for step in resumed:
+            assert resumed[step] == pytest.approx(uninterrupted[step], rel=RESUME_REL), (name, step)
+
+
+def test_an_expert_parallel_checkpoint_consolidates_to_every_expert(ep2, one_process, tmp_path):
+    from lm.consolidate import main as consolidate
+
+    weights = {}
+    for name, run_dir in (("ep2", ep2), ("one", one_process)):
+        out = tmp_path / f"{name}.safetensors"
+        assert run(consolidate, ["--checkpoint", str(run_dir / "checkpoints" / "step_00000005"), str(out)]) == 0
+        weights[name] = load_file(out)
+    experts = [k for k in weights["ep2"] if k.endswith("experts.w_in")]
+    assert len(experts) == 2 and weights["ep2"][experts[0]].shape == (8, 32, 32)
+    assert weights["ep2"].keys() == weights["one"].keys()
+    for key, tensor in weights["ep2"].items():  # the same 5 steps: equal but for AdamW's rounding of tiny gradients
+        assert tensor.shape == weights["one"][key].shape and (tensor - weights["one"][key]).abs().max() < 1e-3, key
+
