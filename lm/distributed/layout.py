@@ -85,6 +85,9 @@ def expert_meshes(mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
     all-to-all of every layer runs between consecutive ranks, on one node; under HSDP the replicas too."""
     dp_shard = mesh["dp_shard"].size()
     split = mesh._unflatten("dp_shard", (dp_shard // ep, ep), ("dp_shard_mod_ep", "ep"))
-    if mesh["dp_replicate"].size() > 1:
-        return split["ep"], split["dp_replicate", "dp_shard_mod_ep"]
-    return split["ep"], split["dp_shard_mod_ep"]
+    # the experts' weights are sharded over these two dimensions together (replicated over HSDP's replicas);
+    # flattened once, a norm over them is one all-reduce, the same on every rank, not one per dimension (which
+    # torch warns of)
+    split["dp_shard_mod_ep", "ep"]._flatten()
+    shard = ("dp_replicate", "dp_shard_mod_ep") if mesh["dp_replicate"].size() > 1 else ("dp_shard_mod_ep",)
+    return split["ep"], split[shard]

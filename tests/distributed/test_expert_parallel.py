@@ -26,10 +26,11 @@ GRAD_NORM_REL = 2e-5
 RESUME_REL = 1e-5
 """A resumed step against the same step of the uninterrupted run"""
 LAYOUTS = {"ep2": ["--parallel.ep=2"], "ep4": ["--parallel.ep=4"], "ep2_tp2": ["--parallel.ep=2", "--parallel.tp=2"],
-           "tp2": ["--parallel.tp=2"]}
-EXPERT_SHARE = {"ep2": 1 / 4, "ep4": 1 / 4, "ep2_tp2": 1 / 2}
+           "hsdp2_ep2": ["--parallel.dp_replicate=2", "--parallel.ep=2"], "tp2": ["--parallel.tp=2"]}
+EXPERT_SHARE = {"ep2": 1 / 4, "ep4": 1 / 4, "ep2_tp2": 1 / 2, "hsdp2_ep2": 1 / 2}
 """The share of the experts' parameters rank 0 holds: 1/ep of the experts, sharded by FSDP2 over the rest of dp_shard
-(tp2: no expert parallelism, the mixture whole on both tensor-parallel ranks, as under ep2_tp2)"""
+(HSDP's replicas hold the same; tp2: no expert parallelism, the mixture whole on both tensor-parallel ranks, as under
+ep2_tp2)"""
 
 
 def expert_share(out: Path) -> float:
