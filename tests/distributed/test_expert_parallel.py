@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from lm.cli import run
 from tests.distributed.test_engines import resume_copy, train
 from tests.distributed.test_engines_moe import terms
+from tests.workers import pool
 
 # every test here trains on gloo groups of 4 processes: the full tier only
 pytestmark = pytest.mark.process
@@ -106,3 +107,53 @@ def test_an_expert_parallel_checkpoint_consolidates_to_every_expert(ep2, one_pro
     for key, tensor in weights["ep2"].items():  # the same 5 steps: equal but for AdamW's rounding of tiny gradients
         assert tensor.shape == weights["one"][key].shape and (tensor - weights["one"][key]).abs().max() < 1e-3, key
 
+
+
+def dispatch_against_whole(counts_by_rank: list[list[int]]) -> list[float]:
+    """In each rank of a 2-rank pool: 4 experts split over the 2 ranks and the same experts whole, fed this rank's
+    rows (`counts_by_rank[rank]` of them for each expert); the largest differences of the outputs, of the rows'
+    gradients and of this rank's experts' weight gradients (the whole experts' summed over the ranks)."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lm.distributed.expert_parallel import apply_expert_parallel
+    from lm.models.gpt.config import GPTConfig
+    from lm.models.gpt.moe import Experts
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    whole = Experts(GPTConfig(d_model=16, n_head=2, mlp="swiglu"), 4, 8)
+    whole.draw_(0.2, 0.2)
+    split = copy.deepcopy(whole)
+    apply_expert_parallel([split], init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)))
+    counts = torch.tensor(counts_by_rank[rank])
+    torch.manual_seed(1 + rank)
+    rows = torch.randn(int(counts.sum()), 16)  # (N, C), sorted by expert
+    upstream = torch.randn(rows.shape)
+    outputs, grads = [], []
+    for experts in (split, whole):
+        x = rows.clone().requires_grad_()
+        y = experts(x, counts)
+        (y * upstream).sum().backward()
+        outputs.append(y.detach())
+        grads.append(x.grad)
+    diffs = [(outputs[0] - outputs[1]).abs().max().item() if rows.numel() else 0.0,
+             (grads[0] - grads[1]).abs().max().item() if rows.numel() else 0.0]
+    for name, param in whole.named_parameters():
+        dist.all_reduce(param.grad)  # (4, ...) what all ranks' rows give each expert
+        local = getattr(split, name).grad.to_local()  # (2, ...) this rank's experts
+        diffs.append((local - param.grad[2 * rank:2 * rank + 2]).abs().max().item())
+    return diffs
+
+
+@pytest.mark.parametrize("counts", [[[2, 2, 1, 0], [3, 1, 2, 4]], [[6, 4, 0, 0], [0, 3, 0, 0]]],
+                         ids=["uneven", "one rank idle"])
+def test_dispatch_computes_what_the_whole_experts_compute(counts):
+    # "uneven": rank 0 receives 2 + 2 rows from itself and 3 + 1 from rank 1 for its experts 0 and 1, so grouping
+    # them by expert is a permutation that is not its own inverse (a combine that forgot to invert it would fail);
+    # "one rank idle": every row goes to rank 0's experts (a collapsed router), so rank 1 computes none
+    for rank, reply in enumerate(pool(2).run(dispatch_against_whole, counts)):
+        assert max(reply["value"]) < 1e-5, (rank, reply["value"])
