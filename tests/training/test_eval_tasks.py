@@ -1,0 +1,45 @@
+"""Downstream tasks in the training loop (train.eval_tasks): logged by name, kept in tasks.json, and the same
+accuracies on 2 ranks as on 1."""
+
+import json
+
+import pytest
+
+from lm.config import load_config
+from lm.errors import ConfigError
+from tests.distributed.test_engines import train
+
+TASKS = ["--train.eval_tasks=arc_easy,winogrande", "--train.eval_tasks_limit=10", "--train.steps=3",
+         "--checkpoint.every=3"]
+
+
+@pytest.mark.process
+def test_two_ranks_score_the_tasks_as_one_and_log_them(tiny_data_dir, tmp_path):
+    rows = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"ddp{nproc}"
+        train(nproc, out, tiny_data_dir, "--parallel.engine=ddp", *TASKS)
+        logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rows[nproc] = [r for r in logged if "tasks/core" in r]
+        assert [r["step"] for r in rows[nproc]] == [3]  # eval_every 3, and the end
+        kept = json.loads((out / "tasks.json").read_text())
+        assert kept == {k: v for k, v in rows[nproc][0].items() if k.startswith("tasks/")} | {"step": 3}
+        assert "step 3 | arc_easy acc " in out.with_suffix(".log").read_text()
+    keys = ["tasks/arc_easy/acc", "tasks/arc_easy/acc_norm", "tasks/winogrande/acc", "tasks/winogrande/acc_norm",
+            "tasks/core"]
+    assert [rows[2][0][k] for k in keys] == [rows[1][0][k] for k in keys]
+    assert all(round(rows[1][0][k] * 10) == rows[1][0][k] * 10 for k in keys[:4])  # counts of 10 items
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--train.eval_tasks=hellaswg"], "train.eval_tasks: unknown task 'hellaswg'; did you mean 'hellaswag'?"),
+    (["--train.eval_tasks=piqa", "--model.arch=encoder"], "train.eval_tasks: tasks rank each choice by a next-token "
+     "model's likelihood"),
+    (["--train.eval_tasks=piqa", "--parallel.engine=fsdp", "--parallel.tp=2", "--model.n_head=2"],
+     "train.eval_tasks: scored by whole-sequence forwards on each data-parallel rank, not yet under parallel.tp=2"),
+    (["--train.eval_tasks_limit=-1"], "train.eval_tasks_limit: must be 0 or more, got -1"),
+])
+def test_tasks_the_loop_cannot_score_are_refused_by_the_config(flags, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["--model.block_size=32", "--data.seq_len=16", *flags])
+    assert message in str(err.value)
