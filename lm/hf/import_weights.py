@@ -7,6 +7,8 @@ use (a q_norm, say) or one we need and cannot find is refused by name, and so is
 parameter is then read in place, one at a time (`lm.hf.safetensors_rows`), and a rank of an FSDP-sharded
 model reads only the rows it keeps: one contiguous byte range per stored tensor. GPT-2's Conv1D matrices are
 the exception: stored (in, out), a rank's rows are columns of the stored tensor, so it reads the whole tensor.
+So are a mixture's experts under expert parallelism, cut along their second dimension too: a rank reads its ep
+rank's experts whole and keeps its block of them.
 """
 
 import json
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lm.errors import CheckpointError
 from lm.hf.importing import HFModel
@@ -68,18 +70,27 @@ def _check_names(plan: Plan, stored: dict[str, StoredTensor], tied: bool, origin
         raise CheckpointError(f"{origin}: its weights do not match its config.json: " + "; ".join(problems))
 
 
-def _local_rows(param: torch.Tensor) -> tuple[int, int]:
-    """The rows [start, stop) of the whole parameter that this rank holds: all of them, or FSDP2's dim-0 shard
-    (torch.chunk's split: ceil(rows / ranks) per rank, the last ones shorter or empty)."""
+def _local_box(param: torch.Tensor) -> list[tuple[int, int]]:
+    """For each dimension, the [start, stop) of the whole parameter that this rank holds: all of it, or a DTensor's
+    shard, each Shard(d) of its placements cutting dimension d over its mesh dimension as torch.chunk does
+    (ceil(n / ranks) per rank, the last ones shorter or empty), in mesh order; Replicate cuts nothing. FSDP2 shards
+    dim 0 (HSDP: replicated over the replicas); under expert parallelism an experts weight is cut along dim 0 over
+    the ep ranks and along dim 1 by FSDP2 (`lm.distributed.fsdp.shard_experts`)."""
+    box = [(0, n) for n in param.shape]
     if not isinstance(param, DTensor):
-        return 0, param.shape[0]
-    if param.device_mesh.ndim != 1 or param.placements != (Shard(0),):
-        raise CheckpointError(f"cannot import into a parameter placed as {param.placements} on a "
-                              f"{param.device_mesh.ndim}-D mesh; lm's FSDP shards dim 0 over one mesh dimension")
-    rows, ranks = param.shape[0], param.device_mesh.size()
-    chunk = math.ceil(rows / ranks)
-    start = min(param.device_mesh.get_local_rank() * chunk, rows)
-    return start, min(start + chunk, rows)
+        return box
+    mesh, coordinate = param.device_mesh, param.device_mesh.get_coordinate()
+    for i, placement in enumerate(param.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if type(placement) is not Shard:  # a strided shard or a partial value is no box of the whole tensor
+            raise CheckpointError(f"cannot import into a parameter placed as {param.placements}; lm imports into "
+                                  "parameters whole, replicated, or cut into even blocks (Shard)")
+        lo, hi = box[placement.dim]
+        chunk = math.ceil((hi - lo) / mesh.size(i))
+        start = min(lo + coordinate[i] * chunk, hi)
+        box[placement.dim] = (start, min(start + chunk, hi))
+    return box
 
 
 def _check_tensors(plan: Plan, stored: dict[str, StoredTensor], params: dict[str, torch.Tensor]) -> None:
@@ -143,5 +154,13 @@ def load_hf_weights(source: HFModel, model: nn.Module) -> None:
     params = dict(model.named_parameters())
     for ours, parts in plan.items():
         param = params[ours]
-        start, stop = _local_rows(param)
-        _fill(param.to_local() if isinstance(param, DTensor) else param, row_spans(parts, start, stop), stored)
+        local = param.to_local() if isinstance(param, DTensor) else param
+        (start, stop), *rest = _local_box(param)
+        if all(box == (0, n) for box, n in zip(rest, param.shape[1:])):
+            _fill(local, row_spans(parts, start, stop), stored)
+            continue
+        # cut along a later dimension too (an expert-parallel experts weight): read this rank's rows whole, keep
+        # its block of them
+        rows = torch.empty((stop - start, *param.shape[1:]), dtype=local.dtype, device=local.device)
+        _fill(rows, row_spans(parts, start, stop), stored)
+        local.copy_(rows[(slice(None), *(slice(lo, hi) for lo, hi in rest))])

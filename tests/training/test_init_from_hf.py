@@ -21,6 +21,7 @@ from lm.errors import ConfigError
 from lm.export import main as export_main
 from lm.train import main as train_main
 from tests.distributed.test_engines import ENGINES, train
+from tests.distributed.test_expert_parallel import expert_share
 from tests.hf.test_import import REFUSALS, refused_checkpoint
 
 GPT2_VOCAB = 50257  # the shards of tiny_data_dir are gpt2 ids
@@ -77,6 +78,22 @@ def test_training_continues_from_transformers_loss_on_two_ranks(engine, kind, lr
     assert losses[5] < losses[1]
     saved = json.loads((tmp_path / "run/checkpoints/step_00000005/state.json").read_text())
     assert saved["world_size"] == 2
+
+
+@pytest.mark.process
+def test_an_expert_parallel_run_continues_a_mixture_from_transformers_loss(tiny_data_dir, tmp_path):
+    """ep=2 x FSDP2 on 4 ranks: each rank reads its one expert of the 4 (its ep rank's 2, halved by FSDP2), and
+    trains as one process continuing the same checkpoint."""
+    hf = save_hf(QWEN3_MOE, tmp_path / "hf")
+    flags = ["--train.steps=3", "--parallel.engine=fsdp", f"--checkpoint.init_from={tmp_path / 'hf'}"]
+    split = train(4, tmp_path / "ep2", tiny_data_dir, *flags, "--parallel.ep=2")
+    one = train(1, tmp_path / "one", tiny_data_dir, *flags)
+    assert expert_share(tmp_path / "ep2") == pytest.approx(1 / 4)  # the layout was applied, not ignored
+    expected = first_batch_loss(hf, tiny_data_dir, "--data.seq_len=16", "--train.batch_size=8")
+    assert split[1] == pytest.approx(expected, rel=1e-5)
+    assert sorted(split) == sorted(one) == [1, 2, 3]
+    for step in one:  # the all-to-all and FSDP2 sum in another order than one process
+        assert split[step] == pytest.approx(one[step], rel=1e-4), step
 
 
 def test_the_model_comes_from_the_checkpoint(tmp_path):
