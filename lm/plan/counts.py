@@ -38,6 +38,14 @@ class Counts:
     """Outside the repeated units (embeddings, final norms, head): FSDP's root unit"""
     idle: int
     """Not gone through by a token: a mixture of experts' unchosen experts (`Estimates.idle_params`)"""
+    experts: int = 0
+    """In the routed experts of every mixture-of-experts layer (`Parallel.experts`): what parallel.ep splits"""
+    units: tuple[tuple[int, int], ...] = ()
+    """Each repeated unit's (parameters, of them in routed experts)"""
+    expert_layers: int = 0
+    """Modules of routed experts, one per mixture-of-experts layer"""
+    n_experts: int = 0
+    """Routed experts in each such module (the first dimension of their stacked weights)"""
 
 
 _counted: dict[tuple[type, str], Counts] = {}
@@ -56,6 +64,8 @@ def counts(cfg: ModelConfig) -> Counts:
         positions = {id(m.weight) for m in tables if isinstance(m, PositionTable)}
         units = family.blocks(model)
         in_units = {id(p) for unit in units for p in unit.parameters()}
+        routed = family.parallel.experts(model) if family.parallel.experts else []
+        in_experts = {id(p) for m in routed for p in m.parameters()}
         _counted[key] = Counts(
             total=sum(sizes.values()),
             positions=sum(sizes[i] for i in positions),
@@ -63,6 +73,11 @@ def counts(cfg: ModelConfig) -> Counts:
             unit=max(sum(p.numel() for p in unit.parameters()) for unit in units),
             root=sum(n for i, n in sizes.items() if i not in in_units),
             idle=0 if family.estimates.idle_params is None else family.estimates.idle_params(cfg),
+            experts=sum(sizes[i] for i in in_experts),
+            units=tuple((sum(p.numel() for p in unit.parameters()),
+                         sum(p.numel() for p in unit.parameters() if id(p) in in_experts)) for unit in units),
+            expert_layers=len(routed),
+            n_experts=next(iter(routed[0].parameters())).shape[0] if routed else 0,
         )
     return _counted[key]
 
@@ -81,14 +96,22 @@ def params_outside_embeddings(cfg: ModelConfig) -> int:
     return n.total - n.embeddings
 
 
-def unit_params(cfg: ModelConfig) -> int:
-    """Parameters of the largest repeated unit (what FSDP gathers as one)."""
-    return counts(cfg).unit
+def unit_params(cfg: ModelConfig, ep: int = 1) -> int:
+    """Parameters of the largest repeated unit (what FSDP gathers as one); with `ep` expert-parallel ranks, a unit's
+    routed experts count the 1/ep of them one rank gathers."""
+    return max(params - experts + -(-experts // ep) for params, experts in counts(cfg).units)
 
 
 def root_params(cfg: ModelConfig) -> int:
     """Parameters outside the repeated units (embeddings, final norms, head): FSDP's root unit."""
     return counts(cfg).root
+
+
+def routed_per_token(cfg: ModelConfig) -> float:
+    """Experts each token is sent to in a mixture-of-experts layer (top k), read off the counts: the experts a token
+    goes through are the share (experts - idle) / experts of the n_experts in each layer. 0 without experts."""
+    n = counts(cfg)
+    return n.n_experts * (n.experts - n.idle) / n.experts if n.experts else 0.0
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, data: DataConfig) -> float:

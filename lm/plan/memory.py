@@ -32,6 +32,12 @@ through forward and backward, and prefetches the next block while computing one,
 root plus two blocks (the family's largest repeated unit), each as a gathered 16-bit weight and its unsharded
 16-bit gradient before the reduce-scatter (4 + 4 bytes in float32). ZeRO-3 is charged the same.
 
+Expert parallelism (parallel.ep, fsdp only). Each of the ep ranks holds n_experts / ep of every mixture-of-experts
+layer's routed experts, which FSDP2 shards again over the W / ep ranks holding the same ones: E routed-expert
+parameters cost a rank 16 x ceil(ceil(E / ep) / (W / ep)) bytes, the rest 16 x ceil((N - E) / W), about N / W in
+all as without ep. What ep shrinks is the gathered unit: a block's experts are gathered over W / ep ranks to their
+ep rank's share, so a block gathers its other parameters and 1/ep of its experts.
+
 `cpu_offload` moves state to host memory, reported apart: fsdp offloads its sharded parameters,
 gradients and optimizer state (16 / W bytes per parameter; the device keeps only the gathered units),
 DeepSpeed its optimizer state (fp32 master and moments, 12 / W in bf16, 8 / W in float32) plus the
@@ -48,11 +54,13 @@ autocast), 4 in float32.
 from dataclasses import dataclass
 
 from lm.config import ENGINES, JobConfig, device_type, use_bf16
+from lm.errors import ConfigError
 from lm.models.config import ModelConfig
+from lm.models.registry import family_of
 from lm.models.sizes import ceil_div
-from lm.plan.counts import activation_bytes, num_params, root_params, unit_params
+from lm.plan.counts import activation_bytes, counts, num_params, root_params, unit_params
 
-__all__ = ["MemoryEstimate", "estimate_memory"]
+__all__ = ["MemoryEstimate", "check_ep", "estimate_memory"]
 
 GIB = 2 ** 30
 CUDA_CONTEXT_BYTES = GIB
@@ -92,9 +100,23 @@ def _states(engine: str, zero_stage: int, mixed: bool, world_size: int) -> list[
     return states
 
 
-def _gathered_units(cfg: ModelConfig) -> int:
-    """Parameters unsharded at once under FSDP or ZeRO-3: the root unit and two blocks (one prefetched)."""
-    return root_params(cfg) + 2 * unit_params(cfg)
+def _gathered_units(cfg: ModelConfig, ep: int = 1) -> int:
+    """Parameters unsharded at once under FSDP or ZeRO-3: the root unit and two blocks (one prefetched), each block's
+    routed experts gathered to one ep rank's share under expert parallelism."""
+    return root_params(cfg) + 2 * unit_params(cfg, ep)
+
+
+def check_ep(cfg: JobConfig, ep: int, dp: int) -> None:
+    """ConfigError unless `ep` expert-parallel ranks can split the model's experts and the `dp` ranks that shard it
+    (as `lm.config` and `lm.distributed.layout.check_world` refuse a run)."""
+    if ep < 1:
+        raise ConfigError(f"parallel.ep: must be >= 1 (1 = no expert parallelism), got {ep}")
+    if ep > 1 and (problem := family_of(cfg.model).parallel.expert_problem(cfg.model, ep)):
+        raise ConfigError(f"parallel.ep={ep}: {problem}")
+    if dp % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide the {dp} data-parallel rank(s) planned for, which the "
+                          "expert-parallel ranks are taken from; expected a divisor of "
+                          f"{dp}: {', '.join(str(d) for d in range(1, dp + 1) if dp % d == 0)}")
 
 
 # ---- the estimate ------------------------------------------------------------------------------
@@ -125,6 +147,8 @@ class MemoryEstimate:
     """the logits' share of the activations"""
     host: int
     """state moved to CPU memory by cpu_offload"""
+    ep: int = 1
+    """expert-parallel ranks (fsdp only)"""
 
     @property
     def total(self) -> int:
@@ -137,7 +161,9 @@ class MemoryEstimate:
 
     @property
     def label(self) -> str:
-        return f"deepspeed ZeRO-{self.zero_stage}" if self.engine == "deepspeed" else self.engine
+        if self.engine == "deepspeed":
+            return f"deepspeed ZeRO-{self.zero_stage}"
+        return f"{self.engine} x ep {self.ep}" if self.ep > 1 else self.engine
 
 
 def estimate_memory(
@@ -148,11 +174,13 @@ def estimate_memory(
     cpu_offload: bool | None = None,
     activation_checkpointing: int | None = None,
     fused_attention: bool = True,
+    ep: int | None = None,
 ) -> MemoryEstimate:
     """Per-device memory of training `cfg` on `world_size` devices; None takes the value from `cfg.parallel`.
 
     Asking for another engine than the config's takes its ZeRO stage and offload from the arguments
-    (stage required for deepspeed, offload off unless given). See the module docstring for the model.
+    (stage required for deepspeed, offload off unless given); `ep` is the config's parallel.ep under fsdp, 1 on
+    the other engines. See the module docstring for the model.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -175,16 +203,25 @@ def estimate_memory(
     if activation_checkpointing < 0:
         raise ValueError(f"activation_checkpointing must be >= 0, got {activation_checkpointing}")
 
+    if ep is None:
+        ep = par.ep if engine == "fsdp" else 1
+    if ep > 1 and engine != "fsdp":
+        raise ValueError(f"ep {ep} goes with engine fsdp only, got {engine}")
+    check_ep(cfg, ep, world_size)
+
     mixed = use_bf16(cfg.train.dtype, device_type(cfg.train.device))  # as the run on this machine would
     n = num_params(cfg.model)
+    experts = counts(cfg.model).experts if ep > 1 else 0
+    # a rank's sharded state: the dense parameters over every rank, its ep rank's experts over the W / ep sharing them
+    shard = ceil_div(n - experts, world_size) + ceil_div(ceil_div(experts, ep), world_size // ep)
     sums = {"parameters": 0, "gradients": 0, "optimizer": 0, "host": 0}
     for state in _states(engine, zero_stage, mixed, world_size):
-        size = (ceil_div(n, world_size) if state.sharded else n) * state.bytes
+        size = (shard if state.sharded else n) * state.bytes
         sums["host" if cpu_offload and state.offloadable else state.kind] += size
     if cpu_offload and engine == "deepspeed":  # ZeRO-Offload's CPU Adam steps on an fp32 gradient partition
         sums["host"] += ceil_div(n, world_size) * 4
     sharded_params = engine == "fsdp" or zero_stage == 3
-    gathered = _gathered_units(cfg.model) * (2 + 2 if mixed else 4 + 4) if sharded_params else 0
+    gathered = _gathered_units(cfg.model, ep) * (2 + 2 if mixed else 4 + 4) if sharded_params else 0
 
     c = 2 if mixed else 4
     # the residual stream has the embedding's dtype: fp32 weights under ddp autocast, bf16 weights otherwise
@@ -197,5 +234,5 @@ def estimate_memory(
         activation_checkpointing=activation_checkpointing, mixed_precision=mixed, num_params=n,
         parameters=sums["parameters"], gradients=sums["gradients"], optimizer=sums["optimizer"],
         gathered=gathered, activations=acts, activations_no_checkpointing=acts_none, logits=logits,
-        host=sums["host"],
+        host=sums["host"], ep=ep,
     )
