@@ -24,11 +24,12 @@ from pathlib import Path
 import tiktoken
 
 from lm.errors import ConfigError, TokenizerError
-from lm.tokenizer.hf_json import HFTokenizer, read_tokenizer_json
+from lm.tokenizer.hf_json import TOKENIZER_CONFIG, HFTokenizer, read_tokenizer_json
 
 __all__ = [
     "TOKENIZERS", "VOCAB_SIZES", "HFTokenizer", "check_vocab_size", "continuation_text", "document_prefix",
-    "is_tokenizer_file", "load_tokenizer", "model_tokenizer", "prompt_ids", "tokenizer_hash", "tokenizer_identity",
+    "forget_tokenizers", "is_tokenizer_file", "load_tokenizer", "model_tokenizer", "prompt_ids", "tokenizer_hash",
+    "tokenizer_identity",
 ]
 
 log = logging.getLogger(__name__)
@@ -131,19 +132,44 @@ def is_tokenizer_file(spec: str) -> bool:
     return spec.endswith(".json")
 
 
-@functools.cache
 def load_tokenizer(spec: str) -> "Tokenizer":
     """The tokenizer `spec` names, loaded once per process: a tiktoken encoding ("gpt2" = r50k_base ids, or
-    "cl100k_base"), offline when possible, or an `HFTokenizer` for the path of a tokenizer.json.
+    "cl100k_base"), offline when possible, or an `HFTokenizer` for the path of a tokenizer.json (read again when
+    the file or the tokenizer_config.json beside it has changed: a long-lived process, such as a test's worker,
+    may meet another file at the same path).
 
     Raises ValueError for an unknown name and TokenizerError when no rank file can be had or the
     tokenizer.json cannot be read or has no end-of-sequence token.
     """
     if is_tokenizer_file(spec):
-        return read_tokenizer_json(Path(spec))
+        return _read_tokenizer_file(spec, _file_version(Path(spec)))
     return _load_encoding(spec)
 
 
+def _file_version(path: Path) -> tuple:
+    """Size and modification time of a tokenizer.json and its tokenizer_config.json (None where absent)."""
+    stamps = []
+    for file in (path, path.with_name(TOKENIZER_CONFIG)):
+        try:
+            stat = file.stat()
+            stamps.append((stat.st_size, stat.st_mtime_ns))
+        except OSError:
+            stamps.append(None)
+    return tuple(stamps)
+
+
+@functools.cache
+def _read_tokenizer_file(spec: str, version: tuple) -> HFTokenizer:
+    return read_tokenizer_json(Path(spec))
+
+
+def forget_tokenizers() -> None:
+    """Drop every loaded tokenizer, so the next `load_tokenizer` reads from disk again (tests)."""
+    _read_tokenizer_file.cache_clear()
+    _load_encoding.cache_clear()
+
+
+@functools.cache
 def _load_encoding(name: str) -> tiktoken.Encoding:
     if name not in _SPECS:
         raise ValueError(f"unknown tokenizer {name!r}; expected one of {list(TOKENIZERS)} or the path of a "

@@ -19,7 +19,7 @@ from lm.data.pieces import split_pieces
 from lm.data.prepare import is_val_document, output_hash, prepare
 from lm.data.shards import check_manifest, open_shard, read_manifest
 from lm.errors import ConfigError, DataError
-from lm.tokenizer import load_tokenizer, tokenizer_hash
+from lm.tokenizer import forget_tokenizers, load_tokenizer, tokenizer_hash
 
 DOCS = ["Fair is foul,\nand foul is fair.\n", "When shall we three meet again\nIn thunder, lightning, or in rain?\n",
         "The end </s> and start <s> of a document, as text.\n", "Hover through the fog and filthy air.\n"]
@@ -27,9 +27,9 @@ DOCS = ["Fair is foul,\nand foul is fair.\n", "When shall we three meet again\nI
 
 @pytest.fixture(autouse=True)
 def fresh_cache():
-    load_tokenizer.cache_clear()
+    forget_tokenizers()
     yield
-    load_tokenizer.cache_clear()
+    forget_tokenizers()
 
 
 def write_docs(directory, docs) -> str:
@@ -102,7 +102,7 @@ def test_same_file_elsewhere_reuses_the_data_and_an_edited_one_rebuilds(tokenize
     edited = json.loads(here.read_text())
     edited["decoder"] = None  # the same ids, other bytes: the tokenizer is not the one the data was made with
     here.write_text(json.dumps(edited))
-    load_tokenizer.cache_clear()  # a new process would read the file again
+    forget_tokenizers()  # a new process would read the file again
     rebuilt = prepare(dataclasses.replace(cfg, tokenizer=str(here)))
     assert rebuilt["content_hash"] != first["content_hash"]
     assert rebuilt["tokenizer_hash"] == tokenizer_hash(str(here)) != first["tokenizer_hash"]

@@ -18,6 +18,7 @@ from lm.tokenizer import (
     check_vocab_size,
     continuation_text,
     document_prefix,
+    forget_tokenizers,
     is_tokenizer_file,
     load_tokenizer,
     model_tokenizer,
@@ -32,9 +33,9 @@ TEXT = "Fair is foul, and foul is fair:\nHover through the fog and filthy air.\n
 @pytest.fixture(autouse=True)
 def fresh_cache():
     """Files are edited and moved here: load each spec afresh, and leave no stale one to other tests."""
-    load_tokenizer.cache_clear()
+    forget_tokenizers()
     yield
-    load_tokenizer.cache_clear()
+    forget_tokenizers()
 
 
 def copy_tokenizer(source, directory, config: dict | None = None):
@@ -272,3 +273,13 @@ def test_the_model_must_hold_every_id(tokenizer_jsons):
     with pytest.raises(ConfigError, match=rf"model.vocab_size: 399 is smaller than tokenizer '{path}', which has 400 "
                                           r"ids; set model.vocab_size to at least 400"):
         model_tokenizer(path, 399)
+
+
+def test_a_changed_file_at_the_same_path_is_read_again(tokenizer_jsons, tmp_path):
+    """A long-lived process (a pool worker) may meet another tokenizer.json where an earlier job had one."""
+    here = tmp_path / "tokenizer.json"
+    shutil.copy(tokenizer_jsons["bos"], here)
+    assert load_tokenizer(str(here)).bos_token == 0
+    assert load_tokenizer(str(here)) is load_tokenizer(str(here))  # unchanged: loaded once
+    shutil.copy(tokenizer_jsons["eot"], here)
+    assert load_tokenizer(str(here)).bos_token is None

@@ -4,15 +4,15 @@ import tiktoken_ext.openai_public as openai_public
 
 import lm.tokenizer
 from lm.errors import TokenizerError
-from lm.tokenizer import load_tokenizer
+from lm.tokenizer import forget_tokenizers, load_tokenizer
 
 
 @pytest.fixture
 def fresh_cache():
     """Let a test load encodings under patched conditions without leaking them to other tests."""
-    load_tokenizer.cache_clear()
+    forget_tokenizers()
     yield
-    load_tokenizer.cache_clear()
+    forget_tokenizers()
 
 
 def test_gpt2_ids():
