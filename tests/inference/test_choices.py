@@ -1,6 +1,7 @@
 """Choices scored by log-likelihood (`lm.inference.choices`): equal to transformers' own computation on small
-GPT-2 and Llama checkpoints made offline, the same accuracies, chance for random weights, and the same sums
-whichever way the items are split over ranks."""
+GPT-2 and Llama checkpoints made offline (400-id tokenizers trained on Macbeth: the items' text comes out in many
+short tokens, so contexts are long and BoolQ's are cut), the same accuracies, chance for random weights, and the
+same sums whichever way the items are split over ranks."""
 
 import shutil
 
@@ -21,18 +22,20 @@ POSITIONS = 256
 """The checkpoints' context: BoolQ's passages run past it, so the left cut is exercised too"""
 
 
-def hf_checkpoint(kind: str, out, tokenizer_json=None):
-    """A small random GPT-2 (gpt2 ids) or Llama (the 400-id tokenizer.json with a BOS beside it), saved."""
+def hf_checkpoint(kind: str, out, tokenizer_json):
+    """A small random GPT-2 or Llama with a 400-id tokenizer.json beside it (a 50k head would make the
+    comparison a minute of log-softmax), saved."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     if kind == "gpt2":
-        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=POSITIONS))
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=400, n_layer=2, n_head=2, n_embd=32, n_positions=POSITIONS,
+                                           bos_token_id=0, eos_token_id=0))
     else:
         model = LlamaForCausalLM(LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                              num_attention_heads=2, num_key_value_heads=1,
                                              max_position_embeddings=POSITIONS, bos_token_id=0, eos_token_id=1))
-        shutil.copy(tokenizer_json, out / "tokenizer.json")
+    shutil.copy(tokenizer_json, out / "tokenizer.json")
     with torch.no_grad():  # a random model scores near-ties everywhere; spread its logits so choices differ
         model.get_output_embeddings().weight.mul_(30)
     model.save_pretrained(out)
@@ -61,10 +64,11 @@ def transformers_loglikelihoods(model, pairs, batch_size: int = 32) -> list[floa
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_loglikelihoods_and_accuracies_equal_transformers(kind, tokenizer_jsons, tmp_path):
-    hf = hf_checkpoint(kind, tmp_path, tokenizer_jsons["bos"])
+    # GPT-2's tokenizer has only an end-of-text token, Llama's a BOS that leads every context
+    hf = hf_checkpoint(kind, tmp_path, tokenizer_jsons["eot" if kind == "gpt2" else "bos"])
     model, cfg, _ = load_for_inference(tmp_path, CPU)
     tokenizer = model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
-    assert (kind == "llama") == (getattr(tokenizer, "bos_token", None) == 0)  # Llama's contexts start with <s>
+    assert (kind == "llama") == (getattr(tokenizer, "bos_token", None) == 0)
     for name in TASKS:
         items = load_items(name, ITEMS)
         pairs = encode_items(tokenizer, items)
