@@ -1,14 +1,14 @@
 """`python -m lm.layouts --config CFG --layout 1 --layout 4:tp=2 ...`: train one short job under several layouts
 and print their losses side by side.
 
-A layout is `NPROC` or `NPROC:key=value,...` with keys of the `parallel` section: `4:tp=2` is tensor-parallel 2
-x FSDP2 2 on 4 processes, `4:pp=2,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2` an interleaved pipeline,
-`1` one process. Every layout trains the same config from the same seed on the same global batches, each into
-OUT/<layout>/ with its log beside it (engine fsdp unless a layout names another), one after another on this
-machine. The table that follows gives each layout's train loss per step and the largest difference between
-layouts at that step; the last line the largest of all. Layouts that train the same model agree to float
-rounding (about 1e-6 relative in float32); --max-rel turns a larger difference into exit status 1. Other
-`--section.key=value` arguments override the config for every layout.
+A layout is `NPROC` or `NPROC:key=value,...` with keys of the `parallel` section: `4:tp=2` is tensor-parallel 2 x
+FSDP2 2 on 4 processes, `4:pp=2,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2` an interleaved pipeline, `2:ep=2`
+a mixture's experts split over 2 processes, `1` one process. Every layout trains the same config from the same seed
+on the same global batches, each into OUT/<layout>/ with its log beside it (engine fsdp unless a layout names
+another), one after another on this machine. The table that follows gives each layout's train loss per step and the
+largest difference between layouts at that step; the last line the largest of all. Layouts that train the same model
+agree to float rounding (about 1e-6 relative in float32); --max-rel turns a larger difference into exit status 1.
+Other `--section.key=value` arguments override the config for every layout.
 """
 
 import argparse

@@ -43,6 +43,23 @@ def test_three_layouts_print_the_same_losses_side_by_side(tiny_data_dir, tiny_da
                                                                      "2_tp2.log"]
 
 
+@pytest.mark.process
+def test_an_expert_parallel_layout_of_a_mixture_trains_as_one_process(tiny_data_config, tmp_path):
+    moe = ["--model.n_experts=4", "--model.experts_per_token=2", "--model.expert_d_ff=32"]
+    result = layouts("--layout", "1", "--layout", "2:ep=2", "--steps", "2", "--max-rel", "1e-4",
+                     "--out", str(tmp_path / "runs"), *tiny(tiny_data_config), *moe)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.strip().splitlines()
+    header, *rows, _ = lines[next(i for i, line in enumerate(lines) if line.startswith("step")):]
+    assert header.split() == ["step", "1", "2:ep=2", "max", "diff"]
+    rows = [row.split() for row in rows]
+    assert [row[0] for row in rows] == ["1", "2"]
+    for row in rows:  # the all-to-all and FSDP2 sum in another order than one process
+        assert float(row[2]) == pytest.approx(float(row[1]), rel=1e-4)
+    # each of the 2 ranks held half of the experts: an ep ignored would train the same
+    assert "expert parallelism: 2 ranks split the experts of 2 layers" in (tmp_path / "runs/2_ep2.log").read_text()
+
+
 def test_the_table_names_the_largest_difference():
     runs = [Layout("1", 1, ()), Layout("4:tp=2", 4, (("tp", "2"),)), Layout("4:pp=2", 4, (("pp", "2"),))]
     text, worst = table(runs, [{1: 3.0, 2: 2.5}, {1: 3.0, 2: 2.4}, {1: 3.1, 2: 2.5}])
@@ -69,6 +86,7 @@ def test_layouts_read_a_process_count_and_parallel_keys(text, parsed):
      "tensor-parallel ranks are more than its 1 key/value heads"),
     (["--layout", "2:pp=2", "--layout", "1", "--model.tie_embeddings=true"], "error: --layout 2:pp=2: parallel."
      "pp=2: the token embedding sits on the first pipeline stage"),
+    (["--layout", "2:ep=2", "--layout", "1"], "error: --layout 2:ep=2: parallel.ep=2: the model has no experts"),
     (["--layout", "2:tp=2"], "--layout: give two or more layouts to compare"),
 ])
 def test_bad_layouts_are_refused_before_anything_runs(args, message, tmp_path):
