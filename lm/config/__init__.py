@@ -1,18 +1,18 @@
-"""Job configuration: the sections composed into `JobConfig` (job_config.py), reading and writing them from YAML
-and the command line (load.py), and the rules every tool applies to them (rules.py)."""
+"""Job configuration: the sections composed into `JobConfig` (job_config.py; the parallel section in parallel.py),
+reading and writing them from YAML and the command line (load.py), and the rules every tool applies to them
+(rules.py)."""
 
 from lm.config.job_config import (
-    ENGINES,
     CheckpointConfig,
     JobConfig,
     LogConfig,
     OptimConfig,
-    ParallelConfig,
     ScheduleConfig,
     TaskConfig,
     TrainConfig,
 )
 from lm.config.load import config_from_yaml, config_help, load_config, parse_cli, read_stored_config, save_config
+from lm.config.parallel import ENGINES, ParallelConfig
 from lm.config.rules import config_diff, device_type, resolve_device, use_bf16
 
 __all__ = [
