@@ -95,15 +95,31 @@ def test_tasks_print_a_table_and_write_the_same_json(trained_run, tmp_path, caps
     assert written["core"] == pytest.approx(sum(s["centered"] for s in written["tasks"].values()) / 2)
 
 
-def test_few_shot_scores_repeat_with_their_seed(trained_run, tmp_path, capsys):
-    results = []
-    for seed in (0, 0):
-        out = tmp_path / f"seed{len(results)}.json"
-        assert run(main, ["--checkpoint", str(trained_run), "--tasks", "arc_easy", "--limit", "8", "--shots", "2",
-                          "--seed", str(seed), "--json", str(out)]) == 0
-        assert "2-shot (seed" in capsys.readouterr().out
-        results.append(json.loads(out.read_text())["tasks"])
-    assert results[0] == results[1]
+def test_few_shot_scores_are_those_of_the_few_shot_prompts(trained_run, tmp_path, capsys):
+    """--shots puts solved items before each one: the CLI's numbers are those of scoring `few_shot_items` directly,
+    and differ from zero-shot's log-likelihoods (the prompts reach the model)."""
+    import torch
+
+    from lm.checkpoint.loading import load_for_inference
+    from lm.data.tasks import few_shot_items, load_items
+    from lm.inference.choices import encode_items, loglikelihoods, model_logits_at, score_items
+    from lm.tokenizer import model_tokenizer
+
+    out = tmp_path / "shots.json"
+    assert run(main, ["--checkpoint", str(trained_run), "--tasks", "arc_easy", "--limit", "8", "--shots", "2",
+                      "--seed", "3", "--json", str(out)]) == 0
+    assert "2-shot (seed 3)" in capsys.readouterr().out
+    model, cfg, _ = load_for_inference(trained_run, torch.device("cpu"))
+    tokenizer = model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
+    plain = load_items("arc_easy", 8)
+    shot = few_shot_items(plain, 2, seed=3)
+    score = score_items(model_logits_at(model, model), encode_items(tokenizer, shot), shot, cfg.model.block_size,
+                        tokenizer.n_vocab, 8, torch.device("cpu"))
+    assert json.loads(out.read_text())["tasks"]["arc_easy"] == {"items": 8, **score.metrics()}
+    flat = [[p for item in encode_items(tokenizer, items) for p in item] for items in (plain, shot)]
+    lls = [loglikelihoods(model_logits_at(model, model), f, cfg.model.block_size, tokenizer.n_vocab, 8,
+                          torch.device("cpu")) for f in flat]
+    assert lls[0] != lls[1]
 
 
 def eval_in_rank(argv: list[str]) -> int:
