@@ -35,11 +35,11 @@ FIGURE = Path("docs/experiments/moe_balance.png")
 WINDOWS, SEQ = 64, 128
 RUNS = {
     "demo-modern": ["--config", "configs/demo-modern.yaml"],
-    "moe-tiny (bias 0.01)": ["--config", "configs/moe-tiny.yaml"],
+    "moe-tiny (bias, error rule)": ["--config", "configs/moe-tiny.yaml"],
+    "moe-tiny, bias, sign rule": ["--config", "configs/moe-tiny.yaml", "--model.router_bias_update=sign"],
     "moe-tiny, no balancing": ["--config", "configs/moe-tiny.yaml", "--model.router_bias_rate=0"],
     "moe-tiny, balance loss 0.01": ["--config", "configs/moe-tiny.yaml", "--model.router_bias_rate=0",
                                     "--model.aux_loss_coef=0.01"],
-    "moe-tiny, bias 0.001": ["--config", "configs/moe-tiny.yaml", "--model.router_bias_rate=0.001"],
 }
 
 
@@ -47,13 +47,13 @@ def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name).strip("-")
 
 
-def train(name: str, flags: list[str], steps: int, out: Path) -> Path:
+def train(name: str, flags: list[str], steps: int, out: Path, nproc: int) -> Path:
     run = out / slug(name)
     every = max(steps // 10, 1)
     args = [*flags, f"--train.steps={steps}", f"--train.eval_every={steps // 2}", f"--checkpoint.every={every}",
             "--checkpoint.keep=20", "--log.every=20", "--log.sample_every=0", f"--train.out_dir={run}"]
     if not (run / "checkpoints" / f"step_{steps:08d}").is_dir():
-        subprocess.run(train_command(2, args), check=True)
+        subprocess.run(train_command(nproc, args), check=True)
     return run
 
 
@@ -69,11 +69,12 @@ def loads(step_dir: Path, windows: torch.Tensor) -> list[float]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.moe_balance", description=__doc__)
-    parser.add_argument("--steps", type=int, default=380)
+    parser.add_argument("--steps", type=int, default=760, help="each run's steps (default: the presets' budget)")
+    parser.add_argument("--nproc", type=int, default=2, help="processes per run (torchrun)")
     parser.add_argument("--out", type=Path, default=Path("runs/moe_balance"))
     args = parser.parse_args(argv)
-    runs = {name: train(name, flags, args.steps, args.out) for name, flags in RUNS.items()}
-    cfg = read_config(next((runs["moe-tiny (bias 0.01)"] / "checkpoints").iterdir()))
+    runs = {name: train(name, flags, args.steps, args.out, args.nproc) for name, flags in RUNS.items()}
+    cfg = read_config(next((runs["moe-tiny (bias, error rule)"] / "checkpoints").iterdir()))
     streams = first_tokens(val_streams(Path(cfg.data.sources[0].dir), cfg.data.tokenizer, cfg.model.vocab_size),
                            WINDOWS * SEQ + 1)
     windows = torch.from_numpy(np.stack(stream_windows(streams, SEQ)[:WINDOWS])[:, :SEQ].astype(np.int64))  # (B, T)

@@ -173,7 +173,8 @@ class Parallel:
 
 
 StepUpdate = Callable[["nn.Module", Callable[["torch.Tensor"], "torch.Tensor"], "torch.Tensor"], None]
-"""`Training.after_step`'s signature: (model, reduce over the data-parallel ranks, whether the step was applied)."""
+"""`Training.after_step`'s signature: (model, reduce over the data-parallel ranks, the step's size: a 0-dim float, the
+learning-rate schedule's factor (lr over the peak lr), 0 where the engine skipped the step)."""
 
 
 class ObjectiveFn(Protocol):

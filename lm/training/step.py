@@ -27,10 +27,12 @@ class Step:
 
 
 def train_step(engine: Engine, loss: LossFn, batches: list[list[torch.Tensor]], lr: float, grad_clip: float,
-               after: StepUpdate | None = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Step:
+               after: StepUpdate | None = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               lr_factor: float = 1.0) -> Step:
     """One optimizer step over this rank's micro-batches `batches` (on the device) at learning rate `lr`,
     clipping the gradients' global norm to `grad_clip` (0: no clipping); then the family's update outside the
-    gradients (`Training.after_step`), given `reduce`, the collective over the data-parallel ranks."""
+    gradients (`Training.after_step`), given `reduce`, the collective over the data-parallel ranks, and the step's
+    size: `lr_factor`, the learning-rate schedule's factor (lr over the peak), or 0 where the engine skipped it."""
     engine.set_lr(lr)
     if engine.schedule is not None:  # a pipeline's schedule runs forward and backward of every micro-batch
         micro_terms = engine.schedule(batches, loss)
@@ -45,5 +47,5 @@ def train_step(engine: Engine, loss: LossFn, batches: list[list[torch.Tensor]], 
     norm = engine.clip_grad_norm(grad_clip or math.inf)
     applied = engine.optimizer_step(norm)
     if after is not None:
-        after(engine.model, reduce or (lambda t: t), applied)
+        after(engine.model, reduce or (lambda t: t), applied.float() * lr_factor)
     return Step(combine(micro_terms) if micro_terms else {}, norm, applied)

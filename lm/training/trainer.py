@@ -269,7 +269,7 @@ class Trainer:
         # which runs a mixture of experts whole) the same as the rest of its group, so every sign is the data-parallel
         # sum's; pipeline stages, whose routers differ, are refused for mixtures before launch
         return train_step(self.engine, self.loss, micro_batches, lr, self.cfg.optim.grad_clip,
-                          self.family.training.after_step, self.env.all_reduce_mean)
+                          self.family.training.after_step, self.env.all_reduce_mean, lr / self.cfg.optim.lr)
 
     def save(self) -> Path:
         """Checkpoint the run (a collective; see `save_run`)."""

@@ -18,7 +18,7 @@ from lm.models.gpt.moe import Router, balance_routers
 
 MOE = GPTConfig(n_layer=2, n_head=4, d_model=32, block_size=16, vocab_size=96, n_experts=4, experts_per_token=2,
                 expert_d_ff=16, router_bias_rate=0.01)
-APPLIED = torch.tensor(True)
+APPLIED = torch.tensor(1.0)  # a whole step: the learning rate at its peak
 
 
 def same(t: torch.Tensor) -> torch.Tensor:
@@ -72,7 +72,7 @@ def test_the_update_evens_a_skewed_load():
     before = router.score_bias.clone()
     router.score_bias.add_(torch.tensor([0.5, 0, 0, 0]))
     router(x)
-    balance_routers(router, same, torch.tensor(False))
+    balance_routers(router, same, torch.tensor(0.0))  # a skipped step
     assert torch.equal(router.score_bias, before + torch.tensor([0.5, 0, 0, 0]))
 
 
@@ -146,3 +146,18 @@ def test_a_moved_bias_is_refused_by_the_export_and_a_zero_bias_exports():
             r"as MixtralForCausalLM \(Mixtral\): blocks.1.mlp.router.score_bias and the other routers' balancing "
             r"biases \(model.router_bias_rate=0.01, DeepSeek-V3's e_score_correction_bias\) are not 0 in 1 of its")):
         hf_state_dict(model, mixtral)
+
+
+def test_the_error_rule_moves_each_bias_by_its_relative_imbalance_times_the_steps_size():
+    cfg = dataclasses.replace(MOE, experts_per_token=1, d_model=4, router_bias_update="error", router_bias_rate=0.1)
+    router = Router(cfg)
+    router.routed = torch.tensor([40, 20, 4, 0])  # mean 16
+    balance_routers(router, same, torch.tensor(0.5))  # half a step: the schedule's factor
+    assert router.score_bias.tolist() == pytest.approx([0.05 * -24 / 16, 0.05 * -4 / 16, 0.05 * 12 / 16, 0.05])
+    router.routed = torch.tensor([16, 16, 16, 16])  # even: nothing moves
+    before = router.score_bias.clone()
+    balance_routers(router, same, torch.tensor(1.0))
+    assert torch.equal(router.score_bias, before)
+    router.routed = None  # no training forward since the last update: nothing counted, nothing moves
+    balance_routers(router, same, torch.tensor(1.0))
+    assert torch.equal(router.score_bias, before)

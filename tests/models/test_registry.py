@@ -93,7 +93,7 @@ def test_a_checkpoint_written_by_an_older_lm_loads_and_scores_the_same(trained_r
     later = {"d_head", "nope_interval", "qk_norm_scope", "rope_scaling", "rope_factor", "rope_low_freq_factor",
              "rope_high_freq_factor", "rope_original_context", "n_experts", "experts_per_token", "n_shared_experts",
              "expert_d_ff", "moe_every", "moe_first_dense", "router", "router_renorm", "aux_loss_coef",
-             "router_z_loss_coef", "router_bias_rate"}
+             "router_z_loss_coef", "router_bias_rate", "router_bias_update"}
     assert set(current["model"]) - later < set(OLD_MODEL_SECTION)
     old = {**current, "model": {**OLD_MODEL_SECTION, **{k: v for k, v in current["model"].items() if k not in later}}}
     (step_dir / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))

@@ -229,3 +229,17 @@ def test_a_finished_run_run_again_trains_nothing_and_writes_nothing(trained_run,
     before = digest()
     assert Trainer(cfg, init_distributed("cpu")).fit() == []
     assert digest() == before
+
+
+def test_the_routers_balancing_bias_moves_with_the_learning_rate_schedule(tiny_data_dir, tmp_path):
+    # one step of warmup's four: the learning rate is a quarter of its peak, and so is each bias's sign step
+    moe = ["--model.n_experts=4", "--model.experts_per_token=2", "--model.expert_d_ff=16",
+           "--model.router_bias_rate=0.08", "--model.aux_loss_coef=0", "--schedule.warmup_steps=4"]
+    trainer = Trainer(tiny_config(tiny_data_dir, tmp_path / "run", "--train.steps=1", *moe),
+                      init_distributed("cpu"))
+    trainer.fit()
+    biases = torch.stack([m.score_bias for name, m in trainer.engine.model.named_modules()
+                          if name.endswith("router")])  # (layers, experts)
+    assert biases.shape == (2, 4)
+    steps = biases.abs().flatten()
+    assert ((steps == 0) | torch.isclose(steps, torch.tensor(0.02))).all() and steps.max() > 0.019  # not 0.08

@@ -88,10 +88,16 @@ class GPTConfig(TransformerConfig):
     router_bias_rate: float = 0.0
     """Auxiliary-loss-free balancing (DeepSeek-V3; Wang et al. 2024): each router keeps a per-expert bias, added to
     its scores to choose the top k only (the chosen experts' weights stay the unbiased scores), and after every
-    optimizer step moved by this much toward an even load: bias_e += rate * sign(mean load - load of e), the loads
+    optimizer step moved toward an even load by this much times the learning-rate schedule's factor (lr over the
+    peak: it warms up and decays with the learning rate), in the direction model.router_bias_update says, the loads
     counted over the step's micro-batches and ranks. The bias is part of the model (saved in checkpoints, used in
     evaluation and sampling). 0: no bias (DeepSeek-V3 used 0.001); combine with model.aux_loss_coef=0 for
     DeepSeek's recipe."""
+    router_bias_update: str = "sign"
+    """How model.router_bias_rate moves the bias: sign, by the rate toward an even load whatever the imbalance
+    (DeepSeek-V3); error, by the rate times the relative imbalance, (mean load - load of e) / mean load, so an
+    expert at twice the mean moves as far as under sign and one near the mean barely moves. With few tokens a
+    step, sign turns the counts' noise into a random walk of the bias; error's steps shrink with it."""
 
     @property
     def expert_ff(self) -> int:
@@ -136,6 +142,7 @@ class GPTConfig(TransformerConfig):
 
     def _check_experts(self) -> None:
         check_choice("router", self.router, ("softmax", "sigmoid"))
+        check_choice("router_bias_update", self.router_bias_update, ("sign", "error"))
         for key in ("n_experts", "n_shared_experts", "expert_d_ff", "moe_first_dense"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"model.{key}: must be >= 0, got {getattr(self, key)}")

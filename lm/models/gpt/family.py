@@ -111,12 +111,12 @@ def _local_terms(losses: "Losses") -> "Losses":
     return dataclasses.replace(losses, terms=local)
 
 
-def after_step(model: "nn.Module", reduce: "Callable[[torch.Tensor], torch.Tensor]", applied: "torch.Tensor") -> None:
+def after_step(model: "nn.Module", reduce: "Callable[[torch.Tensor], torch.Tensor]", size: "torch.Tensor") -> None:
     """The routers' balancing biases (model.router_bias_rate) move toward an even load (`balance_routers`); a model
     without them (a dense one, or a pipeline engine's stages) is left alone, with no collective."""
     from lm.models.gpt.moe import balance_routers
 
-    balance_routers(model, reduce, applied)
+    balance_routers(model, reduce, size)
 
 
 def _experts_problem(cfg: GPTConfig, layout: str) -> str | None:

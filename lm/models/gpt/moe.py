@@ -16,7 +16,8 @@ loss terms (`with_router_terms`, `lm.models.gpt.family`).
 Auxiliary-loss-free balancing (DeepSeek-V3; Wang et al. 2024, model.router_bias_rate): a per-expert bias added to
 the router's scores chooses the top k, while the chosen experts' weights stay the unbiased scores, so the bias
 steers the load and no gradient. After each optimizer step `balance_routers` raises the bias of the experts that
-received fewer tokens than the mean over that whole step and lowers the others' by a fixed rate.
+received fewer tokens than the mean over that whole step and lowers the others': by the rate (DeepSeek-V3's sign
+rule) or by the rate times the relative imbalance (the error rule), either scaled by the learning-rate schedule.
 """
 
 from collections.abc import Callable
@@ -58,7 +59,7 @@ class Router(nn.Module):
         super().__init__()
         self.kind, self.k, self.renorm = cfg.router, cfg.experts_per_token, cfg.router_renorm
         self.gate = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
-        self.bias_rate = cfg.router_bias_rate
+        self.bias_rate, self.bias_update = cfg.router_bias_rate, cfg.router_bias_update
         if self.bias_rate:
             # DeepSeek-V3's e_score_correction_bias: a buffer (no gradient, no optimizer), saved with the weights
             self.register_buffer("score_bias", torch.zeros(cfg.n_experts))
@@ -199,19 +200,23 @@ def router_stats(model: nn.Module) -> list[RouterStats]:
 
 
 @torch.no_grad()
-def balance_routers(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor], applied: torch.Tensor) -> None:
+def balance_routers(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor], size: torch.Tensor) -> None:
     """After an optimizer step, move each balancing router's bias (model.router_bias_rate) toward an even load:
-    bias_e += rate * sign(mean_e' load_e' - load_e), the loads those its training forwards counted since the last
-    update, then forget them. `reduce` averages a tensor over the data-parallel ranks in place (the engine
-    layer's collective; identity on one process), so every rank takes the same step from the whole step's load;
-    `applied` (0-dim bool) is False for a step the engine skipped, which then moves no bias either."""
+    bias_e += size * rate * sign(mean - load_e) (model.router_bias_update=sign) or size * rate * (mean - load_e) /
+    mean (error), the loads those its training forwards counted since the last update, then forget them. `reduce`
+    averages a tensor over the data-parallel ranks in place (the engine layer's collective; identity on one
+    process), so every rank takes the same step from the whole step's load; `size` (0-dim) is the step's size, the
+    learning-rate schedule's factor (lr over the peak), 0 for a step the engine skipped, which moves no bias."""
     routers = [m for m in model.modules() if isinstance(m, Router) and m.bias_rate]
     if not routers:
         return
     # one collective for every layer; float64 holds any count exactly, and a mean over ranks keeps every sign
     loads = reduce(torch.stack([torch.zeros_like(r.score_bias, dtype=torch.long) if r.routed is None else r.routed
                                 for r in routers]).double())  # (layers, E)
-    steps = torch.sign(loads.mean(-1, keepdim=True) - loads).float() * applied  # (layers, E)
+    mean = loads.mean(-1, keepdim=True)  # (layers, 1)
+    # a mean of 0 (no routed token) is an even load: the error rule's 0 / 1 moves nothing, as sign(0) does
+    steps = torch.stack([torch.sign(m - load) if r.bias_update == "sign" else (m - load) / m.clamp(min=1)
+                         for r, m, load in zip(routers, mean, loads)]).float() * size  # (layers, E)
     for router, step in zip(routers, steps):
         router.score_bias += router.bias_rate * step
         router.routed = None
