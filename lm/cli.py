@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from lm.errors import LMError
 
@@ -74,6 +74,26 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
+
+
+def in_range(kind: type[int] | type[float], low: float, high: float) -> Callable[[str], Any]:
+    """argparse type of a number of `kind` (int or float) in [low, high]: text that is not one, nan, inf and a
+    value outside are refused with the range, so a flag's bounds are written once, where it is declared, and a
+    huge value never reaches a library that would overflow on it."""
+    bounds = ", ".join(str(b) if isinstance(b, int) else f"{b:g}" for b in (low, high))
+    expected = f"expected {'an integer' if kind is int else 'a number'} in [{bounds}]"
+
+    def parse(text: str) -> int | float:
+        shown = repr(text) if len(text) <= 24 else f"{text[:6]!r}... ({len(text)} characters)"
+        try:
+            value = kind(text)
+        except ValueError:  # not a number, or an int of more digits than Python converts
+            raise argparse.ArgumentTypeError(f"{expected}, got {shown}") from None
+        if isinstance(value, float) and not math.isfinite(value) or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{expected}, got {shown}")
+        return value
+
+    return parse
 
 
 def train_command(nproc: int, args: list[str]) -> list[str]:

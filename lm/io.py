@@ -46,19 +46,28 @@ def file_above(path: Path) -> Path | None:
     return None
 
 
-def output_dir_problem(path: Path) -> str | None:
-    """Why a tool may not make or fill the directory `path`, or None when it may: a file is there, or above it."""
+def output_dir_problem(path: Path, sibling: bool = False) -> str | None:
+    """Why a tool may not make or fill the directory `path`, or None when it may: a name too long, a file there or
+    above it, or a directory it may not write in (`sibling`: the tool builds it beside itself under a temporary
+    name first, as lm.export and lm.prepare do, so the directory above must be writable even when it exists)."""
+    if problem := _name_problem(path, sibling):
+        return problem
     if path.exists() and not path.is_dir():
         return f"{path}: is a file; name a directory"
     if (above := file_above(path)) is not None:
         return f"{path}: {above} is a file, not a directory"
-    return None
+    if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
+        return f"{path}: cannot write in it (permission denied)"
+    return _access_problem(path) if sibling or not path.is_dir() else None
 
 
 def output_file_problem(path: Path, inputs: Sequence[Path] = ()) -> str | None:
     """Why a tool may not write the file `path`, or None when it may: asked before any work, so a bad output
-    path costs nothing. Refused: a directory, a path below a file (missing parent directories are made, as
-    `atomic_path` makes them), one of the `inputs` or a path inside one that is a directory."""
+    path costs nothing. Refused: a name too long, a directory, a path below a file (missing parent directories
+    are made, as `atomic_path` makes them), one of the `inputs` or a path inside one that is a directory, and a
+    path in a directory this process may not write in."""
+    if problem := _name_problem(path, sibling=True):
+        return problem
     if path.is_dir():
         return f"{path}: is a directory; name the file to write"
     if (above := file_above(path)) is not None:
@@ -68,6 +77,46 @@ def output_file_problem(path: Path, inputs: Sequence[Path] = ()) -> str | None:
             return f"{path}: is inside the input {source}; write the output elsewhere"
         if path.exists() and source.exists() and path.resolve() == source.resolve():
             return f"{path}: is the input {source}; write the output to another file"
+    return _access_problem(path)
+
+
+def _made_below(path: Path) -> tuple[Path, tuple[str, ...]]:
+    """The nearest existing directory above `path` and the names below it that writing `path` makes (the
+    directories, then the name written); a name too long to look up counts as missing."""
+    absolute = Path(os.path.abspath(path))  # "x/.." is x's directory: its own name is the one written
+    for parent in absolute.parents:
+        with contextlib.suppress(OSError):  # ENAMETOOLONG: stat refuses to look
+            if parent.exists():
+                return parent, absolute.relative_to(parent).parts
+    return Path(absolute.anchor), absolute.relative_to(absolute.anchor).parts
+
+
+def _name_problem(path: Path, sibling: bool) -> str | None:
+    """A name that writing `path` would make but its filesystem refuses as too long; with `sibling`, the last one
+    with room for `temp_sibling`'s suffix, as lm writes a file (and builds some directories) under a temporary name
+    first. Asked first (stat itself fails on such a name), and before any work: at the end it fails as an OSError
+    naming the temporary file."""
+    if not os.path.basename(os.path.abspath(path)):
+        return f"{path}: is the root directory; name a file or directory below it"
+    ancestor, names = _made_below(path)
+    try:
+        limit = os.pathconf(ancestor, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    for i, name in enumerate(names):
+        extra = _SIBLING_EXTRA if sibling and i == len(names) - 1 else 0
+        if (size := len(os.fsencode(name))) + extra > limit:
+            shown = name if len(name) <= 24 else name[:24] + "..."
+            first = f", and lm writes it first under a name {extra} bytes longer" if extra else ""
+            return f"{path}: the name {shown!r} is {size} bytes; its filesystem takes names of at most {limit}{first}"
+    return None
+
+
+def _access_problem(path: Path) -> str | None:
+    """The directory above `path` where writing it creates something, if this process may not write in it."""
+    ancestor, _ = _made_below(path)
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"{path}: cannot write in {ancestor} (permission denied)"
     return None
 
 
@@ -108,6 +157,10 @@ def temp_sibling(path: str | Path) -> Path:
     """A fresh hidden name beside `path` (same filesystem, so a rename onto `path` is atomic)."""
     path = Path(path)
     return path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+
+
+_SIBLING_EXTRA = len(temp_sibling("x").name) - 1
+"""Bytes `temp_sibling` adds to a name: the longest suffix lm puts on an output while it writes it."""
 
 
 def commit(tmp: Path, path: str | Path) -> None:

@@ -8,7 +8,9 @@ on the same global batches, each into OUT/<layout>/ with its log beside it (engi
 another), one after another on this machine. The table that follows gives each layout's train loss per step and the
 largest difference between layouts at that step; the last line the largest of all. Layouts that train the same model
 agree to float rounding (about 1e-6 relative in float32); --max-rel turns a larger difference into exit status 1.
-Other `--section.key=value` arguments override the config for every layout.
+Other `--section.key=value` arguments override the config for every layout. Every layout is checked before any
+trains (the model's split, the world size, the global batch's split over its data-parallel replicas): a bad one
+is one `error:` line naming it, exit status 2, and nothing trained or written.
 """
 
 import argparse
@@ -22,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from lm.cli import positive_int, run, run_logged, train_command
+from lm.cli import finite_float, positive_int, run, run_logged, train_command
 from lm.config import load_config
 from lm.distributed.layout import check_world
 from lm.errors import ConfigError
@@ -66,7 +68,8 @@ def parse_layout(text: str) -> Layout:
 
 
 def check_layout(config: str | None, fixed: list[str], layout: Layout) -> None:
-    """The config each layout trains, checked before anything runs (the world size included)."""
+    """The config each layout trains, checked before anything runs: the model's split (a config's own checks), the
+    world size and the global batch's split over the layout's data-parallel replicas (`check_world`)."""
     try:
         cfg = load_config(config, [*fixed, *layout.overrides])
         check_world(cfg, layout.nproc)
@@ -80,22 +83,35 @@ def train_losses(out: Path) -> dict[int, float]:
     return {row["step"]: row["train/loss"] for row in rows if "train/loss" in row}
 
 
-def table(layouts: list[Layout], losses: list[dict[int, float]]) -> tuple[str, tuple[float, int, str, str]]:
-    """The side-by-side table, and the largest difference: (nats, step, layout, layout)."""
+Worst = tuple[float, int, str, str]
+"""The largest difference between layouts: (nats, step, layout, layout)."""
+
+
+def table(layouts: list[Layout], losses: list[dict[int, float]]) -> tuple[str, Worst | None]:
+    """The side-by-side table, and the largest difference (None when no layout logged a train loss)."""
     width = max(12, *(len(layout.text) + 2 for layout in layouts))
     lines = ["step".ljust(6) + "".join(layout.text.rjust(width) for layout in layouts) + "max diff".rjust(12)]
-    # below any spread, so the first step counts even when every layout agrees bit for bit
-    worst = (-math.inf, 0, layouts[0].text, layouts[0].text)
+    worst: Worst | None = None  # the first step is the reference even when every layout agrees bit for bit
     for step in sorted(set().union(*losses)):
         values = [run.get(step) for run in losses]
         present = [(v, layout.text) for v, layout in zip(values, layouts) if v is not None]
         low, high = min(present), max(present)
         spread = high[0] - low[0]
-        if spread > worst[0] or math.isnan(spread):
+        if worst is None or spread > worst[0] or math.isnan(spread):
             worst = (spread, step, low[1], high[1])
         cells = "".join(("-" if v is None else f"{v:.6f}").rjust(width) for v in values)
         lines.append(f"{step:<6}{cells}{spread:>12.2e}")
     return "\n".join(lines), worst
+
+
+def summary(losses: list[dict[int, float]], worst: Worst) -> tuple[str, float]:
+    """The last line, and the largest difference relative to the loss at its step (the first layout's, or of the
+    first layout that logged that step)."""
+    spread, step, low, high = worst
+    reference = abs(next(run[step] for run in losses if step in run)) or 1.0
+    relative = spread / reference
+    return (f"largest difference: {spread:.3e} nats ({relative:.2e} relative) at step {step}, between {low} and "
+            f"{high}"), relative
 
 
 def runs_dir(out: str | None) -> Path:
@@ -121,7 +137,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=positive_int, default=10, help="optimizer steps per layout (default 10)")
     parser.add_argument("--out", help="a new directory for the runs, kept (default: a temporary one, removed at "
                         "the end)")
-    parser.add_argument("--max-rel", type=float, metavar="R",
+    parser.add_argument("--max-rel", type=finite_float, metavar="R",
                         help="exit 1 when two layouts' losses at a step differ by more than R relative")
     args, fixed = parser.parse_known_args(argv)
     for item in fixed:
@@ -161,16 +177,17 @@ def main(argv: list[str]) -> int:
         return 1
     if not args.out:
         shutil.rmtree(out, ignore_errors=True)
-    text, (spread, step, low, high) = table(layouts, losses)
+    text, worst = table(layouts, losses)
     print(text)
-    reference = abs(losses[0][step]) or 1.0
-    print(f"largest difference: {spread:.3e} nats ({spread / reference:.2e} relative) at step {step}, between "
-          f"{low} and {high}")
-    if args.max_rel is not None and spread / reference > args.max_rel:
+    if worst is None:
+        print("error: no layout logged a train loss", file=sys.stderr)
+        return 1
+    line, relative = summary(losses, worst)
+    print(line)
+    if args.max_rel is not None and relative > args.max_rel:
         print(f"error: the layouts differ by more than --max-rel {args.max_rel}", file=sys.stderr)
         return 1
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(run(main))

@@ -8,13 +8,19 @@ import argparse
 import sys
 
 from lm.checkpoint.loading import load_for_inference
-from lm.cli import finite_float, positive_int, run
+from lm.cli import finite_float, in_range, positive_int, run
 from lm.distributed.env import init_device
 from lm.errors import ConfigError, PromptError
 from lm.io import read_utf8
 from lm.models.family import SampleOptions
 from lm.models.registry import family_of
 from lm.tokenizer import model_tokenizer
+
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 1e4
+"""Sampling temperatures besides 0 (greedy): below 1e-4 the logits divided by it leave float32's range (inf, then
+nan probabilities); above 1e4 every token is as likely as any other."""
+MAX_SEED = 2**63 - 1
+"""The largest --seed: torch seeds are 64-bit, and --num-samples adds the sample's index."""
 
 
 def main(argv: list[str]) -> int:
@@ -27,17 +33,20 @@ def main(argv: list[str]) -> int:
                              "BOS, or without one from end-of-text)")
     source.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
     parser.add_argument("--max-new-tokens", type=positive_int, default=200)
-    parser.add_argument("--temperature", type=finite_float, default=0.8, help="0 means greedy")
+    parser.add_argument("--temperature", type=in_range(float, 0.0, MAX_TEMPERATURE), default=0.8,
+                        help=f"0 means greedy; else {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}")
     parser.add_argument("--top-k", type=positive_int, default=200)
     parser.add_argument("--top-p", type=finite_float, default=None, help="nucleus sampling threshold in (0, 1]")
     parser.add_argument("--num-samples", type=positive_int, default=1)
-    parser.add_argument("--seed", type=int, default=1337, help="same seed, same text")
+    parser.add_argument("--seed", type=in_range(int, 0, MAX_SEED), default=1337,
+                        help="same seed, same text (sample i of --num-samples takes seed + i)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     args = parser.parse_args(argv)
     if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top-p: must be in (0, 1], got {args.top_p}")
-    if args.temperature < 0:
-        parser.error(f"--temperature: must be >= 0, got {args.temperature}")
+    if 0 < args.temperature < MIN_TEMPERATURE:
+        parser.error(f"--temperature: {args.temperature:g} is too close to 0: the logits divided by it overflow; "
+                     f"0 for greedy, or at least {MIN_TEMPERATURE:g}")
 
     device = init_device(args.device, "--device")
     model, cfg, step_dir = load_for_inference(args.checkpoint, device)

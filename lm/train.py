@@ -3,23 +3,30 @@
 import argparse
 import os
 
-from lm.cli import exit_without_teardown, finite_float, positive_int, run
+from lm.cli import exit_without_teardown, in_range, run
 from lm.config import JobConfig, parse_cli
 from lm.errors import ConfigError
 
+MAX_DEVICES = 2**24
+"""The most devices a dry run plans for (16,777,216, far beyond any cluster): the plan's work grows with them."""
+MAX_GIB = 1e6
+"""The most memory per device a dry run takes, in GiB (a bound that keeps the arithmetic finite)."""
+
 
 def _flags(parser: argparse.ArgumentParser) -> None:
+    devices = in_range(int, 1, MAX_DEVICES)
     parser.add_argument("--dry-run", action="store_true",
                         help="print the parameter count and a per-device memory estimate for every engine, "
                              "then exit without training (no process group, model, data or run directory)")
-    parser.add_argument("--nproc", type=positive_int, default=None,
-                        help="--dry-run: devices to plan for (default: WORLD_SIZE, else 1)")
-    parser.add_argument("--gpu-gib", type=finite_float, default=80.0,
-                        help="--dry-run: device memory in GiB that the 'fits' column checks against (default 80)")
-    parser.add_argument("--nodes", type=positive_int, default=None,
+    parser.add_argument("--nproc", type=devices, default=None,
+                        help=f"--dry-run: devices to plan for, 1 to {MAX_DEVICES} (default: WORLD_SIZE, else 1)")
+    parser.add_argument("--gpu-gib", type=in_range(float, 1, MAX_GIB), default=80.0,
+                        help=f"--dry-run: device memory in GiB, 1 to {MAX_GIB:g}, that the 'fits' column checks "
+                             "against (default 80)")
+    parser.add_argument("--nodes", type=devices, default=None,
                         help="--dry-run: also plan the tensor/pipeline/data-parallel layouts of this many nodes")
-    parser.add_argument("--gpus-per-node", type=positive_int, default=None,
-                        help="--dry-run: GPUs per node for the layouts (default 8)")
+    parser.add_argument("--gpus-per-node", type=in_range(int, 1, 1024), default=None,
+                        help="--dry-run: GPUs per node for the layouts, 1 to 1024 (default 8)")
 
 
 def _planned_world_size(nproc: int | None) -> int:
@@ -28,9 +35,10 @@ def _planned_world_size(nproc: int | None) -> int:
     # Only a default for the plan: no process group exists, so DistEnv has nothing to say yet.
     text = os.environ.get("WORLD_SIZE", "1")
     try:
-        return positive_int(text)
+        return in_range(int, 1, MAX_DEVICES)(text)
     except argparse.ArgumentTypeError:
-        raise ConfigError(f"--nproc: not given, and WORLD_SIZE={text!r} is not a positive integer") from None
+        raise ConfigError(f"--nproc: not given, and WORLD_SIZE={text!r} is not an integer from 1 to "
+                          f"{MAX_DEVICES}") from None
 
 
 def dry_run(cfg: JobConfig, world_size: int, device_gib: float, nodes: int | None = None,
@@ -68,6 +76,9 @@ def main(argv: list[str]) -> int:
             nodes = 1
         if nodes is not None:
             per_node = per_node or 8
+            if nodes * per_node > MAX_DEVICES:
+                raise ConfigError(f"--nodes {nodes} x --gpus-per-node {per_node} is {nodes * per_node} GPUs; a dry "
+                                  f"run plans for at most {MAX_DEVICES}")
             if args.nproc is not None and args.nproc != nodes * per_node:
                 raise ConfigError(f"--nproc {args.nproc}: --nodes {nodes} x --gpus-per-node {per_node} is "
                                   f"{nodes * per_node} GPUs; give one or the other")

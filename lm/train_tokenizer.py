@@ -9,7 +9,6 @@ The corpus is `data.source` read as lm.prepare reads it; the documents prepare p
 
 import argparse
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,15 @@ import tokenizers
 from lm.cli import positive_int, run
 from lm.config import parse_cli
 from lm.data.corpora import find_corpus
-from lm.data.tokenizer_training import Tally, check_vocab_size, compression, corpus_pieces, special_tokens, train_bpe
+from lm.data.tokenizer_training import (
+    MAX_VOCAB_SIZE,
+    Tally,
+    check_vocab_size,
+    compression,
+    corpus_pieces,
+    special_tokens,
+    train_bpe,
+)
 from lm.errors import ConfigError
 from lm.io import atomic_write_text, output_file_problem
 from lm.tokenizer import load_tokenizer
@@ -33,7 +40,8 @@ BASELINE = "gpt2"
 
 def _add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=positive_int, required=True,
-                        help="ids of the tokenizer: 256 bytes, the special tokens and the merges (e.g. 16000)")
+                        help="ids of the tokenizer: 256 bytes, the special tokens and the merges (e.g. 16000); at "
+                             f"most {MAX_VOCAB_SIZE:,}")
     parser.add_argument("--special-token", action="append", default=[], metavar="TOKEN",
                         help="a special token after <|endoftext|> (always id 0, the end of every document); "
                              "repeat for more")
@@ -52,9 +60,6 @@ def output_problem(out: Path, inputs: tuple[Path, ...], force: bool) -> str | No
     if (config := out.with_name(TOKENIZER_CONFIG)).exists():
         return (f"{out}: {config} is beside it and lm would read its special tokens with the new file; "
                 "write the tokenizer to another directory")
-    ancestor = next(p for p in out.absolute().parents if p.exists())
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        return f"{out}: cannot write in {ancestor} (permission denied)"
     return None
 
 
@@ -78,7 +83,10 @@ def main(argv: list[str]) -> int:
     pieces = corpus_pieces(corpus, data.text_column, data.val_fraction, held_out=False)
     tokenizer = train_bpe(seen.texts(pieces), args.vocab_size, specials)
     seconds = time.perf_counter() - start
-    atomic_write_text(args.out, tokenizer.to_str())
+    try:
+        atomic_write_text(args.out, tokenizer.to_str())
+    except OSError as err:  # checked before training; a full disk, or a directory changed since, still ends here
+        raise ConfigError(f"--out {args.out}: cannot write it: {err.strerror or err}") from None
     n_vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     short = f" (of {args.vocab_size:,} asked: no pair is left to merge)" if n_vocab < args.vocab_size else ""
     print(f"trained on {_documents(seen.documents)} ({seen.bytes / 1e6:.1f} MB) in {seconds:.1f} s: {n_vocab:,} ids"

@@ -1,8 +1,11 @@
 """Shared pytest fixtures. The data fixtures live here; others may add fixtures for their own areas."""
 
+import importlib
 import json
 import os
 import re
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -93,6 +96,46 @@ def encoder_run(tiny_data_dir, tmp_path_factory) -> Path:
     ])
     Trainer(cfg, init_distributed("cpu")).fit()
     return out
+
+
+PLUGIN_SPEC = """
+import dataclasses
+from typing import ClassVar
+from lm.models.gpt.config import GPTConfig
+from lm.models.registry import get_family, register
+
+@dataclasses.dataclass
+class Config(GPTConfig):
+    arch: str = "{name}"
+    title: ClassVar[str] = "a plugin's GPT"
+
+FAMILY = dataclasses.replace(get_family("gpt"), name="{name}", config_class=Config)
+"""
+"""The start of a family plugin module (`plugin_dir`): the GPT's spec under the name {name}; the rest of its source
+says what it registers."""
+
+
+@pytest.fixture()
+def plugin_dir(tmp_path, monkeypatch) -> Iterator[Path]:
+    """A directory on sys.path for model family plugins (LM_FAMILIES; modules named plug_*, `write_plugin`), with
+    the family registry put back after the test: the families they registered, and the modules, are forgotten."""
+    from lm.models import registry
+
+    monkeypatch.setattr(registry, "_registered", dict(registry._registered))
+    monkeypatch.setattr(registry, "_origins", dict(registry._origins))
+    monkeypatch.setattr(registry, "_plugins_loaded", False)
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    monkeypatch.syspath_prepend(str(plugins))
+    yield plugins
+    for name in [m for m in sys.modules if m.startswith("plug_")]:
+        del sys.modules[name]
+
+
+def write_plugin(directory: Path, module: str, source: str) -> None:
+    """Module `module` (plug_*) of `source` in `plugin_dir`."""
+    (directory / f"{module}.py").write_text(source)
+    importlib.invalidate_caches()  # the directory's listing is cached from an earlier import
 
 
 def write_rows(path: Path, rows: list[dict]) -> Path:

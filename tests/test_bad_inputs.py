@@ -120,6 +120,14 @@ class Case:
     error: str  # a regex the `error:` line must match ({ws} is the workspace)
     setup: Callable[[Path], None] | None = None
 
+HAND_EDITED = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300, "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "rope_scaling": {"type": "linear", "factor": 2.0},
+}
+"""A transformers 5 config.json after the hand edit that extends the context: transformers applies rope_scaling"""
+
 
 def train(*extra: str, data: str = "{ws}/data", out: str = "{ws}/run") -> list[str]:
     return [*TINY, *heads_for(extra), f"--data.dir={data}", f"--train.out_dir={out}", *extra]
@@ -331,6 +339,11 @@ CASES = [
          lambda ws: replace_text(checkpoint(ws) / "state.json", '"position": 16', '"position": 12')),
     Case("checkpoint: no checkpoint at the path", "eval", ["--checkpoint", "{ws}/corpus"],
          r"{ws}/corpus: no complete checkpoint"),
+    Case("checkpoint: a config.json whose rope_scaling and rope_parameters disagree", "eval",
+         ["--checkpoint", "{ws}/hf", "--data-dir", "{ws}/data"],
+         r"{ws}/hf/config.json: LlamaForCausalLM with settings lm cannot reproduce exactly: rope_scaling and "
+         r"rope_parameters disagree: rope_type 'linear' against 'default'",
+         setup=lambda ws: (ws / "hf").mkdir() or (ws / "hf" / "config.json").write_text(json.dumps(HAND_EDITED))),
     # command line of the tools
     Case("cli: export over an existing directory", "export",
          ["--checkpoint", "{ws}/run", "--to", "hf", "{ws}/exported"],
@@ -363,18 +376,42 @@ CASES = [
          r"python -m lm.sample: error: --top-p: must be in \(0, 1\], got 2.0"),
     Case("cli: sample prompt file missing", "sample", ["--checkpoint", "{ws}/run", "--prompt-file", "{ws}/none.txt"],
          r"{ws}/none.txt: cannot read: No such file or directory"),
+    Case("cli: sample seed past 64 bits", "sample", ["--checkpoint", "{ws}/run", "--seed", str(2**64)],
+         r"python -m lm.sample: error: argument --seed: expected an integer in \[0, 9223372036854775807\], got "
+         r"'18446744073709551616'"),
+    Case("cli: sample temperature too close to 0", "sample", ["--checkpoint", "{ws}/run", "--temperature", "1e-39"],
+         r"python -m lm.sample: error: --temperature: 1e-39 is too close to 0: the logits divided by it overflow; 0 "
+         r"for greedy, or at least 0.0001"),
     Case("cli: sample more tokens than the context", "sample", ["--checkpoint", "{ws}/run", "--max-new-tokens", "500"],
          r"--max-new-tokens: 500 leaves no room for a prompt in the model's context of 32 tokens"),
     Case("cli: train --nproc without --dry-run", "train", [*train(), "--nproc", "2"],
          r"--nproc: only --dry-run takes it"),
+    Case("cli: train --dry-run --gpu-gib 0", "train", [*train(), "--dry-run", "--gpu-gib", "0"],
+         r"python -m lm.train: error: argument --gpu-gib: expected a number in \[1, 1e\+06\], got '0'"),
+    Case("cli: layouts whose batch does not split over one of them", "layouts",
+         ["--layout", "1", "--layout", "4", *TINY, "--model.n_head=4", "--data.dir={ws}/data", "--out", "{ws}/layouts"],
+         r"--layout 4: train.batch_size: 4 is not a multiple of train.micro_batch_size \(2\) x 4 data-parallel "
+         r"replica\(s\) \(world size 4\)"),
     Case("cli: train --dry-run --nproc 0", "train", [*train(), "--dry-run", "--nproc", "0"],
-         r"python -m lm.train: error: argument --nproc: expected a positive integer, got 0"),
+         r"python -m lm.train: error: argument --nproc: expected an integer in \[1, 16777216\], got '0'"),
     # outputs where nothing can be written, refused before any work
     Case("cli: plot below a file", "plot", ["{ws}/run", "--out", "{ws}/weights.safetensors/curves.png"],
          r"--out {ws}/weights.safetensors/curves.png: {ws}/weights.safetensors is a file, not a directory"),
     Case("cli: sweep into a file", "sweep", ["--config", "{ws}/run/config.yaml", "--grid", "optim.lr=1e-3,2e-3",
                                               "--out", "{ws}/binary.txt"],
          r"--out {ws}/binary.txt: is a file; name a directory"),
+    Case("cli: export to a name too long for its temporary name", "export",
+         ["--checkpoint", "{ws}/run", "--to", "hf", "{ws}/" + "e" * 250],
+         r"error: {ws}/e{250}: the name 'e{24}\.\.\.' is 250 bytes; its filesystem takes names of at most 255, and "
+         r"lm writes it first under a name 14 bytes longer"),
+    Case("cli: eval --json in a directory whose name is too long", "eval",
+         ["--checkpoint", "{ws}/run", "--tasks", "piqa", "--limit", "2", "--json", "{ws}/" + "j" * 256 + "/out.json"],
+         r"error: --json {ws}/j{256}/out.json: the name 'j{24}\.\.\.' is 256 bytes; its filesystem takes names of "
+         r"at most 255$"),
+    Case("data: prepare into a data.dir whose name is too long", "prepare",
+         ["--data.source={ws}/corpus/*.txt", "--data.val_fraction=0.5", "--data.dir={ws}/" + "d" * 250],
+         r"error: data.dir: {ws}/d{250}: the name 'd{24}\.\.\.' is 250 bytes; its filesystem takes names of at most "
+         r"255, and lm writes it first under a name 14 bytes longer"),
     Case("cli: layouts below a file", "layouts", ["--layout", "1", "--layout", "2", "--out", "{ws}/binary.txt/runs"],
          r"--out {ws}/binary.txt/runs: {ws}/binary.txt is a file, not a directory"),
 ]
@@ -428,10 +465,12 @@ FLAGS = {
     "export": ["--to", "--force"],
     "consolidate": ["--force"],
 }
-OUTS = {"export": ["{ws}/out", "{ws}/exported", "{ws}/run", "{ws}/weights.safetensors", "{ws}/corpus/doc_0.txt/x"],
+OUTS = {"export": ["{ws}/out", "{ws}/exported", "{ws}/run", "{ws}/weights.safetensors", "{ws}/corpus/doc_0.txt/x",
+                   "{ws}/" + "o" * 250],
         "consolidate": ["{ws}/out.safetensors", "{ws}/weights.safetensors", "{ws}/run", "{ws}/o.bin",
-                        "{ws}/corpus/doc_0.txt/o.safetensors"]}
-NUMBERS = ["0", "1", "-1", "2", "7", "33", "1e9", "nan", "inf", "0.5", "x", ""]
+                        "{ws}/corpus/doc_0.txt/o.safetensors", "{ws}/" + "o" * 244 + ".safetensors"]}
+NUMBERS = ["0", "1", "-1", "2", "7", "33", "1e9", "nan", "inf", "0.5", "x", "", "1e-40", str(2**64), str(-2**63 - 1),
+           "1" + "0" * 30]
 PATHS = ["{ws}/run", "{ws}/weights.safetensors", "{ws}/corpus/doc_0.txt", "{ws}/binary.txt", "{ws}/none",
          "{ws}/data", "{ws}", ""]
 VALUES_OF = {"--text": PATHS, "--data-dir": PATHS, "--prompt-file": PATHS, "--device": ["cpu", "cuda", "auto", "tpu"],

@@ -165,4 +165,4 @@ def test_out_that_is_a_file_is_a_usage_error(trained_run, tmp_path, capsys):
     out.write_text("x")
     with pytest.raises(SystemExit) as exit_:
         run(main, ["--checkpoint", str(trained_run), "--to", "hf", str(out), "--force"])
-    assert exit_.value.code == 2 and "exists and is not a directory" in capsys.readouterr().err
+    assert exit_.value.code == 2 and f"{out}: is a file; name a directory" in capsys.readouterr().err

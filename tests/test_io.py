@@ -12,6 +12,7 @@ from lm.io import (
     atomic_path,
     atomic_write_text,
     merge_dir,
+    output_dir_problem,
     output_file_problem,
     publish_dir,
     read_utf8,
@@ -129,6 +130,42 @@ def test_an_output_file_is_refused_where_it_cannot_be_written(tmp_path):
     assert output_file_problem(below) == f"{below}: {source} is a file, not a directory"
     assert output_file_problem(tmp_path / "." / "rows.csv", [source]) == (
         f"{tmp_path / 'rows.csv'}: is the input {source}; write the output to another file")
+
+
+def test_an_output_whose_name_or_temporary_name_is_too_long_is_refused_before_any_stat(tmp_path):
+    """A name of 255 bytes is a file the filesystem takes, but not its temporary sibling: refused up front, by the
+    path the user gave, where the write at the end would fail naming the temporary file. A directory name past 255
+    makes stat itself fail (ENAMETOOLONG), which the checks must not trip on."""
+    fits = tmp_path / ("f" * (255 - 14))
+    assert output_file_problem(fits) is None and output_dir_problem(fits, sibling=True) is None
+    atomic_write_text(fits, "x")  # the longest name whose temporary name fits: written
+    name = "é" * 120 + ".json"  # 245 bytes in UTF-8, though 125 characters
+    assert output_file_problem(tmp_path / name) == (
+        f"{tmp_path / name}: the name 'éééééééééééééééééééééééé...' is 245 bytes; its filesystem takes names of at "
+        "most 255, and lm writes it first under a name 14 bytes longer")
+    deep = tmp_path / ("d" * 300) / "out.json"
+    for problem in (output_file_problem(deep), output_dir_problem(deep), output_dir_problem(deep, sibling=True)):
+        assert problem == (f"{deep}: the name 'dddddddddddddddddddddddd...' is 300 bytes; its filesystem takes names "
+                           "of at most 255")
+    assert output_dir_problem(tmp_path / ("d" * 250)) is None  # made in place: no temporary name
+    assert output_dir_problem(Path("/")) == "/: is the root directory; name a file or directory below it"
+
+
+def test_an_output_in_a_directory_this_process_may_not_write_is_refused(tmp_path, monkeypatch):
+    """Checked with os.access (root may write anywhere, so the test takes the permission away by patching it)."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != locked)
+    out = locked / "new" / "out.json"
+    assert output_file_problem(out) == f"{out}: cannot write in {locked} (permission denied)"
+    assert output_dir_problem(locked / "runs") == f"{locked / 'runs'}: cannot write in {locked} (permission denied)"
+    assert output_dir_problem(locked) == f"{locked}: cannot write in it (permission denied)"
+    assert output_dir_problem(tmp_path / "elsewhere") is None
+    # a directory filled in place needs itself writable; one built beside itself, its parent too
+    inside = locked / "existing"
+    inside.mkdir()
+    assert output_dir_problem(inside) is None
+    assert output_dir_problem(inside, sibling=True) == f"{inside}: cannot write in {locked} (permission denied)"
 
 
 

@@ -5,8 +5,9 @@ import sys
 
 import pytest
 
+from lm.cli import run
 from lm.errors import ConfigError
-from lm.layouts import Layout, parse_layout, table
+from lm.layouts import Layout, main, parse_layout, summary, table
 
 
 def tiny(data_config) -> list[str]:
@@ -65,6 +66,44 @@ def test_the_table_names_the_largest_difference():
     text, worst = table(runs, [{1: 3.0, 2: 2.5}, {1: 3.0, 2: 2.4}, {1: 3.1, 2: 2.5}])
     assert worst[0] == pytest.approx(0.1) and worst[1:] == (1, "1", "4:pp=2")
     assert text.splitlines()[2].split() == ["2", "2.500000", "2.400000", "2.500000", "1.00e-01"]
+
+
+def test_layouts_that_agree_bit_for_bit_name_the_first_step():
+    """Every difference 0.0 (the same layout twice, or tp=2 on the CPU): the summary is of step 1, not a KeyError."""
+    runs = [Layout("1", 1, ()), Layout("1:engine=fsdp", 1, (("engine", "fsdp"),))]
+    losses = [{1: 10.794645, 2: 10.5}, {1: 10.794645, 2: 10.5}]
+    _, worst = table(runs, losses)
+    assert worst == (0.0, 1, "1", "1:engine=fsdp")
+    line, relative = summary(losses, worst)
+    assert relative == 0.0
+    assert line == "largest difference: 0.000e+00 nats (0.00e+00 relative) at step 1, between 1 and 1:engine=fsdp"
+
+
+def test_the_summary_is_relative_to_a_layout_that_logged_the_step():
+    runs = [Layout("1", 1, ()), Layout("2:tp=2", 2, (("tp", "2"),))]
+    losses = [{1: 4.0}, {1: 4.0, 2: 2.0}]  # the first layout has no step 2 (its row shows "-")
+    text, worst = table(runs, losses)
+    assert text.splitlines()[2].split() == ["2", "-", "2.000000", "0.00e+00"]
+    assert summary(losses, worst)[1] == 0.0
+    assert table(runs, [{}, {}])[1] is None  # nothing logged: no largest difference to name
+
+
+@pytest.mark.parametrize("args, message", [
+    # llama-tiny's batch of 4 in micro-batches of 2 does not split over 4 data-parallel replicas
+    (["--layout", "4", "--layout", "1"], "error: --layout 4: train.batch_size: 4 is not a multiple of "
+     "train.micro_batch_size (2) x 4 data-parallel replica(s) (world size 4); expected a multiple of 8"),
+    (["--layout", "1", "--layout", "8:tp=2"], "error: --layout 8:tp=2: train.batch_size: 4 is not a multiple of "
+     "train.micro_batch_size (2) x 4 data-parallel replica(s) (world size 8 / (tp 2))"),
+    (["--layout", "1", "--layout", "2:tp=8"], "error: --layout 2:tp=8: parallel.tp=8: 8 tensor-parallel ranks are "
+     "more than its 4 query heads (model.n_head)"),
+])
+def test_every_layout_is_checked_before_any_trains(args, message, tmp_path, capsys):
+    """In-process: a refused layout is refused before lm.prepare or any training starts, the later ones too."""
+    out = tmp_path / "runs"
+    assert run(main, ["--config", "configs/llama-tiny.yaml", *args, "--steps", "1", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines()[-1].startswith(message), captured.err
+    assert "training" not in captured.out and not out.exists()
 
 
 @pytest.mark.parametrize("text, parsed", [

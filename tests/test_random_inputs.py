@@ -1,11 +1,12 @@
 """Seeded random inputs for the files lm reads but did not write, through the real tools.
 
 Each case puts values of random types and sizes under keys the project reads (a YAML config and its mixture,
-a sweep grid, a tokenizer.json, a labelled file) and asserts the contract of `lm.cli.run`: exit 0 with a
-correct result, or exit 2 with exactly one `error:` line; never a traceback; and the files the tool was
-given, and the workspace around them, byte-identical afterwards. Hugging Face config.json files have theirs in
-tests/hf/test_config_schema.py, the tools' own inputs theirs in tests/test_random_prepare.py (corpora) and
-tests/test_random_finetune.py (labelled files). The seeds are fixed, so a failure here replays exactly.
+a sweep grid, a tokenizer.json, a labelled file, a model family plugin) and random numbers and output paths on
+lm.train_tokenizer's command line, and asserts the contract of `lm.cli.run`: exit 0 with a correct result, or
+exit 2 with exactly one `error:` line (after argparse's usage, for its own errors); never a traceback; and the
+files the tool was given, and the workspace around them, byte-identical afterwards. Hugging Face config.json
+files have theirs in tests/hf/test_config_schema.py, the tools' own inputs theirs in tests/test_random_prepare.py
+(corpora) and tests/test_random_finetune.py (labelled files). The seeds are fixed, so a failure here replays exactly.
 """
 
 import dataclasses
@@ -22,14 +23,17 @@ from lm.cli import run
 from lm.config import JobConfig
 from lm.data.labelled import read_labelled
 from lm.errors import LMError
+from lm.models import registry
 from lm.prepare import main as prepare_main
 from lm.sweep.__main__ import main as sweep_main
 from lm.train import main as train_main
-from tests.test_bad_inputs import digest
+from lm.train_tokenizer import main as train_tokenizer_main
+from tests.conftest import PLUGIN_SPEC, write_plugin
+from tests.test_bad_inputs import digest, only_error_line
 
 REPO = Path(__file__).resolve().parents[1]
-CASES = {"config": 80, "grid": 40, "tokenizer": 24, "labelled": 40}
-"""How many random cases each file kind gets (README's figure of inputs tried counts them)."""
+CASES = {"config": 80, "grid": 40, "tokenizer": 24, "labelled": 40, "tokenizer_flags": 24, "plugin": 16}
+"""How many random cases each kind of input gets (README's figure of inputs tried counts them)."""
 
 # Values of every YAML/JSON type and of awkward sizes
 VALUES = [None, True, False, 0, 1, 2, 3, -1, 7, 64, 2**31, 10**30, 0.0, 0.5, 1e-6, -0.5, 1e308, float("inf"),
@@ -177,6 +181,126 @@ def test_random_labelled_files_are_read_or_refused_with_their_name(tmp_path):
             else:
                 assert labels.dtype == np.float64 and np.isfinite(labels).all(), rows
         assert path.read_bytes() == before
+
+
+VOCAB_SIZES = (["257", "300", "1048576"],
+               ["0", "-1", "256", "1048577", "4294967296", str(10**26), "1e3", "nan", "inf", "-inf", "", "x",
+                "9" * 5000])
+"""--vocab-size values, (plausible, awkward): the ends of its range [257, 1048576], and beyond them (past u32, past
+int64) and not numbers."""
+TOKENIZER_OUTS = (["tok.json", "new/dir/tok.json", "t" * 241 + ".json"],
+                  ["old.json", "dir.json", "corpus/a.txt", "corpus/a.txt/tok.json", "t" * 245 + ".json",
+                   "d" * 256 + "/tok.json", "hf/tokenizer.json", "tok.txt", "", "/"])
+"""--out values, (plausible, awkward): new (the longest name whose temporary name fits), or existing, a directory,
+an input, below a file, a name whose temporary name is too long, a directory name too long, beside a
+tokenizer_config.json, not .json, nothing, the root."""
+SPECIAL_TOKENS = (["<|pad|>", "<|im_start|>", "x" * 300], ["", "<|endoftext|>", "<|pad|>"])
+
+
+def pick(rng: random.Random, choices: tuple[list, list], odd: float) -> object:
+    return rng.choice(choices[1] if rng.random() < odd else choices[0])
+
+
+@pytest.fixture()
+def tokenizer_workspace(tmp_path, monkeypatch) -> Path:
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("To be, or not to be, that is the question. " * 8)
+    (tmp_path / "corpus" / "b.txt").write_text("Whether 'tis nobler in the mind to suffer. " * 8)
+    (tmp_path / "old.json").write_text("{}")
+    (tmp_path / "dir.json").mkdir()
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.slow
+def test_random_tokenizer_flags_train_or_are_refused_in_one_line(tokenizer_workspace, capsys):
+    """Random numbers for --vocab-size (huge, negative, non-finite, not numbers), special tokens and output paths
+    that cannot be written: the tokenizer and nothing else is written, or one error line and nothing changes."""
+    ws = tokenizer_workspace
+    rng = random.Random(6)
+    trained = 0
+    for i in range(CASES["tokenizer_flags"]):
+        odd = rng.choice([0.0, 0.2, 0.5])  # the rate of awkward choices: some cases are valid throughout
+        out = pick(rng, TOKENIZER_OUTS, odd)
+        argv = ["--data.source=corpus/*.txt", f"--data.val_fraction={rng.choice([0, 0.5])}",
+                "--vocab-size", pick(rng, VOCAB_SIZES, odd), "--out", out]
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            argv += ["--special-token", pick(rng, SPECIAL_TOKENS, odd)]
+        argv += ["--force"] if rng.random() < 0.3 else []
+        before = digest(ws)
+        code = call(train_tokenizer_main, argv)
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and code in (0, 2), (i, argv, code, err)
+        after = digest(ws)
+        if code == 2:
+            only_error_line(err)
+            assert after == before, (i, argv)
+            continue
+        trained += 1
+        changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}  # none: same bytes again
+        assert (ws / out).is_file() and all(out == k or out.startswith(k + "/") for k in changed), (i, argv, changed)
+    assert trained >= CASES["tokenizer_flags"] // 8, trained  # enough cases are valid to test the results too
+
+
+def random_plugin(rng: random.Random, i: int, plugins: Path) -> tuple[str, str, bool]:
+    """A plugin module's name, the model.arch it means to add, and whether it is broken: the GPT's spec under a
+    name (a built-in one at rate `odd`), then one or two statements: register it, or at rate `odd` something
+    broken (register it with a part replaced by a random value, twice, or from a second module too; raise; a
+    syntax error)."""
+    odd = rng.choice([0.0, 0.3, 0.7])
+    module, name = f"plug_r{i}", rng.choice(["gpt", "lstm"]) if rng.random() < odd / 2 else f"mine{i}"
+    source, broken = PLUGIN_SPEC.format(name=name), name in ("gpt", "lstm")
+    for _ in range(rng.randint(1, 2)):
+        roll = rng.random() if rng.random() < odd else 1.0
+        if roll < 0.4:
+            part, value = rng.choice(["build", "blocks", "training", "parallel", "sampler", "hf", "estimates",
+                                      "output_layers", "check_precision", "config_class", "name"]), rng.choice(VALUES)
+            source += f"register(dataclasses.replace(FAMILY, {part}={value!r}))\n"
+            broken = broken or not (part == "sampler" and value is None)
+        elif roll < 0.6:
+            write_plugin(plugins, module + "_b", PLUGIN_SPEC.format(name=name) + "register(FAMILY)\n")
+            source += f"import {module}_b\nregister(FAMILY)\n"  # a second module registered the name first
+            broken = True
+        elif roll < 0.8:
+            source += f"raise {rng.choice(['RuntimeError', 'KeyError', 'ImportError', 'OSError'])}('broken')\n"
+            broken = True
+        elif roll < 1.0:
+            source += "def family(:\n"
+            broken = True
+        else:
+            source += "register(FAMILY)\n"  # a second time: the name is taken, by this module
+            broken = broken or "register(FAMILY)" in source[:-len("register(FAMILY)\n")]
+    write_plugin(plugins, module, source)
+    return module, name, broken
+
+
+@pytest.mark.slow
+def test_random_family_plugins_load_or_stop_the_tool_in_one_line_naming_them(plugin_dir, monkeypatch, capsys):
+    """lm.train --dry-run of the demo preset, or of the plugin's own family, with a random plugin in LM_FAMILIES:
+    a plugin that raises, does not parse, takes a taken name or registers a spec with a broken part stops the tool
+    in one line that names it, before anything is read or written; a good one plans."""
+    monkeypatch.chdir(plugin_dir.parent)
+    rng = random.Random(7)
+    saved = dict(registry._registered)
+    planned = refused = 0
+    for i in range(CASES["plugin"]):
+        module, name, broken = random_plugin(rng, i, plugin_dir)
+        monkeypatch.setenv("LM_FAMILIES", module)
+        arch = [f"--model.arch={name}"] if rng.random() < 0.5 else []
+        before = digest(plugin_dir.parent)
+        code = call(train_main, ["--config", str(REPO / "configs/demo.yaml"), *arch, "--dry-run"])
+        err = capsys.readouterr().err
+        assert_contract(code, err, (i, name, broken))
+        if broken:
+            assert code == 2 and err.startswith("error: LM_FAMILIES: ") and module in err, (i, err)
+        assert digest(plugin_dir.parent) == before, i
+        planned, refused = planned + (code == 0), refused + broken
+        registry._registered.clear()  # the next case starts from lm's own families, as a new process would
+        registry._registered.update(saved)
+        registry._plugins_loaded = False
+    assert planned >= CASES["plugin"] // 4 and refused >= CASES["plugin"] // 4, (planned, refused)
 
 
 def inputs_tried() -> tuple[int, int]:

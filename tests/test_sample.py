@@ -25,6 +25,16 @@ def test_prompt_file_and_greedy(trained_run, capsys, tmp_path):
     assert greedy == sample(trained_run, capsys, "--prompt", "KING:", "--temperature", "0", "--seed", "2")
 
 
+def test_the_extreme_seeds_and_temperatures_sample(trained_run, capsys):
+    """The ends of each range run: the largest seed (plus a second sample's index) and the temperatures 1e-4, which
+    is nearly greedy, and 1e4."""
+    two = sample(trained_run, capsys, "--prompt", "KING:", "--seed", str(2**63 - 1), "--num-samples", "2")
+    assert two.count("--- sample") == 2
+    near_greedy = sample(trained_run, capsys, "--prompt", "KING:", "--temperature", "1e-4", "--seed", "5")
+    assert near_greedy == sample(trained_run, capsys, "--prompt", "KING:", "--temperature", "0")
+    assert sample(trained_run, capsys, "--prompt", "KING:", "--temperature", "1e4").startswith("KING:")
+
+
 def test_long_prompt_cli(trained_run, capsys):
     out = sample(trained_run, capsys, "--prompt", "word " * 100)
     assert out.startswith("word word")
@@ -33,7 +43,14 @@ def test_long_prompt_cli(trained_run, capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--top-k", "0"], "argument --top-k: expected a positive integer, got 0"),
     (["--max-new-tokens", "-1"], "argument --max-new-tokens: expected a positive integer, got -1"),
-    (["--top-p", "1.5"], "--top-p: must be in (0, 1]"), (["--temperature", "-1"], "--temperature: must be >= 0"),
+    (["--top-p", "1.5"], "--top-p: must be in (0, 1]"),
+    (["--temperature", "-1"], "argument --temperature: expected a number in [0, 10000], got '-1'"),
+    (["--temperature", "nan"], "argument --temperature: expected a number in [0, 10000], got 'nan'"),
+    (["--temperature", "1e-39"], "--temperature: 1e-39 is too close to 0: the logits divided by it overflow; 0 for "
+                                 "greedy, or at least 0.0001"),
+    (["--seed", "-1"], "argument --seed: expected an integer in [0, 9223372036854775807], got '-1'"),
+    (["--seed", str(2**64)], "argument --seed: expected an integer in [0, 9223372036854775807], got "
+                             "'18446744073709551616'"),
 ])
 def test_bad_flags_are_usage_errors(trained_run, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_:

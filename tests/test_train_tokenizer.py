@@ -4,9 +4,11 @@ them, and goes through lm.prepare, lm.train, lm.eval, lm.sample and lm.export; b
 line with exit status 2 and no file changed."""
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,8 @@ from lm import sample as sample_tool
 from lm import train as train_tool
 from lm.cli import run
 from lm.data.prepare import is_val_document
+from lm.data.tokenizer_training import MAX_VOCAB_SIZE, check_vocab_size, special_tokens, train_bpe
+from lm.errors import ConfigError
 from lm.tokenizer import load_tokenizer
 from lm.train_tokenizer import main
 
@@ -169,6 +173,14 @@ BAD = [
     ("no-match", ["--data.source={ws}/nothing*.txt"], r"data.source: '{ws}/nothing\*.txt' matches no files"),
     ("vocab-not-int", ["--vocab-size", "16k"], r"argument --vocab-size: expected a positive integer, got '16k'"),
     ("vocab-zero", ["--vocab-size", "0"], r"argument --vocab-size: expected a positive integer, got 0"),
+    ("vocab-negative", ["--vocab-size", "-5"], r"argument --vocab-size: expected a positive integer, got -5"),
+    ("vocab-nan", ["--vocab-size", "nan"], r"argument --vocab-size: expected a positive integer, got 'nan'"),
+    # the tokenizers library aborts the process (a Rust panic) past what it can allocate or a u32 holds
+    ("vocab-huge", ["--vocab-size", "1000000000000"],
+     r"--vocab-size: 1,000,000,000,000 is too large; at most 1,048,576 \(the largest vocabularies in use hold "
+     r"262,144 ids\)"),
+    ("vocab-past-int64", ["--vocab-size", str(10**26)], r"--vocab-size: 100000\.\.\. \(27 digits\) is too large"),
+    ("vocab-one-too-many", ["--vocab-size", "1048577"], r"--vocab-size: 1,048,577 is too large; at most 1,048,576"),
     ("vocab-too-small", ["--vocab-size", "256"],
      r"--vocab-size: 256 is too small; a byte-level BPE holds 256 byte tokens and 1 special token before any "
      r"merge, so at least 257"),
@@ -177,6 +189,12 @@ BAD = [
     ("out-below-file", ["--out", "{ws}/corpus/a.txt/tok.json"], r"{ws}/corpus/a.txt is a file, not a directory"),
     ("out-is-input", ["--data.source={ws}/rows.json", "--out", "{ws}/rows.json", "--force"],
      r"--out {ws}/rows.json: is the input {ws}/rows.json"),
+    ("out-name-too-long", ["--out", "{ws}/" + "t" * 245 + ".json"],
+     r"--out {ws}/t+\.json: the name 'tttttttttttttttttttttttt\.\.\.' is 250 bytes; its filesystem takes names of at "
+     r"most 255, and lm writes it first under a name 14 bytes longer"),
+    ("out-directory-name-too-long", ["--out", "{ws}/" + "d" * 256 + "/tok.json"],
+     r"the name 'dddddddddddddddddddddddd\.\.\.' is 256 bytes; its filesystem takes names of at most 255$"),
+    ("out-root", ["--out", "/"], r"--out /: must end in .json"),
     ("out-exists", ["--out", "{ws}/old.json"], r"--out {ws}/old.json: exists; pass --force to replace it"),
     ("config-beside", ["--out", "{ws}/hf/tokenizer.json"],
      r"{ws}/hf/tokenizer_config.json is beside it and lm would read its special tokens"),
@@ -214,3 +232,26 @@ def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, monkey
     assert code == 2 and len(lines) == 1, err
     assert re.search(error.replace("{ws}", re.escape(str(ws))), lines[0]), lines[0]
     assert digest(ws) == before
+
+
+def test_an_output_that_fails_after_training_is_named_by_its_flag(tmp_path, capsys, monkeypatch):
+    """What no check before training can see (a full disk) still ends in one line naming --out, and leaves no
+    temporary file."""
+    (tmp_path / "a.txt").write_text("to be or not to be\n")
+    out = tmp_path / "tok.json"
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path.with_name(".tok.json.1234abcd.tmp")))
+
+    monkeypatch.setattr("lm.train_tokenizer.atomic_write_text", full)
+    argv = [f"--data.source={tmp_path}/a.txt", "--data.val_fraction=0", "--vocab-size", "300", "--out", str(out)]
+    assert run(main, argv) == 2
+    assert capsys.readouterr().err == f"error: --out {out}: cannot write it: No space left on device\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]
+
+
+def test_the_vocab_size_range_ends_at_max_vocab_size():
+    check_vocab_size(MAX_VOCAB_SIZE, special_tokens([]))
+    check_vocab_size(257, special_tokens([]))
+    with pytest.raises(ConfigError, match="--vocab-size: 1,048,577 is too large"):
+        train_bpe(iter([]), MAX_VOCAB_SIZE + 1, special_tokens([]))  # refused before the library sees it

@@ -67,3 +67,14 @@ def config_diff(old: dict, new: dict, sections: tuple[str, ...] | None = None,
         for key, value in values.items()
         if f"{section}.{key}" not in ignore and old.get(section, {}).get(key) != value
     }
+
+
+def batch_split_problem(batch_size: int, micro_batch_size: int, replicas: int, of: str) -> str | None:
+    """Why a global batch of `batch_size` samples does not split over `replicas` data-parallel replicas (`of`: how
+    they were counted, e.g. `world size 8 / (tp 2)`), or None. Each replica's share must be a whole number of
+    micro-batches. Every tool that lays out ranks (the trainer, lm.layouts, the planner) asks this one rule."""
+    if batch_size % (micro_batch_size * replicas) == 0:
+        return None
+    return (f"train.batch_size: {batch_size} is not a multiple of train.micro_batch_size ({micro_batch_size}) x "
+            f"{replicas} data-parallel replica(s) ({of}); expected a multiple of {micro_batch_size * replicas}, or a "
+            f"number of replicas that divides its {batch_size // micro_batch_size} micro-batches")

@@ -47,6 +47,7 @@ from lm.data.shards import (
 )
 from lm.data.staging import Staging
 from lm.errors import DataError
+from lm.io import output_dir_problem
 from lm.tokenizer import (
     HFTokenizer,
     Tokenizer,
@@ -109,6 +110,10 @@ def prepare(cfg: DataConfig, force: bool = False) -> dict:
     if out.name in ("", ".."):  # "", ".", "/", "x/..": the build goes into a sibling named after it
         raise DataError(f"data.dir: {cfg.dir!r} does not end in a directory's name; name the directory to prepare "
                         "into, e.g. data/mine")
+    # before any work, unless data.dir may be an up-to-date preparation, which is only read
+    unwritable = output_dir_problem(out, sibling=True)
+    if unwritable is not None and not _has_manifest(out):
+        raise DataError(f"data.dir: {unwritable}")
     corpus = find_corpus(cfg.source, cfg.document_separator)
     enc = load_tokenizer(cfg.tokenizer)
     content_hash = output_hash(corpus.content_hash(cfg.text_column), cfg)
@@ -117,6 +122,8 @@ def prepare(cfg: DataConfig, force: bool = False) -> dict:
         if manifest is not None:
             log.info("%s is up to date (content hash %s); use --force to rebuild", out, content_hash[:12])
             return manifest
+    if unwritable is not None:
+        raise DataError(f"data.dir: {unwritable}")
     _check_replaceable(out)
     if corpus.num_documents is not None:  # fail before tokenizing when the split is known to be empty
         _check_splits(math.floor(corpus.num_documents * cfg.val_fraction), corpus.num_documents, cfg.val_fraction)
@@ -158,6 +165,13 @@ def _reusable(out: Path, content_hash: str, check_hashes: bool) -> dict | None:
         log.info("rebuilding: %s", err)
         return None
     return manifest
+
+
+def _has_manifest(out: Path) -> bool:
+    try:
+        return (out / MANIFEST_NAME).is_file()
+    except OSError:  # a name too long to look up
+        return False
 
 
 def _check_replaceable(out: Path) -> None:

@@ -24,12 +24,16 @@ from lm.errors import ConfigError
 from lm.tokenizer import ENDOFTEXT
 
 __all__ = [
-    "BYTE_TOKENS", "Compression", "Tally", "check_vocab_size", "compression", "corpus_pieces", "special_tokens",
-    "train_bpe",
+    "BYTE_TOKENS", "MAX_VOCAB_SIZE", "Compression", "Tally", "check_vocab_size", "compression", "corpus_pieces",
+    "special_tokens", "train_bpe",
 ]
 
 BYTE_TOKENS = 256
 """Tokens every byte-level vocabulary starts from, one per byte value, before any merge."""
+MAX_VOCAB_SIZE = 1 << 20
+"""The most ids a tokenizer may be asked for: 1,048,576, four times the largest vocabularies in use (262,144). The
+tokenizers library takes a u32 and reserves about 66 bytes per id asked for before it counts a pair, and a
+failed allocation (or a size past u32) aborts the whole process in Rust rather than raising."""
 _BATCH_CHARS = 1 << 20  # text encoded per call when measuring: `tokenizers` spreads a batch over the cores
 
 
@@ -48,7 +52,13 @@ def special_tokens(extra: Iterable[str]) -> list[str]:
 
 
 def check_vocab_size(vocab_size: int, specials: list[str]) -> None:
-    """ConfigError unless `vocab_size` holds the 256 byte tokens and the special tokens."""
+    """ConfigError unless `vocab_size` holds the 256 byte tokens and the special tokens, and is at most
+    MAX_VOCAB_SIZE."""
+    if vocab_size > MAX_VOCAB_SIZE:
+        digits = str(vocab_size)
+        shown = f"{vocab_size:,}" if len(digits) <= 24 else f"{digits[:6]}... ({len(digits)} digits)"
+        raise ConfigError(f"--vocab-size: {shown} is too large; at most {MAX_VOCAB_SIZE:,} (the largest vocabularies "
+                          "in use hold 262,144 ids)")
     least = BYTE_TOKENS + len(specials)
     if vocab_size < least:
         raise ConfigError(f"--vocab-size: {vocab_size} is too small; a byte-level BPE holds {BYTE_TOKENS} byte tokens "

@@ -12,12 +12,14 @@ import warnings
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lm.config import JobConfig
+from lm.config.rules import batch_split_problem
 from lm.distributed.env import DistEnv
 from lm.errors import ConfigError
 
 
 def check_world(cfg: JobConfig, world_size: int) -> None:
-    """Refuse, before any process group starts, a layout that does not divide the world size."""
+    """Refuse, before any process group starts, a layout that does not divide the world size or whose global batch
+    does not split over its data-parallel replicas."""
     par = cfg.parallel
     tp, pp, cp, replicas = par.tp, par.pp, par.cp, par.dp_replicate
     if world_size % (tp * pp * cp * replicas):
@@ -34,8 +36,21 @@ def check_world(cfg: JobConfig, world_size: int) -> None:
                           f"model (world size {world_size} / (tp {tp} x cp {cp} x pp {pp} x dp_replicate "
                           f"{replicas})), which the expert-parallel ranks are taken from; expected one of "
                           f"{', '.join(fits)}, or start a multiple of {tp * pp * cp * replicas * par.ep} ranks")
+    check_batch_split(cfg, world_size)
     if pp > 1:
         check_micro_batches(cfg, world_size // (tp * pp * cp))
+
+
+def check_batch_split(cfg: JobConfig, world_size: int) -> None:
+    """Every data-parallel replica's share of a global batch is a whole number of micro-batches. The replicas are
+    world size / (tp x cp x pp): the ranks of one tensor- or context-parallel group, and the stages of one pipeline,
+    read the same samples."""
+    par, train = cfg.parallel, cfg.train
+    model_ranks = par.tp * par.cp * par.pp
+    split = " x ".join(f"{key} {n}" for key, n in (("tp", par.tp), ("cp", par.cp), ("pp", par.pp)) if n > 1)
+    of = f"world size {world_size} / ({split})" if model_ranks > 1 else f"world size {world_size}"
+    if problem := batch_split_problem(train.batch_size, train.micro_batch_size, world_size // model_ranks, of):
+        raise ConfigError(problem)
 
 
 def check_micro_batches(cfg: JobConfig, replicas: int) -> None:

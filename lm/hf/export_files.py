@@ -24,7 +24,7 @@ from lm.hf.importing import GENERATION_CONFIG, read_config_json
 from lm.hf.remote_code import exported_source
 from lm.hf.targets import Target, hf_state_dict
 from lm.hf.tokenizer_files import write_hf_tokenizer
-from lm.io import atomic_path, file_above, merge_dir, temp_sibling
+from lm.io import atomic_path, merge_dir, output_dir_problem, temp_sibling
 from lm.tokenizer import HFTokenizer, Tokenizer, is_tokenizer_file
 from lm.tokenizer.hf_json import TOKENIZER_CONFIG
 
@@ -128,11 +128,10 @@ def write_export(model: nn.Module, target: Target, encoding: Tokenizer | None, t
 
 
 def output_problem(out: Path, force: bool) -> str | None:
-    """Why the export may not write into `out`, or None when it may."""
-    if out.exists() and not out.is_dir():
-        return f"{out}: exists and is not a directory"
-    if (above := file_above(out)) is not None:
-        return f"{out}: {above} is a file, not a directory"
+    """Why the export may not write into `out`, or None when it may (`output_dir_problem`: it is built beside `out`
+    under a temporary name, then moved in)."""
+    if problem := output_dir_problem(out, sibling=True):
+        return problem
     if out.is_dir() and any(out.iterdir()) and not force:
         return f"{out}: directory is not empty; pass --force to write the export's files into it (other files are kept)"
     return None

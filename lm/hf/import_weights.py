@@ -1,23 +1,23 @@
-"""A transformers checkpoint's safetensors weights loaded into our model, whole or one FSDP shard per rank.
+"""A transformers checkpoint's safetensors weights loaded into our model, whole or one shard per rank.
 
 The directory holds `model.safetensors`, or shards listed by `model.safetensors.index.json`. Every name
 is checked against the plan of the family that reads the class (`HFReader.plan`) before a byte of weight data is
-read: a tensor we would not
-use (a q_norm, say) or one we need and cannot find is refused by name, and so is one of another shape. Each
-parameter is then read in place, one at a time (`lm.hf.safetensors_rows`), and a rank of an FSDP-sharded
-model reads only the rows it keeps: one contiguous byte range per stored tensor. GPT-2's Conv1D matrices are
-the exception: stored (in, out), a rank's rows are columns of the stored tensor, so it reads the whole tensor.
-So are a mixture's experts under expert parallelism, cut along their second dimension too: a rank reads its ep
-rank's experts whole and keeps its block of them.
+read: a tensor we would not use (a q_norm, say) or one we need and cannot find is refused by name, and so is one
+of another shape. Each parameter is then read in place, one at a time (`lm.hf.safetensors_rows`), and a rank of a
+sharded model (FSDP2, HSDP, tensor parallelism, or FSDP2 over tensor parallelism) reads only the rows it keeps:
+one contiguous byte range per stored tensor. GPT-2's Conv1D matrices are the exception: stored (in, out), a
+rank's rows are columns of the stored tensor, so it reads the whole tensor. So are the weights cut along their
+second dimension too (a mixture's experts under expert parallelism, a row-parallel projection under tensor
+parallelism): a rank reads its rows whole and keeps its block of them.
 """
 
 import json
-import math
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lm.errors import CheckpointError
 from lm.hf.importing import HFModel
@@ -70,27 +70,42 @@ def _check_names(plan: Plan, stored: dict[str, StoredTensor], tied: bool, origin
         raise CheckpointError(f"{origin}: its weights do not match its config.json: " + "; ".join(problems))
 
 
+def _check_tied_head(plan: Plan, stored: dict[str, StoredTensor], origin: Path) -> None:
+    """A tied model's checkpoint that holds an lm_head.weight anyway must hold the embedding's copy there:
+    transformers 5 leaves a head that differs untied and uses it, where lm's tied model would use the embedding.
+    Compared a block of rows at a time; a checkpoint without the copy (what save_pretrained writes) costs nothing."""
+    head, embed = stored.get("lm_head.weight"), stored.get(plan["wte.weight"][0].name) if "wte.weight" in plan else None
+    if head is None or embed is None:
+        return
+    same = (head.shape, head.stored_dtype) == (embed.shape, embed.stored_dtype)
+    rows = max(1, 2**26 // max(1, head.row_bytes))  # 64 MiB of each at a time
+    for lo in range(0, head.shape[0], rows) if same else ():
+        hi = min(lo + rows, head.shape[0])
+        if not torch.equal(read_rows(head, lo, hi), read_rows(embed, lo, hi)):
+            same = False
+            break
+    if not same:
+        raise CheckpointError(f"{origin}: tie_word_embeddings is true but lm_head.weight is not a copy of "
+                              f"{embed.name}; transformers then unties the head and uses lm_head.weight, where lm "
+                              "would use the embedding: set tie_word_embeddings to false in config.json (or drop "
+                              "lm_head.weight from the weights)")
+
+
 def _local_box(param: torch.Tensor) -> list[tuple[int, int]]:
     """For each dimension, the [start, stop) of the whole parameter that this rank holds: all of it, or a DTensor's
-    shard, each Shard(d) of its placements cutting dimension d over its mesh dimension as torch.chunk does
-    (ceil(n / ranks) per rank, the last ones shorter or empty), in mesh order; Replicate cuts nothing. FSDP2 shards
-    dim 0 (HSDP: replicated over the replicas); under expert parallelism an experts weight is cut along dim 0 over
-    the ep ranks and along dim 1 by FSDP2 (`lm.distributed.fsdp.shard_experts`)."""
-    box = [(0, n) for n in param.shape]
+    local shard, found by torch's `compute_local_shape_and_global_offset` over every placement, as
+    `lm.distributed.fsdp.FullTensorInit` finds the slice it draws and torch's state-dict helpers the slice of a full
+    tensor they copy into a DTensor (`_distribute_tensors`). FSDP2 shards dim 0 (HSDP: replicated over the
+    replicas); over tensor parallelism's cut of dim 0 it shards that cut again (a `_StridedShard`, whose block is the
+    tp rank's rows cut by the dp rank); under expert parallelism an experts weight is cut along dim 0 over the ep
+    ranks and along dim 1 by FSDP2 (`lm.distributed.fsdp.shard_experts`)."""
     if not isinstance(param, DTensor):
-        return box
-    mesh, coordinate = param.device_mesh, param.device_mesh.get_coordinate()
-    for i, placement in enumerate(param.placements):
-        if isinstance(placement, Replicate):
-            continue
-        if type(placement) is not Shard:  # a strided shard or a partial value is no box of the whole tensor
-            raise CheckpointError(f"cannot import into a parameter placed as {param.placements}; lm imports into "
-                                  "parameters whole, replicated, or cut into even blocks (Shard)")
-        lo, hi = box[placement.dim]
-        chunk = math.ceil((hi - lo) / mesh.size(i))
-        start = min(lo + coordinate[i] * chunk, hi)
-        box[placement.dim] = (start, min(start + chunk, hi))
-    return box
+        return [(0, n) for n in param.shape]
+    if any(isinstance(placement, Partial) for placement in param.placements):  # a sum's terms, not a block of it
+        raise CheckpointError(f"cannot import into a parameter placed as {param.placements}; lm imports into "
+                              "parameters whole, replicated or sharded")
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return [(start, start + n) for start, n in zip(offset, shape)]
 
 
 def _check_tensors(plan: Plan, stored: dict[str, StoredTensor], params: dict[str, torch.Tensor]) -> None:
@@ -148,9 +163,11 @@ def check_hf_weights(source: HFModel, model: nn.Module) -> tuple[Plan, dict[str,
 
 @torch.no_grad()
 def load_hf_weights(source: HFModel, model: nn.Module) -> None:
-    """Fill `model` (ours for `source.fields`, materialised, whole or FSDP-sharded) with the checkpoint's
+    """Fill `model` (ours for `source.fields`, materialised, whole or sharded by any layout) with the checkpoint's
     weights, cast to the model's dtype, once `check_hf_weights` passes."""
     plan, stored = check_hf_weights(source, model)
+    if model.cfg.tie_embeddings:
+        _check_tied_head(plan, stored, source.directory)
     params = dict(model.named_parameters())
     for ours, parts in plan.items():
         param = params[ours]

@@ -5,6 +5,7 @@ Reading needs neither transformers nor torch: only JSON.
 """
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +42,7 @@ class HFModel:
 
 def is_hf_checkpoint(path: str | Path) -> bool:
     """Whether `path` is a transformers checkpoint directory (it holds a config.json)."""
-    return (Path(path) / CONFIG_NAME).is_file()
+    return os.path.isfile(Path(path) / CONFIG_NAME)  # False, not OSError, for a name too long to look up
 
 
 def read_config_json(directory: str | Path) -> tuple[dict[str, Any], Path]:

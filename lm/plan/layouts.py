@@ -41,16 +41,19 @@ all-gathers of the experts for two all-to-alls of the tokens in every mixture la
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from lm.config import JobConfig, device_type, use_bf16
+from lm.config.rules import batch_split_problem
 from lm.errors import ConfigError
 from lm.models.registry import family_of
 from lm.models.sizes import ceil_div
 from lm.plan.counts import activation_bytes, counts, root_params, routed_per_token
 from lm.plan.memory import CUDA_CONTEXT_BYTES, GIB, check_ep
 
-__all__ = ["LayoutEstimate", "estimate_layout", "layout_rows", "layout_table", "pick_layout"]
+__all__ = ["LayoutEstimate", "RuledOut", "candidates", "estimate_layout", "layout_rows", "layout_table",
+           "pick_layout", "why_none"]
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,57 @@ def estimate_layout(cfg: JobConfig, tp: int, pp: int, dp: int, activation_checkp
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """In order; by pairs up to sqrt(n), so that a planned world of millions of GPUs is quick."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
+
+
+@dataclass(frozen=True)
+class RuledOut:
+    """A (tp, pp) of the cluster that no layout takes, and the constraint that rules it out."""
+
+    tp: int
+    pp: int
+    dp: int
+    constraint: str
+    """"divisibility" (the model does not split over tp or pp) or "batch split" (the global batch does not split
+    over dp replicas, or gives a pipeline fewer micro-batches than stages)"""
+    reason: str
+
+
+def _ruled_out(cfg: JobConfig, tp: int, pp: int, dp: int) -> RuledOut | None:
+    """Why the layout tp x pp x dp cannot train `cfg`, whatever the memory; None when it can."""
+    model, train, parallel = cfg.model, cfg.train, family_of(cfg.model).parallel
+    if tp > 1 and (problem := parallel.tensor_problem(model, tp)):
+        return RuledOut(tp, pp, dp, "divisibility", f"parallel.tp={tp}: {problem}")
+    if tp > 1 and cfg.data.seq_len % tp:
+        return RuledOut(tp, pp, dp, "divisibility", f"parallel.tp={tp}: data.seq_len {cfg.data.seq_len} does not "
+                        "split over the tensor-parallel ranks (sequence parallelism)")
+    if pp > 1 and (problem := parallel.pipeline_problem(model, pp)):
+        return RuledOut(tp, pp, dp, "divisibility", f"parallel.pp={pp}: {problem}")
+    of = f"world size {tp * pp * dp} / (tp {tp} x pp {pp})" if tp * pp > 1 else f"world size {dp}"
+    if problem := batch_split_problem(train.batch_size, train.micro_batch_size, dp, of):
+        return RuledOut(tp, pp, dp, "batch split", problem)
+    if train.batch_size // (train.micro_batch_size * dp) < pp:
+        return RuledOut(tp, pp, dp, "batch split", f"parallel.pp={pp}: 1F1B needs at least one micro-batch per "
+                        f"pipeline rank, and a step has {train.batch_size // (train.micro_batch_size * dp)} per "
+                        f"replica over {dp} replicas")
+    return None
+
+
+def candidates(cfg: JobConfig, nodes: int, gpus_per_node: int) -> tuple[list[tuple[int, int, int]], list[RuledOut]]:
+    """The (tp, pp, dp) of nodes x gpus_per_node that can train `cfg` (tp within a node), and those that cannot,
+    each with the constraint that rules it out."""
+    world = nodes * gpus_per_node
+    fit, out = [], []
+    for tp in _divisors(gpus_per_node):
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            if (why := _ruled_out(cfg, tp, pp, dp)) is None:
+                fit.append((tp, pp, dp))
+            else:
+                out.append(why)
+    return fit, out
 
 
 def layout_rows(cfg: JobConfig, nodes: int, gpus_per_node: int) -> list[LayoutEstimate]:
@@ -155,25 +208,55 @@ def layout_rows(cfg: JobConfig, nodes: int, gpus_per_node: int) -> list[LayoutEs
     global batch a whole number of micro-batches per replica and at least one per pipeline rank; for a mixture of
     experts without a pipeline, every ep dividing both its n_experts and dp. Last, FSDP2 alone with its state
     offloaded to host memory (parallel.cpu_offload), every block recomputed."""
-    world = nodes * gpus_per_node
-    model, train, parallel = cfg.model, cfg.train, family_of(cfg.model).parallel
+    model, parallel = cfg.model, family_of(cfg.model).parallel
     rows = []
-    for tp in _divisors(gpus_per_node):
-        if tp > 1 and (parallel.tensor_problem(model, tp) or cfg.data.seq_len % tp):
-            continue
-        for pp in _divisors(world // tp):
-            if pp > 1 and parallel.pipeline_problem(model, pp):
-                continue
-            dp = world // (tp * pp)
-            per_replica = train.micro_batch_size * dp
-            if train.batch_size % per_replica or train.batch_size // per_replica < pp:
-                continue
-            eps = [1] if pp > 1 or not parallel.experts else \
-                [ep for ep in _divisors(dp) if ep == 1 or not parallel.expert_problem(model, ep)]
-            rows += [estimate_layout(cfg, tp, pp, dp, every, ep=ep) for ep in eps for every in (0, 1)]
+    for tp, pp, dp in candidates(cfg, nodes, gpus_per_node)[0]:
+        eps = [1] if pp > 1 or not parallel.experts else \
+            [ep for ep in _divisors(dp) if ep == 1 or not parallel.expert_problem(model, ep)]
+        rows += [estimate_layout(cfg, tp, pp, dp, every, ep=ep) for ep in eps for every in (0, 1)]
     if rows and rows[0].tp == rows[0].pp == 1:
         rows.append(estimate_layout(cfg, 1, 1, rows[0].dp, 1, cpu_offload=True))
     return rows
+
+
+def _most_gpus(cfg: JobConfig, gpus_per_node: int) -> tuple[int, int, int]:
+    """The (tp, pp, dp) with the most GPUs that the model and the global batch allow (tp within a node of
+    gpus_per_node, pp up to the model's layers), whatever the cluster."""
+    micro = cfg.train.batch_size // cfg.train.micro_batch_size
+    layouts = [(tp, pp, dp) for tp in _divisors(gpus_per_node) for pp in range(1, cfg.model.n_layer + 1)
+               for dp in _divisors(micro) if _ruled_out(cfg, tp, pp, dp) is None]
+    return max(layouts, key=lambda layout: (layout[0] * layout[1] * layout[2], -layout[0]))
+
+
+def _examples(cases: list[RuledOut]) -> str:
+    """The first few layouts of `cases`, and the reason of the first case of each key (parallel.tp, parallel.pp,
+    train.batch_size)."""
+    layouts = ", ".join(f"tp {c.tp} x pp {c.pp} x dp {c.dp}" for c in cases[:3]) + \
+        (f" and {len(cases) - 3} more" if len(cases) > 3 else "")
+    firsts: dict[str, str] = {}
+    for case in sorted(cases, key=lambda c: (c.tp, c.pp)):  # the key a reason names first: its axis
+        firsts.setdefault(case.reason.split(":", 1)[0].split("=")[0], case.reason)
+    return f"{layouts}: {'; '.join(firsts.values())}"
+
+
+def why_none(cfg: JobConfig, nodes: int, gpus_per_node: int, rows: list[LayoutEstimate], device_gib: float) -> str:
+    """Which constraint rules every layout of the cluster out: the model's divisibility, the batch split (each with
+    its first cases), the memory of those that remain; then what to change."""
+    _, out = candidates(cfg, nodes, gpus_per_node)
+    parts = [f"the {constraint} rules out {len(cases)} ({_examples(cases)})" for constraint in ("batch split",
+             "divisibility") if (cases := [why for why in out if why.constraint == constraint])]
+    if rows:
+        smallest = min(rows, key=lambda r: r.total)
+        ckpt = "every block recomputed" if smallest.activation_checkpointing else "nothing recomputed"
+        parts.append(f"the memory rules out the {len({(r.tp, r.pp, r.ep) for r in rows})} that remain (the "
+                     f"smallest, {smallest.label} with {ckpt}{', state offloaded' * smallest.cpu_offload}, needs "
+                     f"{_gib(smallest.total)} GiB per GPU, more than {device_gib:g} GiB leaves room for)")
+        advice = f"lower train.micro_batch_size ({cfg.train.micro_batch_size}), or add GPUs"
+    else:
+        tp, pp, dp = _most_gpus(cfg, gpus_per_node)
+        advice = (f"this config trains on at most {tp * pp * dp} GPUs (tp {tp} x pp {pp} x dp {dp}): plan fewer, or "
+                  f"raise train.batch_size ({cfg.train.batch_size})")
+    return f"pick: no layout of {nodes * gpus_per_node} GPUs can train this config: {'; '.join(parts)}; {advice}"
 
 
 def fits_layout(row: LayoutEstimate, device_gib: float) -> bool:
@@ -215,8 +298,7 @@ def layout_table(cfg: JobConfig, nodes: int, gpus_per_node: int, device_gib: flo
                  "the rank that needs most")
     best = pick_layout(rows, device_gib)
     if best is None:
-        lines.append(f"pick: no layout fits {device_gib:g} GiB at train.micro_batch_size="
-                     f"{cfg.train.micro_batch_size}; lower it, or add GPUs")
+        lines.append(why_none(cfg, nodes, gpus_per_node, rows, device_gib))
         return "\n".join(lines)
     every = best.activation_checkpointing
     keys = [f"--parallel.tp={best.tp}"] * (best.tp > 1) + [f"--parallel.pp={best.pp}"] * (best.pp > 1) + \

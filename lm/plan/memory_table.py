@@ -2,6 +2,7 @@
 as a table, whether each fits a device, and the setup to pick."""
 
 from lm.config import JobConfig
+from lm.config.rules import batch_split_problem
 from lm.models.registry import family_of
 from lm.plan.counts import num_params
 from lm.plan.memory import CUDA_CONTEXT_BYTES, GIB, MemoryEstimate, estimate_memory
@@ -81,7 +82,11 @@ def plan_table(cfg: JobConfig, world_size: int, device_gib: float = 80.0) -> str
     if note := family_of(m).estimates.memory_note:
         lines.append(note)
     best = pick(rows, device_gib)
-    if best is None:
+    train = cfg.train
+    if split := batch_split_problem(train.batch_size, train.micro_batch_size, world_size, f"world size {world_size}"):
+        # every engine here runs world size replicas: none of them can take the batch, whatever the memory
+        lines.append(f"pick: none on {world_size} devices: {split}")
+    elif best is None:
         lines.append(f"pick: nothing fits {device_gib:g} GiB at this micro batch; lower train.micro_batch_size "
                      "or add devices")
     else:

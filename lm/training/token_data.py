@@ -15,8 +15,9 @@ from lm.data.loader import SplitWindows, TokenLoader
 from lm.data.mixture import exact_shares
 from lm.data.objectives import Objective
 from lm.data.shards import check_manifest, document_eot, manifest_tokenizer, read_manifest, verify_hashes
+from lm.distributed import layout
 from lm.distributed.env import DistEnv
-from lm.errors import ConfigError, DataError
+from lm.errors import DataError
 from lm.models.registry import family_of
 
 log = logging.getLogger("lm.train")
@@ -80,14 +81,8 @@ def open_training_data(cfg: JobConfig, env: DistEnv) -> TrainingData:
 
 
 def check_batch_split(cfg: JobConfig, env: DistEnv) -> None:
-    """Every rank's share of a global batch is a whole number of micro-batches."""
-    if cfg.train.batch_size % (cfg.train.micro_batch_size * env.dp_size):
-        replicas = f"data-parallel replicas ({env.dp_size}: world size {env.world_size} / parallel.tp {env.tp})" \
-            if env.tp > 1 else f"world size ({env.world_size})"
-        raise ConfigError(
-            f"train.batch_size: {cfg.train.batch_size} is not a multiple of train.micro_batch_size "
-            f"({cfg.train.micro_batch_size}) x {replicas}"
-        )
+    """Every rank's share of a global batch is a whole number of micro-batches (`lm.distributed.layout`'s rule)."""
+    layout.check_batch_split(cfg, env.world_size)
 
 
 def _check_shared_tokenizer(sources: list[MixtureSource], manifests: list[dict]) -> None:

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from lm.config import config_diff, device_type, load_config, resolve_device, use_bf16
+from lm.config.rules import batch_split_problem
 from lm.errors import ConfigError
 
 
@@ -40,3 +41,14 @@ def test_config_diff_names_each_changed_key():
     assert config_diff(old, new, ignore=("model",)) == {"optim.lr": (6e-4, 1e-3)}
     del old["optim"]["lr"]  # a key an older config lacks compares as None
     assert config_diff(old, new, sections=("optim",)) == {"optim.lr": (None, 1e-3)}
+
+
+@pytest.mark.parametrize("batch, micro, replicas, problem", [
+    (8, 2, 4, None), (8, 2, 1, None), (4, 2, 2, None),
+    (4, 2, 4, "train.batch_size: 4 is not a multiple of train.micro_batch_size (2) x 4 data-parallel replica(s) "
+              "(world size 4); expected a multiple of 8, or a number of replicas that divides its 2 micro-batches"),
+    (6, 2, 2, "train.batch_size: 6 is not a multiple of train.micro_batch_size (2) x 2 data-parallel replica(s) "
+              "(world size 4); expected a multiple of 4, or a number of replicas that divides its 3 micro-batches"),
+])
+def test_the_batch_split_rule(batch, micro, replicas, problem):
+    assert batch_split_problem(batch, micro, replicas, "world size 4") == problem

@@ -116,6 +116,10 @@ def test_a_pipeline_the_model_cannot_take_is_refused_by_the_config(flags, messag
      "(train.micro_batch_size 2 x 1 data-parallel replicas)) are not 2 whole rounds; use a multiple of 2"),
     (6, ["--parallel.pp=4"], "parallel.pp=4 does not divide the world size 6 (ranks torchrun started); the product "
      "must be one of 1, 2, 3, 6, or start a multiple of 4 ranks"),
+    # the replicas each take a whole number of micro-batches, or no process group forms (lm.layouts asks the same)
+    (8, ["--parallel.pp=2", "--train.batch_size=6", "--train.micro_batch_size=1"],
+     "train.batch_size: 6 is not a multiple of train.micro_batch_size (1) x 4 data-parallel replica(s) (world "
+     "size 8 / (pp 2)); expected a multiple of 4, or a number of replicas that divides its 6 micro-batches"),
 ])
 def test_a_pipeline_the_world_cannot_feed_is_refused_before_any_group(world, flags, message):
     cfg = load_config(None, ["--parallel.engine=fsdp", "--model.tie_embeddings=false", "--model.n_layer=4", *flags])

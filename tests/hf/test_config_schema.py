@@ -104,3 +104,68 @@ def test_random_values_under_every_key_end_in_one_error_line_and_leave_the_file_
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and str(directory) in err[0], (edit, err)
         assert (directory / "config.json").read_bytes() == before
+
+
+# (class, edit, what the one error line names): two settings of one file that transformers may read differently
+# from lm, or 4.x from 5. Each is refused, naming both keys, rather than read one way.
+DISAGREEING = [
+    # a transformers 5 save (rope_parameters: default) with the hand edit that extends the context
+    ("llama", dict(rope_scaling={"type": "linear", "factor": 2.0}),
+     "rope_scaling and rope_parameters disagree: rope_type 'linear' against 'default'"),
+    ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+                   rope_scaling={"rope_type": "linear", "factor": 4.0}),
+     "rope_scaling and rope_parameters disagree: factor 4.0 against 2.0"),
+    # transformers 5 takes rope_scaling whole: rope_parameters' theta is lost, the default's taken
+    ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0},
+                   rope_scaling={"rope_type": "linear", "factor": 2.0}),
+     "rope_scaling and rope_parameters disagree: rope_theta 10000.0 against 500000.0"),
+    ("llama", dict(rope_theta=5e5), "rope_theta=500000.0 with rope_parameters.rope_theta=10000.0"),
+    ("llama", dict(partial_rotary_factor=0.5, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                               "partial_rotary_factor": 1.0}),
+     "partial_rotary_factor=0.5 with rope_parameters.partial_rotary_factor=1.0"),
+    ("llama", dict(rope_parameters=None, rope_scaling={"type": "linear", "rope_type": "default", "factor": 2.0}),
+     "rope_scaling.type='linear' with rope_scaling.rope_type='default'"),
+    # GPT2Config's attribute_map: hidden_size is n_embd, and so on
+    ("gpt2", dict(hidden_size=128), "n_embd=64 with hidden_size=128"),
+    ("gpt2", dict(num_hidden_layers=3), "n_layer=2 with num_hidden_layers=3"),
+    ("mixtral", dict(num_local_experts=4, num_experts=8), "num_local_experts=4 with num_experts=8"),
+]
+MIXTRAL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2)
+
+
+def any_config_dir(model_type: str, directory: Path, edit: dict) -> Path:
+    """`config_dir`, for the classes of SMALL and a small Mixtral."""
+    if model_type in SMALL:
+        return config_dir(model_type, directory, edit)
+    AutoConfig.for_model(model_type, **MIXTRAL).save_pretrained(directory)
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    return directory
+
+
+@pytest.mark.parametrize("model_type, edit, message", DISAGREEING,
+                         ids=[f"{t}-{'-'.join(e)}" for t, e, _ in DISAGREEING])
+def test_two_settings_that_disagree_are_refused_naming_both(model_type, edit, message, tmp_path):
+    with pytest.raises(CheckpointError) as err:
+        read_hf_model(any_config_dir(model_type, tmp_path, edit))
+    assert str(err.value).startswith(f"{tmp_path / 'config.json'}: ") and message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("model_type, edit, fields", [
+    # what lm's export writes: both tables, the same, and the top-level rope_theta
+    ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}, rope_theta=5e5,
+                   rope_scaling={"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}),
+     dict(rope_scaling="linear", rope_factor=2.0, rope_theta=5e5)),
+    # 4.x's table (type, no theta) beside the top-level theta it reads
+    ("llama", dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=5e5),
+     dict(rope_scaling="linear", rope_factor=2.0, rope_theta=5e5)),
+    ("llama", dict(rope_scaling={}), dict(rope_theta=1e4)),  # an empty table is none
+    # only the alias: transformers reads it as n_embd
+    ("gpt2", dict(hidden_size=64, num_attention_heads=4), dict(d_model=64, n_head=4)),
+    ("mixtral", dict(num_experts=4), dict(n_experts=4)),
+])
+def test_two_settings_that_agree_are_read_as_one(model_type, edit, fields, tmp_path):
+    read = read_hf_model(any_config_dir(model_type, tmp_path, edit)).fields
+    assert {key: read[key] for key in fields} == fields

@@ -267,3 +267,60 @@ def test_a_weight_stored_as_integers_is_refused_before_any_is_read(tmp_path):
     with pytest.raises(CheckpointError, match=r"model.safetensors: model.norm.weight is stored as I32; lm imports "
                                               r"floating-point weights"):
         imported(tmp_path)
+
+
+def edit_config(directory: Path, **changes) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def test_the_hand_edit_that_extends_the_context_is_refused_where_transformers_moves_the_logits(tmp_path):
+    """A transformers 5 save (rope_parameters: default) with the common hand edit that extends the context, a
+    rope_scaling of linear x2: transformers applies rope_scaling, so lm, which read rope_parameters, would have
+    scored another model."""
+    hf = hf_checkpoint("llama", tmp_path)
+    edit_config(tmp_path, rope_scaling={"type": "linear", "factor": 2.0})
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        moved = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()(idx).logits
+        assert (moved - hf(idx).logits).abs().max() > 1e-3
+    with pytest.raises(CheckpointError) as err:
+        read_hf_model(tmp_path)
+    assert str(err.value).startswith(f"{tmp_path / 'config.json'}: ")
+    assert "rope_scaling and rope_parameters disagree: rope_type 'linear' against 'default'" in str(err.value)
+
+
+def test_rope_tables_that_agree_import_as_transformers_reads_them(tmp_path):
+    """4.x's rope_scaling (its `type`, no rope_theta) beside 5's rope_parameters and a top-level rope_theta, all
+    one linear x2 scaling at theta 500: transformers applies rope_scaling, lm reads the same model."""
+    classes = {"linear": ("llama", {**ROTARY, "rope_parameters": {"rope_type": "linear", "rope_theta": 500.0,
+                                                                  "factor": 2.0}})}
+    hf_checkpoint("linear", tmp_path, classes=classes)
+    edit_config(tmp_path, rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=500.0)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    model = imported(tmp_path)
+    assert (model.cfg.rope_scaling, model.cfg.rope_factor, model.cfg.rope_theta) == ("linear", 2.0, 500.0)
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert_same_logits(model.logits(model(idx)), theirs(idx).logits)
+
+
+def test_a_tied_config_whose_head_is_not_the_embedding_is_refused(tmp_path):
+    """transformers 5 leaves such a head untied and uses it; lm's tied model would use the embedding."""
+    hf_checkpoint("llama", tmp_path)  # untied: the file holds its own lm_head.weight
+    edit_config(tmp_path, tie_word_embeddings=True)
+    with pytest.raises(CheckpointError) as err:
+        imported(tmp_path)
+    assert str(err.value).startswith(f"{tmp_path}: tie_word_embeddings is true but lm_head.weight is not a copy of "
+                                     "model.embed_tokens.weight; transformers then unties the head")
+
+
+def test_a_tied_head_saved_as_the_embeddings_copy_imports(tmp_path):
+    hf = hf_checkpoint("llama-bias-tied", tmp_path)
+    weights = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = imported(tmp_path)
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert_same_logits(model.logits(model(idx)), hf(idx).logits)

@@ -95,7 +95,7 @@ def test_the_planner_counts_its_parameters_and_its_activations(capsys):
     assert predicted[1] - predicted[0] == pytest.approx(measured[1] - measured[0], rel=0.05)
     from lm.train import dry_run
 
-    dry_run(cfgs[0], 2, 80.0)
+    dry_run(cfgs[0], 1, 80.0)  # its batch of 3 in one micro-batch of 3 splits over no more replicas
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "model: conv, 2 layers, d_model 32, vocabulary 50,304 (padded)"
     assert any(line.startswith("pick: ddp") for line in lines)

@@ -1,19 +1,33 @@
 """The registry of model families: built-in ones found by name without importing torch, unknown names refused
-with a did-you-mean, and configs of older lm versions (every family's keys in one model section) still read."""
+with a did-you-mean, a spec checked whole when registered, a broken LM_FAMILIES module one error line naming it,
+and configs of older lm versions (every family's keys in one model section) still read."""
 
+import dataclasses
 import os
+import re
 import subprocess
 import sys
+import types
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
 import yaml
 
 from lm.checkpoint.loading import load_for_inference
+from lm.cli import run
 from lm.config import config_from_yaml, load_config
 from lm.errors import ConfigError
-from lm.models.registry import config_class, family_names, get_family, register
+from lm.models import registry
+from lm.models.family import HFAdapter, Parallel, Sampler, TaskHead
+from lm.models.gpt.config import GPTConfig
+from lm.models.registry import config_class, family_names, get_family, register, spec_problems
+from lm.train import main as train_main
+from tests.conftest import PLUGIN_SPEC, write_plugin
+from tests.test_bad_inputs import digest
+
+REPO = Path(__file__).resolve().parents[2]
 
 OLD_MODEL_SECTION = dict(
     arch="gpt", vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_kv_head=0, d_model=768, d_ff=0,
@@ -41,8 +55,131 @@ def test_an_unknown_family_is_refused_with_the_names_there_are():
 
 
 def test_a_name_is_registered_once():
-    with pytest.raises(ValueError, match="model family 'gpt' is already registered"):
+    with pytest.raises(ValueError, match="model family 'gpt' is already registered: it is a built-in family"):
         register(get_family("gpt"))
+
+
+@dataclasses.dataclass
+class MineConfig(GPTConfig):
+    arch: str = "mine"
+    title: ClassVar[str] = "my GPT"
+
+
+@dataclasses.dataclass(kw_only=True)
+class NeedsKeyConfig(GPTConfig):
+    arch: str = "mine"
+    width: int
+
+
+def mine(**changes) -> object:
+    return dataclasses.replace(get_family("gpt"), **{"name": "mine", "config_class": MineConfig, **changes})
+
+
+def test_every_built_in_spec_passes_the_check():
+    for name in ("gpt", "encdec", "encoder", "lstm"):
+        assert spec_problems(get_family(name)) == [], name
+
+
+def test_a_good_spec_registers_once(plugin_dir):
+    register(mine())
+    assert get_family("mine").config_class is MineConfig and config_class("mine") is MineConfig
+    with pytest.raises(ConfigError, match=rf"^model family 'mine' is already registered \(by module "
+                                          rf"'{re.escape(__name__)}'\); register a family once"):
+        register(mine())
+
+
+@pytest.mark.parametrize("changes, problem", [
+    (dict(build=None), "build: expected a callable, got None"),
+    (dict(blocks="blocks"), "blocks: expected a callable, got str 'blocks'"),
+    (dict(config_class=None), "config_class: expected a dataclass subclassing lm.models.config.ModelConfig, got None"),
+    (dict(config_class=GPTConfig), "config_class: GPTConfig.arch defaults to 'gpt', not the family's name 'mine'"),
+    (dict(config_class=NeedsKeyConfig), "config_class: NeedsKeyConfig's keys ['width'] have no default"),
+    (dict(name=""), "name: expected a model.arch value (letters, digits, '_', '-', '.'), got ''"),
+    (dict(name="my model"), "got 'my model'"),
+    (dict(training=None), "training: expected Training, got None"),
+    (dict(parallel=Parallel(tensor_problem=None)), "parallel.tensor_problem: expected a callable, got None"),
+    (dict(sampler=Sampler(sample=None)), "sampler.sample: expected a callable, got None"),
+    (dict(sampler="text"), "sampler: expected Sampler or None, got str 'text'"),
+    (dict(hf=HFAdapter(targets=None)), "hf.targets: expected tuple, got None"),
+    (dict(output_layers=None, check_precision=None), "output_layers: expected a callable, got None; "
+                                                     "check_precision: expected a callable, got None"),
+])
+def test_a_broken_spec_is_refused_when_registered_naming_each_part(plugin_dir, changes, problem):
+    family = mine(**changes)
+    problems = [problem]
+    if "training" not in changes:  # a part of a part is checked too, and every problem is named in one message
+        family = dataclasses.replace(family, training=dataclasses.replace(
+            family.training, head=TaskHead(keys=("head",), is_param=None, outputs=len)))  # type: ignore[arg-type]
+        problems.append("training.head.is_param: expected a callable, got None")
+    before = dict(registry._registered)
+    with pytest.raises(ConfigError) as refused:
+        register(family)
+    message = str(refused.value)
+    assert message.startswith(f"model family {family.name!r}: ") and all(p in message for p in problems), message
+    assert registry._registered == before
+
+
+def test_what_is_not_a_family_is_refused(plugin_dir):
+    with pytest.raises(ConfigError, match=r"model family 'mine': expected a lm.models.family.Family instance, got "
+                                          r"SimpleNamespace"):
+        register(types.SimpleNamespace(name="mine", build=None))  # type: ignore[arg-type]
+
+
+PLUGINS = {
+    "raises": ("raise RuntimeError('no GPU here')\n",
+               r"LM_FAMILIES: importing 'plug_raises' raised RuntimeError: no GPU here \(.*/plug_raises.py, line 1\)"),
+    "syntax": ("def family(:\n", r"LM_FAMILIES: 'plug_syntax' has a syntax error: .* \(.*/plug_syntax.py, line 1\)"),
+    "builtin": ("from lm.models.registry import get_family, register\nregister(get_family('gpt'))\n",
+                r"LM_FAMILIES: 'plug_builtin': model family 'gpt' is already registered: it is a built-in family; "
+                r"give yours another name"),
+    "twice": (PLUGIN_SPEC.format(name="mine") + "register(FAMILY)\nregister(FAMILY)\n",
+              r"LM_FAMILIES: 'plug_twice': model family 'mine' is already registered \(by module 'plug_twice'\)"),
+    "no-build": (PLUGIN_SPEC.format(name="mine") + "register(dataclasses.replace(FAMILY, build=None))\n",
+                 r"LM_FAMILIES: 'plug_no_build': model family 'mine': build: expected a callable, got None$"),
+    "no-config-class": ("from lm.models.family import Family\nFAMILY = Family(name='mine', build=len, blocks=len, "
+                        "training=None)\n",
+                        r"LM_FAMILIES: importing 'plug_no_config_class' raised TypeError: .*missing 1 required "
+                        r"positional argument: 'config_class' \(.*/plug_no_config_class.py, line 2\)"),
+    "register-then-raise": (PLUGIN_SPEC.format(name="mine") + "register(FAMILY)\nraise ValueError('half done')\n",
+                            r"LM_FAMILIES: importing 'plug_register_then_raise' raised ValueError: half done"),
+}
+
+
+@pytest.mark.parametrize("kind", PLUGINS)
+def test_a_broken_plugin_stops_a_dry_run_of_any_preset_in_one_line(plugin_dir, monkeypatch, capsys, kind):
+    """The user's case: a plugin named in LM_FAMILIES breaks even `--dry-run` of a preset of a built-in family, with
+    one error line naming the module (and the family), exit 2, nothing written and nothing left registered."""
+    source, error = PLUGINS[kind]
+    module = "plug_" + kind.replace("-", "_")
+    write_plugin(plugin_dir, module, source)
+    monkeypatch.setenv("LM_FAMILIES", module)
+    monkeypatch.chdir(plugin_dir.parent)  # a tool that wrote by a relative path would write in the hashed tree
+    before, registered = digest(plugin_dir.parent), dict(registry._registered)
+    code = run(train_main, ["--config", str(REPO / "configs/demo.yaml"), "--dry-run"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert re.search(error, lines[0]), lines[0]
+    assert digest(plugin_dir.parent) == before and registry._registered == registered
+    with pytest.raises(ConfigError, match="LM_FAMILIES: "):  # and the next lookup again, not a half-loaded registry
+        family_names()
+
+
+def test_two_plugins_registering_one_name_name_both_modules(plugin_dir, monkeypatch, capsys):
+    write_plugin(plugin_dir, "plug_first", PLUGIN_SPEC.format(name="mine") + "register(FAMILY)\n")
+    write_plugin(plugin_dir, "plug_second", PLUGIN_SPEC.format(name="mine") + "register(FAMILY)\n")
+    monkeypatch.setenv("LM_FAMILIES", "plug_first, plug_second")
+    assert run(train_main, ["--config", str(REPO / "configs/demo.yaml"), "--dry-run"]) == 2
+    assert capsys.readouterr().err == ("error: LM_FAMILIES: 'plug_second': model family 'mine' is already registered "
+                                       "(by module 'plug_first'); register a family once, under a name of its own\n")
+
+
+def test_a_good_plugin_and_a_module_named_twice_load_once(plugin_dir, monkeypatch, capsys):
+    write_plugin(plugin_dir, "plug_good", PLUGIN_SPEC.format(name="mine") + "register(FAMILY)\n")
+    monkeypatch.setenv("LM_FAMILIES", "plug_good,plug_good,")
+    assert family_names()[-1] == "mine" and family_names().count("mine") == 1
+    assert load_config(None, ["--model.arch=mine", "--model.n_layer=2"]).model.title == "a plugin's GPT"
+    assert run(train_main, ["--config", str(REPO / "configs/demo.yaml"), "--model.arch=mine", "--dry-run"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.process

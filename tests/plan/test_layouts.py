@@ -11,8 +11,9 @@ import pytest
 
 from lm.cli import run
 from lm.config import load_config
-from lm.plan.layouts import estimate_layout, layout_rows, pick_layout
+from lm.plan.layouts import estimate_layout, layout_rows, layout_table, pick_layout
 from lm.plan.memory import GIB, estimate_memory
+from lm.plan.memory_table import plan_table
 from lm.train import main as train_main
 from tests.plan import peak_worker
 from tests.workers import job_env, pool, torchrun_forced
@@ -97,3 +98,66 @@ def test_the_dry_run_prints_the_layouts_and_the_pick(capsys):
 def test_layout_flags_out_of_place_are_refused(args, message, capsys):
     assert run(train_main, ["--config", "configs/llama3-8b.yaml", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_cluster_the_batch_cannot_split_over_is_named_as_such_not_as_memory():
+    """llama-tiny (0.3 GiB) on a million nodes: its 4-sample batch in micro-batches of 2 feeds at most 2 replicas."""
+    cfg = load_config("configs/llama-tiny.yaml", [])
+    assert layout_rows(cfg, 1_000_000, 8) == []
+    line = layout_table(cfg, 1_000_000, 8, 80.0).splitlines()[-1]
+    assert line.startswith("pick: no layout of 8000000 GPUs can train this config: the batch split rules out 2 "
+                           "(tp 1 x pp 1 x dp 8000000, tp 2 x pp 1 x dp 4000000: train.batch_size: 4 is not a "
+                           "multiple of train.micro_batch_size (2) x 8000000 data-parallel replica(s)")
+    # the model's divisibility rules out the rest, each key's first case named
+    assert "; the divisibility rules out 236 (" in line
+    assert "parallel.tp=4: 4 tensor-parallel ranks are more than its 2 key/value heads" in line
+    assert "parallel.pp=2: the token embedding sits on the first pipeline stage" in line
+    assert line.endswith("this config trains on at most 4 GPUs (tp 2 x pp 1 x dp 2): plan fewer, or raise "
+                         "train.batch_size (4)")
+    assert "fits 80 GiB" not in line and "memory" not in line
+
+
+def test_when_only_memory_rules_the_layouts_out_the_pick_says_so_with_the_smallest():
+    cfg = load_config("configs/llama3-70b.yaml", [])
+    line = layout_table(cfg, 1, 8, 10.0).splitlines()[-1]
+    assert line == ("pick: no layout of 8 GPUs can train this config: the memory rules out the 10 that remain (the "
+                    "smallest, tp 1 x pp 1 x dp 8 with every block recomputed, state offloaded, needs 34.46 GiB per "
+                    "GPU, more than 10 GiB leaves room for); lower train.micro_batch_size (1), or add GPUs")
+
+
+def test_the_engine_table_names_a_world_size_the_batch_cannot_split_over():
+    cfg = load_config("configs/llama-tiny.yaml", [])
+    assert plan_table(cfg, 8).splitlines()[-1] == (
+        "pick: none on 8 devices: train.batch_size: 4 is not a multiple of train.micro_batch_size (2) x 8 "
+        "data-parallel replica(s) (world size 8); expected a multiple of 16, or a number of replicas that divides "
+        "its 2 micro-batches")
+    assert plan_table(cfg, 2).splitlines()[-1].startswith("pick: ddp")
+
+
+def test_a_million_nodes_plan_quickly(capsys):
+    assert train_main(["--config", "configs/llama-tiny.yaml", "--dry-run", "--nodes", "1000000"]) == 0
+    out = capsys.readouterr().out
+    assert "pick: none on 8000000 devices: train.batch_size: 4" in out
+    assert "pick: no layout of 8000000 GPUs can train this config: the batch split rules out 2" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "0"], "argument --nodes: expected an integer in [1, 16777216], got '0'"),
+    (["--nodes", "16777217"], "argument --nodes: expected an integer in [1, 16777216], got '16777217'"),
+    (["--nodes", "inf"], "argument --nodes: expected an integer in [1, 16777216], got 'inf'"),
+    (["--gpus-per-node", "4096"], "argument --gpus-per-node: expected an integer in [1, 1024], got '4096'"),
+    (["--nproc", "0"], "argument --nproc: expected an integer in [1, 16777216], got '0'"),
+    (["--gpu-gib", "0"], "argument --gpu-gib: expected a number in [1, 1e+06], got '0'"),
+    (["--gpu-gib", "-80"], "argument --gpu-gib: expected a number in [1, 1e+06], got '-80'"),
+    (["--gpu-gib", "inf"], "argument --gpu-gib: expected a number in [1, 1e+06], got 'inf'"),
+    (["--gpu-gib", "nan"], "argument --gpu-gib: expected a number in [1, 1e+06], got 'nan'"),
+    (["--nodes", "4000000"], "error: --nodes 4000000 x --gpus-per-node 8 is 32000000 GPUs; a dry run plans for at "
+     "most 16777216"),
+])
+def test_the_dry_runs_numbers_out_of_range_are_one_error_line(args, message, capsys):
+    try:
+        code = run(train_main, ["--config", "configs/llama-tiny.yaml", "--dry-run", *args])
+    except SystemExit as exit_:  # argparse's usage errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err.strip().splitlines()[-1], err

@@ -326,8 +326,8 @@ def test_dry_run_takes_the_world_size_from_the_environment(tmp_path):
 
 @pytest.mark.process
 @pytest.mark.parametrize("args, message", [
-    (["--dry-run", "--nproc", "0"], "argument --nproc: expected a positive integer, got 0"),
-    (["--dry-run", "--nproc", "two"], "argument --nproc: expected a positive integer, got 'two'"),
+    (["--dry-run", "--nproc", "0"], "argument --nproc: expected an integer in [1, 16777216], got '0'"),
+    (["--dry-run", "--nproc", "two"], "argument --nproc: expected an integer in [1, 16777216], got 'two'"),
     (["--nproc", "2"], "error: --nproc: only --dry-run takes it"),
 ])
 def test_bad_nproc_is_a_usage_error(args, message, tmp_path):

@@ -1,5 +1,5 @@
-"""Continued pretraining from a Hugging Face checkpoint: the config comes from the checkpoint, and every
-engine's first loss on 2 gloo ranks is transformers' loss on the same batch."""
+"""Continued pretraining from a Hugging Face checkpoint: the config comes from the checkpoint, every engine's
+first loss on 2 gloo ranks is transformers' loss on the same batch, and so is every parallel layout's."""
 
 import json
 import re
@@ -16,11 +16,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from lm.checkpoint.resume import model_diff
 from lm.cli import run
 from lm.config import load_config
+from lm.data.config import DataConfig
 from lm.data.loader import TokenLoader
+from lm.data.prepare import prepare
 from lm.errors import ConfigError
 from lm.export import main as export_main
 from lm.train import main as train_main
-from tests.distributed.test_engines import ENGINES, train
+from tests.distributed.test_engines import ENGINES, held_share, train
 from tests.distributed.test_expert_parallel import expert_share
 from tests.hf.test_import import REFUSALS, refused_checkpoint
 
@@ -94,6 +96,31 @@ def test_an_expert_parallel_run_continues_a_mixture_from_transformers_loss(tiny_
     assert sorted(split) == sorted(one) == [1, 2, 3]
     for step in one:  # the all-to-all and FSDP2 sum in another order than one process
         assert split[step] == pytest.approx(one[step], rel=1e-4), step
+
+
+@pytest.mark.process
+def test_tensor_parallel_and_hsdp_runs_start_from_a_checkpoint_as_one_process_does(tiny_corpus_dir, tokenizer_jsons,
+                                                                                  tmp_path):
+    """tp=2 (2 ranks), dp_replicate=2 x FSDP2 and tp=2 x FSDP2 (4 ranks): each rank fills its block of every
+    parameter, where FSDP2 shards again a dimension tensor parallelism split (a strided shard) too, and the first
+    step's loss is one process's. The 400 ids of a tokenizer.json keep the vocabulary even (gpt2's 50,257 rows do
+    not split over 2 ranks) and the model small."""
+    data = DataConfig(source=str(tiny_corpus_dir / "*.txt"), tokenizer=str(tokenizer_jsons["eot"]),
+                      dir=str(tmp_path / "data"), val_fraction=0.1, shard_tokens=4096, num_workers=1, seq_len=16)
+    prepare(data)
+    hf = save_hf(LLAMA, tmp_path / "hf", vocab_size=400, num_key_value_heads=2)  # a key/value head per tp rank
+    shutil.copy(tokenizer_jsons["eot"], tmp_path / "hf/tokenizer.json")
+    flags = ["--train.steps=1", "--parallel.engine=fsdp", f"--checkpoint.init_from={tmp_path / 'hf'}"]
+    one = train(1, tmp_path / "one", Path(data.dir), *flags)
+    assert one[1] == pytest.approx(first_batch_loss(hf, Path(data.dir), "--data.seq_len=16", "--train.batch_size=8"),
+                                   rel=1e-5)
+    # the share of the parameters rank 0 holds shows each layout was applied, not ignored
+    for name, nproc, layout, share in [("tp2", 2, "--parallel.tp=2", 1 / 2),
+                                       ("hsdp", 4, "--parallel.dp_replicate=2", 1 / 2),
+                                       ("tp2dp2", 4, "--parallel.tp=2", 1 / 4)]:
+        split = train(nproc, tmp_path / name, Path(data.dir), *flags, layout)
+        assert split[1] == pytest.approx(one[1], rel=1e-5), name
+        assert held_share(tmp_path / name) == pytest.approx(share, abs=0.02), name
 
 
 def test_the_model_comes_from_the_checkpoint(tmp_path):

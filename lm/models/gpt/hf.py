@@ -38,6 +38,7 @@ import torch
 
 from lm.hf.targets import ONE_KV_HEAD, HFReader, Need, Part, Plan, Target, equals
 from lm.models.gpt.config import GPTConfig
+from lm.models.gpt.hf_rope import rope_fields
 
 __all__ = ["LLAMA_BLOCK", "READERS", "TARGETS", "llama_plan", "rotary_config", "rotary_fields"]
 
@@ -238,31 +239,13 @@ TARGETS = (
 
 # ---- import ------------------------------------------------------------------------------------
 
-def _rope(hf: dict, problems: list[str]) -> dict[str, Any]:
-    """Our rotary keys from transformers 5's rope_parameters or 4.x's rope_theta and rope_scaling: plain, linear
-    or Llama 3 scaling; any other scaling, or a partial rotary factor, is a problem."""
-    origin = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    kind = params.get("rope_type", params.get("type", "default"))
-    fields: dict[str, Any] = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))}
-    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if factor != 1.0:
-        problems.append(f"partial_rotary_factor={factor} (lm rotates every channel of a head)")
-    if kind in ("linear", "llama3"):
-        needed = ["factor"] + (["low_freq_factor", "high_freq_factor"] if kind == "llama3" else [])
-        if missing := [key for key in needed if key not in params]:
-            problems.append(f"{origin} of rope_type {kind!r} without {', '.join(missing)}")
-            return fields
-        fields |= {"rope_scaling": kind, "rope_factor": float(params["factor"])}
-        if kind == "llama3":
-            # transformers falls back to max_position_embeddings for the original context
-            fields |= {"rope_low_freq_factor": float(params["low_freq_factor"]),
-                       "rope_high_freq_factor": float(params["high_freq_factor"]),
-                       "rope_original_context": params.get("original_max_position_embeddings",
-                                                           hf.get("max_position_embeddings", 2048))}
-    elif kind != "default":
-        problems.append(f"{origin}.rope_type={kind!r} (lm scales rotary positions as linear or llama3 only)")
-    return fields
+def _aliased(hf: dict, key: str, alias: str, default: Any, problems: list[str]) -> Any:
+    """A setting a transformers class also takes under another name (its config's attribute_map: GPT-2's
+    hidden_size is n_embd). transformers sets the alias after the key, so the alias wins; the two differing is
+    a problem, since a hand edit of one leaves the other stale."""
+    if key in hf and alias in hf and hf[key] != hf[alias]:
+        problems.append(f"{key}={hf[key]} with {alias}={hf[alias]} (one setting under two names; keep one)")
+    return hf.get(alias, hf.get(key, default))
 
 
 def _gpt2_fields(hf: dict, problems: list[str]) -> dict[str, Any]:
@@ -276,9 +259,11 @@ def _gpt2_fields(hf: dict, problems: list[str]) -> dict[str, Any]:
     drops = {key: hf.get(key, 0.1) for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
     if len(set(drops.values())) > 1:
         problems.append(f"{', '.join(f'{k}={v}' for k, v in drops.items())} (lm has one model.dropout for all three)")
-    d = hf.get("n_embd", 768)
-    return dict(vocab_size=hf.get("vocab_size", 50257), block_size=hf.get("n_positions", 1024),
-                n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), d_model=d,
+    d = _aliased(hf, "n_embd", "hidden_size", 768, problems)
+    return dict(vocab_size=hf.get("vocab_size", 50257),
+                block_size=_aliased(hf, "n_positions", "max_position_embeddings", 1024, problems),
+                n_layer=_aliased(hf, "n_layer", "num_hidden_layers", 12, problems),
+                n_head=_aliased(hf, "n_head", "num_attention_heads", 12, problems), d_model=d,
                 d_ff=hf.get("n_inner") or 4 * d, dropout=drops["resid_pdrop"], bias=True, pos="learned",
                 norm="layernorm", mlp="gelu", norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                 tie_embeddings=hf.get("tie_word_embeddings", True), vocab_multiple=1)
@@ -325,7 +310,7 @@ def rotary_fields(hf: dict, model_type: str, problems: list[str]) -> dict[str, A
     return dict(vocab_size=hf.get("vocab_size", 32000), block_size=block, n_layer=hf.get("num_hidden_layers", 32),
                 n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head, d_model=d, d_head=d_head,
                 d_ff=hf.get("intermediate_size", 11008), dropout=0.0, bias=bias, qkv_bias=qkv_bias,
-                pos="rope", **_rope(hf, problems), norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
+                pos="rope", **rope_fields(hf, problems), norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
                 mlp="swiglu", **norms.get(model_type, {}), **nope, tie_embeddings=hf.get("tie_word_embeddings", False),
                 vocab_multiple=1)
 

@@ -160,10 +160,15 @@ def moe_keys(sparse: list[bool]) -> tuple[int, int] | None:
     return None
 
 
-def _experts_fields(hf: dict, defaults: tuple[int, int, float], renorm: bool) -> dict[str, Any]:
+def _experts_fields(hf: dict, defaults: tuple[int, int, float], renorm: bool, problems: list[str]) -> dict[str, Any]:
     """Our router keys from config.json: `defaults` are the class's own number of experts, experts per token and
-    router_aux_loss_coef, for a config.json that leaves them out."""
-    n = next((hf[key] for key in ("num_local_experts", "num_experts") if hf.get(key) is not None), defaults[0])
+    router_aux_loss_coef, for a config.json that leaves them out. Each class takes the number of experts under
+    both names (num_local_experts, num_experts), so the two must agree."""
+    named = {key: hf[key] for key in ("num_local_experts", "num_experts") if hf.get(key) is not None}
+    if len(set(named.values())) > 1:
+        problems.append(f"num_local_experts={named['num_local_experts']} with num_experts={named['num_experts']} "
+                        "(one setting under two names; keep one)")
+    n = next(iter(named.values()), defaults[0])
     k = hf.get("num_experts_per_tok", defaults[1])
     return dict(n_experts=n, experts_per_token=k, n_shared_experts=0, router="softmax", router_renorm=renorm,
                 aux_loss_coef=k * hf.get("router_aux_loss_coef", defaults[2]),
@@ -174,19 +179,19 @@ def _mixtral_fields(hf: dict, problems: list[str]) -> dict[str, Any]:
     if hf.get("router_jitter_noise", 0.0):
         problems.append(f"router_jitter_noise={hf['router_jitter_noise']} (lm's router scores the tokens as they "
                         "are; import with 0)")
-    return {**rotary_fields(hf, "mixtral", problems), **_experts_fields(hf, (8, 2, 0.001), True)}
+    return {**rotary_fields(hf, "mixtral", problems), **_experts_fields(hf, (8, 2, 0.001), True, problems)}
 
 
 def _olmoe_fields(hf: dict, problems: list[str]) -> dict[str, Any]:
     if hf.get("clip_qkv") is not None:
         problems.append(f"clip_qkv={hf['clip_qkv']} (lm does not clip queries, keys and values)")
     return {**rotary_fields(hf, "olmoe", problems),
-            **_experts_fields(hf, (64, 8, 0.01), hf.get("norm_topk_prob", False))}
+            **_experts_fields(hf, (64, 8, 0.01), hf.get("norm_topk_prob", False), problems)}
 
 
 def _qwen3_moe_fields(hf: dict, problems: list[str]) -> dict[str, Any]:
     fields = rotary_fields(hf, "qwen3_moe", problems)
-    experts = _experts_fields(hf, (128, 8, 0.001), hf.get("norm_topk_prob", False))
+    experts = _experts_fields(hf, (128, 8, 0.001), hf.get("norm_topk_prob", False), problems)
     step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
     sparse = [i not in dense and (i + 1) % step == 0 for i in range(fields["n_layer"])]
     if not any(sparse):  # every layer dense: Qwen3's block
