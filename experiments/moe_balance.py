@@ -1,16 +1,16 @@
 """A mixture of experts at the demo's size (docs/experiments.md): configs/moe-tiny.yaml against configs/demo-modern.yaml
 at equal tokens, and the routers' load with and without auxiliary-loss-free balancing.
 
-Trains, one after another on 2 processes (torchrun), demo-modern and four runs of moe-tiny: as the preset
-(balanced by its bias at rate 0.01, no balance loss), with neither bias nor balance loss, with the Switch
-Transformer's balance loss instead of the bias (model.aux_loss_coef 0.01, lm's default), and with DeepSeek-V3's
-rate 0.001. Each saves a checkpoint every tenth of
-its steps. Then each checkpoint of a mixture routes the first WINDOWS x 128 tokens of the val split, in eval mode
-(the bias is part of the model), and the load of each block is its most loaded expert's tokens over the mean (1:
-even). Prints a markdown table (val loss, tokens/s, load at the end) and draws the load over training into
-docs/experiments/moe_balance.png.
+Trains, one after another on --nproc processes (torchrun), demo-modern and four runs of moe-tiny: as the preset
+(balanced by its bias at rate 0.01 with the error rule, no balance loss), with DeepSeek-V3's sign rule instead, with
+neither bias nor balance loss, and with the Switch Transformer's balance loss instead of the bias
+(model.aux_loss_coef 0.01, lm's default). Each saves a checkpoint every tenth of its steps; a run whose last
+checkpoint is there already is not trained again. Then each checkpoint of a mixture routes the first WINDOWS x 128
+tokens of the val split, in eval mode (the bias is part of the model), and the load of each block is its most loaded
+expert's tokens over the mean (1: even). Prints a markdown table (val loss, tokens/s, load at the end) and draws the
+load over training into docs/experiments/moe_balance.png.
 
-    python -m experiments.moe_balance --steps 380 --out runs/moe_balance
+    python -m experiments.moe_balance --out runs/moe_balance
 """
 
 import argparse
