@@ -48,7 +48,7 @@ def test_console_entry_point_runs_as_a_process():
         "'n_head', 'n_kv_head', 'n_layer', 'n_shared_experts', 'nope_interval', 'norm', 'norm_eps', 'norm_position', "
         "'pos', 'qk_norm', 'qk_norm_scope', 'qkv_bias', 'rope_factor', 'rope_high_freq_factor', "
         "'rope_low_freq_factor', 'rope_original_context', 'rope_scaling', 'rope_theta', 'router', "
-        "'router_bias_rate', 'router_renorm', 'router_z_loss_coef', "
+        "'router_bias_rate', 'router_bias_update', 'router_renorm', 'router_z_loss_coef', "
         "'tie_embeddings', 'vocab_multiple', 'vocab_size']"
     ]
     listing = subprocess.run([sys.executable, "-m", "lm", "--help"], capture_output=True, text=True, timeout=60)

@@ -52,8 +52,10 @@ def test_a_mixture_of_experts_on_two_processes_logs_what_one_process_does(engine
         check_resumes(two, tmp_path, tiny_data_dir, *flags)
 
 
-BALANCED = [*MOE, "--model.router_bias_rate=0.05", "--model.aux_loss_coef=0"]
-"""Auxiliary-loss-free balancing alone, at a rate that moves the routing of this tiny model within 6 steps"""
+BALANCED = [*MOE, "--model.router_bias_rate=0.05", "--model.aux_loss_coef=0", "--schedule.warmup_steps=0",
+            "--schedule.min_lr_ratio=1"]
+"""Auxiliary-loss-free balancing alone, at a rate that moves the routing of this tiny model within 6 steps, and a
+constant learning rate, so every step moves a bias by the whole rate (the schedule scales it otherwise)"""
 
 
 def router_biases(run: Path) -> torch.Tensor:
