@@ -32,6 +32,9 @@ from lm.io import output_dir_problem
 
 log = logging.getLogger("lm.layouts")
 
+MAX_NPROC = 1024
+"""The most processes a layout starts: they all run on this machine (lm.train's --gpus-per-node bound)."""
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -55,9 +58,10 @@ class Layout:
 def parse_layout(text: str) -> Layout:
     """`NPROC` or `NPROC:key=value,...`; ConfigError naming the part that is not."""
     nproc_text, _, rest = text.partition(":")
-    if not nproc_text.isdigit() or int(nproc_text) < 1:
-        raise ConfigError(f"--layout {text}: expected NPROC or NPROC:key=value,... with a process count first, "
-                          "e.g. 4:tp=2")
+    # isdecimal, not isdigit: int() reads every decimal digit, and no superscript or circled one
+    if not nproc_text.isdecimal() or not 1 <= int(nproc_text) <= MAX_NPROC:
+        raise ConfigError(f"--layout {text}: expected NPROC or NPROC:key=value,... with a process count from 1 to "
+                          f"{MAX_NPROC} first, e.g. 4:tp=2")
     settings = []
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
@@ -75,6 +79,13 @@ def check_layout(config: str | None, fixed: list[str], layout: Layout) -> None:
         check_world(cfg, layout.nproc)
     except ConfigError as err:
         raise ConfigError(f"--layout {layout.text}: {err}") from None
+
+
+def run_keys(steps: int) -> list[str]:
+    """The keys every layout's run takes: `steps` optimizer steps, each logged, the evaluation and the checkpoint
+    at the last, no samples and no TensorBoard."""
+    return [f"--train.steps={steps}", "--log.every=1", f"--train.eval_every={steps}", f"--checkpoint.every={steps}",
+            "--log.sample_every=0", "--log.tensorboard=false"]
 
 
 def train_losses(out: Path) -> dict[int, float]:
@@ -146,9 +157,7 @@ def main(argv: list[str]) -> int:
     if len(args.layout) < 2:
         parser.error("--layout: give two or more layouts to compare")
     layouts = [parse_layout(text) for text in args.layout]
-    run_keys = [f"--train.steps={args.steps}", "--log.every=1", f"--train.eval_every={args.steps}",
-                f"--checkpoint.every={args.steps}", "--log.sample_every=0", "--log.tensorboard=false"]
-    fixed = [*fixed, *run_keys]
+    fixed = [*fixed, *run_keys(args.steps)]
     for layout in layouts:
         check_layout(args.config, fixed, layout)
     out = runs_dir(args.out)

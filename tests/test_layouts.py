@@ -1,13 +1,19 @@
 """`python -m lm.layouts`: one short job under several layouts, their losses side by side."""
 
+import dataclasses
+import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import lm.layouts as layouts_tool
 from lm.cli import run
-from lm.errors import ConfigError
-from lm.layouts import Layout, main, parse_layout, summary, table
+from lm.config import load_config
+from lm.distributed.layout import check_world
+from lm.errors import ConfigError, LMError
+from lm.layouts import MAX_NPROC, Layout, main, parse_layout, run_keys, summary, table
 
 
 def tiny(data_config) -> list[str]:
@@ -149,3 +155,136 @@ def test_an_out_directory_with_files_in_it_is_refused(tmp_path):
 def test_parse_layout_errors_are_config_errors():
     with pytest.raises(ConfigError):
         parse_layout("0")
+
+
+@pytest.mark.parametrize("text", ["²", "1025", "1000000007:tp=2", "9" * 30 + ":tp=2"])
+def test_a_process_count_that_is_no_count_or_past_the_machine_is_refused_at_once(text):
+    """A superscript digit passed str.isdigit and failed int() (a traceback); a huge count with a tp that does not
+    divide it had every number up to it tried as a divisor for the error message (10 s at 10^8, for ever at 10^29)."""
+    with pytest.raises(ConfigError, match=f"a process count from 1 to {MAX_NPROC} first"):
+        parse_layout(text)
+
+
+RANDOM_LAYOUT_CASES = 96
+"""Seeded random --layout lists (the README's figure of inputs tried counts them)."""
+
+PLAIN_NPROCS = ["1", "2", "2", "4", "4", "8", "3", "6", "5", "7"]
+"""world sizes 1 to 8, the ones that split a batch more often"""
+NPROCS = {**{text: int(text) for text in PLAIN_NPROCS}, "16": 16, str(MAX_NPROC): MAX_NPROC, "٤": 4,
+          **dict.fromkeys(["0", "-1", "", "x", "1.5", "²", "+2", " 2", str(MAX_NPROC + 1), "1000000007", str(2**63),
+                           "9" * 30])}
+"""NPROC texts and the process count each means (None: not a count lm.layouts takes): world sizes 1 to 8, 16, the
+most it starts, digits of another script; nothing, signs, fractions, superscripts, counts past the bound (a
+prime, past int64)"""
+SETTINGS = {"tp": ["tp=2", "tp=2", "tp=4", "tp=8", "tp=3", "tp=1"], "cp": ["cp=2", "cp=1"],
+            "pp": ["pp=2", "pp=2,pp_schedule=gpipe", "pp=2,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2",
+                   "pp=4", "pp=2,pp_stages_per_rank=2"],
+            "ep": ["ep=2", "ep=4"], "dp_replicate": ["dp_replicate=2", "dp_replicate=1"],
+            "engine": ["engine=fsdp", "engine=ddp", "engine=deepspeed,zero_stage=2", "engine=deepspeed"]}
+"""the parallel keys drawn, and the items each is drawn as (a key with the keys it needs, or not)"""
+SOUND = {"tp": ["tp=2"], "cp": ["cp=2"], "pp": ["pp=2"], "ep": ["ep=2"], "dp_replicate": ["dp_replicate=2"],
+         "engine": ["engine=ddp", "engine=fsdp"]}
+"""an item of each key that suits a model and a world of 2 or 4: the lists drawn from these are often taken"""
+ODD_VALUES = ["0", "-1", "x", "2.5", "null", "true", "[2]", "1e3", "0x2", "9" * 30]
+ODD_ITEMS = {"tp": False, "=2": False, "tp=": False, "bogus=1": True, "model.n_layer=2": True}
+"""items that are not a parallel key=value, and whether lm.layouts' parser takes them (key=value) all the same"""
+CONFIGS = {"llama-tiny": (["--config", "configs/llama-tiny.yaml"], ["tp", "cp", "dp_replicate", "engine"]),
+           "moe-tiny": (["--config", "configs/moe-tiny.yaml"], ["tp", "ep", "dp_replicate", "engine"]),
+           "tiny": (["--model.n_layer=2", "--model.d_model=32", "--model.n_head=4", "--model.n_kv_head=2",
+                     "--model.block_size=64", "--data.seq_len=64", "--model.tie_embeddings=false"],
+                    ["tp", "cp", "pp", "dp_replicate", "engine"])}
+"""the presets, and a tiny model on lm's defaults, with the keys of SETTINGS that may suit them (the others are
+drawn at the awkward rate)"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Drawn:
+    text: str
+    nproc: int | None
+    """None: the text is not a layout"""
+    overrides: tuple[str, ...]
+    """what the layout means on lm.train's command line"""
+
+
+def random_layout(rng: random.Random, odd: float, keys: list[str], sound: bool) -> Drawn:
+    """A --layout value: NPROC and 0 to 3 parallel keys (of `keys`), awkward at the rate `odd` (a count that is not
+    one, a key the model does not suit, an item that is not key=value or names no parallel key, a value that is
+    not a count); `sound`: 1, 2 or 4 processes and at most one key, of SOUND."""
+    nproc_text = rng.choice(["1", "2", "4"] if sound else list(NPROCS) if rng.random() < odd else PLAIN_NPROCS)
+    items, overrides, parses = [], {}, NPROCS[nproc_text] is not None
+    keys = list(SETTINGS) if rng.random() < odd else keys
+    for key in rng.sample(keys, rng.choice([0, 1] if sound else [0, 1, 1, 2, 2, 3])):
+        for item in rng.choice((SOUND if sound else SETTINGS)[key]).split(","):
+            name, _, value = item.partition("=")
+            if rng.random() < odd / 4:
+                item = rng.choice(list(ODD_ITEMS))
+                parses = parses and ODD_ITEMS[item]
+                name, _, value = item.partition("=")
+            elif rng.random() < odd / 4:
+                value = rng.choice(ODD_VALUES)
+                item = f"{name}={value}"
+            items.append(f"parallel.{item}" if rng.random() < 0.1 else item)
+            overrides[name] = value
+    text = nproc_text + (":" + ",".join(items) if items else "")
+    engine = [] if "engine" in overrides else ["--parallel.engine=fsdp"]  # lm.layouts' default engine
+    flags = (*engine, *(f"--parallel.{key}={value}" for key, value in overrides.items()))
+    return Drawn(text, NPROCS[nproc_text] if parses else None, flags)
+
+
+def train_refuses(config: list[str], fixed: list[str], layout: Drawn) -> bool:
+    """Whether lm.train refuses the layout's run before any process group forms: its command line read as
+    lm.train reads it (`parse_cli`'s `load_config`, without the argparse help that parse_cli builds first), and
+    the world it would start checked as `run_job` checks it."""
+    if layout.nproc is None:
+        return True
+    config_file = config[1] if config[:1] == ["--config"] else None
+    flags = config[2:] if config_file else config
+    try:
+        check_world(load_config(config_file, [*flags, *fixed, *layout.overrides]), layout.nproc)
+    except LMError:
+        return True
+    return False
+
+
+class Accepted(Exception):
+    """lm.layouts got past its checks, to where it would make the runs' directory and train."""
+
+
+def test_random_layout_lists_are_accepted_as_lm_train_would_run_them_or_refused_naming_one(monkeypatch, tmp_path,
+                                                                                         capsys):
+    """In-process, stopped before anything runs: a random list of 2 to 4 layouts (world sizes 1 to 8, random
+    parallel keys, some impossible for the model or the batch, some not layouts at all), over a preset or a tiny
+    config, with a batch that splits or does not. lm.layouts takes it only if lm.train takes every layout's run
+    for its world size; else exit 2 with one error line naming a --layout value lm.train would refuse."""
+
+    def stop(out: str | None) -> Path:
+        raise Accepted
+
+    monkeypatch.setattr(layouts_tool, "runs_dir", stop)
+    rng = random.Random(8)
+    accepted = refused = 0
+    for i in range(RANDOM_LAYOUT_CASES):
+        sound = rng.random() < 0.4
+        odd = 0.0 if sound else rng.choice([0.0, 0.2, 0.5])
+        config, keys = CONFIGS[rng.choice(list(CONFIGS))]
+        batch = [f"--train.batch_size={rng.choice([32, 32, 16, 8, 12, 6, 4, 1])}",
+                 f"--train.micro_batch_size={rng.choice([1, 1, 2, 4])}"] if rng.random() < 0.8 else []
+        batch += [f"--data.seq_len={rng.choice([48, 64, 100])}"] if rng.random() < 0.2 else []
+        drawn = [random_layout(rng, odd, keys, sound) for _ in range(rng.choice([2, 2, 3, 4]))]
+        steps = rng.choice([1, 3])
+        argv = [*config, *(f"--layout={layout.text}" for layout in drawn), *batch, "--steps", str(steps),
+                "--out", str(tmp_path / "runs")]
+        bad = {layout.text for layout in drawn if train_refuses(config, [*batch, *run_keys(steps)], layout)}
+        try:
+            code = run(main, argv)
+        except Accepted:
+            assert not bad, (i, argv, bad)
+            accepted += 1
+            continue
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith("error: --layout "), (i, argv, code, err)
+        named = next((layout.text for layout in drawn if err[0].startswith(f"error: --layout {layout.text}: ")), None)
+        assert named in bad, (i, argv, err, bad)
+        assert not (tmp_path / "runs").exists()
+        refused += 1
+    assert accepted >= RANDOM_LAYOUT_CASES // 8 and refused >= RANDOM_LAYOUT_CASES // 4, (accepted, refused)

@@ -5,8 +5,10 @@ a sweep grid, a tokenizer.json, a labelled file, a model family plugin) and rand
 lm.train_tokenizer's command line, and asserts the contract of `lm.cli.run`: exit 0 with a correct result, or
 exit 2 with exactly one `error:` line (after argparse's usage, for its own errors); never a traceback; and the
 files the tool was given, and the workspace around them, byte-identical afterwards. Hugging Face config.json
-files have theirs in tests/hf/test_config_schema.py, the tools' own inputs theirs in tests/test_random_prepare.py
-(corpora) and tests/test_random_finetune.py (labelled files). The seeds are fixed, so a failure here replays exactly.
+files have theirs in tests/hf/test_config_schema.py (and the keys a file can hold twice, read against transformers
+itself, in tests/hf/test_random_config_keys.py), the tools' own inputs theirs in tests/test_random_prepare.py
+(corpora), tests/test_random_finetune.py (labelled files) and tests/test_layouts.py (lm.layouts' --layout lists).
+The seeds are fixed, so a failure here replays exactly.
 """
 
 import dataclasses
@@ -306,12 +308,15 @@ def test_random_family_plugins_load_or_stop_the_tool_in_one_line_naming_them(plu
 def inputs_tried() -> tuple[int, int]:
     """(written by hand, seeded random): the bad and awkward inputs the suite puts through the tools."""
     from tests.hf.test_config_schema import BAD, RANDOM_CASES
+    from tests.hf.test_random_config_keys import RANDOM_HF_KEY_CASES
     from tests.test_bad_inputs import CASES as WRITTEN
     from tests.test_bad_inputs import RANDOM_TOOL_CASES
+    from tests.test_layouts import RANDOM_LAYOUT_CASES
     from tests.test_random_finetune import RANDOM_FINETUNE_CASES, RANDOM_PREDICT_CASES
     from tests.test_random_prepare import RANDOM_PREPARE_CASES
 
-    drawn = RANDOM_CASES + RANDOM_TOOL_CASES + RANDOM_PREPARE_CASES + RANDOM_FINETUNE_CASES + RANDOM_PREDICT_CASES
+    drawn = (RANDOM_CASES + RANDOM_TOOL_CASES + RANDOM_PREPARE_CASES + RANDOM_FINETUNE_CASES + RANDOM_PREDICT_CASES
+             + RANDOM_HF_KEY_CASES + RANDOM_LAYOUT_CASES)
     return len(WRITTEN) + len(BAD), sum(CASES.values()) + drawn
 
 

@@ -51,9 +51,9 @@ KEYS: dict[str, Spec] = {
     "hidden_size": count, "num_attention_heads": count, "num_key_value_heads": or_null(count),
     "num_hidden_layers": count, "intermediate_size": count, "max_position_embeddings": count,
     "head_dim": or_null(count), "hidden_act": name, "rms_norm_eps": positive, "rope_theta": positive,
-    "partial_rotary_factor": positive, "pretraining_tp": count, "attention_dropout": fraction,
-    "attention_bias": flag, "mlp_bias": flag, "sliding_window": or_null(count), "use_sliding_window": flag,
-    "layer_types": names,
+    "partial_rotary_factor": positive, "original_max_position_embeddings": count, "pretraining_tp": count,
+    "attention_dropout": fraction, "attention_bias": flag, "mlp_bias": flag, "sliding_window": or_null(count),
+    "use_sliding_window": flag, "layer_types": names,
     # SmolLM3
     "no_rope_layer_interval": count, "no_rope_layers": ints,
     # Mixtral, OLMoE, Qwen3-MoE

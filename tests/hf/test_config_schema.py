@@ -106,6 +106,8 @@ def test_random_values_under_every_key_end_in_one_error_line_and_leave_the_file_
         assert (directory / "config.json").read_bytes() == before
 
 
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
 # (class, edit, what the one error line names): two settings of one file that transformers may read differently
 # from lm, or 4.x from 5. Each is refused, naming both keys, rather than read one way.
 DISAGREEING = [
@@ -125,6 +127,12 @@ DISAGREEING = [
      "partial_rotary_factor=0.5 with rope_parameters.partial_rotary_factor=1.0"),
     ("llama", dict(rope_parameters=None, rope_scaling={"type": "linear", "rope_type": "default", "factor": 2.0}),
      "rope_scaling.type='linear' with rope_scaling.rope_type='default'"),
+    # transformers 5's Llama 3 frequencies take a top-level original context first (Phi-3's place for it)
+    ("llama", dict(original_max_position_embeddings=16,
+                   rope_parameters={**LLAMA3, "original_max_position_embeddings": 8}),
+     "original_max_position_embeddings=16 with rope_parameters.original_max_position_embeddings=8"),
+    ("llama", dict(rope_parameters={**LLAMA3, "low_freq_factor": 4.0, "high_freq_factor": 1.0}),
+     "rope_parameters.low_freq_factor=4.0 not below its high_freq_factor=1.0"),
     # GPT2Config's attribute_map: hidden_size is n_embd, and so on
     ("gpt2", dict(hidden_size=128), "n_embd=64 with hidden_size=128"),
     ("gpt2", dict(num_hidden_layers=3), "n_layer=2 with num_hidden_layers=3"),
@@ -165,6 +173,9 @@ def test_two_settings_that_disagree_are_refused_naming_both(model_type, edit, me
     # only the alias: transformers reads it as n_embd
     ("gpt2", dict(hidden_size=64, num_attention_heads=4), dict(d_model=64, n_head=4)),
     ("mixtral", dict(num_experts=4), dict(n_experts=4)),
+    # no rope_theta anywhere: the class's default, Mixtral's 1e6
+    ("mixtral", dict(rope_parameters=None), dict(rope_theta=1e6)),
+    ("llama", dict(rope_parameters=LLAMA3, original_max_position_embeddings=16), dict(rope_original_context=16)),
 ])
 def test_two_settings_that_agree_are_read_as_one(model_type, edit, fields, tmp_path):
     read = read_hf_model(any_config_dir(model_type, tmp_path, edit)).fields

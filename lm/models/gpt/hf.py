@@ -38,7 +38,7 @@ import torch
 
 from lm.hf.targets import ONE_KV_HEAD, HFReader, Need, Part, Plan, Target, equals
 from lm.models.gpt.config import GPTConfig
-from lm.models.gpt.hf_rope import rope_fields
+from lm.models.gpt.hf_rope import DEFAULT_THETAS, rope_fields
 
 __all__ = ["LLAMA_BLOCK", "READERS", "TARGETS", "llama_plan", "rotary_config", "rotary_fields"]
 
@@ -307,10 +307,11 @@ def rotary_fields(hf: dict, model_type: str, problems: list[str]) -> dict[str, A
             problems.append(f"layer_types={hf['layer_types']} (lm has full attention in every layer)")
     norms = {"qwen3": dict(qk_norm=True), "olmo2": dict(norm_position="output", qk_norm=True, qk_norm_scope="all"),
              "qwen3_moe": dict(qk_norm=True), "olmoe": dict(qk_norm=True, qk_norm_scope="all")}
+    rope = rope_fields(hf, problems, DEFAULT_THETAS.get(model_type, 10000.0))
     return dict(vocab_size=hf.get("vocab_size", 32000), block_size=block, n_layer=hf.get("num_hidden_layers", 32),
                 n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head, d_model=d, d_head=d_head,
                 d_ff=hf.get("intermediate_size", 11008), dropout=0.0, bias=bias, qkv_bias=qkv_bias,
-                pos="rope", **rope_fields(hf, problems), norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
+                pos="rope", **rope, norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
                 mlp="swiglu", **norms.get(model_type, {}), **nope, tie_embeddings=hf.get("tie_word_embeddings", False),
                 vocab_multiple=1)
 
