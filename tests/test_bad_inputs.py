@@ -240,6 +240,12 @@ CASES = [
          r"optim.name: muon runs under parallel.engine ddp or fsdp; DeepSpeed steps its own optimizer"),
     Case("config: Muon without Newton-Schulz steps", "train", train("--optim.name=muon", "--optim.muon_ns_steps=0"),
          r"optim.muon_ns_steps: must be >= 1, got 0"),
+    Case("config: float8 on a CPU", "train", train("--train.float8=tensorwise"),
+         r"train.float8=tensorwise needs a CUDA GPU of compute capability 8.9 or later \(Ada, Hopper\); this run's "
+         r"device is cpu"),
+    Case("config: float8 under DeepSpeed", "train",
+         train("--train.float8=rowwise", "--parallel.engine=deepspeed", "--parallel.zero_stage=1"),
+         r"train.float8=rowwise: DeepSpeed wraps and casts the model itself"),
     Case("config: a negative z-loss", "train", train("--optim.z_loss=-0.1"), r"optim.z_loss: must be >= 0, got -0.1"),
     Case("config: z-loss for the encoder-decoder", "train", train("--optim.z_loss=1e-4", "--model.arch=encdec"),
          r"optim.z_loss: an encoder-decoder \(model.arch=encdec\) adds no z-loss term to its loss; set it to 0"),

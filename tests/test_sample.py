@@ -35,6 +35,22 @@ def test_the_extreme_seeds_and_temperatures_sample(trained_run, capsys):
     assert sample(trained_run, capsys, "--prompt", "KING:", "--temperature", "1e4").startswith("KING:")
 
 
+def test_compile_gives_the_same_text_or_one_error_line(trained_run, capsys, monkeypatch):
+    """--compile reaches the static cache (its step left eager here: test_generate compiles it for real), and a
+    model without a static cache is one error line."""
+    from lm.models import generate
+    from lm.models.gpt.model import GPT
+
+    monkeypatch.setattr(generate, "compiled_step", lambda device_type: generate.next_logits)
+    for flags in (["--temperature", "0"], ["--seed", "2", "--num-samples", "2"]):
+        eager = sample(trained_run, capsys, "--prompt", "KING:", *flags)
+        assert sample(trained_run, capsys, "--prompt", "KING:", *flags, "--compile") == eager
+    monkeypatch.delattr(GPT, "new_static_cache")
+    assert run(main, ["--checkpoint", str(trained_run), "--max-new-tokens", "4", "--compile"]) == 2
+    assert capsys.readouterr().err == ("error: --compile: a decoder-only GPT (model.arch=gpt) has no static KV cache, "
+                                       "which compiled decoding needs; sample without --compile\n")
+
+
 def test_long_prompt_cli(trained_run, capsys):
     out = sample(trained_run, capsys, "--prompt", "word " * 100)
     assert out.startswith("word word")

@@ -85,17 +85,25 @@ def engines(args, device, results: dict) -> None:
 
 
 def sampling(args, device, results: dict) -> None:
-    from lm.bench.sampling_speed import bench_sampling
+    from lm.bench.sampling_speed import COMPILED, bench_sampling
 
     cfg, _ = preset_config(args.sampling_preset, device)
     rows = []
     for batch in (1, 8):
-        found = bench_sampling(cfg, device, batch, args.new_tokens, args.warmup, args.reps, args.reps_no_cache)
-        ours = found[0]["tokens/s"]
+        found = bench_sampling(cfg, device, batch, args.new_tokens, args.warmup, args.reps, args.reps_no_cache,
+                               compiled=args.compile)
+        speed = {row["method"]: row["tokens/s"] for row in found}
+        ours = speed["ours, KV cache"]
         for row in found:
             rows.append([args.sampling_preset, row["method"], str(batch), f"{row['tokens/s']:,.0f}",
                          f"{row['ms/token']:.2f}", f"{ours / row['tokens/s']:.2f}", f"{row['same tokens']:.0%}"])
-        results[f"sampling tokens/s vs transformers generate, batch {batch}, KV cache"] = ours / found[2]["tokens/s"]
+        results[f"sampling tokens/s vs transformers generate, batch {batch}, KV cache"] = (
+            ours / speed["transformers generate"])
+        if COMPILED in speed:
+            results[f"sampling tokens/s vs transformers generate, batch {batch}, compiled"] = (
+                speed[COMPILED] / speed["transformers generate"])
+            results[f"sampling tokens/s compiled vs no cache, batch {batch}"] = (
+                speed[COMPILED] / speed["ours, no cache"])
     print_table(f"sampling: {args.new_tokens} new tokens per sequence, greedy, from one token",
                 ["preset", "sampler", "batch", "tokens/s", "ms/token", "ours KV cache x", "same tokens"], rows)
 

@@ -19,6 +19,10 @@ directory without a suffix and with a state.json is always complete. A kill at a
 leaves the previous checkpoints as they were: a same-step checkpoint being replaced waits under
 `.replaced` (restored when the store is next read if the kill came between the two renames), and an old
 checkpoint is renamed to `.deleting` before it is deleted, so a half-deleted one never looks complete.
+
+checkpoint.async (`BackgroundSaves`) keeps that order and moves the writing to a thread: training waits only for
+the copy of the state to host memory, and the checkpoint is published, as above, once every rank's files are
+written. A kill while it is written leaves the `.tmp` unpublished and the previous checkpoint the newest.
 """
 
 import json
@@ -27,6 +31,7 @@ import re
 import shutil
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -119,13 +124,7 @@ def save_checkpoint(root: Path, step: int, engine: Engine, state: dict, cfg: Job
     disk is not left full, and the previous checkpoints are untouched.
     """
     start = time.perf_counter()
-    final = root / f"step_{step:08d}"
-    tmp = final.with_name(final.name + ".tmp")
-    if env.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        _clean_leftovers(root)
-        tmp.mkdir()
-    env.barrier()
+    final, tmp = _open(root, step, env)
     _agree(_attempt(_write_rank_files, tmp, engine, env), tmp, root, step, env)
     error = _attempt(_finish, tmp, final, state, cfg, env) if env.is_main else None
     _agree(error, tmp, root, step, env)
@@ -136,8 +135,97 @@ def save_checkpoint(root: Path, step: int, engine: Engine, state: dict, cfg: Job
     return final
 
 
+class BackgroundSaves:
+    """The checkpoints of a run that saves asynchronously (checkpoint.async): training waits for a copy of the
+    state in host memory, and a thread of each rank writes it. One is written at a time: the next save, and the
+    end of the run (`wait`), wait for the one being written.
+
+    The save of step S, on every rank: wait for the previous one (and agree on how it ended); rank 0 makes
+    step_S.tmp; each rank writes its RNG file and copies its state to host memory (`Engine.stage`), and the ranks
+    agree that they did; then the thread writes each rank's DCP files over a group of its own
+    (`Engine.write_staged`). Rank 0's write returns only once every rank's files are written (DCP gathers their
+    results before it writes .metadata), so its thread then writes config, state.json and manifest, publishes
+    step_S and prunes with no collective. A write that failed is one CheckpointError on every rank at the
+    next `save` or `wait`, naming the checkpoint still good, as a synchronous save's.
+    """
+
+    def __init__(self, root: Path, env: DistEnv) -> None:
+        self.root, self.env = root, env
+        self._thread: ThreadPoolExecutor | None = None
+        self._pending: tuple[int, Path, Future] | None = None
+        """The step, .tmp directory and write of the checkpoint being written (the same on every rank)"""
+
+    def save(self, step: int, engine: Engine, state: dict, cfg: JobConfig, keep: int) -> Path:
+        """Collectively start writing the checkpoint of `step`; returns, once this rank's state is in host memory,
+        the directory it will be published as."""
+        self.wait()
+        start = time.perf_counter()
+        final, tmp = _open(self.root, step, self.env)
+        try:
+            _write_rng(tmp, self.env)
+            staged, error = engine.stage(), None
+        except Exception as err:
+            staged, error = None, err
+        _agree(error, tmp, self.root, step, self.env)  # so that every rank's thread writes, or none
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lm-checkpoint")
+        written = self._thread.submit(self._write, engine, staged, tmp, final, state, cfg, keep, start)
+        self._pending = (step, tmp, written)
+        if self.env.is_main:
+            log.info("checkpoint of step %d copied to host memory in %.2f s; writing %s in the background", step,
+                     time.perf_counter() - start, final)
+        return final
+
+    def _write(self, engine: Engine, staged: dict, tmp: Path, final: Path, state: dict, cfg: JobConfig, keep: int,
+               start: float) -> None:
+        """The thread's part: this rank's DCP files, then, on rank 0, the files and the publishing of `_finish`."""
+        engine.write_staged(staged, tmp)  # collective over the engine's background group
+        if self.env.is_main:
+            _finish(tmp, final, state, cfg, self.env)
+            _prune(self.root, final, keep)
+            log.info("saved checkpoint %s in %.1f s, in the background", final, time.perf_counter() - start)
+
+    def wait(self) -> None:
+        """Collectively wait for the checkpoint being written, if any. A failed write is one CheckpointError on
+        every rank that names the checkpoint still good; its `.tmp` is removed."""
+        if self._pending is None:
+            return
+        step, tmp, written = self._pending
+        self._pending = None
+        _agree(_attempt(written.result), tmp, self.root, step, self.env)
+
+    def close(self) -> None:
+        """Let the checkpoint being written end on this rank, with no collective (for a run that stopped with an
+        error, whose ranks may not meet again); a failed write is only logged, as another error is on its way."""
+        if self._pending is not None:
+            step, _, written = self._pending
+            self._pending = None
+            if (error := _attempt(written.result)) is not None:
+                log.warning("the checkpoint of step %d was not saved: %s", step, describe_failure(error))
+        if self._thread is not None:
+            self._thread.shutdown()
+            self._thread = None
+
+
+def _open(root: Path, step: int, env: DistEnv) -> tuple[Path, Path]:
+    """The final and `.tmp` directories of the checkpoint of `step`, the latter made by rank 0 once what killed
+    saves left is removed (a collective)."""
+    final = root / f"step_{step:08d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if env.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        _clean_leftovers(root)
+        tmp.mkdir()
+    env.barrier()
+    return final, tmp
+
+
 def _write_rank_files(tmp: Path, engine: Engine, env: DistEnv) -> None:
     engine.save(tmp)  # collective: DCP raises the same CheckpointException on every rank
+    _write_rng(tmp, env)
+
+
+def _write_rng(tmp: Path, env: DistEnv) -> None:
     rng = {"cpu": torch.get_rng_state()}
     if env.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(env.device)

@@ -5,6 +5,7 @@ layers import nothing above them; the sections here configure training. Every fi
 (the CLI's --help) and `__post_init__` refuses a bad value with `ConfigError` naming the key.
 """
 
+import keyword
 from dataclasses import asdict, dataclass, field
 
 from lm.config.parallel import ParallelConfig
@@ -17,6 +18,9 @@ from lm.models.registry import DEFAULT, config_class, family_of
 from lm.tokenizer import VOCAB_SIZES, is_tokenizer_file
 
 OPTIMIZERS = ("adamw", "muon")
+FLOAT8_MODES = ("off", "tensorwise", "rowwise")
+"""train.float8's values: torchao's recipes, one scale per tensor or one per row (of the input, weight and
+gradient matrices)"""
 MUON_KEYS = ("muon_lr", "muon_momentum", "muon_ns_steps")
 
 
@@ -102,6 +106,9 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each transformer block (or LSTM layer) and the float32 loss under ddp and fsdp; deepspeed
     runs eager."""
+    float8: str = "off"
+    """off, tensorwise or rowwise: train the linear layers in float8 through torchao (a CUDA GPU of compute
+    capability 8.9 or later; ddp or fsdp; fast with train.compile)."""
     eval_every: int = 100
     """Run validation every this many steps (and at the end)."""
     eval_batches: int = 20
@@ -136,6 +143,8 @@ class TrainConfig:
             parse_tasks(self.eval_tasks, "train.eval_tasks")
         if self.dtype not in DTYPES:
             raise ConfigError(f"train.dtype: expected {one_of(DTYPES)}, got {self.dtype!r}")
+        if self.float8 not in FLOAT8_MODES:
+            raise ConfigError(f"train.float8: expected {one_of(FLOAT8_MODES)}, got {self.float8!r}")
 
 
 @dataclass
@@ -152,6 +161,8 @@ class CheckpointConfig:
     """Resume from a checkpoint that has no manifest.json (an older lm's), whose files cannot be checked."""
     allow_data_change: bool = False
     """Resume though data.dir now holds other data than the checkpoint trained on (its loader position carries over)."""
+    async_: bool = False
+    """Training waits only for a copy of the state to host memory; the write goes on in the background."""
 
     def __post_init__(self) -> None:
         if self.every <= 0 or self.keep <= 0:
@@ -231,6 +242,10 @@ class JobConfig:
             raise ConfigError("optim.name: muon runs under parallel.engine ddp or fsdp; DeepSpeed steps its own "
                               "optimizer over flattened partitions, where no matrix is whole. Use "
                               "optim.name=adamw or another engine")
+        if self.checkpoint.async_ and self.parallel.engine == "deepspeed":
+            raise ConfigError("checkpoint.async: DeepSpeed writes its own checkpoints, which cannot be written in the "
+                              "background; set checkpoint.async=false or use parallel.engine ddp or fsdp")
+        self._check_float8()
         if self.optim.z_loss and not model.z_loss:
             raise ConfigError(f"optim.z_loss: {model.title} (model.arch={model.arch}) adds no z-loss term to its "
                               "loss; set it to 0")
@@ -241,6 +256,25 @@ class JobConfig:
         self._check_task()
         self._check_eval_tasks()
         self._check_vocab_size()
+
+    def _check_float8(self) -> None:
+        """The engines and layouts float8 training is applied under; the device is checked at launch
+        (`lm.distributed.float8.check_float8`)."""
+        mode, par = self.train.float8, self.parallel
+        if mode == "off":
+            return
+        if par.engine == "deepspeed":
+            raise ConfigError(f"train.float8={mode}: DeepSpeed wraps and casts the model itself, and torchao's "
+                              "float8 layers are not applied under it; use parallel.engine ddp or fsdp, or "
+                              "train.float8=off")
+        split = [f"parallel.{key}={n}" for key, n in (("tp", par.tp), ("pp", par.pp)) if n > 1]
+        if split:
+            raise ConfigError(f"train.float8={mode}: not yet under {', '.join(split)} (tensor parallelism would "
+                              "need torchao's float8 tensor-parallel styles, pipeline stages float8 layers of "
+                              "their own); use parallel.tp=1 and parallel.pp=1, or train.float8=off")
+        if par.cpu_offload:
+            raise ConfigError(f"train.float8={mode}: float8 speeds up GPU matmuls, and an offloaded run waits on "
+                              "host copies; drop parallel.cpu_offload or set train.float8=off")
 
     def _check_eval_tasks(self) -> None:
         """Downstream tasks in the loop rank choices by a next-token model's likelihoods, each rank its items."""
@@ -336,4 +370,12 @@ class JobConfig:
 
     def to_dict(self) -> dict:
         """{section: {key: value}}, the layout of the YAML files."""
-        return asdict(self)
+        return {section: {config_key(name): value for name, value in values.items()}
+                for section, values in asdict(self).items()}
+
+
+def config_key(field_name: str) -> str:
+    """The YAML and CLI key of a config field: a field named after a Python keyword ends in an underscore, as PEP 8
+    advises (`async_`), and its key is the keyword itself (`checkpoint.async`)."""
+    stem = field_name.removesuffix("_")
+    return stem if stem != field_name and keyword.iskeyword(stem) else field_name

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from lm.config.init_from import model_from_checkpoint
-from lm.config.job_config import JobConfig
+from lm.config.job_config import JobConfig, config_key
 from lm.errors import ConfigError
 from lm.io import atomic_write_text
 from lm.models.config import ModelConfig
@@ -61,7 +61,8 @@ def _float(value: object) -> float | None:
 
 def _build(cls: type, values: dict, prefix: str) -> object:
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
+    names = {config_key(f.name): f.name for f in dataclasses.fields(cls)}  # key -> field (`async` -> `async_`)
+    known = set(names)
     for key in values:
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
@@ -71,19 +72,27 @@ def _build(cls: type, values: dict, prefix: str) -> object:
                                   f"takes {sorted(known)}")
             raise ConfigError(f"{prefix}{key}: unknown key; {hint}expected one of {sorted(known)}")
     kwargs = {}
-    for name, value in values.items():
+    for key, value in values.items():
+        name = names[key]
         kind = hints[name]
         if dataclasses.is_dataclass(kind):
             if not isinstance(value, dict):
-                raise ConfigError(f"{prefix}{name}: expected a mapping of keys, got {value!r}")
+                raise ConfigError(f"{prefix}{key}: expected a mapping of keys, got {value!r}")
             if kind is ModelConfig:  # the family model.arch names has the config class
                 kind = config_class(value.get("arch", DEFAULT))
-            kwargs[name] = _build(kind, value, f"{prefix}{name}.")
+            kwargs[name] = _build(kind, value, f"{prefix}{key}.")
         elif typing.get_origin(kind) is list:
-            kwargs[name] = _build_list(typing.get_args(kind)[0], value, f"{prefix}{name}")
+            kwargs[name] = _build_list(typing.get_args(kind)[0], value, f"{prefix}{key}")
         else:
-            kwargs[name] = _coerce(f"{prefix}{name}", value, kind)
+            if value is False and off_by_default(cls, name):  # YAML 1.1 reads `off` as False
+                value = "off"
+            kwargs[name] = _coerce(f"{prefix}{key}", value, kind)
     return cls(**kwargs)
+
+
+def off_by_default(cls: type, name: str) -> bool:
+    """Whether field `name` of `cls` is text whose default is "off" (train.float8): YAML's False means it there."""
+    return any(f.name == name and f.default == "off" for f in dataclasses.fields(cls))
 
 
 def _build_list(item: type, values: object, key: str) -> list:
@@ -272,7 +281,7 @@ def _key_lines(section: str, cls: type) -> list[str]:
     for f in dataclasses.fields(cls):
         kind = getattr(hints[f.name], "__name__", "")
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # a list's is []
-        lines.append(f"  --{section}.{f.name}={default!r} ({kind}) {docs.get(f.name, '')}")
+        lines.append(f"  --{section}.{config_key(f.name)}={default!r} ({kind}) {docs.get(f.name, '')}")
     return lines
 
 

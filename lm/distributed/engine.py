@@ -20,6 +20,7 @@ import torch.nn as nn
 from lm.config import OptimConfig, ParallelConfig, TrainConfig
 from lm.distributed.ddp import DDPEngine
 from lm.distributed.env import DistEnv, ensure_process_group
+from lm.distributed.float8 import apply_float8
 from lm.distributed.fsdp import FSDPEngine
 from lm.distributed.materialize import WeightLoader
 from lm.distributed.zero import DeepSpeedEngine
@@ -77,6 +78,13 @@ class Engine(Protocol):
     def save(self, directory: Path) -> None:
         """Collectively write model and optimizer state into `directory`."""
 
+    def stage(self) -> dict:
+        """Model and optimizer state copied to host memory, for `write_staged` (ddp and fsdp; DeepSpeed writes only
+        its own checkpoints, and refuses checkpoint.async)."""
+
+    def write_staged(self, staged: dict, directory: Path) -> None:
+        """Collectively write what `stage` copied into `directory`, as `save` would; from a background thread."""
+
     def load(self, directory: Path) -> None:
         """Collectively read what `save` wrote, resharded to this world size."""
 
@@ -91,6 +99,8 @@ def build_engine(model: nn.Module, family: Family, parallel: ParallelConfig, tra
     load_weights: fills the weights after they are drawn (a consolidated file that starts a new run).
     load_universal: a DeepSpeed engine loads its checkpoints' universal form (another world size or stage).
     """
+    # train.float8's layers swapped in before any engine compiles, shards or allocates the model
+    apply_float8(model, family, train, parallel.engine == "fsdp", env.device, env.is_main)
     if parallel.engine == "ddp":
         return DDPEngine(model, family, parallel, train, optim, env, load_weights)
     ensure_process_group(env)  # FSDP2 and DeepSpeed shard over a group even when it has one rank

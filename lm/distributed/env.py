@@ -177,6 +177,14 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800, tp: int = 1, p
                    dp_replicate=dp_replicate)
 
 
+def background_group(env: DistEnv) -> dist.ProcessGroup | None:
+    """A new gloo group of every rank, for the collectives of a background thread (an asynchronous checkpoint's
+    write): on the default group they would interleave with the training thread's, and DCP's collectives need a
+    CPU backend under NCCL too. None without a process group. A collective: every rank creates it at the same
+    point of the run."""
+    return dist.new_group(backend="gloo") if env.is_distributed else None
+
+
 def ensure_process_group(env: DistEnv) -> None:
     """Give a one-process run a process group of its own (in memory, no ports): FSDP2 and DeepSpeed shard
     over a group even when it has one rank. Under torchrun the group already exists."""

@@ -24,6 +24,7 @@ from lm.distributed.activation import checkpoint_blocks, compile_blocks
 from lm.distributed.context_parallel import ContextParallel
 from lm.distributed.env import DistEnv
 from lm.distributed.expert_parallel import apply_expert_parallel
+from lm.distributed.float8 import all_gathers_float8, precompute_float8_scales
 from lm.distributed.layout import device_mesh, expert_meshes, shard_mesh
 from lm.distributed.materialize import WeightLoader
 from lm.distributed.tensor_parallel import apply_tensor_parallel
@@ -183,6 +184,13 @@ class FSDPEngine(TorchEngine):
         # under context parallelism the forward runs this rank's share of each window's tokens
         run = ContextParallel(model, mesh["cp"]).run if env.cp > 1 else model
         super().__init__(model, run, family, train, optim, env, eval_run=run)  # fully_shard works in place
+        self.float8_all_gather = all_gathers_float8(train, fsdp=True)
+
+    def optimizer_step(self, norm: torch.Tensor) -> torch.Tensor:
+        applied = super().optimizer_step(norm)
+        if self.float8_all_gather:  # the next forward all-gathers float8 weights, scaled by their new maxima
+            precompute_float8_scales(self.model)
+        return applied
 
     def _sync(self, last: bool) -> contextlib.AbstractContextManager:
         self.model.set_requires_gradient_sync(last)

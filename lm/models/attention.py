@@ -12,8 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lm.models.config import TransformerConfig
-from lm.models.kv_cache import LayerKVCache
-from lm.models.layers import apply_rope
+from lm.models.kv_cache import LayerKVCache, StaticLayerKVCache
+from lm.models.layers import RMSNorm, apply_rope
 
 
 def attend(
@@ -112,8 +112,8 @@ class SelfAttention(nn.Module):
         # channels, or (scope all, OLMo 2) over the whole projection before it is cut into heads.
         self.norm_whole = cfg.qk_norm and cfg.qk_norm_scope == "all"
         if cfg.qk_norm:
-            self.q_norm = nn.RMSNorm(q_width if self.norm_whole else cfg.head_dim, eps=cfg.norm_eps)
-            self.k_norm = nn.RMSNorm(kv_width if self.norm_whole else cfg.head_dim, eps=cfg.norm_eps)
+            self.q_norm = RMSNorm(q_width if self.norm_whole else cfg.head_dim, eps=cfg.norm_eps)
+            self.k_norm = RMSNorm(kv_width if self.norm_whole else cfg.head_dim, eps=cfg.norm_eps)
         self.kv_gather: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
         """Set from outside under context parallelism: this rank's keys and values (B, nkv, T_local, hs) -> those of
         the whole sequence (B, nkv, T, hs) in position order; the caller's mask then says which each query sees."""
@@ -123,15 +123,16 @@ class SelfAttention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: LayerKVCache | None = None,
+        cache: LayerKVCache | StaticLayerKVCache | None = None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: (B, T, C) -> (B, T, C).
 
         rope: (cos, sin) of the T positions, each (T, hs) or (B, T, hs), or None without rotary positions.
-        With a cache (causal only), x holds the T positions after those already cached. mask: bool, for a
-        non-causal layer the key padding (B, 1, 1, T); for a causal one (no cache) the whole mask, causal
-        triangle included, e.g. `document_causal_mask` (B, 1, T, T); None for plain causal or no padding.
+        With a cache (causal only), x holds the T positions after those already cached (a static cache: those at
+        its `positions`, under its own mask). mask: bool, for a non-causal layer the key padding (B, 1, 1, T); for
+        a causal one (no cache) the whole mask, causal triangle included, e.g. `document_causal_mask`
+        (B, 1, T, T); None for plain causal or no padding.
         Head counts come from the projections' outputs: under tensor parallelism a rank holds some of the heads.
         """
         B, T, C = x.shape
@@ -150,7 +151,10 @@ class SelfAttention(nn.Module):
         if self.kv_gather is not None:
             k, v = self.kv_gather(k, v)
         start = 0
-        if cache is not None:
+        if isinstance(cache, StaticLayerKVCache):
+            k, v = cache.write(k, v)  # (B, nkv, max_len, hs): the whole storage, the unwritten positions masked
+            mask = cache.mask  # (T, max_len)
+        elif cache is not None:
             start = cache.length
             k, v = cache.append(k, v)  # (B, nkv, start + T, hs)
 

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from lm.models.attention import CrossAttention, SelfAttention
 from lm.models.config import TransformerConfig
-from lm.models.kv_cache import LayerKVCache
+from lm.models.kv_cache import LayerKVCache, StaticLayerKVCache
 from lm.models.layers import MLP, make_norm
 
 
@@ -43,7 +43,7 @@ class Block(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: LayerKVCache | None = None,
+        cache: LayerKVCache | StaticLayerKVCache | None = None,
         mask: torch.Tensor | None = None,
         memory: torch.Tensor | None = None,
         memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -8,9 +8,9 @@ Face mapping ask the spec, never which family they have. A spec holds:
 
 - `name`, `config_class`: its model.arch and its config dataclass, which also says what the job's other
   sections may ask of it (document masking, z-loss, a fine-tuning head: `ModelConfig`);
-- `build`, `blocks`, `output_layers`, `check_precision`: the model (on the meta device too), its repeated
-  blocks (what FSDP shards and activation checkpointing recomputes), the layers Muon leaves to AdamW, and a
-  refusal of bf16 on a device type it cannot run it on;
+- `build`, `blocks`, `output_layers`, `check_precision`, `float8_linears`: the model (on the meta device too), its
+  repeated blocks (what FSDP shards and activation checkpointing recomputes), the layers Muon leaves to AdamW, a
+  refusal of bf16 on a device type it cannot run it on, and which linear layers train.float8 converts;
 - `training`: the objective that turns token windows into its batches, the loss of a batch as named terms
   (`lm.models.terms`), the scores of a validation batch, its fine-tuning head if it has one, and what it updates
   outside the gradients after each optimizer step;
@@ -125,6 +125,9 @@ class SampleOptions:
     stop_at_end: bool = True
     device: "torch.device | None" = None
     """Where the prompt goes: the device the model computes on (None: its weights')"""
+    compiled: bool = False
+    """Decode through a static KV cache with the per-token step compiled (lm.sample --compile); a family that
+    cannot raises ConfigError"""
 
 
 Problem = Callable[[ModelConfig, int], "str | None"]
@@ -288,6 +291,27 @@ def any_precision(cfg: ModelConfig, device_type: str, bf16: bool) -> None:
     """Every precision runs on every device type."""
 
 
+Float8Filter = Callable[[str, int, int], bool]
+"""(module name, in_features, out_features) -> whether train.float8 trains that nn.Linear in float8."""
+
+FLOAT8_MULTIPLE = 16
+"""What both dimensions of a float8 weight must be multiples of: float8 matmuls (torch._scaled_mm) take no others."""
+
+
+def float8_except(*names: str) -> Float8Filter:
+    """Every linear layer whose dimensions are multiples of 16 trains in float8, except those called `names`: a
+    module's full name or its last dotted parts ("router.gate" is "blocks.3.mlp.router.gate"). Embeddings are no
+    linear layers and never convert; a head is kept in the run's dtype by naming it here, as float8 recipes do
+    (torchtitan, OLMo-core): its logits go straight into the softmax, and a tied head shares the embedding's weight."""
+
+    def convert(name: str, in_features: int, out_features: int) -> bool:
+        if in_features % FLOAT8_MULTIPLE or out_features % FLOAT8_MULTIPLE:
+            return False
+        return not any(name == kept or name.endswith(f".{kept}") for kept in names)
+
+    return convert
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family's spec; see the module docstring."""
@@ -313,6 +337,9 @@ class Family:
     check_precision: Callable[[Any, str, bool], None] = any_precision
     """(cfg, device_type, bf16) -> None, or ConfigError for bf16 autocast on a device type the family cannot run it
     on, before any step would"""
+    float8_linears: Float8Filter = float8_except("lm_head")
+    """(module name, in_features, out_features) -> whether train.float8 converts that nn.Linear; by default every
+    one whose dimensions are multiples of 16 but the output head"""
 
     @property
     def title(self) -> str:

@@ -4,16 +4,24 @@ Prefill the prompt into the cache once, then decode token by token (or, without 
 sequence again for every token: the baseline the cache is measured against). Any model with the
 `DecoderLM` methods samples here: the GPT's `new_cache` is a KV cache, the LSTM's its per-layer (h, c) state,
 fed and updated alike. `filter_logits` and `pick_token` serve the encoder-decoder's sampler too.
+
+Compiled decoding (`compiled=True`, a model with `new_static_cache`) keeps the keys and values in a static cache,
+whose shapes stay the same at every position, so the one-token step is compiled once and then replayed (on CUDA,
+as one CUDA graph): eager decoding of a small model is bound by kernel launches, not by reading its weights. The
+token is picked outside the compiled step, by the same `pick_token`, so a seed draws the same tokens either way.
 """
 
+import functools
 import logging
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from lm.errors import PromptError
+from lm.errors import ConfigError, PromptError
+from lm.models.kv_cache import StaticKVCache
 
 log = logging.getLogger("lm.sample")
 
@@ -89,31 +97,92 @@ def pick_token(
     return torch.multinomial(probs, num_samples=1, generator=generator)[:, 0]
 
 
-def _decode(model: DecoderLM, idx: torch.Tensor, steps: int, vocab_size: int, use_cache: bool, temperature: float,
-            top_k: int | None, top_p: float | None, generator: torch.Generator | None) -> Iterator[torch.Tensor]:
-    """Yield `steps` next tokens (B,) after the prompts idx (B, T), each picked by `pick_token`.
+def next_logits(model: DecoderLM, x: torch.Tensor, cache: object = None) -> torch.Tensor:
+    """The next-token logits (B, padded_vocab_size) after x (B, T), whose positions follow those in `cache`: the
+    forward, then the head on the last position alone. The step compiled decoding compiles."""
+    h = model(x, cache=cache)  # (B, T, C)
+    return model.logits(h[:, -1:])[:, -1]
 
-    With the cache the prompt is prefilled once and each step feeds only the new token; without it each
-    step runs the whole sequence so far (its last block_size tokens) through the model again.
+
+@functools.cache
+def compiled_step(device_type: str) -> Callable[[DecoderLM, torch.Tensor, object], torch.Tensor]:
+    """`next_logits` compiled, one wrapper per device type for the whole process: dynamo keeps its graphs per
+    wrapper, so a second `torch.compile` of the same step would compile again. On CUDA, `reduce-overhead`
+    captures the step in a CUDA graph, which replays its hundred-odd kernel launches as one."""
+    return torch.compile(next_logits, mode="reduce-overhead" if device_type == "cuda" else None)
+
+
+STATIC_CACHES: "weakref.WeakKeyDictionary[torch.nn.Module, StaticKVCache]" = weakref.WeakKeyDictionary()
+"""Each model's last static cache, which the model's next compiled decoding of the same shape reuses: the compiled
+step guards on the address of the storage it writes in place (a CUDA graph replays fixed addresses), so new
+storage would compile it again."""
+
+
+def _static_cache(model: DecoderLM, batch_size: int, max_len: int, weight: torch.Tensor) -> StaticKVCache:
+    """An empty static KV cache of the weights' device and dtype: the model's last one when it fits, or a new one.
+    A model without a static cache is refused in one line."""
+    new_static_cache = getattr(model, "new_static_cache", None)
+    if new_static_cache is None:
+        raise ConfigError(f"--compile: {model.cfg.title} (model.arch={model.cfg.arch}) has no static KV cache, "
+                          "which compiled decoding needs; sample without --compile")
+    cache = STATIC_CACHES.get(model)
+    storage = None if cache is None else cache.layers[0].k  # (B, nkv, max_len, hs)
+    if storage is None or (storage.size(0), storage.size(2), storage.device, storage.dtype) != (
+            batch_size, max_len, weight.device, weight.dtype):
+        cache = new_static_cache(batch_size, max_len, weight.device, weight.dtype)
+        for layer in cache.layers:
+            torch._dynamo.mark_static_address(layer.k)
+            torch._dynamo.mark_static_address(layer.v)
+        STATIC_CACHES[model] = cache
+    cache.reset()
+    return cache
+
+
+def _static_step(model: DecoderLM, x: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+    """`next_logits` of x (B, T) with a static cache, compiled for one token. A longer prompt's prefill runs eager:
+    one call per sequence, already as wide as the prompt, and compiled it would compile again for each new prompt
+    length (or take dynamic shapes) to save one eager forward."""
+    cache.advance(x.size(1))
+    if x.size(1) > 1:
+        return next_logits(model, x, cache)
+    if x.is_cuda:  # each step a new replay of the CUDA graph, which overwrites the last step's logits (picked already)
+        torch.compiler.cudagraph_mark_step_begin()
+    return compiled_step(x.device.type)(model, x, cache)
+
+
+def _decode(model: DecoderLM, idx: torch.Tensor, steps: int, vocab_size: int, use_cache: bool, compiled: bool,
+            temperature: float, top_k: int | None, top_p: float | None,
+            generator: torch.Generator | None) -> Iterator[torch.Tensor]:
+    """Yield `steps` next tokens (B,) after the prompts idx (B, T), each picked by `pick_token` outside any graph.
+
+    With the cache the prompt is prefilled once and each step feeds only the new token; compiled, into a static
+    cache through the compiled step; without a cache each step runs the whole sequence so far (its last block_size
+    tokens) through the model again.
     """
     block_size = model.cfg.block_size
-    if use_cache:
+    cache, x = None, idx
+    if use_cache or compiled:
         weight = next(model.parameters())  # the cache takes the weights' device and dtype
-        cache = model.new_cache(idx.size(0), min(block_size, idx.size(1) + steps), weight.device, weight.dtype)
-        x = idx
+        max_len = min(block_size, idx.size(1) + steps)
+        if compiled:
+            cache = _static_cache(model, idx.size(0), max_len, weight)
+        else:
+            cache = model.new_cache(idx.size(0), max_len, weight.device, weight.dtype)
     for _ in range(steps):
-        if use_cache:
-            h = model(x, cache=cache)
+        if cache is None:
+            logits = next_logits(model, idx[:, -block_size:])
+        elif compiled:
+            logits = _static_step(model, x, cache)
         else:
-            h = model(idx[:, -block_size:])
-        logits = model.logits(h[:, -1:])  # (B, 1, padded_vocab_size): the head on the last position alone
+            logits = next_logits(model, x, cache)
         # Slicing off the padding rows is the same as masking them to -inf, and cheaper.
-        token = pick_token(logits[:, -1, :vocab_size], temperature, top_k, top_p, generator)  # (B,)
+        token = pick_token(logits[:, :vocab_size], temperature, top_k, top_p, generator)  # (B,)
+        del logits  # a CUDA graph's output, which its next replay overwrites
         yield token
-        if use_cache:
-            x = token[:, None]  # decode: feed only the new token; the cache holds the rest
-        else:
+        if cache is None:
             idx = torch.cat([idx, token[:, None]], dim=1)
+        else:
+            x = token[:, None]  # decode: feed only the new token; the cache holds the rest
 
 
 def _check_length(model: DecoderLM, prompt_len: int, max_new_tokens: int, name: str) -> None:
@@ -137,6 +206,7 @@ def generate(
     eot_id: int | None = None,
     seed: int | None = None,
     vocab_size: int | None = None,
+    compiled: bool = False,
 ) -> list[int]:
     """Continue `prompt` by up to `max_new_tokens` sampled tokens and return the new tokens only.
 
@@ -146,6 +216,8 @@ def generate(
     `eot_id` (which is not returned) or after max_new_tokens. The same seed gives the same tokens;
     seed None draws from the global torch RNG. The caller truncates a prompt that would not fit:
     prompt plus max_new_tokens may exceed model.block_size by one, since the last token is never fed back.
+    `compiled`: decode through a static KV cache with the one-token step compiled (`torch.compile`; on CUDA, one
+    CUDA graph), to eager's greedy tokens; a model without a static cache raises ConfigError.
     """
     if not prompt:
         raise ValueError("generate: prompt must hold at least one token")
@@ -161,7 +233,8 @@ def generate(
     try:
         idx = torch.tensor([prompt], dtype=torch.long, device=weight.device)  # (1, T): prefill first
         new_tokens: list[int] = []
-        for token in _decode(model, idx, max_new_tokens, vocab_size, True, temperature, top_k, top_p, generator):
+        for token in _decode(model, idx, max_new_tokens, vocab_size, True, compiled, temperature, top_k, top_p,
+                             generator):
             token_id = int(token.item())  # one host sync per token, needed to test for eot anyway
             if token_id == eot_id:
                 break
@@ -181,11 +254,13 @@ def generate_batch(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Continue every prompt of idx (B, T) by exactly `max_new_tokens` tokens; returns them (B, N).
 
     No stop token and no host sync per token: the fixed-length batched form that benchmarks and
-    batch sampling want. Sampling options are those of `generate`; only real vocabulary ids are drawn.
+    batch sampling want. Sampling options and `compiled` are those of `generate`; only real vocabulary ids are
+    drawn. use_cache False runs the whole sequence again for every token (the baseline the cache is measured against).
     """
     _check_length(model, idx.size(1), max_new_tokens, "generate_batch")
     if temperature < 0.0:
@@ -193,8 +268,8 @@ def generate_batch(
     was_training = model.training
     model.eval()
     try:
-        tokens = list(_decode(model, idx, max_new_tokens, model.cfg.vocab_size, use_cache, temperature, top_k, top_p,
-                              generator))
+        tokens = list(_decode(model, idx, max_new_tokens, model.cfg.vocab_size, use_cache, compiled, temperature, top_k,
+                              top_p, generator))
         return torch.stack(tokens, dim=1) if tokens else idx.new_empty(idx.size(0), 0)
     finally:
         model.train(was_training)

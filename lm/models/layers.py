@@ -9,10 +9,32 @@ import torch.nn.functional as F
 from lm.models.config import TransformerConfig
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (same parameter, same state-dict key) whose weight meets its input in the input's dtype.
+
+    The weight is an fp32 master copy, which the optimizer updates. Under bf16 autocast the input is bf16 (a
+    linear's output) and torch's RMSNorm only dispatches to its fused kernel when input and weight share a dtype;
+    otherwise it warns "Mismatch dtype between input and weight" and runs an unfused composite. So the weight is
+    cast to the input's dtype at use: only the gain is rounded to bf16, as autocast rounds every linear's weight,
+    while the kernel still accumulates the mean square in fp32 (its accumulation type for bf16). In fp32 the cast
+    is a no-op and the result is nn.RMSNorm's, bit for bit.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., normalized_shape) -> the same shape and dtype."""
+        weight = None if self.weight is None else self.weight.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
 def make_norm(cfg: TransformerConfig) -> nn.Module:
-    """LayerNorm (with a bias only when cfg.bias) or RMSNorm, over d_model channels."""
+    """LayerNorm (with a bias only when cfg.bias) or RMSNorm, over d_model channels.
+
+    LayerNorm stays torch's: CUDA autocast runs layer_norm in fp32 and the CPU's kernel takes a bf16 input with
+    fp32 weight and bias, fused and without a warning either way, so its weights are never rounded to bf16.
+    RMSNorm casts its weight to the input's dtype at use (`RMSNorm`).
+    """
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        return RMSNorm(cfg.d_model, eps=cfg.norm_eps)
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 

@@ -6,6 +6,9 @@ LM_FAULT_KILL=R:S        rank R SIGKILLs itself right after step S, on torchrun'
                          (TORCHELASTIC_RESTART_COUNT 0), so a restarted group runs through
 LM_FAULT_KILL_SAVE=R:S   rank R SIGKILLs itself inside the save of step S, right after writing its own
                          checkpoint files, while the other ranks wait for it (first attempt only)
+LM_FAULT_KILL_WRITE=R:S  checkpoint.async: rank R SIGKILLs itself in the background write of step S, right after
+                         writing its own files and before the checkpoint is published, while training goes on
+                         (first attempt only)
 """
 
 import os
@@ -40,6 +43,16 @@ def install_faults(trainer: "Trainer") -> None:
                 _die()
 
         engine.save = save_then_die
+    kill_write = _rank_step("LM_FAULT_KILL_WRITE")
+    if kill_write and kill_write[0] == rank and trainer.background is not None:
+        write = engine.write_staged
+
+        def write_then_die(staged, directory):
+            write(staged, directory)
+            if directory.name == f"step_{kill_write[1]:08d}.tmp":  # the trainer's step has moved on by now
+                _die()
+
+        engine.write_staged = write_then_die
 
 
 def nan_at(loss: LossFn, now: Callable[[], bool]) -> LossFn:

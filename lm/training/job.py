@@ -3,6 +3,7 @@ a scheduler sends. What `lm.train` and `lm.finetune` run once they have a config
 
 from lm.config import JobConfig
 from lm.distributed.env import init_distributed, launched_world_size
+from lm.distributed.float8 import check_float8_launch
 from lm.distributed.layout import check_world
 from lm.training.faults import install_faults
 from lm.training.preemption import StopSignals
@@ -22,6 +23,7 @@ def run_job(cfg: JobConfig) -> None:
     # from the start: a scheduler's SIGTERM during setup (joining the group, building, loading) is kept and
     # honoured at the first log step, not lost
     check_world(cfg, launched_world_size())  # a layout that does not fit: refused before any group forms
+    check_float8_launch(cfg.train)  # float8 on a device that has none: refused as early
     with StopSignals() as signals:
         par = cfg.parallel
         env = init_distributed(cfg.train.device, tp=par.tp, pp=par.pp, cp=par.cp, dp_replicate=par.dp_replicate)

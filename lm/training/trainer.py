@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from lm.checkpoint.resume import changed_settings, load_checkpoint
 from lm.checkpoint.run_dir import check_run_paths, lock_run_dir, probe_output_dir
-from lm.checkpoint.store import checkpoint_root
+from lm.checkpoint.store import BackgroundSaves, checkpoint_root
 from lm.config import JobConfig, save_config
 from lm.distributed.env import DistEnv
 from lm.errors import TrainingError
@@ -55,6 +55,10 @@ class Trainer:
         check_run_paths(cfg)
         self.out_dir = Path(cfg.train.out_dir)
         self.ckpt_root = checkpoint_root(self.out_dir)
+        self.background = BackgroundSaves(self.ckpt_root, env) if cfg.checkpoint.async_ else None
+        self.save_seconds: list[float] = []
+        """How long each save held training up (checkpoint.async: the copy to host memory, and any wait for the
+        previous write)"""
         # held until fit() ends; released at once if setting up fails, so a refused run leaves no trace
         self.lock = lock_run_dir(self.out_dir, env)
         try:
@@ -128,6 +132,8 @@ class Trainer:
             with StopSignals() as own:
                 return self._fit(own)
         finally:
+            if self.background is not None:  # a run that failed still publishes the checkpoint being written
+                self.background.close()
             self.lock.release()
 
     def _fit(self, signals: StopSignals) -> list[dict]:
@@ -162,6 +168,8 @@ class Trainer:
                 stop = self._after_step(last, signals, history)
             if stop:
                 break
+        if self.background is not None:  # the run ends once its last checkpoint is complete
+            self.background.wait()
         self.metrics.close()
         return history
 
@@ -275,4 +283,7 @@ class Trainer:
         """Checkpoint the run (a collective; see `save_run`)."""
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed_s(),
                  **self.loader.state_dict(), "data": self.data.identity()}
-        return save_run(self.engine, self.ckpt_root, state, self.cfg, self.env)
+        start = time.perf_counter()
+        path = save_run(self.engine, self.ckpt_root, state, self.cfg, self.env, self.background)
+        self.save_seconds.append(time.perf_counter() - start)
+        return path

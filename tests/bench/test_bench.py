@@ -59,13 +59,23 @@ def test_engine_rows_run_the_trainer_interface(engine):
     assert row["ms/step"] > 0 and row["tokens/s"] > 0
 
 
+@pytest.fixture
+def uncompiled_step(monkeypatch):
+    """The compiled sampling row with its step run eager: its path without a compile (tests/models/test_generate.py
+    compiles it for real)."""
+    from lm.models import generate
+
+    monkeypatch.setattr(generate, "compiled_step", lambda device_type: generate.next_logits)
+
+
 @pytest.mark.slow
-def test_sampling_rows_decode_the_same_tokens():
-    rows = bench_sampling(tiny(), CPU, batch=3, new_tokens=12, warmup=1, reps=2, reps_no_cache=1)
-    assert [r["method"] for r in rows] == ["ours, KV cache", "ours, no cache", "transformers generate"]
+def test_sampling_rows_decode_the_same_tokens(uncompiled_step):
+    rows = bench_sampling(tiny(), CPU, batch=3, new_tokens=12, warmup=1, reps=2, reps_no_cache=1, compiled=True)
+    assert [r["method"] for r in rows] == ["ours, KV cache", "ours, no cache", "ours, static cache, compiled",
+                                           "transformers generate"]
     assert all(r["batch"] == 3 and r["tokens/s"] > 0 for r in rows)
-    assert rows[0]["same tokens"] == rows[1]["same tokens"] == 1.0
-    assert rows[2]["same tokens"] >= 0.9  # transformers runs the exported copy; a near-tie may flip
+    assert rows[0]["same tokens"] == rows[1]["same tokens"] == rows[2]["same tokens"] == 1.0
+    assert rows[3]["same tokens"] >= 0.9  # transformers runs the exported copy; a near-tie may flip
 
 
 @pytest.mark.process
@@ -79,7 +89,7 @@ def test_prepare_and_loader_rows():
     assert loader["GB/s"] * 1e9 / loader["batches/s"] == pytest.approx(2 * 4 * 32 * 8)
 
 
-def test_the_command_prints_what_it_ran_on_its_tables_and_a_summary_of_the_ratios(capsys):
+def test_the_command_prints_what_it_ran_on_its_tables_and_a_summary_of_the_ratios(capsys, uncompiled_step):
     assert run(bench.main, ["--sections", "sampling", "--new-tokens", "4", "--reps", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out
     first = out.splitlines()[0]
@@ -87,6 +97,8 @@ def test_the_command_prints_what_it_ran_on_its_tables_and_a_summary_of_the_ratio
     assert "sampling: 4 new tokens per sequence" in out and "transformers generate" in out
     summary = out[out.index("summary: ours against the baselines above"):]
     assert "sampling tokens/s vs transformers generate, batch 8, KV cache" in summary
+    assert "sampling tokens/s vs transformers generate, batch 1, compiled" in summary
+    assert "sampling tokens/s compiled vs no cache, batch 1" in summary
     # measurements only: no internal targets, nothing "met" or not
     assert "target" not in out.lower() and "met" not in out.lower()
 

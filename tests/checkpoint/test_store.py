@@ -1,10 +1,17 @@
+import threading
 from functools import partial
 
 import pytest
 import torch
 
 from lm.checkpoint.resume import check_compatible, load_checkpoint
-from lm.checkpoint.store import checkpoint_root, complete_checkpoints, resolve_checkpoint, save_checkpoint
+from lm.checkpoint.store import (
+    BackgroundSaves,
+    checkpoint_root,
+    complete_checkpoints,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from lm.config import load_config
 from lm.distributed.env import init_distributed
 from lm.errors import CheckpointError, ConfigError
@@ -96,3 +103,62 @@ def test_any_failed_save_removes_its_own_tmp_and_names_the_intact_previous_check
         save_checkpoint(root, 2, engine, {"step": 2, "tokens_seen": 0, "position": 2}, cfg, env, keep=2)
     assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]  # nothing half-written stays
     assert resolve_checkpoint(root).name == "step_00000001"
+
+
+def test_a_background_save_writes_its_step_state_and_publishes_it_once_written(tmp_path):
+    cfg, engine = setup()
+    env = init_distributed("cpu")
+    root = checkpoint_root(tmp_path)
+    saves = BackgroundSaves(root, env)
+    saves.save(1, engine, {"step": 1, "tokens_seen": 0, "position": 1}, cfg, keep=2)
+    saves.wait()
+    held, write = threading.Event(), engine.write_staged
+
+    def held_write(staged, directory):
+        held.wait(timeout=60)
+        write(staged, directory)
+
+    engine.write_staged = held_write
+    torch.manual_seed(5)
+    saves.save(2, engine, {"step": 2, "tokens_seen": 8, "position": 2}, cfg, keep=2)
+    expected_draw = torch.rand(3)
+    saved = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    saved_avg = engine.optimizer.state_dict()["state"][0]["exp_avg"].clone()
+    # training goes on while the write waits: the copy in host memory is what is written
+    one_step(cfg, engine, torch.ones(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+    assert not torch.equal(engine.optimizer.state_dict()["state"][0]["exp_avg"], saved_avg)
+    assert [p.name for p in complete_checkpoints(root)] == ["step_00000001"]
+    assert (root / "step_00000002.tmp").is_dir()
+    held.set()
+    saves.wait()
+    saves.close()
+    assert [p.name for p in complete_checkpoints(root)] == ["step_00000001", "step_00000002"]
+    assert not (root / "step_00000002.tmp").exists()
+    _, other = setup(seed=1)
+    state = load_checkpoint(root / "step_00000002", other, env)  # checks the manifest's hashes
+    assert state == {"step": 2, "tokens_seen": 8, "position": 2, "world_size": 1, "engine": "ddp"}
+    assert torch.equal(torch.rand(3), expected_draw)
+    for name, value in other.model.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    assert torch.equal(other.optimizer.state_dict()["state"][0]["exp_avg"], saved_avg)
+
+
+def test_a_failed_background_write_is_raised_at_the_next_wait_naming_the_intact_previous_checkpoint(tmp_path):
+    cfg, engine = setup()
+    env = init_distributed("cpu")
+    root = checkpoint_root(tmp_path)
+    saves = BackgroundSaves(root, env)
+    saves.save(1, engine, {"step": 1, "tokens_seen": 0, "position": 1}, cfg, keep=2)
+    write = engine.write_staged
+
+    def write_half_then_fail(staged, directory):
+        write(staged, directory)
+        raise OSError(28, "No space left on device")
+
+    engine.write_staged = write_half_then_fail
+    saves.save(2, engine, {"step": 2, "tokens_seen": 0, "position": 2}, cfg, keep=2)  # waits for step 1's write
+    with pytest.raises(CheckpointError, match=rf"saving step 2 failed \(No space left on device; [\d,]+ MiB free "
+                                              rf"there\); the previous checkpoint {root}/step_00000001 is intact"):
+        saves.wait()
+    saves.close()
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]

@@ -48,13 +48,30 @@ def test_text_that_reads_as_a_yaml_mapping_is_taken_literally():
         ("--log.sample_tokens=0", "log.sample_tokens: must be positive"),
         ("--model.n_layer=a: b", "model.n_layer: expected int, got str 'a: b'"),
         ("--model=3", "model: overrides take the form"),
+        ("--train.float8=on", "train.float8: expected str, got bool True"),
+        ("--train.float8=fp8", "train.float8: expected off, tensorwise or rowwise, got 'fp8'"),
+        ("--train.float8=tensorwise --parallel.engine=fsdp --parallel.tp=2",
+         "train.float8=tensorwise: not yet under parallel.tp=2"),
+        ("--train.float8=rowwise --parallel.engine=fsdp --parallel.cpu_offload=true",
+         "train.float8=rowwise: float8 speeds up GPU matmuls, and an offloaded run waits on host copies"),
         ("--model.n_layer", "overrides take the form --section.key=value"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:
-        load_config(None, [override])
+        load_config(None, override.split(" --"))
     assert message in str(err.value)
+
+
+def test_float8_off_reads_as_yaml_writes_it(tmp_path):
+    # YAML 1.1 reads a bare `off` as False; train.float8, whose default is "off", takes it back as the word
+    path = tmp_path / "job.yaml"
+    path.write_text("train:\n  float8: off\n")
+    assert load_config(path).train.float8 == "off"
+    cfg = load_config(None, ["--train.float8=rowwise"])
+    assert cfg.train.float8 == "rowwise" and load_config(None, ["--train.float8=off"]).train.float8 == "off"
+    save_config(load_config(path), tmp_path / "saved.yaml")
+    assert load_config(tmp_path / "saved.yaml").train.float8 == "off"
 
 
 def test_bad_yaml_files(tmp_path):
@@ -143,3 +160,13 @@ def test_an_override_that_switches_the_family_keeps_the_file_keys_the_family_tak
     path.write_text("model:\n  arch: lstm\n  n_head: 4\n")
     with pytest.raises(ConfigError, match=r"model.n_head: not a key of an LSTM"):
         load_config(path)
+
+
+def test_a_key_that_is_a_python_keyword_is_read_and_written_as_the_keyword(tmp_path):
+    cfg = load_config(None, ["--checkpoint.async=true"])
+    assert cfg.checkpoint.async_ is True and cfg.to_dict()["checkpoint"]["async"] is True
+    save_config(cfg, tmp_path / "config.yaml")
+    assert "async: true" in (tmp_path / "config.yaml").read_text() and load_config(tmp_path / "config.yaml") == cfg
+    with pytest.raises(ConfigError, match=r"checkpoint.async_: unknown key; did you mean 'async'\?"):
+        load_config(None, ["--checkpoint.async_=true"])
+

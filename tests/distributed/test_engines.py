@@ -117,6 +117,18 @@ def check_resumes(two: dict[int, float], tmp_path: Path, data_dir: Path, *flags:
 
 
 @pytest.mark.process
+def test_asynchronous_checkpoints_on_two_ranks_resume_bit_for_bit(tiny_data_dir, tmp_path, one_process):
+    # each rank's background thread writes its shard over a gloo group of its own while training goes on
+    flags = ["--parallel.engine=fsdp", "--checkpoint.async=true"]
+    two = train(2, tmp_path / "two", tiny_data_dir, *flags)
+    for step in one_process:
+        assert two[step] == pytest.approx(one_process[step], rel=SAME_BATCH_REL), step
+    assert "copied to host memory" in (tmp_path / "two.log").read_text()
+    again = train(2, resume_copy(tmp_path / "two", tmp_path / "again"), tiny_data_dir, *flags)
+    assert sorted(again) == [4, 5, 6] and all(again[s] == two[s] for s in again)
+
+
+@pytest.mark.process
 def test_a_nan_step_is_skipped_by_every_rank_under_fsdp(tiny_data_dir, tmp_path, monkeypatch):
     # rank 0's loss at step 2 is NaN; the reduced gradients carry it to rank 1's shard, so a rank that
     # stepped anyway would hold NaN weights and every later loss would be NaN
@@ -205,6 +217,8 @@ def test_deepspeed_config_comes_from_ours_and_a_user_json_may_not_contradict_it(
     (["--parallel.deepspeed_config=ds.json"], "parallel.deepspeed_config: only the deepspeed engine has it"),
     (["--parallel.cpu_offload=true"], "parallel.cpu_offload: the ddp engine keeps a whole model per rank"),
     (["--parallel.activation_checkpointing=-1"], "parallel.activation_checkpointing: must be >= 0"),
+    (["--parallel.engine=deepspeed", "--parallel.zero_stage=2", "--checkpoint.async=true"],
+     "checkpoint.async: DeepSpeed writes its own checkpoints, which cannot be written in the background"),
 ])
 def test_engine_options_are_checked_when_the_config_loads(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

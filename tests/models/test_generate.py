@@ -3,9 +3,13 @@ import math
 import pytest
 import torch
 
+from lm.errors import ConfigError
+from lm.models import generate as generate_module
 from lm.models.generate import filter_logits, generate, generate_batch
 from lm.models.gpt.config import GPTConfig
 from lm.models.gpt.model import GPT
+from lm.models.lstm.config import LSTMConfig
+from lm.models.lstm.model import LSTMLM
 
 INF = float("inf")
 
@@ -222,3 +226,68 @@ def test_a_decode_steps_logits_equal_the_last_row_of_all_logits():
 def test_generate_batch_refuses_a_negative_temperature():
     with pytest.raises(ValueError, match="generate_batch: temperature must be >= 0, got -1.0"):
         generate_batch(tiny_model(), torch.zeros(1, 1, dtype=torch.long), 3, temperature=-1.0)
+
+
+# compiled decoding: a static cache, the one-token step compiled
+
+
+@pytest.fixture
+def uncompiled_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled decoding with its step run eager: the static cache and the sampler's path, without a compile."""
+    monkeypatch.setattr(generate_module, "compiled_step", lambda device_type: generate_module.next_logits)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    dict(pos="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=1, qk_norm=True, qk_norm_scope="all", bias=False,
+         nope_interval=2, logit_softcap=15.0),
+    dict(pos="sinusoidal", norm_position="post", vocab_size=70),
+    dict(n_experts=4, experts_per_token=2, expert_d_ff=16),
+], ids=["gpt2", "llama-gqa-qknorm-nope-softcap", "sinusoidal-postnorm-padded", "moe"])
+def test_the_static_cache_decodes_the_tokens_of_the_growing_one(overrides, uncompiled_step) -> None:
+    model = tiny_model(seed=1, **overrides)
+    for prompts in (torch.tensor([[1, 2, 3], [7, 8, 9]]), torch.zeros(2, 1, dtype=torch.long)):  # prefill, or none
+        eager = generate_batch(model, prompts, 20, temperature=0.0)
+        assert torch.equal(generate_batch(model, prompts, 20, temperature=0.0, compiled=True), eager)
+        sampled = [generate_batch(model, prompts, 20, temperature=2.0, top_k=20, compiled=compiled,
+                                  generator=torch.Generator().manual_seed(3)) for compiled in (False, True)]
+        assert torch.equal(*sampled) and len(set(sampled[0].flatten().tolist())) > 5  # tokens that vary
+    stop = generate(model, [4, 5], 12, temperature=2.0, seed=1)[6]
+    assert generate(model, [4, 5], 12, temperature=2.0, seed=1, eot_id=stop, compiled=True) == generate(
+        model, [4, 5], 12, temperature=2.0, seed=1, eot_id=stop)
+
+
+def test_compiled_decoding_keeps_one_cache_per_model_for_the_same_shape(uncompiled_step) -> None:
+    model = tiny_model()
+    prompts = torch.zeros(2, 3, dtype=torch.long)
+    generate_batch(model, prompts, 5, temperature=0.0, compiled=True)
+    cache = generate_module.STATIC_CACHES[model]
+    generate_batch(model, prompts + 1, 5, temperature=0.0, compiled=True)
+    assert generate_module.STATIC_CACHES[model] is cache  # the same storage, which the compiled step guards on
+    generate_batch(model, prompts, 6, temperature=0.0, compiled=True)
+    assert generate_module.STATIC_CACHES[model] is not cache and generate_module.STATIC_CACHES[model].max_len == 9
+
+
+def test_compiled_decoding_refuses_a_model_without_a_static_cache() -> None:
+    torch.manual_seed(0)
+    lstm = LSTMLM(LSTMConfig(vocab_size=100, block_size=32, n_layer=1, d_model=32))
+    with pytest.raises(ConfigError, match=r"^--compile: an LSTM \(model.arch=lstm\) has no static KV cache, which "
+                                          r"compiled decoding needs; sample without --compile$"):
+        generate(lstm, [1, 2], 4, compiled=True)
+
+
+@pytest.mark.slow
+def test_compiled_decoding_gives_eager_tokens_and_compiles_the_step_once() -> None:
+    """A real torch.compile on the CPU: a cold compile takes 10-40 s, so one tiny model, one test."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model(seed=2, n_layer=1, pos="rope", n_kv_head=1)
+    prompts = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    eager = generate_batch(model, prompts, 24, temperature=0.0)
+    graphs = counters["stats"]["unique_graphs"]
+    assert torch.equal(generate_batch(model, prompts, 24, temperature=0.0, compiled=True), eager)
+    sampled = [generate_batch(model, prompts, 24, temperature=1.0, compiled=compiled,
+                              generator=torch.Generator().manual_seed(0)) for compiled in (False, True)]
+    assert torch.equal(*sampled)
+    # 46 compiled steps over two calls, and one graph: no compile per token, nor per call
+    assert counters["stats"]["unique_graphs"] - graphs == 1

@@ -2,12 +2,14 @@
 encoder-decoder's `<mask>` prompts (`lm.models.encdec.sampling`)."""
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 
-from lm.errors import PromptError
+from lm.errors import ConfigError, PromptError
 from lm.models.encdec.config import EncDecConfig
-from lm.models.encdec.sampling import encdec_source, split_spans
+from lm.models.encdec.sampling import encdec_source, fill_masks, split_spans
+from lm.models.family import SampleOptions
 from lm.models.generate import fit_prompt
 
 
@@ -27,3 +29,10 @@ def test_long_prompt_keeps_its_tail(caplog):
     assert fit_prompt([1, 2], 8, 32) == [1, 2]
     with pytest.raises(PromptError, match="--max-new-tokens: 32 leaves no room"):
         fit_prompt([1], 32, 32)
+
+
+def test_the_encoder_decoder_refuses_compiled_decoding():
+    model = SimpleNamespace(cfg=EncDecConfig(vocab_size=100, block_size=16))  # refused before it computes
+    with pytest.raises(ConfigError, match=r"^--compile: an encoder-decoder \(model.arch=encdec\) decodes eagerly "
+                                          "only; sample without --compile$"):
+        fill_masks(model, None, "ab<mask>", SampleOptions(4, compiled=True))

@@ -182,3 +182,22 @@ def test_a_rank_killed_during_a_save_restarts_from_the_previous_checkpoint(tiny_
         "step_00000004", "step_00000006", "step_00000008"]
     assert not list((tmp_path / "killed/checkpoints").glob("*.tmp"))
     assert_same_weights(tmp_path / "killed", straight_run(2, tiny_data_dir, tmp_path / "straight", *extra))
+
+
+@pytest.mark.process
+def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(tiny_data_dir, tmp_path):
+    # checkpoint.async: the process dies in the background write of step 6, its files written but not published,
+    # while training goes on; the same command then resumes from step 4 and ends like a synchronous straight run
+    extra = ["--train.steps=8", "--checkpoint.every=2"]
+    args = [*TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={tmp_path / 'killed'}", *extra,
+            "--checkpoint.async=true"]
+    killed = subprocess.run([sys.executable, "-m", "lm.train", *args], env=run_env(LM_FAULT_KILL_WRITE="0:6"),
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    assert [p.name for p in complete_checkpoints(tmp_path / "killed/checkpoints")] == [
+        "step_00000002", "step_00000004"]
+    assert (tmp_path / "killed/checkpoints/step_00000006.tmp/.metadata").is_file()  # written, never published
+    assert "step_00000004 at step 4" in train_in_pool(1, args, run_env())
+    assert [p.name for p in complete_checkpoints(tmp_path / "killed/checkpoints")] == [
+        "step_00000004", "step_00000006", "step_00000008"]
+    assert_same_weights(tmp_path / "killed", straight_run(1, tiny_data_dir, tmp_path / "straight", *extra))

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lm.errors import PromptError
+from lm.errors import ConfigError, PromptError
 from lm.models.encdec.config import EncDecConfig
 from lm.models.family import SampleOptions
 from lm.models.generate import pick_token
@@ -63,6 +63,10 @@ def split_spans(tokens: list[int], n_spans: int, sentinel_start: int) -> list[li
 def fill_masks(model: "EncoderDecoder", tokenizer, text: str, options: SampleOptions) -> str:
     """The prompt with each `<mask>` replaced by the span an encoder-decoder writes for it."""
     cfg = model.cfg
+    if options.compiled:
+        # `generate_seq2seq` runs its own loop over the growing cache, which has no compiled path
+        raise ConfigError(f"--compile: {cfg.title} (model.arch={cfg.arch}) decodes eagerly only; sample without "
+                          "--compile")
     ids, pieces = encdec_source(text, tokenizer.encode_ordinary, cfg)
     n_spans = len(pieces) - 1
     # the end marker, and any sentinel after it, end the output

@@ -23,6 +23,7 @@ from lm.models.family import (
     Scored,
     TaskHead,
     Training,
+    float8_except,
 )
 from lm.models.loss import cross_entropy_terms
 from lm.models.sizes import (
@@ -165,4 +166,6 @@ FAMILY = Family(
                                  "reach every stage; train it with parallel.pp=1")),
     hf=HFAdapter((*hf.TARGETS, hf_remote.TARGET)),  # BERT first, lm's own code last
     estimates=Estimates(activation_bytes, flops_per_token),
+    # the masked-token head (its dense layer too) and a fine-tuning head stay out of float8
+    float8_linears=float8_except("lm_head", "mlm_dense", "score"),
 )

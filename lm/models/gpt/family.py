@@ -6,7 +6,17 @@ import math
 from typing import TYPE_CHECKING
 
 from lm.models import next_token
-from lm.models.family import PLAIN_LOSS, Estimates, Family, HFAdapter, LossOptions, Parallel, Run, TPStyle
+from lm.models.family import (
+    PLAIN_LOSS,
+    Estimates,
+    Family,
+    HFAdapter,
+    LossOptions,
+    Parallel,
+    Run,
+    TPStyle,
+    float8_except,
+)
 from lm.models.gpt import hf, hf_moe, hf_remote
 from lm.models.gpt.config import GPTConfig
 from lm.models.sizes import checkpointed_blocks, layer_activation_bytes, logits_bytes, stack_bytes
@@ -221,4 +231,6 @@ FAMILY = Family(
     # the native classes first, lm's own code last
     hf=HFAdapter((*hf.TARGETS, *hf_moe.TARGETS, hf_remote.TARGET), {**hf.READERS, **hf_moe.READERS}),
     estimates=Estimates(activation_bytes, flops_per_token, idle_params=idle_expert_params),
+    # a router's few scores decide which experts a token reaches: kept out of float8 like the head
+    float8_linears=float8_except("lm_head", "router.gate"),
 )

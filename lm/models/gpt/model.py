@@ -19,7 +19,7 @@ from lm.models.block import Block
 from lm.models.gpt.config import GPTConfig
 from lm.models.gpt.moe import MoE, Router
 from lm.models.init import init_weights_, residual_projections
-from lm.models.kv_cache import KVCache
+from lm.models.kv_cache import KVCache, StaticKVCache
 from lm.models.layers import PositionTable, add_positions, make_norm, rope_angles
 
 
@@ -32,6 +32,15 @@ def check_positions(positions: torch.Tensor, idx: torch.Tensor, cache: KVCache |
     if cache is not None:
         raise ValueError("GPT.forward: positions (packed documents) are for training and scoring whole windows; "
                          "they cannot be combined with a KV cache")
+
+
+def static_positions(cache: StaticKVCache, num_tokens: int) -> torch.Tensor:
+    """The positions (T,) a static cache was advanced to, which must be those of the `num_tokens` tokens fed. A
+    tensor, not cache.length: an int read here would make compiled decoding compile again at every position."""
+    if cache.positions.numel() != num_tokens:
+        raise ValueError(f"GPT.forward: the static KV cache was advanced by {cache.positions.numel()} positions for "
+                         f"{num_tokens} tokens; call cache.advance({num_tokens}) before the forward")
+    return cache.positions
 
 
 class GPT(nn.Module):
@@ -83,6 +92,20 @@ class GPT(nn.Module):
         cfg = self.cfg
         return KVCache(cfg.n_layer, batch_size, cfg.kv_heads, max_len, cfg.head_dim, device, dtype)
 
+    def new_static_cache(
+        self,
+        batch_size: int,
+        max_len: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> StaticKVCache:
+        """An empty static KV cache for up to `max_len` positions of `batch_size` sequences (compiled decoding:
+        `lm.models.generate`); `advance` it before each forward."""
+        cfg = self.cfg
+        if max_len > cfg.block_size:
+            raise ValueError(f"GPT.new_static_cache: max_len={max_len} exceeds model.block_size={cfg.block_size}")
+        return StaticKVCache(cfg.n_layer, batch_size, cfg.kv_heads, max_len, cfg.head_dim, device, dtype)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (..., padded_vocab_size) of final-normed hidden states h (..., C); with model.logit_softcap,
         c * tanh(logits / c) in float32, which keeps every logit inside (-c, c)."""
@@ -96,7 +119,7 @@ class GPT(nn.Module):
         return c * torch.tanh(logits.float() / c) if c else logits
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: KVCache | None = None, shard: SequenceShard | None = None) -> torch.Tensor:
+                cache: KVCache | StaticKVCache | None = None, shard: SequenceShard | None = None) -> torch.Tensor:
         """The final-normed hidden states (B, T, C) of token ids idx (B, T); `logits` turns them into logits.
 
         `positions` (B, T) int, for windows packed from several documents: each token's position inside its
@@ -104,11 +127,14 @@ class GPT(nn.Module):
         (`document_causal_mask`) and position encodings restart at every document, so each document's
         outputs are those it gets alone; without it, tokens sit at 0..T-1 and attend causally across the
         whole window. With a cache, idx holds the T tokens after the cache.length already cached, and their
-        keys and values are appended to it. With a `shard` (context parallelism), idx holds the tokens at
-        shard.positions of a longer sequence.
+        keys and values are appended to it; with a static cache, the T tokens at its `positions`. With a `shard`
+        (context parallelism), idx holds the tokens at shard.positions of a longer sequence.
         """
         cfg = self.cfg
         T = idx.shape[1]
+        if isinstance(cache, StaticKVCache) and positions is None:
+            x, rope = self.embed(idx, static_positions(cache, T))
+            return self.ln_f(self.run_blocks(x, rope, enumerate(self.blocks), cache))
         start = 0 if cache is None else cache.length
         if start + T > cfg.block_size:
             raise ValueError(
@@ -138,7 +164,7 @@ class GPT(nn.Module):
         return self.drop(x), rope
 
     def run_blocks(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                   blocks: Iterable[tuple[int, nn.Module]], cache: KVCache | None = None,
+                   blocks: Iterable[tuple[int, nn.Module]], cache: KVCache | StaticKVCache | None = None,
                    mask: torch.Tensor | None = None) -> torch.Tensor:
         """The stream x (B, T, C) through `blocks`, (layer index, block) pairs in order -> (B, T, C). The index
         picks the layer's cache and whether it rotates (model.nope_interval); a pipeline stage passes its own."""
