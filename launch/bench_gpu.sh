@@ -4,7 +4,7 @@
 #   tests     the CUDA-only tests (tests/gpu: no host sync in a step, a fused SDPA kernel, bf16 NCCL runs)
 #   training  lm.bench's training table (eager and compiled, against transformers)
 #   engines   lm.bench's table of each engine (ddp, fsdp, DeepSpeed ZeRO 1-3)
-#   sampling  lm.bench's sampling table (KV cache, no cache, transformers' generate)
+#   sampling  lm.bench's sampling table (KV cache, no cache, the compiled static cache, transformers' generate)
 #   profile   torch.profiler's top CUDA ops of a gpt2-124m step, ours and transformers'
 #   docmask   experiments.docmask's tables: the demo model with SDPA is_causal vs the boolean document mask, and
 #             attention alone beside compiled flex_attention with a document block mask
@@ -12,17 +12,42 @@
 #   train     40 real optimizer steps of configs/gpt2-124m.yaml (compiled, bf16) under torchrun, whose
 #             log lines report tokens/s and MFU
 #   muon      the same 40 steps with optim.name=muon (Newton-Schulz in bf16 on the GPU): its cost in tokens/s
+#   float8    compiled bf16 against train.float8=tensorwise under fsdp: 20 steps of gpt2-124m (4 micro-batches of 32),
+#             then 100 of gpt-1.3b (2 micro-batches of 8 x 2048), each pair compared by experiments.compare_runs
+#             (largest relative loss difference, tokens/s ratio)
+#   ckpt      the checkpoint stall at gpt-1.3b (same batch): a synchronous save at step 20, then
+#             checkpoint.async saves at steps 30 and 60 (the log's "copied to host memory in" lines; the first
+#             one also allocates the pinned host copy) and the background writes' times
 # Usage: bash launch/bench_gpu.sh [OUT] [PART ...]   (all parts by default; exits 1 if any part failed)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-runs/bench-gpu}"
 shift || true
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(tests training engines sampling docmask losschunk profile train muon)
+[ ${#parts[@]} -gt 0 ] || parts=(tests training engines sampling docmask losschunk profile train muon float8 ckpt)
 mkdir -p "$out"
 py="${PYTHON:-python}"  # PYTHON=python3 where that is the interpreter holding torch
 export PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}"
+
+# lm_train PRESET OUT FLAGS...: a one-GPU torchrun of the preset from scratch, its log in OUT.log
+lm_train() {
+    local preset="$1" run="$2"
+    shift 2
+    "$py" -m torch.distributed.run --standalone --nproc_per_node=1 -m lm.train --config "configs/$preset.yaml" \
+        --log.every=5 --train.eval_every=100000 --checkpoint.every=100000 --log.sample_every=0 \
+        --log.tensorboard=false --checkpoint.resume=never --train.out_dir="$run" "$@" > "$run.log" 2>&1 ||
+        { tail -20 "$run.log"; return 1; }
+}
+
+# float8_pair PRESET STEPS BATCH: compiled bf16 and tensorwise float8 runs under fsdp, then their comparison
+float8_pair() {
+    local flags=(--train.steps="$2" --train.batch_size="$3" --parallel.engine=fsdp --train.compile=true)
+    "$py" -m lm.prepare --config "configs/$1.yaml" &&
+    lm_train "$1" "$out/$1-bf16" "${flags[@]}" &&
+    lm_train "$1" "$out/$1-float8" "${flags[@]}" --train.float8=tensorwise &&
+    "$py" -m experiments.compare_runs "$out/$1-bf16" "$out/$1-float8"
+}
 
 part() {
     case "$1" in
@@ -38,7 +63,13 @@ part() {
               "$py" -m torch.distributed.run --standalone --nproc_per_node=1 -m lm.train --config configs/gpt2-124m.yaml \
                   --optim.name=muon --train.steps=40 --log.every=5 --train.eval_every=1000 --checkpoint.every=1000 \
                   --log.sample_every=0 --train.out_dir="$out/gpt2-124m-muon-run" --checkpoint.resume=never ;;
-        *) echo "bench_gpu.sh: unknown part '$1' (tests, training, engines, sampling, docmask, losschunk, profile, train, muon)" >&2; return 2 ;;
+        float8) float8_pair gpt2-124m 20 128 && float8_pair gpt-1.3b 100 16 ;;
+        ckpt) "$py" -m lm.prepare --config configs/gpt-1.3b.yaml &&
+              lm_train gpt-1.3b "$out/ckpt-sync" --train.steps=20 --train.batch_size=16 --checkpoint.every=20 &&
+              lm_train gpt-1.3b "$out/ckpt-async" --train.steps=70 --train.batch_size=16 --checkpoint.every=30 \
+                  --checkpoint.keep=1 --checkpoint.async=true &&
+              grep -h "saved checkpoint\|copied to host memory" "$out/ckpt-sync.log" "$out/ckpt-async.log" ;;
+        *) echo "bench_gpu.sh: unknown part '$1' (tests, training, engines, sampling, docmask, losschunk, profile, train, muon, float8, ckpt)" >&2; return 2 ;;
     esac
 }
 
