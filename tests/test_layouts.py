@@ -31,38 +31,27 @@ def layouts(*args: str, cwd=None) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.process
-def test_three_layouts_print_the_same_losses_side_by_side(tiny_data_dir, tiny_data_config, tmp_path):
-    result = layouts("--layout", "1", "--layout", "2:tp=2", "--layout", "2:pp=2", "--steps", "3", "--max-rel", "1e-5",
-                     "--out", str(tmp_path / "runs"), *tiny(tiny_data_config))
+def test_three_layouts_of_a_mixture_print_the_same_losses_side_by_side(tiny_data_dir, tiny_data_config, tmp_path):
+    """One process, tensor parallelism and expert parallelism in one call of the tool. Pipeline layouts go through
+    the same code (a layout is a world size and run keys); their losses against one process are the pipeline
+    tests' (tests/distributed/test_pipeline.py), and a mixture under pp is refused."""
+    moe = ["--model.n_experts=4", "--model.experts_per_token=2", "--model.expert_d_ff=32"]
+    result = layouts("--layout", "1", "--layout", "2:tp=2", "--layout", "2:ep=2", "--steps", "3", "--max-rel", "1e-4",
+                     "--out", str(tmp_path / "runs"), *tiny(tiny_data_config), *moe)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.strip().splitlines()
     table_start = next(i for i, line in enumerate(lines) if line.startswith("step"))
     header, *rows, last = lines[table_start:]
-    assert header.split() == ["step", "1", "2:tp=2", "2:pp=2", "max", "diff"]
+    assert header.split() == ["step", "1", "2:tp=2", "2:ep=2", "max", "diff"]
     assert [row.split()[0] for row in rows] == ["1", "2", "3"]
-    for row in rows:
+    for row in rows:  # the all-to-all and FSDP2 sum in another order than one process
         losses = [float(v) for v in row.split()[1:4]]
         assert max(losses) - min(losses) == pytest.approx(float(row.split()[4]), abs=2e-6)  # 6 decimals shown
-        assert max(losses) - min(losses) < 1e-4
+        assert max(losses) - min(losses) < 1e-4 * max(losses)
     assert last.startswith("largest difference: ")
     # the runs are kept in --out, each with its log beside it
-    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["1", "1.log", "2_pp2", "2_pp2.log", "2_tp2",
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["1", "1.log", "2_ep2", "2_ep2.log", "2_tp2",
                                                                      "2_tp2.log"]
-
-
-@pytest.mark.process
-def test_an_expert_parallel_layout_of_a_mixture_trains_as_one_process(tiny_data_config, tmp_path):
-    moe = ["--model.n_experts=4", "--model.experts_per_token=2", "--model.expert_d_ff=32"]
-    result = layouts("--layout", "1", "--layout", "2:ep=2", "--steps", "2", "--max-rel", "1e-4",
-                     "--out", str(tmp_path / "runs"), *tiny(tiny_data_config), *moe)
-    assert result.returncode == 0, result.stdout + result.stderr
-    lines = result.stdout.strip().splitlines()
-    header, *rows, _ = lines[next(i for i, line in enumerate(lines) if line.startswith("step")):]
-    assert header.split() == ["step", "1", "2:ep=2", "max", "diff"]
-    rows = [row.split() for row in rows]
-    assert [row[0] for row in rows] == ["1", "2"]
-    for row in rows:  # the all-to-all and FSDP2 sum in another order than one process
-        assert float(row[2]) == pytest.approx(float(row[1]), rel=1e-4)
     # each of the 2 ranks held half of the experts: an ep ignored would train the same
     assert "expert parallelism: 2 ranks split the experts of 2 layers" in (tmp_path / "runs/2_ep2.log").read_text()
 
