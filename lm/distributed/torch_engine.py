@@ -91,9 +91,10 @@ class TorchEngine:
         return norm.full_tensor() if isinstance(norm, DTensor) else norm  # sharded gradients: reduce the norm
 
     def parameters_finite(self) -> bool:
-        """Whether this rank's (shard of the) weights holds only finite values."""
-        return all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
-                   for p in self.model.parameters())
+        """Whether this rank's (shard of the) weights holds only finite values: one host sync for all of them, not
+        one per parameter (before every save, which an asynchronous save otherwise waits on)."""
+        finite = [torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all() for p in self.model.parameters()]
+        return bool(torch.stack(finite).all()) if finite else True
 
     def evaluate(self, fn: Callable[[nn.Module, Run], T]) -> T:
         with self.autocast, parallel_loss(self.env.tp):
