@@ -1,13 +1,11 @@
 import json
 import os
 import shutil
-import socket
 import stat
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -19,9 +17,9 @@ from lm.config import JobConfig, load_config, save_config
 from lm.consolidate import main
 from lm.errors import CheckpointError
 from lm.models.registry import family_of
+from tests.workers import job_env, pool
 
 TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32", "--data.seq_len=16"]
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _logits(model: torch.nn.Module, cfg: JobConfig) -> torch.Tensor:
@@ -167,20 +165,12 @@ def test_bad_inputs_fail_with_one_error_naming_the_path(trained_run, tmp_path):
 RUNS = [f"zero{stage}{dtype}" for dtype in ("", "-bf16") for stage in (1, 2, 3)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _deepspeed_worker(rank: int, world: int, port: int, root: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # DeepSpeed builds a C++ op at its first initialize on CPU (20-60 s); the same cache as launch/test.sh
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+def _deepspeed_job(root: str) -> None:
+    """A job of the tests' 2-rank pool (tests/workers.py): every run of RUNS, one step and a save."""
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    deepspeed.init_distributed(dist_backend="gloo")  # the pool's gloo group is up: DeepSpeed takes it
     for name in RUNS:
         stage, bf16 = int(name[4]), name.endswith("bf16")
         cfg = load_config(None, TINY + ["--parallel.engine=deepspeed", f"--parallel.zero_stage={stage}",
@@ -215,7 +205,7 @@ def deepspeed_runs(tmp_path_factory) -> Path:
     `engine.save_checkpoint(step_dir, tag="deepspeed")` beside the state.json and config.yaml that
     lm.checkpoint writes, with the engine's parameters after the step (gathered) in expected.pt."""
     root = tmp_path_factory.mktemp("deepspeed")
-    mp.spawn(_deepspeed_worker, args=(2, _free_port(), str(root)), nprocs=2, join=True)
+    pool(2).run(_deepspeed_job, str(root), env=job_env())
     return root
 
 
