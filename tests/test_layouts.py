@@ -31,15 +31,20 @@ def layouts(*args: str, cwd=None) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.process
-def test_three_layouts_of_a_mixture_print_the_same_losses_side_by_side(tiny_data_dir, tiny_data_config, tmp_path):
+def test_three_layouts_of_a_mixture_print_the_same_losses_side_by_side(tiny_data_dir, tiny_data_config, tmp_path,
+                                                                       capsys):
     """One process, tensor parallelism and expert parallelism in one call of the tool. Pipeline layouts go through
     the same code (a layout is a world size and run keys); their losses against one process are the pipeline
-    tests' (tests/distributed/test_pipeline.py), and a mixture under pp is refused."""
+    tests' (tests/distributed/test_pipeline.py), and a mixture under pp is refused.
+
+    The tool's `main` runs in-process (the out-directory refusal below runs it as `python -m lm.layouts`): it
+    still starts lm.prepare, lm.train and both torchruns as the processes they are, which is what is tested."""
     moe = ["--model.n_experts=4", "--model.experts_per_token=2", "--model.expert_d_ff=32"]
-    result = layouts("--layout", "1", "--layout", "2:tp=2", "--layout", "2:ep=2", "--steps", "3", "--max-rel", "1e-4",
-                     "--out", str(tmp_path / "runs"), *tiny(tiny_data_config), *moe)
-    assert result.returncode == 0, result.stdout + result.stderr
-    lines = result.stdout.strip().splitlines()
+    code = run(main, ["--layout", "1", "--layout", "2:tp=2", "--layout", "2:ep=2", "--steps", "3", "--max-rel", "1e-4",
+                      "--out", str(tmp_path / "runs"), *tiny(tiny_data_config), *moe])
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    lines = captured.out.strip().splitlines()
     table_start = next(i for i, line in enumerate(lines) if line.startswith("step"))
     header, *rows, last = lines[table_start:]
     assert header.split() == ["step", "1", "2:tp=2", "2:ep=2", "max", "diff"]
@@ -110,7 +115,14 @@ def test_layouts_read_a_process_count_and_parallel_keys(text, parsed):
     assert (layout.nproc, layout.settings) == parsed
 
 
-@pytest.mark.process
+def exit_code(argv: list[str]) -> int:
+    """The exit status `python -m lm.layouts ARGV` would have: `run`'s, or argparse's exit (a usage error)."""
+    try:
+        return run(main, argv)
+    except SystemExit as stop:
+        return stop.code
+
+
 @pytest.mark.parametrize("args, message", [
     (["--layout", "x:tp=2", "--layout", "1"], "error: --layout x:tp=2: expected NPROC or NPROC:key=value,..."),
     (["--layout", "2:tp", "--layout", "1"], "error: --layout 2:tp: 'tp' is not key=value"),
@@ -123,13 +135,16 @@ def test_layouts_read_a_process_count_and_parallel_keys(text, parsed):
     (["--layout", "2:ep=2", "--layout", "1"], "error: --layout 2:ep=2: parallel.ep=2: the model has no experts"),
     (["--layout", "2:tp=2"], "--layout: give two or more layouts to compare"),
 ])
-def test_bad_layouts_are_refused_before_anything_runs(args, message, tmp_path):
+def test_bad_layouts_are_refused_before_anything_runs(args, message, tmp_path, capsys):
+    """In-process, through `run` as `python -m lm.layouts` calls it (exit 2 and the `error:` line, argparse's too);
+    `test_an_out_directory_with_files_in_it_is_refused` is the refusal of a real `python -m lm.layouts` process."""
     # the case's own flags (after the two layouts) again at the end, so that they win over these defaults
-    result = layouts(*args, "--model.n_head=4", "--model.d_model=32", "--model.block_size=32", "--data.seq_len=16",
-                     "--model.tie_embeddings=false", *args[4:], "--out", str(tmp_path / "runs"))
-    assert result.returncode == 2
-    assert message in result.stderr.strip().splitlines()[-1]
-    assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
+    code = exit_code([*args, "--model.n_head=4", "--model.d_model=32", "--model.block_size=32", "--data.seq_len=16",
+                      "--model.tie_embeddings=false", *args[4:], "--out", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err.strip().splitlines()[-1]
+    assert "Traceback" not in err and not (tmp_path / "runs").exists()
 
 
 @pytest.mark.process
@@ -138,6 +153,7 @@ def test_an_out_directory_with_files_in_it_is_refused(tmp_path):
     (tmp_path / "runs" / "keep.txt").write_text("mine")
     result = layouts("--layout", "1", "--layout", "2:tp=2", "--model.n_head=4", "--out", str(tmp_path / "runs"))
     assert result.returncode == 2 and "exists and is not an empty directory" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: --out ") and "Traceback" not in result.stderr
     assert (tmp_path / "runs" / "keep.txt").read_text() == "mine"
 
 

@@ -2,7 +2,9 @@
 
 import csv
 import hashlib
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,27 +18,34 @@ from lm.cli import run
 from lm.sweep.__main__ import main
 
 RUN_STEPS = 40
+CHECKPOINT_EVERY = 4
+"""Often enough that the killed sweep's second run has a checkpoint well before its last step (36 steps and 9 saves
+after the first, about 2 s here, against the test's 10 ms poll), seldom enough that a run is not mostly saves
+(a save costs about 3 steps)."""
 
 
-@pytest.fixture
-def base_config(tiny_data_config, tiny_data_dir, tmp_path) -> Path:
+def write_base_config(path: Path, data_config, data_dir: Path) -> Path:
     """A tiny GPT on the shared tiny corpus; its data section matches the fixture, so lm.prepare reuses it."""
-    path = tmp_path / "base.yaml"
     path.write_text(yaml.safe_dump({
         "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "block_size": 32},
-        "data": {"source": tiny_data_config.source, "dir": str(tiny_data_dir), "val_fraction": 0.1,
+        "data": {"source": data_config.source, "dir": str(data_dir), "val_fraction": 0.1,
                  "shard_tokens": 4096, "seq_len": 16},
         "train": {"steps": RUN_STEPS, "batch_size": 4, "micro_batch_size": 4, "device": "cpu", "eval_every": 20,
                   "eval_batches": 2},
-        "checkpoint": {"every": 2, "keep": 1},
+        "checkpoint": {"every": CHECKPOINT_EVERY, "keep": 1},
         "log": {"every": 10, "tensorboard": False, "sample_every": 0},
     }))
     return path
 
 
-def sweep_command(base: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "lm.sweep", "--config", str(base), "--grid", "optim.lr=3e-3,1e-2", "--out", str(out),
-            *extra]
+@pytest.fixture
+def base_config(tiny_data_config, tiny_data_dir, tmp_path) -> Path:
+    return write_base_config(tmp_path / "base.yaml", tiny_data_config, tiny_data_dir)
+
+
+def sweep_args(base: Path, out: Path) -> list[str]:
+    """The killed sweep's arguments: two runs that differ in their learning rate."""
+    return ["--config", str(base), "--grid", "optim.lr=3e-3,1e-2", "--out", str(out)]
 
 
 def launches(run_dir: Path) -> int:
@@ -45,10 +54,14 @@ def launches(run_dir: Path) -> int:
 
 
 @pytest.mark.process
-def test_a_killed_sweep_continues_where_it_stopped_and_a_finished_one_trains_nothing(base_config, tmp_path):
+def test_a_killed_sweep_continues_where_it_stopped_and_a_finished_one_trains_nothing(base_config, tmp_path, capsys,
+                                                                                     caplog):
+    """The sweep that is killed is a process of its own (killed with its lm.train child, as a lost machine would
+    kill them); the two that follow call the tool's `main` in-process, which starts lm.prepare and lm.train as
+    processes all the same: what they test is what the sweep does with the directory, not how it starts."""
     out = tmp_path / "sweep"
-    first = subprocess.Popen(sweep_command(base_config, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+    first = subprocess.Popen([sys.executable, "-m", "lm.sweep", *sweep_args(base_config, out)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     # kill the sweep and its lm.train child (the whole session, as a lost machine would) once the second run
     # has saved a checkpoint; the first run is finished by then
     deadline = time.monotonic() + 240
@@ -65,11 +78,12 @@ def test_a_killed_sweep_continues_where_it_stopped_and_a_finished_one_trains_not
     assert steps_b and max(steps_b) < RUN_STEPS, "the second run finished before the kill: the test proves nothing"
     assert not (out / "results.md").exists()
 
-    again = subprocess.run(sweep_command(base_config, out), capture_output=True, text=True)
-    assert again.returncode == 0, again.stderr
+    caplog.set_level(logging.INFO, logger="lm.sweep")
+    assert run(main, sweep_args(base_config, out)) == 0, capsys.readouterr().err
     assert launches(run_a) == 1 and launches(run_b) == 2
     assert "resumed from" in (run_b / "train.log").read_text()
-    assert "finished before, skipped" in again.stdout
+    assert [m for m in caplog.messages if m.endswith(": finished before, skipped")] == [f"[1/2] {run_a.name}: "
+                                                                                       "finished before, skipped"]
     with open(out / "results.csv") as f:
         table = list(csv.DictReader(f))
     assert [row["status"] for row in table] == ["finished", "finished"]
@@ -82,9 +96,25 @@ def test_a_killed_sweep_continues_where_it_stopped_and_a_finished_one_trains_not
     assert (out / "results.md").read_text().count("| finished |") == 2
     assert (out / "val_loss_vs_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    third = subprocess.run(sweep_command(base_config, out), capture_output=True, text=True)
-    assert third.returncode == 0 and third.stdout.count("finished before, skipped") == 2
+    caplog.clear()
+    assert run(main, sweep_args(base_config, out)) == 0
+    assert sum(m.endswith(": finished before, skipped") for m in caplog.messages) == 2
     assert launches(run_a) == 1 and launches(run_b) == 2
+
+
+TORCHRUN_SWEEP = ["--grid", "model.arch=gpt", "--train.steps=2", "--train.batch_size=4", "--train.micro_batch_size=2",
+                  "--checkpoint.every=2", "--train.eval_every=2"]
+"""A one-run sweep of 2 steps on the base config, 2 data-parallel ranks splitting its batch of 4."""
+
+
+@pytest.fixture(scope="module")
+def torchrun_sweep(tiny_data_config, tiny_data_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """(base config, sweep directory) of a finished `TORCHRUN_SWEEP` with --nproc 2. Read-only: shared by the
+    --nproc test and, copied, as the sweep of another base config (the run is the expensive part of both)."""
+    root = tmp_path_factory.mktemp("torchrun_sweep")
+    base = write_base_config(root / "base.yaml", tiny_data_config, tiny_data_dir)
+    assert run(main, ["--config", str(base), "--out", str(root / "sweep"), "--nproc", "2", *TORCHRUN_SWEEP]) == 0
+    return base, root / "sweep"
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -117,11 +147,13 @@ def test_bad_grids_are_refused_before_any_run_starts(base_config, tmp_path, caps
 
 
 @pytest.mark.process
-def test_a_directory_of_another_base_config_is_refused_unless_forced(base_config, tmp_path, capsys):
+def test_a_directory_of_another_base_config_is_refused_unless_forced(torchrun_sweep, tmp_path, capsys):
+    """The directory is a copy of the --nproc test's finished sweep: --nproc is no key of the base config, so the
+    runs added here train in one process."""
+    base_config, sweep = torchrun_sweep
     out = tmp_path / "sweep"
-    args = ["--config", str(base_config), "--grid", "optim.lr=3e-3", "--out", str(out), "--train.steps=2",
-            "--checkpoint.every=2", "--train.eval_every=2"]
-    assert run(main, args) == 0
+    shutil.copytree(sweep, out)
+    args = ["--config", str(base_config), "--out", str(out), *TORCHRUN_SWEEP]
     before = tree_digest(out)
     assert run(main, [*args, "--model.d_model=64"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -130,11 +162,11 @@ def test_a_directory_of_another_base_config_is_refused_unless_forced(base_config
     assert tree_digest(out) == before  # nothing written, nothing trained
     assert run(main, [*args, "--model.d_model=64", "--force"]) == 0
     runs = sorted(p.name for p in (out / "runs").iterdir())
-    assert len(runs) == 2 and all(name.startswith("lr=0.003-") for name in runs)
+    assert len(runs) == 2 and all(name.startswith("arch=gpt-") for name in runs)
     after = tree_digest(out)
     assert all(after[path] == digest for path, digest in before.items() if path.startswith("runs/"))  # untouched
-    # the table compares this sweep's run only
-    assert (out / "results.md").read_text().count("| finished |") == 1
+    # the table compares this sweep's run only (rewritten: the copied sweep's table had one row too)
+    assert (out / "results.md").read_text().count("| finished |") == 1 and after["results.md"] != before["results.md"]
 
 
 @pytest.mark.parametrize("record, message", [
@@ -165,12 +197,8 @@ def test_dry_run_lists_the_runs_and_writes_nothing(base_config, tmp_path, capsys
 
 
 @pytest.mark.process
-def test_nproc_runs_each_combination_as_a_torchrun_job(base_config, tmp_path, capsys):
-    out = tmp_path / "sweep"
-    args = ["--config", str(base_config), "--grid", "model.arch=gpt", "--out", str(out), "--nproc", "2",
-            "--train.steps=2", "--train.batch_size=4", "--train.micro_batch_size=2", "--checkpoint.every=2",
-            "--train.eval_every=2"]
-    assert run(main, args) == 0
+def test_nproc_runs_each_combination_as_a_torchrun_job(torchrun_sweep):
+    _, out = torchrun_sweep
     (run_dir,) = (out / "runs").iterdir()
     log = (run_dir / "train.log").read_text()
     assert "-m torch.distributed.run --standalone --nproc_per_node=2 -m lm.train" in log.splitlines()[0]
