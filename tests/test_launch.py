@@ -308,7 +308,9 @@ def test_deepspeed_local_zero2_run(tiny_data_dir, tmp_path):
 def test_gpu_bench_script_saves_each_part_and_reports_a_failed_one(tmp_path):
     out = tmp_path / "out"
     script = ["bash", str(REPO / "launch/bench_gpu.sh"), str(out)]
-    env = script_env(tmp_path, PYTHON=sys.executable)
+    # the tests part's pytest needs no plugin of another package (tests/conftest.py names its own): not importing
+    # them (hypothesis's alone is ~2 s of CPU) changes nothing the script does
+    env = script_env(tmp_path, PYTHON=sys.executable, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     # a failed part first: the parts after it still run and are saved, and the script exits 1 at the end
     run = subprocess.run([*script, "nosuch", "tests"], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and "failed: nosuch (see" in run.stderr, run.stdout + run.stderr

@@ -1,9 +1,7 @@
 import functools
 import json
-import os
 import shutil
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ from lm.distributed.optim import build_optimizer
 from lm.errors import CheckpointError
 from lm.models.gpt.model import GPT
 from lm.training.trainer import Trainer
-from tests.distributed.test_engines import heads_for
+from tests.distributed.test_engines import heads_for, train
 
 TINY = [
     "--model.n_layer=2", "--model.d_model=32", "--model.block_size=32",
@@ -145,54 +143,64 @@ def test_no_weight_decay_on_biases_norms_embeddings():
 
 
 @pytest.mark.process
-def test_two_process_torchrun_loss_falls(tiny_data_dir, tmp_path, capsys):
+def test_two_process_ddp_loss_falls_and_its_checkpoint_loads_in_one(tiny_data_dir, tmp_path, capsys):
+    # on the session's 2-rank pool: the launcher is not what this checks (tests/test_launch.py runs torchrun)
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "lm.train", *TINY, *heads_for([]), f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}",
-           "--train.steps=24", "--train.batch_size=8", "--train.eval_every=12", "--checkpoint.every=12",
-           "--optim.lr=1e-2"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout + result.stderr
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["train/loss"] for r in rows if "train/loss" in r]
-    assert len(losses) == 24
+    history = train(2, out, tiny_data_dir, "--train.steps=20", "--train.batch_size=8", "--train.eval_every=20",
+                    "--checkpoint.every=20", "--optim.lr=1e-2")
+    losses = [history[step] for step in sorted(history)]
+    assert len(losses) == 20
     assert sum(losses[-4:]) / 4 < 0.75 * sum(losses[:4]) / 4
-    assert "step 24/24 | loss" in result.stdout and "val ppl" in result.stdout
+    log = (tmp_path / "ddp.log").read_text()
+    assert "step 20/20 | loss" in log and "val ppl" in log
     # each rank wrote its own shard, and no wrapper prefix leaked into the saved names
-    step_dir = out / "checkpoints/step_00000024"
+    step_dir = out / "checkpoints/step_00000020"
     assert {p.name for p in step_dir.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
     keys = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata.keys()
     assert "model.wte.weight" in keys
     assert not [k for k in keys if "module." in k or "_orig_mod" in k]
     assert json.loads((step_dir / "state.json").read_text())["world_size"] == 2
     # a checkpoint written by 2 ranks loads whole on one process, for sampling and evaluation
+    capsys.readouterr()
     assert run(sample.main, ["--checkpoint", str(out), "--max-new-tokens", "5", "--prompt", "KING:"]) == 0
     assert run(eval_tool.main, ["--checkpoint", str(out), "--max-tokens", "100"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("KING:") and "tokens scored: 99" in printed
 
 
-def test_tensorboard_receives_the_logged_scalars(tiny_data_dir, tmp_path):
+@pytest.fixture(scope="module")
+def two_step_run(tiny_data_dir, tmp_path_factory) -> Path:
+    """A run directory of TINY trained 2 steps eagerly, with TensorBoard on (which changes no loss): its events,
+    metrics and step-2 checkpoint. Read-only, shared by the module's tests."""
+    out = tmp_path_factory.mktemp("two_steps") / "run"
+    Trainer(tiny_config(tiny_data_dir, out, "--train.steps=2", "--log.tensorboard=true"), init_distributed("cpu")).fit()
+    return out
+
+
+def metrics_rows(out: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tensorboard_receives_the_logged_scalars(two_step_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = tmp_path / "tb_run"
-    Trainer(tiny_config(tiny_data_dir, out, "--train.steps=2", "--log.tensorboard=true"), init_distributed("cpu")).fit()
+    out = two_step_run
     events = EventAccumulator(str(out / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     expected = {"train/loss", "train/ppl", "train/lr", "train/grad_norm", "perf/tokens_per_s", "val/loss", "val/ppl"}
     assert expected <= tags
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(out)
     assert events.Scalars("val/loss")[0].value == pytest.approx(rows[-1]["val/loss"], rel=1e-6)
 
 
 @pytest.mark.slow
-def test_compiled_training_matches_eager_and_saves_bare_names(tiny_data_dir, tmp_path):
-    env = init_distributed("cpu")
-    eager = Trainer(tiny_config(tiny_data_dir, tmp_path / "eager", "--train.steps=2"), env).fit()
-    trainer = Trainer(tiny_config(tiny_data_dir, tmp_path / "compiled", "--train.steps=2", "--train.compile=true"), env)
+def test_compiled_training_matches_eager_and_saves_bare_names(tiny_data_dir, tmp_path, two_step_run):
+    eager = metrics_rows(two_step_run)  # the same 2 steps, eager
+    trainer = Trainer(tiny_config(tiny_data_dir, tmp_path / "compiled", "--train.steps=2", "--train.compile=true"),
+                      init_distributed("cpu"))
     assert all(block._compiled_call_impl is not None for block in trainer.model.blocks)  # really compiled
     compiled = trainer.fit()
     for step, loss in train_losses(eager).items():
