@@ -11,24 +11,29 @@ from lm.distributed.context_parallel import shard_indices
 from lm.distributed.layout import check_world
 from lm.errors import ConfigError
 from tests.distributed.test_engines import held_share, resume_copy, train
-from tests.distributed.test_pipeline import LLAMA4, assert_same
+from tests.distributed.test_pipeline import LLAMA4, MICRO4, assert_same, one_process_run
 
 
 @pytest.mark.process
-def test_cp2_by_fsdp2_trains_like_one_process_and_resumes_without_it(tiny_data_dir, tmp_path):
-    one = train(1, tmp_path / "one", tiny_data_dir, *LLAMA4)
-    assert_same(train(4, tmp_path / "cp2dp2", tiny_data_dir, *LLAMA4, "--parallel.cp=2"), one, range(1, 11))
+def test_cp2_by_fsdp2_trains_like_one_process_and_resumes_without_it(tiny_data_dir, tmp_path, tmp_path_factory):
+    _, one = one_process_run(tiny_data_dir, tmp_path_factory, *LLAMA4)  # the pipeline layouts' reference
+    # one micro-batch a rank (the next test accumulates 2 under cp)
+    cp2dp2 = train(4, tmp_path / "cp2dp2", tiny_data_dir, *LLAMA4, "--parallel.cp=2", *MICRO4)
+    assert_same(cp2dp2, one, range(1, 11))
     assert held_share(tmp_path / "cp2dp2") == pytest.approx(1 / 4, abs=0.02)  # sharded over dp x cp
     run = resume_copy(tmp_path / "cp2dp2", tmp_path / "resumed", step=5)
     assert_same(train(1, run, tiny_data_dir, *LLAMA4), one, range(6, 11))
 
 
 @pytest.mark.process
-def test_cp2_matches_one_process_with_learned_positions_recomputation_and_z_loss(tiny_data_dir, tmp_path):
-    flags = ["--parallel.engine=fsdp", "--model.n_head=4", "--train.steps=4", "--optim.z_loss=1e-4",
-             "--parallel.activation_checkpointing=1"]
-    one = train(1, tmp_path / "one", tiny_data_dir, *flags)
-    assert_same(train(2, tmp_path / "cp2", tiny_data_dir, *flags, "--parallel.cp=2"), one, range(1, 5))
+def test_cp2_matches_one_process_with_learned_positions_recomputation_and_z_loss(tiny_data_dir, tmp_path,
+                                                                                   tmp_path_factory):
+    # tensor parallelism's gpt2 case in the same order: its one-process run serves both
+    flags = ["--parallel.engine=fsdp", "--model.n_head=4", "--train.steps=4", "--parallel.activation_checkpointing=1",
+             "--optim.z_loss=1e-4"]
+    _, one = one_process_run(tiny_data_dir, tmp_path_factory, *flags)
+    cp2 = train(2, tmp_path / "cp2", tiny_data_dir, *flags, "--parallel.cp=2", *MICRO4)  # 2 micro-batches a step
+    assert_same(cp2, one, range(1, 5))
 
 
 @pytest.mark.parametrize("length, cp", [(8, 2), (16, 2), (24, 3), (32, 4), (64, 8)])

@@ -14,6 +14,7 @@ from lm.cli import run as run_tool
 from lm.config import load_config
 from lm.errors import ConfigError
 from tests.distributed.test_engines import held_share, resume_copy, train
+from tests.distributed.test_pipeline import MICRO4, one_process_run
 
 # the Llama options with grouped-query attention: 4 query heads, 2 key/value heads, an untied head
 LLAMA = ["--parallel.engine=fsdp", "--model.n_head=4", "--model.n_kv_head=2", "--model.pos=rope",
@@ -29,9 +30,11 @@ def assert_same(got: dict[int, float], want: dict[int, float], steps) -> None:
 
 
 @pytest.mark.process
-def test_tp2_by_fsdp2_trains_like_one_process_and_resumes_under_fsdp4_and_one_process(tiny_data_dir, tmp_path):
-    one = train(1, tmp_path / "one", tiny_data_dir, *LLAMA)
-    two_d = train(4, tmp_path / "tp2dp2", tiny_data_dir, *LLAMA, "--parallel.tp=2")
+def test_tp2_by_fsdp2_trains_like_one_process_and_resumes_under_fsdp4_and_one_process(tiny_data_dir, tmp_path,
+                                                                                      tmp_path_factory):
+    one_dir, one = one_process_run(tiny_data_dir, tmp_path_factory, *LLAMA)
+    # one micro-batch a rank; test_expert_parallel's tp2 layout accumulates 2 under tp2 x fsdp2
+    two_d = train(4, tmp_path / "tp2dp2", tiny_data_dir, *LLAMA, "--parallel.tp=2", *MICRO4)
     assert sorted(one) == sorted(two_d) == list(range(1, 11))
     assert_same(two_d, one, range(1, 11))
     assert held_share(tmp_path / "tp2dp2") == pytest.approx(1 / 4, abs=0.02)  # split by tp, then sharded by dp
@@ -47,9 +50,9 @@ def test_tp2_by_fsdp2_trains_like_one_process_and_resumes_under_fsdp4_and_one_pr
     # its own size, so where a gradient is near zero (an embedding row seen once) rounding moves the update by a
     # share of the learning rate: a few of the 1.6M embedding weights differ by ~1e-4, the rest by < 1e-5
     weights = {}
-    for run in ("one", "tp2dp2"):
+    for run, run_dir in (("one", one_dir), ("tp2dp2", tmp_path / "tp2dp2")):
         out = tmp_path / f"{run}.safetensors"
-        assert run_tool(consolidate.main, [f"--checkpoint={tmp_path / run}", str(out)]) == 0
+        assert run_tool(consolidate.main, [f"--checkpoint={run_dir}", str(out)]) == 0
         weights[run] = load_file(out)
     assert sorted(weights["one"]) == sorted(weights["tp2dp2"])
     for name, tensor in weights["one"].items():
@@ -58,10 +61,10 @@ def test_tp2_by_fsdp2_trains_like_one_process_and_resumes_under_fsdp4_and_one_pr
 
 
 @pytest.mark.process
-def test_a_one_process_checkpoint_resumes_with_tensor_parallelism(tiny_data_dir, tmp_path):
-    one = train(1, tmp_path / "one", tiny_data_dir, *LLAMA)
-    run = resume_copy(tmp_path / "one", tmp_path / "tp2", step=5)
-    assert_same(train(2, run, tiny_data_dir, *LLAMA, "--parallel.tp=2"), one, range(6, 11))
+def test_a_one_process_checkpoint_resumes_with_tensor_parallelism(tiny_data_dir, tmp_path, tmp_path_factory):
+    one_dir, one = one_process_run(tiny_data_dir, tmp_path_factory, *LLAMA)
+    run = resume_copy(one_dir, tmp_path / "tp2", step=5)
+    assert_same(train(2, run, tiny_data_dir, *LLAMA, "--parallel.tp=2", *MICRO4), one, range(6, 11))
 
 
 # each case: a set of model options and training features under tp=2 on 2 ranks, against 1 process
@@ -79,12 +82,12 @@ CASES = {
 
 @pytest.mark.process
 @pytest.mark.parametrize("case", CASES)
-def test_tp2_matches_one_process(case, tiny_data_dir, tmp_path):
+def test_tp2_matches_one_process(case, tiny_data_dir, tmp_path, tmp_path_factory):
     flags = ["--parallel.engine=fsdp", "--model.n_head=4", "--train.steps=4", *CASES[case]]
     # against the eager model: compiled and eager agree to rounding (tests/training/test_trainer.py), and a cold
     # compile on one process more would double the case's time
-    one = train(1, tmp_path / "one", tiny_data_dir, *[f for f in flags if f != "--train.compile=true"])
-    two = train(2, tmp_path / "tp2", tiny_data_dir, *flags, "--parallel.tp=2")
+    _, one = one_process_run(tiny_data_dir, tmp_path_factory, *[f for f in flags if f != "--train.compile=true"])
+    two = train(2, tmp_path / "tp2", tiny_data_dir, *flags, "--parallel.tp=2", *MICRO4)  # 2 micro-batches a step
     assert sorted(two) == [1, 2, 3, 4]
     assert_same(two, one, range(1, 5))
 
