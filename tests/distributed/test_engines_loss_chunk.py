@@ -10,9 +10,14 @@ from tests.distributed.test_engines import ENGINES, SAME_BATCH_REL, train
 pytestmark = pytest.mark.process
 
 
+@pytest.fixture(scope="module")
+def reference(tiny_data_dir, tmp_path_factory) -> dict[int, float]:
+    """4 steps of TINY on one plain process (no chunks, ddp): what every engine's chunked 2 ranks must give."""
+    return train(1, tmp_path_factory.mktemp("plain") / "run", tiny_data_dir, "--train.steps=4")
+
+
 @pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero3"])
-def test_chunked_loss_on_2_ranks_equals_one_plain_process(engine, tiny_data_dir, tmp_path):
-    reference = train(1, tmp_path / "plain", tiny_data_dir, "--train.steps=4")
+def test_chunked_loss_on_2_ranks_equals_one_plain_process(engine, tiny_data_dir, tmp_path, reference):
     # 2 x 16 = 32 positions per micro-batch: chunks of 12 leave a shorter last one
     losses = train(2, tmp_path / engine, tiny_data_dir, "--train.steps=4", "--model.loss_chunk=12", *ENGINES[engine])
     assert losses.keys() == reference.keys()

@@ -66,19 +66,28 @@ def router_biases(run: Path) -> torch.Tensor:
     return torch.stack([block.mlp.router.score_bias for block in model.blocks])
 
 
+@pytest.fixture(scope="module")
+def balanced_one_process(tiny_data_dir, tmp_path_factory) -> tuple[Path, dict[int, float]]:
+    """BALANCED trained on one process under ddp, which both engines' 2 processes must match: its run directory
+    (read-only) and its losses."""
+    out = tmp_path_factory.mktemp("balanced") / "one"
+    return out, train(1, out, tiny_data_dir, *ENGINES["ddp"], *BALANCED)
+
+
 @pytest.mark.parametrize("engine", ["fsdp", "zero2"])
-def test_balancing_biases_on_two_processes_are_those_of_one_and_resume(engine, tiny_data_dir, tmp_path):
+def test_balancing_biases_on_two_processes_are_those_of_one_and_resume(engine, tiny_data_dir, tmp_path,
+                                                                        balanced_one_process):
     flags = [*ENGINES[engine], *BALANCED]
-    one = train(1, tmp_path / "one", tiny_data_dir, *ENGINES["ddp"], *BALANCED)
+    one_dir, one = balanced_one_process
     two = train(2, tmp_path / "two", tiny_data_dir, *flags)
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=SAME_BATCH_REL), step
     # 6 sign steps of 0.05 from 0: the loads counted over both ranks' micro-batches, as one process counts them
     biases = router_biases(tmp_path / "two")
-    assert torch.equal(biases, router_biases(tmp_path / "one"))
+    assert torch.equal(biases, router_biases(one_dir))
     assert biases.abs().max() >= 0.1 and torch.allclose(biases / 0.05, (biases / 0.05).round(), atol=1e-5)
     half = router_biases(tmp_path / "two/checkpoints/step_00000003")
-    assert torch.equal(half, router_biases(tmp_path / "one/checkpoints/step_00000003"))
+    assert torch.equal(half, router_biases(one_dir / "checkpoints/step_00000003"))
     assert not torch.equal(half, biases)
     if engine == "fsdp":  # resumed at step 3 on 2 processes (bit for bit) and on 1: the biases come back too
         check_resumes(two, tmp_path, tiny_data_dir, *flags)

@@ -15,10 +15,17 @@ pytestmark = pytest.mark.process
 MUON = ["--optim.name=muon", "--optim.muon_lr=0.03", "--optim.z_loss=1e-3"]
 
 
+@pytest.fixture(scope="module")
+def one_process(tiny_data_dir, tmp_path_factory) -> dict[int, float]:
+    """MUON's losses on one process under ddp, which both engines' 2 processes must give (fsdp's own
+    single-process run is the 2-to-1 resume of `check_resumes`)."""
+    return train(1, tmp_path_factory.mktemp("one") / "ddp", tiny_data_dir, *ENGINES["ddp"], *MUON)
+
+
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
-def test_muon_on_two_processes_matches_one_and_resumes(engine, tiny_data_dir, tmp_path):
+def test_muon_on_two_processes_matches_one_and_resumes(engine, tiny_data_dir, tmp_path, one_process):
     flags = [*ENGINES[engine], *MUON]
-    one = train(1, tmp_path / "one", tiny_data_dir, *flags)
+    one = one_process
     two = train(2, tmp_path / "two", tiny_data_dir, *flags)
     assert sorted(one) == sorted(two) == [1, 2, 3, 4, 5, 6]
     for step in one:

@@ -7,12 +7,12 @@ from lm.config import load_config
 from lm.distributed.layout import check_world
 from lm.errors import ConfigError
 from tests.distributed.test_engines import held_share, resume_copy, train
-from tests.distributed.test_pipeline import LLAMA4, assert_same
+from tests.distributed.test_pipeline import LLAMA4, assert_same, one_process_run
 
 
 @pytest.mark.process
-def test_two_groups_of_two_train_like_one_process_and_resume_in_one(tiny_data_dir, tmp_path):
-    one = train(1, tmp_path / "one", tiny_data_dir, *LLAMA4)
+def test_two_groups_of_two_train_like_one_process_and_resume_in_one(tiny_data_dir, tmp_path, tmp_path_factory):
+    _, one = one_process_run(tiny_data_dir, tmp_path_factory, *LLAMA4)  # the pipeline layouts' reference
     assert_same(train(4, tmp_path / "hsdp", tiny_data_dir, *LLAMA4, "--parallel.dp_replicate=2"), one, range(1, 11))
     # sharded over a group of 2, not over all 4 ranks
     assert held_share(tmp_path / "hsdp") == pytest.approx(1 / 2, abs=0.02)

@@ -47,9 +47,19 @@ def by_step(rows: list[dict], key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in rows if key in r}
 
 
-def test_a_mixture_resumed_2_1_2_ranks_reads_the_uninterrupted_stream(tiny_data_dir, second_data_dir, tmp_path):
+@pytest.fixture(scope="module")
+def whole_run(tiny_data_dir, second_data_dir, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """6 uninterrupted steps on 2 ranks of Macbeth and the second source weighted 3 to 1: the run directory
+    (read-only) and its metrics rows."""
+    out = tmp_path_factory.mktemp("mixture") / "whole"
     mixture = f"[{{dir: {tiny_data_dir}, weight: 3, name: macbeth}}, {{dir: {second_data_dir}, weight: 1}}]"
-    whole = train(2, tmp_path / "whole", mixture, 6)
+    return out, train(2, out, mixture, 6)
+
+
+def test_a_mixture_resumed_2_1_2_ranks_reads_the_uninterrupted_stream(tiny_data_dir, second_data_dir, tmp_path,
+                                                                      whole_run):
+    mixture = f"[{{dir: {tiny_data_dir}, weight: 3, name: macbeth}}, {{dir: {second_data_dir}, weight: 1}}]"
+    whole = whole_run[1]
     for nproc, steps in ((2, 2), (1, 4), (2, 6)):  # each process resumes the last one's checkpoint
         parts = train(nproc, tmp_path / "parts", mixture, steps)
     # the samples of every step are the same: the tokens each source served match exactly, and the losses
@@ -73,13 +83,15 @@ def test_a_mixture_resumed_2_1_2_ranks_reads_the_uninterrupted_stream(tiny_data_
     assert state["data"]["source"] == "mixture of macbeth (3), data (1)"
 
 
-def test_changing_the_weights_is_refused_on_resume(tiny_data_dir, second_data_dir, tmp_path):
-    first = f"{{dir: {tiny_data_dir}, name: macbeth"
-    train(1, tmp_path / "run", f"[{first}, weight: 3}}, {{dir: {second_data_dir}, weight: 1}}]", 2)
-    cmd = [sys.executable, "-m", "lm.train", *TINY, f"--train.out_dir={tmp_path / 'run'}", "--train.steps=4",
-           f"--data.mixture=[{first}, weight: 1}}, {{dir: {second_data_dir}, weight: 1}}]"]
+def test_changing_the_weights_is_refused_on_resume(tiny_data_dir, second_data_dir, whole_run):
+    run = whole_run[0]  # trained on weights 3 and 1; the refusal must leave it as it is
+    before = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in run.rglob("*")}
+    mixture = f"[{{dir: {tiny_data_dir}, name: macbeth, weight: 1}}, {{dir: {second_data_dir}, weight: 1}}]"
+    cmd = [sys.executable, "-m", "lm.train", *TINY, f"--train.out_dir={run}", "--train.steps=8",
+           f"--data.mixture={mixture}"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert "trained on 'mixture of macbeth (3), data (1)'" in line
     assert "but data.mixture now holds 'mixture of macbeth (1), data (1)'" in line
+    assert before == {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in run.rglob("*")}
