@@ -4,9 +4,10 @@ saves killed (SIGKILL, in a real subprocess) at each point of the save."""
 import hashlib
 import json
 import logging
+import multiprocessing
+import os
+import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,6 @@ from lm.distributed.env import init_distributed
 from lm.errors import CheckpointError
 from tests.checkpoint.test_store import one_step, setup
 from tests.workers import pool
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def state(step: int) -> dict:
@@ -140,66 +139,78 @@ def test_retention_never_deletes_the_checkpoint_just_written(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000005"]
 
 
-# Saves step 1 (keep=1), trains one more step and saves step 2, killing itself with SIGKILL at the point
-# named in argv[1]. "replace" saves step 2 fully first and is killed while a second save of step 2 replaces
-# it. Before each save it writes the model weights it is saving, for the parent to compare.
-KILLED_SAVE = """
-import os, shutil, signal, sys
-from pathlib import Path
+def _killed_save(point: str, root: str, log: str) -> None:
+    """In a process of its own: save step 1 (keep=1), train one more step and save step 2, killing the process
+    with SIGKILL at `point`. "replace" saves step 2 fully first and is killed while a second save of step 2
+    replaces it. Before each save it writes the model weights it is saving, for the test to compare."""
+    with open(log, "w") as out:
+        os.dup2(out.fileno(), 2)  # whatever it prints before it dies, for the test's message
+    import lm.checkpoint.store as store
 
-import torch
+    root_dir = Path(root)
+    cfg, engine = setup()
+    env = init_distributed("cpu")
 
-import lm.checkpoint.store as store
-from lm.distributed.env import init_distributed
-from tests.checkpoint.test_integrity import setup, state, train_one_more
+    def save(step):
+        torch.save(engine.model.state_dict(), root_dir.parent / f"weights_{step}.pt")
+        store.save_checkpoint(root_dir, step, engine, state(step), cfg, env, keep=1)
 
-point, root = sys.argv[1], Path(sys.argv[2])
-cfg, engine = setup()
-env = init_distributed("cpu")
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
 
-def save(step):
-    torch.save(engine.model.state_dict(), root.parent / f"weights_{step}.pt")
-    store.save_checkpoint(root, step, engine, state(step), cfg, env, keep=1)
+    def then_die(fn):
+        def wrapped(*args, **kwargs):
+            fn(*args, **kwargs)
+            die()
+        return wrapped
 
-def die(*args, **kwargs):
-    os.kill(os.getpid(), signal.SIGKILL)
-
-def then_die(fn):
-    def wrapped(*args, **kwargs):
-        fn(*args, **kwargs)
-        die()
-    return wrapped
-
-save(1)
-train_one_more(cfg, engine)
-if point == "replace":
-    save(2)
+    save(1)
     train_one_more(cfg, engine)
-    real_rename = Path.rename
-    def rename(self, target):
-        if self.name == "step_00000002.tmp":  # the old step_00000002 is already moved aside
-            die()
-        return real_rename(self, target)
-    Path.rename = rename
-    store.save_checkpoint(root, 2, engine, state(2), cfg, env, keep=1)
-if point == "engine":
-    engine.save = then_die(engine.save)
-elif point == "rng":
-    store.save_config = die
-elif point == "manifest":
-    store.write_manifest = then_die(store.write_manifest)
-elif point == "rename":
-    store.publish_dir = die
-elif point == "prune":
-    real_rmtree = shutil.rmtree
-    def rmtree(path, *args, **kwargs):
-        if str(path).endswith(".deleting"):
-            (Path(path) / "__0_0.distcp").unlink()
-            die()
-        real_rmtree(path, *args, **kwargs)
-    shutil.rmtree = rmtree
-save(2)
-"""
+    if point == "replace":
+        save(2)
+        train_one_more(cfg, engine)
+        real_rename = Path.rename
+
+        def rename(self, target):
+            if self.name == "step_00000002.tmp":  # the old step_00000002 is already moved aside
+                die()
+            return real_rename(self, target)
+        Path.rename = rename
+        store.save_checkpoint(root_dir, 2, engine, state(2), cfg, env, keep=1)
+    if point == "engine":
+        engine.save = then_die(engine.save)
+    elif point == "rng":
+        store.save_config = die
+    elif point == "manifest":
+        store.write_manifest = then_die(store.write_manifest)
+    elif point == "rename":
+        store.publish_dir = die
+    elif point == "prune":
+        real_rmtree = shutil.rmtree
+
+        def rmtree(path, *args, **kwargs):
+            if str(path).endswith(".deleting"):
+                (Path(path) / "__0_0.distcp").unlink()
+                die()
+            real_rmtree(path, *args, **kwargs)
+        shutil.rmtree = rmtree
+    save(2)
+
+
+def killed_save(point: str, root: Path, log: Path) -> int | None:
+    """`_killed_save` in a process forked from multiprocessing's fork server, which imports torch and lm once for
+    all the cases (a fresh interpreter per case spent ~4 s of CPU importing them); its exit code."""
+    forks = multiprocessing.get_context("forkserver")
+    # read when the server starts, on the first case; by the names the server can import (pytest imports this
+    # file as `test_integrity`, from a sys.path entry the server does not have: the child imports it, cheaply)
+    forks.set_forkserver_preload(["lm.training.setup", "lm.checkpoint.store", setup.__module__])
+    proc = forks.Process(target=_killed_save, args=(point, str(root), str(log)))
+    proc.start()
+    proc.join(timeout=300)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    return proc.exitcode
 
 
 @pytest.mark.process
@@ -213,9 +224,8 @@ save(2)
 ])
 def test_a_save_killed_at_any_point_leaves_a_valid_checkpoint(tmp_path, point, survivor):
     root = tmp_path / "checkpoints"
-    done = subprocess.run([sys.executable, "-c", KILLED_SAVE, point, str(root)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == -signal.SIGKILL, done.stderr
+    code = killed_save(point, root, tmp_path / "killed.log")
+    assert code == -signal.SIGKILL, (tmp_path / "killed.log").read_text()
     path = latest_valid_checkpoint(root)
     assert path.name == f"step_{survivor:08d}"
     assert complete_checkpoints(root) == [path]  # nothing half-written or half-deleted looks complete

@@ -13,7 +13,8 @@ import pytest
 from lm.checkpoint.run_dir import LOCK, RunLock, check_run_paths
 from lm.config import load_config
 from lm.errors import CheckpointError, ConfigError
-from tests.training.test_faults import TINY, run_env
+from tests.training.test_faults import TINY, refused_run, run_env
+from tests.workers import train_in_pool
 
 
 @pytest.mark.parametrize("data, out, message", [
@@ -70,8 +71,8 @@ def wait_for_steps(metrics: Path, n: int, proc: subprocess.Popen) -> None:
 @pytest.mark.process
 def test_workers_left_by_a_killed_torchrun_keep_the_directory_from_a_second_run(tiny_data_dir, tmp_path):
     out = tmp_path / "run"
-    args = [*TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}", "--train.steps=400",
-            "--checkpoint.every=2"]
+    steps = ["--train.steps=400", "--checkpoint.every=2"]
+    args = [*TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}", *steps]
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                  "-m", "lm.train", *args], env=run_env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
@@ -84,10 +85,10 @@ def test_workers_left_by_a_killed_torchrun_keep_the_directory_from_a_second_run(
         launcher.wait()
         holder = json.loads((out / LOCK).read_text())["pid"]
         assert holder in workers
-        second = subprocess.run([sys.executable, "-m", "lm.train", *args], env=run_env(), capture_output=True,
-                                text=True, timeout=120)
-        assert second.returncode == 2
-        assert second.stderr.strip().splitlines() == [
+        # the second run and the third need no launcher of their own: a pool's rank is another process too
+        (second,) = refused_run(1, tiny_data_dir, out, *steps)
+        assert second["value"] == 2
+        assert second["stderr"].strip().splitlines() == [
             f"error: train.out_dir: {out} is in use by another run (pid {holder} on "
             f"{json.loads((out / LOCK).read_text())['host']}, since "
             f"{json.loads((out / LOCK).read_text())['since']}); wait for it to end or stop it, or give this run "
@@ -100,7 +101,5 @@ def test_workers_left_by_a_killed_torchrun_keep_the_directory_from_a_second_run(
                 pass
     time.sleep(0.5)
     # the workers are gone (killed, as a lost machine would be): the next run takes over and resumes
-    third = subprocess.run([sys.executable, "-m", "lm.train", *args[:-2], "--train.steps=6", "--checkpoint.every=2"],
-                           env=run_env(), capture_output=True, text=True, timeout=180)
-    assert third.returncode == 0, third.stdout + third.stderr
-    assert "resumed from" in third.stdout and not (out / LOCK).exists()
+    third = train_in_pool(1, [*args[:-2], "--train.steps=6", "--checkpoint.every=2"], run_env())
+    assert "resumed from" in third and not (out / LOCK).exists()

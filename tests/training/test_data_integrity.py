@@ -5,8 +5,6 @@ import json
 import logging
 import re
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,7 +15,7 @@ from lm.data.shards import HEADER_BYTES
 from lm.distributed.env import init_distributed
 from lm.errors import CheckpointError, DataError
 from lm.training.trainer import Trainer
-from tests.training.test_faults import TINY, config, run_env, train_cmd
+from tests.training.test_faults import config, refused_run
 
 
 def flip_byte(path, offset):
@@ -44,12 +42,11 @@ def test_a_flipped_byte_in_a_data_shard_is_named_when_hashes_are_checked(flipped
 @pytest.mark.process
 def test_both_ranks_refuse_a_flipped_data_shard_together(flipped_data, tmp_path):
     # rank 0 hashes and broadcasts its finding: rank 1 must fail too, not wait in a collective
-    result = subprocess.run(train_cmd(2, flipped_data, tmp_path / "run", "--data.verify_hashes=true",
-                                      "--train.steps=2"),
-                            env=run_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0
-    assert result.stderr.count("error: ") == 2 * 2, result.stderr  # 2 ranks x (first try + the one restart)
-    assert "train_00001.bin: sha256 differs from manifest.json" in result.stderr
+    replies = refused_run(2, flipped_data, tmp_path / "run", "--data.verify_hashes=true", "--train.steps=2")
+    assert [r["value"] for r in replies] == [2, 2]
+    for r in replies:
+        assert r["stderr"].count("error: ") == 1, r["stderr"]
+        assert "train_00001.bin: sha256 differs from manifest.json" in r["stderr"]
 
 
 def test_intact_shards_pass_the_check(tiny_data_dir, tmp_path, caplog):
@@ -99,11 +96,9 @@ def test_token_ids_beyond_the_vocabulary_stop_training_naming_the_shard(tiny_dat
         tokens = np.memmap(shard, dtype="<u2", mode="r+", offset=HEADER_BYTES)
         tokens[::50] = 65535
         tokens.flush()
-    result = subprocess.run([sys.executable, "-m", "lm.train", *TINY, f"--data.dir={data}",
-                             f"--train.out_dir={tmp_path / 'run'}", "--train.steps=4"], env=run_env(),
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    (line,) = result.stderr.strip().splitlines()
+    (result,) = refused_run(1, data, tmp_path / "run", "--train.steps=4")
+    assert result["value"] == 2
+    (line,) = result["stderr"].strip().splitlines()
     assert re.fullmatch(rf"error: {data}/train_\d{{5}}.bin: token 65535 at position [\d,]+ is not below the "
                         r"vocabulary size 50257 \(the file changed since it was prepared\); check it with `python -m "
                         r"lm.prepare --verify` and prepare it again with --force", line), line

@@ -20,7 +20,7 @@ from lm.errors import CheckpointError, TrainingError
 from lm.models.registry import family_of
 from lm.training.faults import install_faults
 from lm.training.trainer import Trainer
-from tests.workers import train_in_pool
+from tests.workers import pool, train_in_pool
 
 TINY = [
     "--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
@@ -125,6 +125,22 @@ def straight_run(nproc: int, data_dir: Path, out: Path, *extra: str) -> Path:
     were started is not what it checks, and a pool job starts no process."""
     train_in_pool(nproc, [*TINY, f"--data.dir={data_dir}", f"--train.out_dir={out}", *extra], run_env())
     return out
+
+
+def train_exit_code(args: list[str]) -> int:
+    """In a rank of a pool: what `python -m lm.train ARGS` exits with; its `error:` line is on the job's stderr."""
+    from lm.cli import run
+    from lm.train import main
+
+    return run(main, args)
+
+
+def refused_run(nproc: int, data_dir: Path, out: Path, *extra: str) -> list[dict]:
+    """`lm.train` on the tests' pool of `nproc` ranks, for a run that must stop with an `error:` line: each rank's
+    reply ("value" its exit code, "stdout", "stderr"). What is checked is the refusal, not how the ranks were
+    started; a rank left waiting in a collective fails the test after 120 s."""
+    args = [*TINY, f"--data.dir={data_dir}", f"--train.out_dir={out}", *extra]
+    return pool(nproc).run(train_exit_code, args, env=run_env(), timeout_s=120)
 
 
 KILLED = ["--train.steps=8", "--checkpoint.every=2", "--train.batch_size=8"]

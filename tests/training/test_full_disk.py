@@ -3,14 +3,13 @@
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from lm.config import load_config
 from lm.plan.disk import checkpoint_bytes
-from tests.training.test_faults import TINY, run_env
+from tests.training.test_faults import TINY, refused_run
 
 MIB = 2**20
 
@@ -29,10 +28,9 @@ def small_disk(tmp_path, request):
     subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
-def train(data_dir, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lm.train", *TINY, f"--data.dir={data_dir}",
-                           f"--train.out_dir={out}", *extra], env=run_env(), capture_output=True, text=True,
-                          timeout=300)
+def train(data_dir, out: Path, *extra: str) -> dict:
+    """`lm.train` in the tests' 1-rank pool: its exit code ("value"), "stdout" and "stderr"."""
+    return refused_run(1, data_dir, out, *extra)[0]
 
 
 def test_the_probe_counts_what_a_checkpoint_writes():
@@ -44,8 +42,8 @@ def test_the_probe_counts_what_a_checkpoint_writes():
 @pytest.mark.parametrize("small_disk", [20], indirect=True)
 def test_a_disk_too_small_for_one_checkpoint_is_refused_before_training(small_disk, tiny_data_dir):
     result = train(tiny_data_dir, small_disk / "run", "--train.steps=2")
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+    assert result["value"] == 2
+    assert result["stderr"].strip().splitlines() == [
         f"error: train.out_dir: {small_disk / 'run'} has 20 MiB free, less than one checkpoint needs (about "
         f"{checkpoint_bytes(load_config(None, TINY)) / MIB:,.0f} MiB)"]
     assert list(small_disk.iterdir()) == []
@@ -57,8 +55,8 @@ def test_a_disk_that_fills_up_fails_the_save_cleanly_and_frees_what_it_wrote(sma
     out = small_disk / "run"
     # step 2's checkpoint fits; step 4's does not while step 2's is kept
     result = train(tiny_data_dir, out, "--train.steps=6", "--checkpoint.every=2", "--checkpoint.keep=2")
-    assert result.returncode == 2, result.stdout + result.stderr
-    (line,) = result.stderr.strip().splitlines()
+    assert result["value"] == 2, result["stdout"] + result["stderr"]
+    (line,) = result["stderr"].strip().splitlines()
     assert re.fullmatch(rf"error: {out / 'checkpoints'}: saving step 4 failed \(.* [\d,]+ MiB free there\); the "
                         rf"previous checkpoint {out / 'checkpoints/step_00000002'} is intact", line), line
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]  # no .tmp left
@@ -66,6 +64,7 @@ def test_a_disk_that_fills_up_fails_the_save_cleanly_and_frees_what_it_wrote(sma
     assert free > 10 * MIB  # the failed save's half is gone: the disk is not left full
     # the same command now stops before training: what is free is less than one more checkpoint
     again = train(tiny_data_dir, out, "--train.steps=6", "--checkpoint.every=2", "--checkpoint.keep=2")
-    assert again.returncode == 2
-    assert f"error: train.out_dir: {out} has {free / MIB:,.0f} MiB free, less than one checkpoint needs" in again.stderr
+    assert again["value"] == 2
+    assert f"error: train.out_dir: {out} has {free / MIB:,.0f} MiB free, less than one checkpoint needs" in \
+        again["stderr"]
     assert shutil.disk_usage(small_disk).free == free
