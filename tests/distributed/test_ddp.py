@@ -1,7 +1,5 @@
-import multiprocessing
 import os
 import socket
-import traceback
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, out) -> None:
+def _worker(rank: int, port: int, out: dict) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     env = init_distributed("cpu")
@@ -31,34 +29,17 @@ def _worker(rank: int, port: int, out) -> None:
     local = model.module.weight.grad.clone()
     with grad_sync(model, sync=True):  # the last micro-step: all-reduce the accumulated sum
         model(x).sum().backward()
-    result = (local.tolist(), model.module.weight.grad.tolist(), env.broadcast_object(f"from {rank}"))
+    out[rank] = (local, model.module.weight.grad.clone(), env.broadcast_object(f"from {rank}"))
     env.close()
     assert not dist.is_initialized()
-    out.put((rank, result))
-
-
-def _launch(conn) -> None:
-    """In a fresh process (nothing of pytest's, no process group): fork the two ranks from it, so that torch is
-    imported once for both rather than once in each, and send back what each rank saw."""
-    try:
-        out = multiprocessing.get_context("fork").SimpleQueue()
-        mp.start_processes(_worker, args=(_free_port(), out), nprocs=2, join=True, start_method="fork")
-        conn.send(dict(out.get() for _ in range(2)))
-    except BaseException:
-        conn.send(traceback.format_exc())  # a rank's failure, with its traceback, for the test to show
 
 
 @pytest.mark.process
 def test_accumulation_skips_all_reduce_until_the_last_micro_step():
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    launcher = ctx.Process(target=_launch, args=(child,))
-    launcher.start()
-    child.close()
-    reply = parent.recv()
-    launcher.join(timeout=60)
-    assert isinstance(reply, dict), reply
-    results = {rank: (torch.tensor(local), torch.tensor(synced), sent) for rank, (local, synced, sent) in reply.items()}
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+        results = dict(out)
     # micro-step 1 kept each rank's own gradient; after micro-step 2 both hold the mean of the sums
     assert torch.equal(results[0][0], torch.full((1, 3), 1.0))
     assert torch.equal(results[1][0], torch.full((1, 3), 2.0))
