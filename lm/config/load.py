@@ -9,6 +9,7 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import math
 import typing
@@ -285,6 +286,7 @@ def _key_lines(section: str, cls: type) -> list[str]:
     return lines
 
 
+@functools.cache  # every tool's parse_cli builds the help text; parsing the classes' source each time cost 0.1 s
 def _field_docs(cls: type) -> dict[str, str]:
     """Read the string literal that follows each field in the class body and its bases' (its one-line doc)."""
     docs = {}

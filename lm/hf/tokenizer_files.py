@@ -9,6 +9,7 @@ exactly like `encoding.encode_ordinary`, except that, like every Hugging Face to
 text of a special token ("<|endoftext|>") into that token, as `encoding.encode(allowed_special="all")`.
 """
 
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -136,15 +137,23 @@ def _added_tokens(encoding: tiktoken.Encoding) -> dict[int, str]:
     return dict(sorted({**specials, **unused}.items()))
 
 
+@functools.lru_cache(maxsize=4)
+def _merge_strings(encoding: tiktoken.Encoding) -> tuple[str, ...]:
+    """tokenizer.json's merges of `encoding`, recovered once per process: that is a BPE run per token (about a
+    second for gpt2's 50k), which a process exporting several models (the tests) would otherwise repeat."""
+    table, ranks = byte_to_unicode(), encoding._mergeable_ranks
+    # "a b" strings rather than pairs: readable by every `tokenizers` release, and unambiguous since
+    # the bytes-to-unicode table maps the space byte to "Ġ", so no token string contains a space.
+    return tuple(f"{_token_string(a, table)} {_token_string(b, table)}" for a, b in recover_merges(ranks))
+
+
 def tokenizer_json(encoding: tiktoken.Encoding) -> dict[str, Any]:
     """The `tokenizers` library's tokenizer.json for `encoding`, as a JSON-ready dict."""
     table = byte_to_unicode()
     ranks = encoding._mergeable_ranks
     strings = {token: _token_string(token, table) for token in sorted(ranks, key=ranks.__getitem__)}
     vocab = {strings[token]: ranks[token] for token in strings}
-    # "a b" strings rather than pairs: readable by every `tokenizers` release, and unambiguous since
-    # the bytes-to-unicode table maps the space byte to "Ġ", so no token string contains a space.
-    merges = [f"{strings[a]} {strings[b]}" for a, b in recover_merges(ranks)]
+    merges = list(_merge_strings(encoding))
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     return {
         "version": "1.0",
