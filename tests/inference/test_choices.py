@@ -45,19 +45,22 @@ def hf_checkpoint(kind: str, out, tokenizer_json):
 def transformers_loglikelihoods(model, pairs, batch_size: int = 32) -> list[float]:
     """Each pair's continuation log-probability from transformers' modules: the base model's last hidden states
     of right-padded batches (causal: the padding after a pair changes none of its positions), its output
-    embedding at the continuation's positions, a log-softmax."""
-    out = []
+    embedding at the continuation's positions, a log-softmax. The batches take the pairs by length, so that
+    little of them is padding (a third of the positions in the items' order)."""
+    out = [0.0] * len(pairs)
+    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
     with torch.no_grad():
         for start in range(0, len(pairs), batch_size):
-            windows = [(c + t)[-(POSITIONS + 1):] for c, t in pairs[start:start + batch_size]]
-            counts = [min(len(t), len(w) - 1) for (_, t), w in zip(pairs[start:start + batch_size], windows)]
+            batch = order[start:start + batch_size]
+            windows = [(pairs[i][0] + pairs[i][1])[-(POSITIONS + 1):] for i in batch]
+            counts = [min(len(pairs[i][1]), len(w) - 1) for i, w in zip(batch, windows)]
             x = torch.zeros(len(windows), max(map(len, windows)) - 1, dtype=torch.long)
             for row, ids in enumerate(windows):
                 x[row, :len(ids) - 1] = torch.tensor(ids[:-1])
             h = model.base_model(x).last_hidden_state  # (B, T, C)
-            for row, (ids, n) in enumerate(zip(windows, counts)):
+            for row, (i, ids, n) in enumerate(zip(batch, windows, counts)):
                 logp = model.get_output_embeddings()(h[row, len(ids) - 1 - n:len(ids) - 1]).float().log_softmax(-1)
-                out.append(logp[torch.arange(n), torch.tensor(ids[-n:])].sum().item())  # (n, V) -> the ids' sum
+                out[i] = logp[torch.arange(n), torch.tensor(ids[-n:])].sum().item()  # (n, V) -> the ids' sum
     return out
 
 
