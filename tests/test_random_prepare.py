@@ -297,14 +297,14 @@ def test_random_corpora_prepare_exactly_or_are_refused_in_one_line(prepare_works
     """Exit 2 with one error line and nothing written, or the exact tokens of the documents in data.dir and
     nothing else written; a second run of a success reuses its data and changes nothing."""
     rng = random.Random(5)
-    prepared = 0
+    prepared, memo = 0, {}  # memo: the files of earlier cases stay in the workspace, hashed once
     for i in range(RANDOM_PREPARE_CASES):
         argv, data, entries, held = random_case(rng, prepare_workspace, i)
         out = Path(data["dir"]).resolve()  # "" is the working directory, the workspace
-        before = digest(prepare_workspace)
+        before = digest(prepare_workspace, memo)
         code = call(prepare_main, argv)
         assert_contract(code, capsys.readouterr().err, (i, data))
-        after = digest(prepare_workspace)
+        after = digest(prepare_workspace, memo)
         assert not os.path.exists(out.with_name(out.name + PARTIAL_SUFFIX)), (i, data)  # False for a name too long
         if code == 2:
             assert after == before, (i, data)
@@ -318,5 +318,5 @@ def test_random_corpora_prepare_exactly_or_are_refused_in_one_line(prepare_works
         check_prepared(out, documents, str(data.get("tokenizer", "gpt2")), data.get("val_fraction", 0.05))
         made = out.stat().st_ino  # a rebuild writes the same bytes, but into a new directory swapped in
         assert call(prepare_main, [a for a in argv if a != "--force"]) == 0, (i, data)
-        assert out.stat().st_ino == made and digest(prepare_workspace) == after, (i, data)
+        assert out.stat().st_ino == made and digest(prepare_workspace, memo) == after, (i, data)
     assert prepared >= RANDOM_PREPARE_CASES // 8, prepared  # enough cases are valid to test the results too
