@@ -80,11 +80,10 @@ def assert_same_model(run_dir: Path, out: Path, hf_class: str) -> None:
     assert tokenizer.eos_token_id == hf.config.eos_token_id == hf.generation_config.eos_token_id == encoding.eot_token
 
 
-@pytest.mark.process
 def test_gpt2_run_exports_to_gpt2(trained_run, tmp_path):
+    # in-process: the tool's own process, `python -m lm.export` and `lm export`, run in the two tests below
     out = tmp_path / "hf" / "gpt2"  # parents are created
-    result = export_process("lm.export", "--checkpoint", str(trained_run), "--to", "hf", str(out))
-    assert result.returncode == 0, result.stderr
+    assert run(main, ["--checkpoint", str(trained_run), "--to", "hf", str(out)]) == 0
     assert {p.name for p in out.iterdir()} == HF_FILES
     assert [p.name for p in out.parent.iterdir()] == ["gpt2"]  # no staging directory left behind
     assert_same_model(trained_run, out, "GPT2LMHeadModel")
