@@ -3,6 +3,7 @@ test gives it, and a job that fails on one rank fails with that rank's error, it
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +65,25 @@ def test_a_job_that_destroys_the_pools_group_fails_and_the_next_job_gets_a_fresh
     with pytest.raises(WorkerError, match="the job destroyed the pool's process group"):
         pool(2).run(destroy_group)
     assert pool(2).run(ranks_and_sum, 0)[0]["value"][:3] == (0, 2, 1.0)
+
+
+def make_groups(n: int) -> tuple[int, int, int]:
+    """Make and use `n` groups of both ranks: how many distinct ones that gave, this rank's process groups, and
+    its gloo event-loop threads (one per group)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    made = [dist.new_group([0, 1]) for _ in range(n)]
+    for group in made:
+        dist.all_reduce(torch.ones(1), group=group)
+    threads = [Path(t, "comm").read_text().strip() for t in Path("/proc/self/task").iterdir()]
+    return len(set(map(id, made))), len(distributed_c10d._world.pg_map), threads.count("gloo_tcp_loop")
+
+
+def test_a_job_gets_the_groups_earlier_jobs_made_and_distinct_ones_within_itself():
+    workers = pool(2)
+    _, groups, threads = workers.run(make_groups, 0)[0]["value"]
+    assert workers.run(make_groups, 2)[0]["value"] == (2, groups + 2, threads + 2)
+    assert workers.run(make_groups, 2)[0]["value"] == (2, groups + 2, threads + 2)  # no new group, no new thread
+    assert workers.run(make_groups, 3)[0]["value"] == (3, groups + 3, threads + 3)

@@ -5,8 +5,8 @@ running jobs (a function and its arguments, in every rank) until the session end
 A torchrun of `lm.train` per test case spends most of its seconds starting Python and importing torch in every
 rank; a job in a pool spends them training. What a process of its own gave for free is put back around each
 job: the environment, the root logger's level and handlers, the SIGTERM/SIGINT handlers, the model families
-LM_FAMILIES registered, and torch.compile's caches. The groups a job's device mesh creates stay (every rank
-creates them in the same order, so later jobs stay in step).
+LM_FAMILIES registered, and torch.compile's caches. The groups a job's device meshes ask for are those earlier
+jobs made, where there are such (`_GroupReuse`).
 
 A job that fails on a rank, or does not answer in time, takes its pool down: a rank that raised may leave the
 others waiting in a collective that never completes, so the pool is killed and the next job starts a fresh one.
@@ -214,6 +214,7 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection) -> None:
         setup_logging()
         if world_size > 1:
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+            groups = _GroupReuse()
         conn.send({"rank": rank, "error": None, "stdout": "", "stderr": ""})
     except BaseException:
         conn.send({"rank": rank, "error": traceback.format_exc(), "stdout": "", "stderr": ""})
@@ -227,6 +228,8 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection) -> None:
         if job is None:
             break
         fn, args, env = job
+        if world_size > 1:
+            groups.new_job()
         conn.send(_run_job(rank, fn, args, {**env, **launcher_env}))
     # as lm's tools end: gloo's threads may still hold the last tensors, and an interpreter teardown can abort
     sys.stdout.flush()
@@ -281,6 +284,42 @@ def _run_job(rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str]
         reply["stdout"] = out.read().decode(errors="replace")
         reply["stderr"] = err.read().decode(errors="replace")
     return reply
+
+
+class _GroupReuse:
+    """Hand a job the groups earlier jobs created, instead of new ones. Each gloo group keeps a thread that wakes
+    every 10 ms (gloo's epoll timeout) for as long as it lives, and a job's device mesh creates several: kept
+    from every job, they cost the pools more CPU waking up than training. Destroying them is no way out, since
+    torch's mesh and DTensor caches and DeepSpeed's groups hold on to them across jobs.
+
+    The k-th request of a job for a group of given ranks and options gets the k-th group made for that request
+    in any job: distinct within a job, as new_group promises, and the same on every rank, since every rank
+    makes the same requests in the same order. A group a job destroyed is made again."""
+
+    def __init__(self) -> None:
+        from torch.distributed import distributed_c10d
+
+        self.c10d = distributed_c10d
+        self.make = distributed_c10d._new_group_with_tag
+        self.made: dict[tuple, list] = {}
+        self.taken: dict[tuple, int] = {}
+        distributed_c10d._new_group_with_tag = self
+
+    def new_job(self) -> None:
+        self.taken.clear()
+
+    def __call__(self, ranks=None, timeout=None, backend=None, backend_options=None, pg_tag=None, **kwargs):
+        if backend_options is not None or pg_tag is not None:  # options objects have no value to compare
+            return self.make(ranks, timeout, backend, backend_options, pg_tag, **kwargs)
+        key = (None if ranks is None else tuple(ranks), timeout, backend, tuple(sorted(kwargs.items(), key=str)))
+        k = self.taken[key] = self.taken.get(key, -1) + 1
+        groups = self.made.setdefault(key, [])
+        if k < len(groups) and (groups[k] is self.c10d.GroupMember.NON_GROUP_MEMBER
+                                or groups[k] in self.c10d._world.pg_map):
+            return groups[k]
+        group = self.make(ranks, timeout, backend, backend_options, pg_tag, **kwargs)
+        groups[k:k + 1] = [group]
+        return group
 
 
 def _redirect(out, err) -> list[tuple[int, int]]:
