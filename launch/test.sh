@@ -5,6 +5,8 @@
 #   bash launch/test.sh --quick    the tests that start no process and train only a few steps in-process
 # Other arguments go to pytest. Either tier ends with its 10 slowest tests and fails when its wall time is over
 # LM_TEST_BUDGET_S (default 2700 s for the full suite, 180 s for --quick; docs/dev/notes.md, CI).
+# The tests run in LM_TEST_WORKERS pytest-xdist processes (default 2; 0 runs them in this one), a file to a
+# worker, so that a file's fixtures are made once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . launch/activate.sh
@@ -18,4 +20,4 @@ export LM_TEST_BUDGET_S="${LM_TEST_BUDGET_S:-$budget}"
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}"
 ruff check lm tests experiments
 lint-imports --no-logo
-python -m pytest -q ${tier[@]+"${tier[@]}"} "$@"
+python -m pytest -q -n "${LM_TEST_WORKERS:-2}" --dist loadfile ${tier[@]+"${tier[@]}"} "$@"
