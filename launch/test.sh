@@ -20,4 +20,7 @@ export LM_TEST_BUDGET_S="${LM_TEST_BUDGET_S:-$budget}"
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}"
 ruff check lm tests experiments
 lint-imports --no-logo
-python -m pytest -q -n "${LM_TEST_WORKERS:-2}" --dist loadfile ${tier[@]+"${tier[@]}"} "$@"
+workers="${LM_TEST_WORKERS:-2}"
+# a torch thread per worker: two workers' intra-op thread pools on 2 cores spin against each other
+[ "$workers" = 0 ] || export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+python -m pytest -q -n "$workers" --dist loadfile ${tier[@]+"${tier[@]}"} "$@"
