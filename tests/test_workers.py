@@ -87,3 +87,17 @@ def test_a_job_gets_the_groups_earlier_jobs_made_and_distinct_ones_within_itself
     assert workers.run(make_groups, 2)[0]["value"] == (2, groups + 2, threads + 2)
     assert workers.run(make_groups, 2)[0]["value"] == (2, groups + 2, threads + 2)  # no new group, no new thread
     assert workers.run(make_groups, 3)[0]["value"] == (3, groups + 3, threads + 3)
+
+
+def destroy_a_group() -> None:
+    import torch.distributed as dist
+
+    dist.destroy_process_group(dist.new_group([0, 1]))
+
+
+def test_a_job_asking_for_a_group_an_earlier_job_destroyed_fails_and_the_next_job_gets_a_fresh_pool():
+    workers = pool(2)
+    workers.run(destroy_a_group)
+    with pytest.raises(WorkerError, match=r"an earlier job destroyed the group of ranks \[0, 1\]"):
+        workers.run(destroy_a_group)
+    assert pool(2).run(ranks_and_sum, 0)[0]["value"][:3] == (0, 2, 1.0)

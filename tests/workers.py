@@ -304,7 +304,9 @@ class _GroupReuse:
 
     The k-th request of a job for a group of given ranks and options gets the k-th group made for that request
     in any job: distinct within a job, as new_group promises, and the same on every rank, since every rank
-    makes the same requests in the same order. A group a job destroyed is made again."""
+    makes the same requests in the same order. A group a job destroyed cannot be made again (its members would
+    wait in new_group for ranks outside it, which reuse theirs): asking for it fails the job, and with it the
+    pool."""
 
     def __init__(self) -> None:
         from torch.distributed import distributed_c10d
@@ -324,12 +326,11 @@ class _GroupReuse:
         key = (None if ranks is None else tuple(ranks), timeout, backend, tuple(sorted(kwargs.items(), key=str)))
         k = self.taken[key] = self.taken.get(key, -1) + 1
         groups = self.made.setdefault(key, [])
-        if k < len(groups) and (groups[k] is self.c10d.GroupMember.NON_GROUP_MEMBER
-                                or groups[k] in self.c10d._world.pg_map):
-            return groups[k]
-        group = self.make(ranks, timeout, backend, backend_options, pg_tag, **kwargs)
-        groups[k:k + 1] = [group]
-        return group
+        if k == len(groups):
+            groups.append(self.make(ranks, timeout, backend, backend_options, pg_tag, **kwargs))
+        elif groups[k] is not self.c10d.GroupMember.NON_GROUP_MEMBER and groups[k] not in self.c10d._world.pg_map:
+            raise RuntimeError(f"an earlier job destroyed the group of ranks {ranks}, which the pool reuses")
+        return groups[k]
 
 
 def _redirect(out, err) -> list[tuple[int, int]]:
