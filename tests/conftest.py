@@ -1,5 +1,6 @@
 """Shared pytest fixtures. The data fixtures live here; others may add fixtures for their own areas."""
 
+import gc
 import importlib
 import json
 import os
@@ -203,6 +204,18 @@ def tokenizer_jsons(tiny_corpus_dir, tmp_path_factory) -> dict[str, Path]:
             path.with_name("tokenizer_config.json").write_text(json.dumps(config))
         paths[kind] = path
     return paths
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test file's last test, collect its garbage and freeze what survives (torch, transformers, the
+    session's fixtures), so that the garbage collector stops walking those objects again and again: a full
+    collection walks every tracked object, several hundred thousand once torch and transformers are in."""
+    result = yield
+    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        gc.collect()
+        gc.freeze()
+    return result
 
 
 @pytest.fixture(scope="session", autouse=True)
