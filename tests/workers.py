@@ -6,7 +6,7 @@ A torchrun of `lm.train` per test case spends most of its seconds starting Pytho
 rank; a job in a pool spends them training. What a process of its own gave for free is put back around each
 job: the environment, the root logger's level and handlers, the SIGTERM/SIGINT handlers, the model families
 LM_FAMILIES registered, and torch.compile's caches. The groups a job's device meshes ask for are those earlier
-jobs made, where there are such (`_GroupReuse`).
+jobs made, where there are such (`_GroupReuse`), and all share one gloo device (`_share_gloo_device`).
 
 A job that fails on a rank, or does not answer in time, takes its pool down: a rank that raised may leave the
 others waiting in a collective that never completes, so the pool is killed and the next job starts a fresh one.
@@ -218,6 +218,7 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection) -> None:
         if world_size > 1:
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
             groups = _GroupReuse()
+            _share_gloo_device()
         conn.send({"rank": rank, "error": None, "stdout": "", "stderr": ""})
     except BaseException:
         conn.send({"rank": rank, "error": traceback.format_exc(), "stdout": "", "stderr": ""})
@@ -303,10 +304,11 @@ def _settle_heap() -> None:
 
 
 class _GroupReuse:
-    """Hand a job the groups earlier jobs created, instead of new ones. Each gloo group keeps a thread that wakes
-    every 10 ms (gloo's epoll timeout) for as long as it lives, and a job's device mesh creates several: kept
-    from every job, they cost the pools more CPU waking up than training. Destroying them is no way out, since
-    torch's mesh and DTensor caches and DeepSpeed's groups hold on to them across jobs.
+    """Hand a job the groups earlier jobs created, instead of new ones. A job's device mesh creates several
+    groups, and each one lives on with its connections to the other ranks and its two worker threads: torch's
+    mesh and DTensor caches and DeepSpeed's groups hold on to them across jobs, so destroying them is no way out.
+    Before groups were reused and shared one gloo device (`_share_gloo_device`), a 4-rank worker ended the
+    session with 73 event-loop threads, which cost the pools more CPU waking up than training.
 
     The k-th request of a job for a group of given ranks and options gets the k-th group made for that request
     in any job: distinct within a job, as new_group promises, and the same on every rank, since every rank
@@ -337,6 +339,25 @@ class _GroupReuse:
         elif groups[k] is not self.c10d.GroupMember.NON_GROUP_MEMBER and groups[k] not in self.c10d._world.pg_map:
             raise RuntimeError(f"an earlier job destroyed the group of ranks {ranks}, which the pool reuses")
         return groups[k]
+
+
+def _share_gloo_device() -> None:
+    """Give every group the worker makes from here on one gloo device, whose event loop serves all their
+    connections. By default each group gets a device of its own, with a thread that wakes every 10 ms (gloo's
+    epoll timeout) for as long as the group lives: a 4-rank worker kept 13 of them."""
+    from torch.distributed import distributed_c10d
+
+    gloo = distributed_c10d.ProcessGroupGloo
+    device = gloo.create_default_device()
+
+    class SharedDeviceGloo(gloo):
+        def __init__(self, store, rank, size, timeout=datetime.timedelta(seconds=1800)):
+            options = gloo._Options()
+            options._devices = [device]
+            options._timeout = timeout
+            super().__init__(store, rank, size, options)
+
+    distributed_c10d.ProcessGroupGloo = SharedDeviceGloo
 
 
 def _redirect(out, err) -> list[tuple[int, int]]:
