@@ -351,7 +351,7 @@ def _share_gloo_device() -> None:
     device = gloo.create_default_device()
 
     class SharedDeviceGloo(gloo):
-        def __init__(self, store, rank, size, timeout=datetime.timedelta(seconds=1800)):
+        def __init__(self, store, rank, size, timeout):  # how torch's new_group makes a gloo group
             options = gloo._Options()
             options._devices = [device]
             options._timeout = timeout
