@@ -4,13 +4,13 @@
 #   bash launch/test.sh            the full suite: what CI runs
 #   bash launch/test.sh --quick    the tests that start no process and train only a few steps in-process
 # Other arguments go to pytest. Either tier ends with its 10 slowest tests and fails when its wall time is over
-# LM_TEST_BUDGET_S (default 1200 s for the full suite, 180 s for --quick; docs/dev/notes.md, CI).
+# LM_TEST_BUDGET_S (default 900 s for the full suite, 180 s for --quick; docs/dev/notes.md, CI).
 # The tests run in LM_TEST_WORKERS pytest-xdist processes (default 2; 0 runs them in this one), a file to a
 # worker, so that a file's fixtures are made once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . launch/activate.sh
-tier=(); budget=1200
+tier=(); budget=900
 if [ "${1:-}" = "--quick" ]; then
   shift
   tier=(-m "not process and not slow"); budget=180

@@ -1,6 +1,6 @@
 """A time budget for the test run, loaded by tests/conftest.py (or `-p tests.budget`).
 
-When LM_TEST_BUDGET_S is set (launch/test.sh sets it: 20 minutes for the full suite, 3 for --quick), the run
+When LM_TEST_BUDGET_S is set (launch/test.sh sets it: 15 minutes for the full suite, 3 for --quick), the run
 ends with its 10 slowest tests and its wall time against the budget, and a run over budget exits 1 even when
 every test passed: a slow test fails the run the day it lands, not months later when the whole suite has
 crept past what anyone waits for. A run that already failed (failures, nothing collected, interrupted) keeps
