@@ -25,6 +25,9 @@ from lm.models.attention import SequenceShard
 
 __all__ = ["ContextParallel", "shard_indices"]
 
+# torch 2.13 renamed torch 2.11's all_gather_tensor_autograd (which now warns that it is deprecated)
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
 
 def shard_indices(length: int, cp: int, rank: int) -> torch.Tensor:
     """The positions of a `length`-token window that context-parallel `rank` of `cp` holds: slices rank and
@@ -48,7 +51,7 @@ class ContextParallel:
     def _gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """The group's `t` concatenated along the sequence dimension `dim`, in position order (differentiable:
         backward sums the group's gradients for each rank's part)."""
-        whole = funcol.all_gather_single_autograd(t.contiguous(), gather_dim=dim, group=self.group)
+        whole = _all_gather_autograd(t.contiguous(), gather_dim=dim, group=self.group)
         return whole.index_select(dim, self.order)
 
     def _gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -99,7 +99,8 @@ def expert_meshes(mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
     run's dp_shard dimension split as (dp_shard_mod_ep, ep), ep innermost (torchtitan's layout) so that the
     all-to-all of every layer runs between consecutive ranks, on one node; under HSDP the replicas too."""
     dp_shard = mesh["dp_shard"].size()
-    split = mesh._unflatten("dp_shard", (dp_shard // ep, ep), ("dp_shard_mod_ep", "ep"))
+    # by index: torch 2.11's _unflatten refuses every dimension given by name
+    split = mesh._unflatten(mesh.mesh_dim_names.index("dp_shard"), (dp_shard // ep, ep), ("dp_shard_mod_ep", "ep"))
     # the experts' weights are sharded over these two dimensions together (replicated over HSDP's replicas);
     # flattened once, a norm over them is one all-reduce, the same on every rank, not one per dimension (which
     # torch warns of)

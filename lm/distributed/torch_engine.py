@@ -9,12 +9,12 @@ from typing import TypeVar
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from lm.config import OptimConfig, TrainConfig
 from lm.distributed.env import DistEnv, background_group
+from lm.distributed.host_copy import HostCopy
 from lm.distributed.optim import build_optimizer, set_lr
 from lm.distributed.tensor_parallel import parallel_loss, whole
 from lm.models.family import Family, Run
@@ -31,7 +31,7 @@ class TorchEngine:
     skips_nonfinite = True
     schedule = None
     backward = staticmethod(torch.autograd.backward)
-    _stager: DefaultStager | None = None
+    _host: HostCopy | None = None
     """The host copy of the state that `stage` fills, made at its first call and reused by the next"""
 
     def __init__(self, model: nn.Module, train_model: Run, family: Family, train: TrainConfig, optim: OptimConfig,
@@ -115,13 +115,11 @@ class TorchEngine:
         """Model and optimizer state copied to host memory (pinned, by non-blocking copies, on CUDA), for
         `write_staged`: the copy training waits for. The copy's memory is reused by the next call, which must
         come after the write of this one has ended."""
-        if self._stager is None:
-            cuda = self.env.device.type == "cuda"
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+        if self._host is None:
+            self._host = HostCopy(pin_memory=self.env.device.type == "cuda")
             self._write_group = background_group(self.env)  # here: every rank stages at the same step
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return self._stager.stage({"model": model_sd, "optim": optim_sd})  # waits for the copies to end
+        return self._host.copy({"model": model_sd, "optim": optim_sd})
 
     def write_staged(self, staged: dict, directory: Path) -> None:
         """Collectively write what `stage` copied as DCP shards into `directory`, the same files as `save`. Meant

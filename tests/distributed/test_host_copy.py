@@ -1,0 +1,44 @@
+"""The host copy an asynchronous checkpoint writes from: values, structure, tied tensors, reused buffers, DTensors."""
+
+import pytest
+import torch
+
+from lm.distributed.host_copy import HostCopy
+from tests.workers import pool
+
+
+def test_a_copy_holds_the_values_of_the_call_in_buffers_the_next_call_refills():
+    weight, step = torch.arange(6.0).reshape(2, 3), torch.tensor(3.0)
+    state = {"model": {"wte": weight, "head": weight}, "optim": {"state": {0: {"step": step}},
+                                                                 "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95)}]}}
+    host = HostCopy(pin_memory=False)
+    first = host.copy(state)
+    assert first["model"]["wte"] is first["model"]["head"]  # tied: one copy, as in the model
+    assert first["model"]["wte"] is not weight and torch.equal(first["model"]["wte"], weight)
+    assert first["optim"]["param_groups"] == [{"lr": 0.1, "betas": (0.9, 0.95)}]
+    assert first["optim"]["state"][0]["step"].item() == 3.0
+    weight.add_(1.0)  # training goes on: the copy keeps the saved step's values
+    assert first["model"]["wte"][0, 0].item() == 0.0
+    buffer = first["model"]["wte"].data_ptr()
+    second = host.copy(state)
+    assert second["model"]["wte"].data_ptr() == buffer and second["model"]["wte"][0, 0].item() == 1.0
+
+
+def copy_a_sharded_tensor() -> tuple[list[int], list[float], str, bool]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    sharded = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    copied = HostCopy(pin_memory=False).copy({"w": sharded})["w"]
+    local = copied.to_local()
+    return (list(copied.shape), local.flatten().tolist(), str(copied.placements),
+            local.data_ptr() != sharded.to_local().data_ptr() and dist.get_world_size() == 2)
+
+
+@pytest.mark.process
+def test_a_dtensor_is_copied_as_a_dtensor_of_the_same_shards():
+    replies = [r["value"] for r in pool(2).run(copy_a_sharded_tensor)]
+    assert replies == [([4, 2], [0.0, 1.0, 2.0, 3.0], "(Shard(dim=0),)", True),
+                       ([4, 2], [4.0, 5.0, 6.0, 7.0], "(Shard(dim=0),)", True)]
