@@ -13,11 +13,13 @@
 #             log lines report tokens/s and MFU
 #   muon      the same 40 steps with optim.name=muon (Newton-Schulz in bf16 on the GPU): its cost in tokens/s
 #   float8    compiled bf16 against train.float8=tensorwise under fsdp: 20 steps of gpt2-124m (4 micro-batches of 32),
-#             then 100 of gpt-1.3b (2 micro-batches of 8 x 2048), each pair compared by experiments.compare_runs
+#             then 100 of gpt-1.3b (one micro-batch of 8 x 2048), each pair compared by experiments.compare_runs
 #             (largest relative loss difference, tokens/s ratio)
-#   ckpt      the checkpoint stall at gpt-1.3b (same batch): a synchronous save at step 20, then
-#             checkpoint.async saves at steps 30 and 60 (the log's "copied to host memory in" lines; the first
-#             one also allocates the pinned host copy) and the background writes' times
+#   ckpt      the checkpoint stall at gpt-1.3b (micro-batch 8 x 2048): a synchronous save at step 10, then
+#             checkpoint.async saves at steps 10 and 20 (the log's "copied to host memory in X s, after W s waiting
+#             for the previous write" lines; the first one also allocates the pinned host copy) and the background
+#             writes' times
+# The runs of train, muon and float8 save no checkpoint (checkpoint.every=0), which at gpt-1.3b would take a minute.
 # Usage: bash launch/bench_gpu.sh [OUT] [PART ...]   (all parts by default; exits 1 if any part failed)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +37,7 @@ lm_train() {
     local preset="$1" run="$2"
     shift 2
     "$py" -m torch.distributed.run --standalone --nproc_per_node=1 -m lm.train --config "configs/$preset.yaml" \
-        --log.every=5 --train.eval_every=100000 --checkpoint.every=100000 --log.sample_every=0 \
+        --log.every=5 --train.eval_every=100000 --checkpoint.every=0 --log.sample_every=0 \
         --log.tensorboard=false --checkpoint.resume=never --train.out_dir="$run" "$@" > "$run.log" 2>&1 ||
         { tail -20 "$run.log"; return 1; }
 }
@@ -57,16 +59,16 @@ part() {
         profile) "$py" -m lm.bench --device cuda --profile --presets gpt2-124m --warmup 3 --reps 5 ;;
         train) "$py" -m lm.prepare --config configs/gpt2-124m.yaml &&
                "$py" -m torch.distributed.run --standalone --nproc_per_node=1 -m lm.train --config configs/gpt2-124m.yaml \
-                   --train.steps=40 --log.every=5 --train.eval_every=1000 --checkpoint.every=1000 \
+                   --train.steps=40 --log.every=5 --train.eval_every=1000 --checkpoint.every=0 \
                    --log.sample_every=0 --train.out_dir="$out/gpt2-124m-run" --checkpoint.resume=never ;;
         muon) "$py" -m lm.prepare --config configs/gpt2-124m.yaml &&
               "$py" -m torch.distributed.run --standalone --nproc_per_node=1 -m lm.train --config configs/gpt2-124m.yaml \
-                  --optim.name=muon --train.steps=40 --log.every=5 --train.eval_every=1000 --checkpoint.every=1000 \
+                  --optim.name=muon --train.steps=40 --log.every=5 --train.eval_every=1000 --checkpoint.every=0 \
                   --log.sample_every=0 --train.out_dir="$out/gpt2-124m-muon-run" --checkpoint.resume=never ;;
-        float8) float8_pair gpt2-124m 20 128 && float8_pair gpt-1.3b 100 16 ;;
+        float8) float8_pair gpt2-124m 20 128 && float8_pair gpt-1.3b 100 8 ;;
         ckpt) "$py" -m lm.prepare --config configs/gpt-1.3b.yaml &&
-              lm_train gpt-1.3b "$out/ckpt-sync" --train.steps=20 --train.batch_size=16 --checkpoint.every=20 &&
-              lm_train gpt-1.3b "$out/ckpt-async" --train.steps=70 --train.batch_size=16 --checkpoint.every=30 \
+              lm_train gpt-1.3b "$out/ckpt-sync" --train.steps=10 --train.batch_size=8 --checkpoint.every=10 &&
+              lm_train gpt-1.3b "$out/ckpt-async" --train.steps=20 --train.batch_size=8 --checkpoint.every=10 \
                   --checkpoint.keep=1 --checkpoint.async=true &&
               grep -h "saved checkpoint\|copied to host memory" "$out/ckpt-sync.log" "$out/ckpt-async.log" ;;
         *) echo "bench_gpu.sh: unknown part '$1' (tests, training, engines, sampling, docmask, losschunk, profile, train, muon, float8, ckpt)" >&2; return 2 ;;

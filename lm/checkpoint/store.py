@@ -158,8 +158,9 @@ class BackgroundSaves:
     def save(self, step: int, engine: Engine, state: dict, cfg: JobConfig, keep: int) -> Path:
         """Collectively start writing the checkpoint of `step`; returns, once this rank's state is in host memory,
         the directory it will be published as."""
-        self.wait()
         start = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - start
         final, tmp = _open(self.root, step, self.env)
         try:
             _write_rng(tmp, self.env)
@@ -169,11 +170,11 @@ class BackgroundSaves:
         _agree(error, tmp, self.root, step, self.env)  # so that every rank's thread writes, or none
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lm-checkpoint")
-        written = self._thread.submit(self._write, engine, staged, tmp, final, state, cfg, keep, start)
+        written = self._thread.submit(self._write, engine, staged, tmp, final, state, cfg, keep, start + waited)
         self._pending = (step, tmp, written)
         if self.env.is_main:
-            log.info("checkpoint of step %d copied to host memory in %.2f s; writing %s in the background", step,
-                     time.perf_counter() - start, final)
+            log.info("checkpoint of step %d copied to host memory in %.2f s, after %.2f s waiting for the previous "
+                     "write; writing %s in the background", step, time.perf_counter() - start - waited, waited, final)
         return final
 
     def _write(self, engine: Engine, staged: dict, tmp: Path, final: Path, state: dict, cfg: JobConfig, keep: int,

@@ -150,7 +150,8 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 500
-    """Save a checkpoint every this many steps (and at the end)."""
+    """Save a checkpoint every this many steps (and at the end); 0 = never (a benchmark's run, which a signal stops
+    unsaved)."""
     keep: int = 3
     """Complete checkpoints to keep; older ones are deleted after a successful save."""
     resume: str = "auto"
@@ -165,8 +166,10 @@ class CheckpointConfig:
     """Training waits only for a copy of the state to host memory; the write goes on in the background."""
 
     def __post_init__(self) -> None:
-        if self.every <= 0 or self.keep <= 0:
-            raise ConfigError("checkpoint.every and checkpoint.keep must be positive")
+        if self.every < 0:
+            raise ConfigError(f"checkpoint.every: must be >= 0 (0 = never), got {self.every}")
+        if self.keep <= 0:
+            raise ConfigError(f"checkpoint.keep: must be positive, got {self.keep}")
         if self.resume not in ("auto", "never", "required"):
             raise ConfigError(f"checkpoint.resume: expected auto, never or required, got {self.resume!r}")
 

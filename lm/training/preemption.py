@@ -32,8 +32,8 @@ class StopSignals:
             signal.raise_signal(signum)
             return
         self.requested = name
-        log.warning("%s received: training to the next log step, saving a checkpoint, then exiting "
-                    "(Ctrl-C or SIGINT to exit at once)", name)
+        log.warning("%s received: training to the next log step, saving a checkpoint (unless checkpoint.every=0), "
+                    "then exiting (Ctrl-C or SIGINT to exit at once)", name)
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():  # Python only lets the main thread handle signals

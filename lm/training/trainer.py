@@ -185,7 +185,8 @@ class Trainer:
             self._evaluate_tasks(history)
         if self.samples and (self.step % cfg.log.sample_every == 0 or last):
             self.log_sample()
-        saved = self.step % cfg.checkpoint.every == 0 or last
+        every = cfg.checkpoint.every
+        saved = every > 0 and (self.step % every == 0 or last)
         if saved:
             self.save()
         for hook in self.after_step:
@@ -194,6 +195,10 @@ class Trainer:
         # log steps only, so the step itself stays free of this collective and host sync
         if last or self.step % cfg.log.every or not self._stop_agreed(signals):
             return False
+        if every == 0:
+            log.warning("stopped at step %d by %s; nothing saved (checkpoint.every=0)", self.step,
+                        signals.requested or "a signal to another rank")
+            return True
         if not saved:
             self.save()
         log.warning("stopped at step %d by %s; checkpoint saved, the same command resumes",

@@ -45,6 +45,8 @@ def test_text_that_reads_as_a_yaml_mapping_is_taken_literally():
         ("--optim.beta2=1.5", "optim.beta2: must be in [0, 1)"),
         ("--data.document_separator=\\n\\n", "data.document_separator: '\\\\n\\\\n' holds a backslash escape"),
         ("--log.sample_every=-1", "log.sample_every: must be >= 0"),
+        ("--checkpoint.every=-1", "checkpoint.every: must be >= 0"),
+        ("--checkpoint.keep=0", "checkpoint.keep: must be positive"),
         ("--log.sample_tokens=0", "log.sample_tokens: must be positive"),
         ("--model.n_layer=a: b", "model.n_layer: expected int, got str 'a: b'"),
         ("--model=3", "model: overrides take the form"),

@@ -1,6 +1,8 @@
 import functools
 import json
+import logging
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -76,7 +78,7 @@ def test_resume_from_an_asynchronous_checkpoint_continues_bit_for_bit(tiny_data_
 
 
 @pytest.mark.slow
-def test_an_asynchronous_save_holds_training_up_a_fraction_of_a_synchronous_one(tiny_data_dir, tmp_path):
+def test_an_asynchronous_save_holds_training_up_a_fraction_of_a_synchronous_one(tiny_data_dir, tmp_path, caplog):
     # 6.6M parameters (78 MB with AdamW's moments): writing them, with fsync and the manifest's hashes, takes
     # several times as long as copying them. Each write is waited for after its save, outside the time measured,
     # as in a run whose saves are further apart than a write takes; the medians of 3 saves stand a busy machine.
@@ -89,10 +91,13 @@ def test_an_asynchronous_save_holds_training_up_a_fraction_of_a_synchronous_one(
             init_distributed("cpu"))
         if trainer.background is not None:
             trainer.after_step.append(lambda step, saves=trainer.background: saves.wait())
-        trainer.fit()
+        with caplog.at_level(logging.INFO, logger="lm"):
+            trainer.fit()
         assert [p.name for p in complete_checkpoints(tmp_path / mode / "checkpoints")] == ["step_00000003"]
         seconds[mode] = sorted(trainer.save_seconds)[1]
     assert seconds["true"] <= 0.3 * seconds["false"], seconds
+    # the log tells the copy apart from a wait for the previous write, which the hook above left nothing of
+    assert caplog.text.count("s, after 0.00 s waiting for the previous write; writing") == 3
 
 
 def test_run_directory_contents(tiny_data_dir, tmp_path):
@@ -116,6 +121,19 @@ def test_run_directory_contents(tiny_data_dir, tmp_path):
     assert [r["step"] for r in rows if "val/loss" in r] == [3, 4]
     assert rows[0]["train/ppl"] == pytest.approx(2.718281828 ** rows[0]["train/loss"], rel=1e-6)
     assert history[-1]["val/loss"] == rows[-1]["val/loss"]
+
+
+def test_a_run_that_never_saves_writes_no_checkpoint_and_a_signal_stops_it_unsaved(tiny_data_dir, tmp_path, caplog):
+    trainer = Trainer(tiny_config(tiny_data_dir, tmp_path / "run", "--train.steps=400", "--checkpoint.every=0"),
+                      init_distributed("cpu"))
+    trainer.after_step.append(lambda step: step == 2 and signal.raise_signal(signal.SIGTERM))
+    with caplog.at_level(logging.WARNING, logger="lm"):
+        trainer.fit()
+    assert trainer.step == 2 and not (tmp_path / "run/checkpoints").exists()
+    assert "stopped at step 2 by SIGTERM; nothing saved (checkpoint.every=0)" in caplog.text
+    finished = tiny_config(tiny_data_dir, tmp_path / "finished", "--train.steps=2", "--checkpoint.every=0")
+    assert Trainer(finished, init_distributed("cpu")).fit()[-1]["step"] == 2
+    assert not (tmp_path / "finished/checkpoints").exists()  # nor at the end of the run
 
 
 def test_resume_modes(tiny_data_dir, tmp_path):
