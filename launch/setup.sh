@@ -7,8 +7,9 @@
 #
 # Installs into the active virtual environment, or into ./.venv (created here) when none is active.
 # ./.venv sees the system's site-packages, so a torch that is already installed (say, a CUDA build on
-# a GPU machine) is kept. Without torch: a local CPU wheel if pip's find-links has one, the default
-# (CUDA) wheel when an NVIDIA driver is present, and the CPU wheel from PyTorch's index otherwise.
+# a GPU machine) is kept, if it is 2.11 or newer (pyproject.toml). Without torch: a local CPU wheel if pip's
+# find-links has one, the default (CUDA) wheel when an NVIDIA driver is present, and the CPU wheel from
+# PyTorch's index otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
