@@ -154,6 +154,19 @@ class BackgroundSaves:
         self._thread: ThreadPoolExecutor | None = None
         self._pending: tuple[int, Path, Future] | None = None
         """The step, .tmp directory and write of the checkpoint being written (the same on every rank)"""
+        self.allocated = False
+
+    def allocate(self, engine: Engine) -> None:
+        """Allocate the host copy the saves fill, once, after a step (when the optimizer has state): pinning it
+        takes seconds at billions of parameters, which the first save would otherwise hold training up for."""
+        if self.allocated:
+            return
+        start = time.perf_counter()
+        held = engine.allocate_stage()
+        self.allocated = True
+        if self.env.is_main:
+            log.info("allocated the host copy for checkpoint.async: %.2f GB in %.2f s", held / 1e9,
+                     time.perf_counter() - start)
 
     def save(self, step: int, engine: Engine, state: dict, cfg: JobConfig, keep: int) -> Path:
         """Collectively start writing the checkpoint of `step`; returns, once this rank's state is in host memory,

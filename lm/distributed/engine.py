@@ -78,6 +78,10 @@ class Engine(Protocol):
     def save(self, directory: Path) -> None:
         """Collectively write model and optimizer state into `directory`."""
 
+    def allocate_stage(self) -> int:
+        """Allocate the host memory `stage` copies into, ahead of the first save; the bytes it holds (ddp and
+        fsdp, as `stage`)."""
+
     def stage(self) -> dict:
         """Model and optimizer state copied to host memory, for `write_staged` (ddp and fsdp; DeepSpeed writes only
         its own checkpoints, and refuses checkpoint.async)."""

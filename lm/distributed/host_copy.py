@@ -5,6 +5,8 @@ after each call, so the second save of a run failed (`KeyError: <class 'type'>`)
 memory anew.
 """
 
+import weakref
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -20,19 +22,25 @@ class HostCopy:
         self._buffers: dict[tuple, torch.Tensor] = {}
         """Each tensor's buffer, by its path of keys in the state dict"""
 
+    def allocate(self, state: dict) -> int:
+        """Make the buffers `copy(state)` fills, copying nothing: pinning host memory takes seconds at billions of
+        parameters (several GB a second), which the first save would otherwise wait for. The bytes held."""
+        self._copy(state, (), {}, fill=False)
+        return sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
+
     def copy(self, state: dict) -> dict:
         """`state` with every tensor replaced by its host copy; returns once the copies have ended. The copy stays
         valid until the next call."""
-        copied = self._copy(state, (), {})
+        copied = self._copy(state, (), {}, fill=True)
         if self.pin_memory:
             torch.cuda.synchronize()
         return copied
 
-    def _copy(self, value: object, path: tuple, seen: dict[int, torch.Tensor]) -> object:
+    def _copy(self, value: object, path: tuple, seen: dict[int, torch.Tensor], fill: bool) -> object:
         if isinstance(value, dict):
-            return {key: self._copy(item, (*path, key), seen) for key, item in value.items()}
+            return {key: self._copy(item, (*path, key), seen, fill) for key, item in value.items()}
         if isinstance(value, list | tuple):
-            return type(value)(self._copy(item, (*path, i), seen) for i, item in enumerate(value))
+            return type(value)(self._copy(item, (*path, i), seen, fill) for i, item in enumerate(value))
         if not isinstance(value, torch.Tensor):
             return value  # numbers, strings, None: nothing training changes in place
         if id(value) in seen:  # a tied weight, under two keys: one copy, as in the model
@@ -40,11 +48,25 @@ class HostCopy:
         local = value.to_local() if isinstance(value, DTensor) else value
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
-            buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=self.pin_memory)
+            buffer = torch.empty(local.shape, dtype=local.dtype)
+            if self.pin_memory and buffer.numel():
+                _pin(buffer)
             self._buffers[path] = buffer
-        buffer.copy_(local, non_blocking=self.pin_memory)
+        if fill:
+            buffer.copy_(local, non_blocking=self.pin_memory)
         if isinstance(value, DTensor):
             buffer = DTensor.from_local(buffer, value.device_mesh, value.placements, run_check=False,
                                         shape=value.shape, stride=value.stride())
         seen[id(value)] = buffer
         return buffer
+
+
+def _pin(buffer: torch.Tensor) -> None:
+    """Page-lock `buffer`'s memory where it lies, until the buffer is freed, as torch's own stager does: memory from
+    `torch.empty(pin_memory=True)` comes from the caching host allocator, which rounds each block up to a power of
+    two (as much as twice the state's size, pinned)."""
+    cudart, address = torch.cuda.cudart(), buffer.data_ptr()
+    if (code := int(cudart.cudaHostRegister(address, buffer.nbytes, 1))) != 0:  # 1: cudaHostRegisterPortable
+        raise RuntimeError(f"checkpoint.async: pinning {buffer.nbytes:,} bytes of host memory failed (CUDA error "
+                           f"{code})")
+    weakref.finalize(buffer, cudart.cudaHostUnregister, address)

@@ -106,20 +106,31 @@ class TorchEngine:
     def full_weights(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
+    def _state(self) -> dict:
+        """What a checkpoint holds: {"model": ..., "optim": ...}, each rank its shards."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
     def save(self, directory: Path) -> None:
         """Collectively write model and optimizer as DCP shards into `directory`."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+        dcp.save(self._state(), checkpoint_id=directory)
+
+    def allocate_stage(self) -> int:
+        """Allocate the host copy `stage` fills, ahead of the first save; the bytes it holds. Complete only once the
+        optimizer has state, after a step."""
+        return self._host_copy().allocate(self._state())
+
+    def _host_copy(self) -> HostCopy:
+        if self._host is None:
+            self._host = HostCopy(pin_memory=self.env.device.type == "cuda")
+            self._write_group = background_group(self.env)  # here: every rank stages at the same step
+        return self._host
 
     def stage(self) -> dict:
         """Model and optimizer state copied to host memory (pinned, by non-blocking copies, on CUDA), for
         `write_staged`: the copy training waits for. The copy's memory is reused by the next call, which must
         come after the write of this one has ended."""
-        if self._host is None:
-            self._host = HostCopy(pin_memory=self.env.device.type == "cuda")
-            self._write_group = background_group(self.env)  # here: every rank stages at the same step
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return self._host.copy({"model": model_sd, "optim": optim_sd})
+        return self._host_copy().copy(self._state())
 
     def write_staged(self, staged: dict, directory: Path) -> None:
         """Collectively write what `stage` copied as DCP shards into `directory`, the same files as `save`. Meant

@@ -176,6 +176,8 @@ class Trainer:
     def _after_step(self, last: bool, signals: StopSignals, history: list[dict]) -> bool:
         """Evaluate, sample and save when due; whether the run stops here for a signal (saved first)."""
         cfg = self.cfg
+        if self.background is not None:
+            self.background.allocate(self.engine)  # after the run's first step, once
         if self.step % cfg.train.eval_every == 0 or last:
             val = evaluate(self.engine, self.family, self.data, cfg, self.env)
             sources = [s.name for s in self.data.sources] if self.data.is_mixture else []

@@ -24,6 +24,17 @@ def test_a_copy_holds_the_values_of_the_call_in_buffers_the_next_call_refills():
     assert second["model"]["wte"].data_ptr() == buffer and second["model"]["wte"][0, 0].item() == 1.0
 
 
+def test_buffers_allocated_ahead_are_the_ones_the_copy_fills():
+    weight, bias = torch.ones(4, 8), torch.zeros(8)
+    state = {"model": {"w": weight, "tied": weight, "b": bias}}
+    host = HostCopy(pin_memory=False)
+    assert host.allocate(state) == (32 + 8) * 4  # the tied weight once
+    held = {path: buffer.data_ptr() for path, buffer in host._buffers.items()}
+    copied = host.copy(state)["model"]
+    assert {("model", "w"): copied["w"].data_ptr(), ("model", "b"): copied["b"].data_ptr()} == held
+    assert torch.equal(copied["w"], weight) and torch.equal(copied["b"], bias)
+
+
 def copy_a_sharded_tensor() -> tuple[list[int], list[float], str, bool]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -12,6 +12,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_a_pinned_copy_holds_the_values_of_its_call_and_the_next_call_refills_it():
     weight = torch.randn(4096, 4096, device="cuda")  # 64 MB: a copy long enough to be caught unfinished
     host = HostCopy(pin_memory=True)
+    assert host.allocate({"w": weight, "tied": weight}) == 4096 * 4096 * 4
     first = host.copy({"w": weight, "tied": weight})["w"]
     assert first.is_pinned() and first.device.type == "cpu"
     assert torch.equal(first, weight.cpu())

@@ -98,6 +98,7 @@ def test_an_asynchronous_save_holds_training_up_a_fraction_of_a_synchronous_one(
     assert seconds["true"] <= 0.3 * seconds["false"], seconds
     # the log tells the copy apart from a wait for the previous write, which the hook above left nothing of
     assert caplog.text.count("s, after 0.00 s waiting for the previous write; writing") == 3
+    assert caplog.text.count("allocated the host copy for checkpoint.async") == 1  # after step 1, once
 
 
 def test_run_directory_contents(tiny_data_dir, tmp_path):
