@@ -5,8 +5,6 @@ after each call, so the second save of a run failed (`KeyError: <class 'type'>`)
 memory anew.
 """
 
-import weakref
-
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -48,9 +46,10 @@ class HostCopy:
         local = value.to_local() if isinstance(value, DTensor) else value
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
-            buffer = torch.empty(local.shape, dtype=local.dtype)
-            if self.pin_memory and buffer.numel():
-                _pin(buffer)
+            # pinned memory comes from torch's caching host allocator, whose blocks are powers of two (as much as
+            # twice the state's size, pinned). Page-locking plain memory in place (cudaHostRegister) would not
+            # round, but two buffers sharing a page cannot both be registered.
+            buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=self.pin_memory)
             self._buffers[path] = buffer
         if fill:
             buffer.copy_(local, non_blocking=self.pin_memory)
@@ -60,13 +59,3 @@ class HostCopy:
         seen[id(value)] = buffer
         return buffer
 
-
-def _pin(buffer: torch.Tensor) -> None:
-    """Page-lock `buffer`'s memory where it lies, until the buffer is freed, as torch's own stager does: memory from
-    `torch.empty(pin_memory=True)` comes from the caching host allocator, which rounds each block up to a power of
-    two (as much as twice the state's size, pinned)."""
-    cudart, address = torch.cuda.cudart(), buffer.data_ptr()
-    if (code := int(cudart.cudaHostRegister(address, buffer.nbytes, 1))) != 0:  # 1: cudaHostRegisterPortable
-        raise RuntimeError(f"checkpoint.async: pinning {buffer.nbytes:,} bytes of host memory failed (CUDA error "
-                           f"{code})")
-    weakref.finalize(buffer, cudart.cudaHostUnregister, address)
