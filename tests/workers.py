@@ -242,11 +242,15 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection) -> None:
 
 def _run_job(rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str]) -> dict:
     """Run one job with its environment and output files, and put back what it changed of the process."""
+    import torch
     import torch.distributed as dist
 
     from lm.models import registry
 
     grouped = dist.is_initialized()
+    # DeepSpeed's ZeRO-3 replaces torch.nn.functional.linear with an autograd function of its own for the rest of
+    # the process; under torch 2.11 a compiled tp=2 job after it failed to trace that function over DTensors
+    saved_linear = torch.nn.functional.linear
     saved_env = dict(os.environ)
     root = logging.getLogger()
     saved_logging = (root.level, list(root.handlers))
@@ -267,6 +271,7 @@ def _run_job(rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str]
             reply["error"] = traceback.format_exc()
         finally:
             _restore(held)
+            torch.nn.functional.linear = saved_linear
             os.environ.clear()
             os.environ.update(saved_env)
             root.setLevel(saved_logging[0])
