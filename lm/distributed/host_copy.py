@@ -58,4 +58,3 @@ class HostCopy:
                                         shape=value.shape, stride=value.stride())
         seen[id(value)] = buffer
         return buffer
-
