@@ -15,10 +15,10 @@
 #   float8    compiled bf16 against train.float8=tensorwise under fsdp: 20 steps of gpt2-124m (4 micro-batches of 32),
 #             then 100 of gpt-1.3b (one micro-batch of 8 x 2048), each pair compared by experiments.compare_runs
 #             (largest relative loss difference, tokens/s ratio)
-#   ckpt      the checkpoint stall at gpt-1.3b (micro-batch 8 x 2048): a synchronous save at step 10, then
-#             checkpoint.async saves at steps 10 and 20 (the log's "copied to host memory in X s, after W s waiting
-#             for the previous write" lines), the pinning of the host copy after step 1 ("allocated the host copy")
-#             and the background writes' times
+#   ckpt      the checkpoint stall at gpt-1.3b: two eager steps of one sequence each (the size of the state, not
+#             the step, sets a save's time) and a save at step 2, synchronous, then with checkpoint.async (the
+#             log's "allocated the host copy" after step 1, "copied to host memory in X s" and the background
+#             write's time, which the end of the run waits for)
 # The runs of train, muon and float8 save no checkpoint (checkpoint.every=0), which at gpt-1.3b would take a minute.
 # Usage: bash launch/bench_gpu.sh [OUT] [PART ...]   (all parts by default; exits 1 if any part failed)
 set -uo pipefail
@@ -66,11 +66,12 @@ part() {
                   --optim.name=muon --train.steps=40 --log.every=5 --train.eval_every=1000 --checkpoint.every=0 \
                   --log.sample_every=0 --train.out_dir="$out/gpt2-124m-muon-run" --checkpoint.resume=never ;;
         float8) float8_pair gpt2-124m 20 128 && float8_pair gpt-1.3b 100 8 ;;
-        ckpt) "$py" -m lm.prepare --config configs/gpt-1.3b.yaml &&
-              lm_train gpt-1.3b "$out/ckpt-sync" --train.steps=10 --train.batch_size=8 --checkpoint.every=10 &&
-              rm -rf "$out/ckpt-sync/checkpoints" &&  # 16 GB, and the asynchronous run needs room for two
-              lm_train gpt-1.3b "$out/ckpt-async" --train.steps=20 --train.batch_size=8 --checkpoint.every=10 \
-                  --checkpoint.keep=1 --checkpoint.async=true &&
+        ckpt) local ckpt=(--train.steps=2 --train.batch_size=1 --train.micro_batch_size=1 --train.compile=false
+                          --train.eval_batches=1 --checkpoint.every=2 --checkpoint.keep=1)
+              "$py" -m lm.prepare --config configs/gpt-1.3b.yaml &&
+              lm_train gpt-1.3b "$out/ckpt-sync" "${ckpt[@]}" &&
+              rm -rf "$out/ckpt-sync/checkpoints" &&  # 16 GB of the device's 64 GB of disk
+              lm_train gpt-1.3b "$out/ckpt-async" "${ckpt[@]}" --checkpoint.async=true &&
               grep -h "saved checkpoint\|copied to host memory\|allocated the host copy" "$out/ckpt-sync.log" \
                   "$out/ckpt-async.log" ;;
         *) echo "bench_gpu.sh: unknown part '$1' (tests, training, engines, sampling, docmask, losschunk, profile, train, muon, float8, ckpt)" >&2; return 2 ;;
