@@ -139,9 +139,9 @@ class TorchEngine:
 
     def load(self, directory: Path) -> None:
         """Load model and optimizer, resharded to this world size and engine (DCP is the same for both)."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
-        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        state = self._state()
+        dcp.load(state, checkpoint_id=directory)  # in place
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def by_mesh(tensors: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:

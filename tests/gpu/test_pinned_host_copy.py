@@ -7,7 +7,6 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
 from lm.bench.training import random_batch
@@ -71,7 +70,7 @@ def background_save(cfg, device: torch.device, root) -> tuple[dict, dict, dict]:
     step()
     saves.allocate(built)
     step()
-    saved_state = state_of(built)
+    saved_state = flat(built._state())
     final = saves.save(2, built, {"step": 2}, cfg, keep=1)
     step()
     step()
@@ -79,17 +78,11 @@ def background_save(cfg, device: torch.device, root) -> tuple[dict, dict, dict]:
     assert complete_checkpoints(root) == [final]
     fresh = build_run_engine(cfg, family, env)
     fresh.load(final)
-    return saved_state, state_of(built), state_of(fresh)
-
-
-def state_of(engine) -> dict[str, torch.Tensor]:
-    """Every tensor of the engine's model and optimizer state by its dotted path, as a host copy of this rank's
-    part (the local shard of a DTensor)."""
-    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
-    return flat({"model": model_sd, "optim": optim_sd})
+    return saved_state, flat(built._state()), flat(fresh._state())
 
 
 def flat(value: object, path: tuple = ()) -> dict[str, torch.Tensor]:
+    """Every tensor of a state dict by its dotted path, as a host copy of this rank's part (a DTensor's shard)."""
     if isinstance(value, dict | list | tuple):
         items = value.items() if isinstance(value, dict) else enumerate(value)
         return {name: tensor for key, item in items for name, tensor in flat(item, (*path, key)).items()}
