@@ -50,6 +50,29 @@ def test_a_job_that_fails_on_one_rank_fails_with_its_error_and_the_next_job_gets
     assert [r["value"][2] for r in after.run(ranks_and_sum, 0)] == [1.0, 1.0]
 
 
+def abort_on_rank_one() -> None:
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        print("rank 1 is about to abort", file=sys.stderr, flush=True)
+        os.abort()  # as a C++ exception no one catches ends a process: SIGABRT, no Python traceback
+    dist.barrier()
+
+
+def test_a_rank_that_dies_fails_the_job_with_what_it_wrote_its_python_stack_and_the_pools_earlier_tests(monkeypatch):
+    workers = pool(2)
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/earlier.py::test_before (call)")
+    workers.run(ranks_and_sum, 0)
+    monkeypatch.undo()
+    with pytest.raises(WorkerError, match=r"(?s)rank 1 died \(exit code -6\).*rank 1 is about to abort.*"
+                                          r"Fatal Python error: Aborted.*in abort_on_rank_one.*this one last:\n.*"
+                                          r"tests/earlier.py::test_before\n"
+                                          r"tests/test_workers.py::test_a_rank_that_dies\w+$"):
+        workers.run(abort_on_rank_one, grace_s=2)
+
+
 def test_lm_trains_error_line_reaches_the_test(tmp_path):
     with pytest.raises(WorkerError, match=r"error: train.steps"):
         train_in_pool(2, ["--train.steps=0", f"--train.out_dir={tmp_path / 'run'}"], job_env())
@@ -78,8 +101,9 @@ def make_groups(n: int) -> tuple[int, int, int]:
     for group in made:
         dist.all_reduce(torch.ones(1), group=group)
     threads = [Path(t, "comm").read_text().strip() for t in Path("/proc/self/task").iterdir()]
-    # gloo's event loops: named by torch 2.13; torch 2.11 leaves them the main thread's name
-    loops = threads.count("gloo_tcp_loop") or threads.count("python") - 1
+    # gloo's event loops: named by torch 2.13 (so counted by name there); torch 2.11 leaves them the main thread's
+    named = threads.count("gloo_tcp_loop")
+    loops = named if named or torch.__version__ >= "2.13" else threads.count("python") - 1
     return len(set(map(id, made))), len(distributed_c10d._world.pg_map), loops
 
 

@@ -10,7 +10,9 @@ jobs made, where there are such (`_GroupReuse`), and all share one gloo device (
 
 A job that fails on a rank, or does not answer in time, takes its pool down: a rank that raised may leave the
 others waiting in a collective that never completes, so the pool is killed and the next job starts a fresh one.
-The failure is raised in the test with every failed rank's traceback and output.
+The failure is raised in the test with every failed rank's traceback and output. A rank's output goes to files in
+the pool's folder, so that the output of a rank that died (an abort in C++ code, and the Python stacks
+faulthandler writes then) reaches the test too.
 
 The launchers' own behaviour (rendezvous, restarts, signals, a rank killed with SIGKILL) stays on real torchrun.
 Set LM_TESTS_TORCHRUN=1 to send every `train()` of the tests to torchrun again, to compare.
@@ -19,17 +21,19 @@ Set LM_TESTS_TORCHRUN=1 to send every `train()` of the tests to torchrun again, 
 import atexit
 import ctypes
 import datetime
+import faulthandler
 import gc
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -63,12 +67,15 @@ class Pool:
         self.world_size = world_size
         ctx = multiprocessing.get_context("spawn")
         port = _free_port()
+        self.output_dir = Path(tempfile.mkdtemp(prefix=f"lm-pool-{world_size}-"))
         self.conns: list[Connection] = []
         self.procs = []
+        self.jobs: list[str] = []
+        """The tests (or functions) whose jobs the pool ran: a rank that dies may owe it to what an earlier one left"""
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             # not daemonic: a daemonic process may start no children, and a job may (a compiler, DeepSpeed's build)
-            proc = ctx.Process(target=_serve, args=(rank, world_size, port, child),
+            proc = ctx.Process(target=_serve, args=(rank, world_size, port, child, self.output_dir),
                                name=f"lm-worker-{world_size}.{rank}")
             proc.start()
             child.close()
@@ -87,11 +94,14 @@ class Pool:
         job_env = {k: v for k, v in (os.environ if env is None else env).items() if k not in LAUNCHER_KEYS}
         for conn in self.conns:
             conn.send((fn, args, job_env))
+        job = os.environ.get("PYTEST_CURRENT_TEST", getattr(fn, "__name__", str(fn))).split(" (")[0]
+        if self.jobs[-1:] != [job]:
+            self.jobs.append(job)
         replies = self._collect(time.monotonic() + timeout_s, grace_s)
         if any(r["error"] for r in replies):
             self.kill()
             raise WorkerError(f"{getattr(fn, '__name__', fn)} failed on a pool of {self.world_size}:\n"
-                              + _report(replies))
+                              + _report(replies, self.jobs))
         return replies
 
     def _collect(self, deadline: float, grace_s: float) -> list[dict]:
@@ -109,7 +119,8 @@ class Pool:
                 except (EOFError, OSError):
                     self.procs[rank].join(timeout=5)
                     replies[rank] = {"rank": rank, "error": f"rank {rank} died (exit code "
-                                     f"{self.procs[rank].exitcode}) without a reply", "stdout": "", "stderr": ""}
+                                     f"{self.procs[rank].exitcode}) without a reply",
+                                     **_read_output(self.output_dir, rank)}
                 if replies[rank]["error"]:
                     deadline = min(deadline, time.monotonic() + grace_s)
         for rank in waiting.values():
@@ -140,6 +151,7 @@ class Pool:
             proc.join(timeout=10)
         for conn in self.conns:
             conn.close()
+        shutil.rmtree(self.output_dir, ignore_errors=True)
         if _pools.get(self.world_size) is self:
             del _pools[self.world_size]
 
@@ -184,12 +196,16 @@ def run_train(args: list[str]) -> int:
     return code
 
 
-def _report(replies: list[dict]) -> str:
-    """The failed ranks' errors and output: those that raised first, then those that died or did not answer."""
+def _report(replies: list[dict], jobs: Sequence[str] = ()) -> str:
+    """The failed ranks' errors and output: those that raised first, then those that died or did not answer,
+    and then, if one did, the tests whose jobs the pool ran."""
     failed = [(rank, r) for rank, r in enumerate(replies) if r["error"]]
     failed.sort(key=lambda item: not item[1]["error"].startswith("Traceback"))
-    return "\n".join(f"--- rank {rank}: {r['error']}\n--- stdout:\n{r['stdout']}\n--- stderr:\n{r['stderr']}"
-                     for rank, r in failed)
+    report = "\n".join(f"--- rank {rank}: {r['error']}\n--- stdout:\n{r['stdout']}\n--- stderr:\n{r['stderr']}"
+                       for rank, r in failed)
+    if jobs and not failed[-1][1]["error"].startswith("Traceback"):
+        report += "\n--- the tests whose jobs this pool ran, this one last:\n" + "\n".join(jobs)
+    return report
 
 
 def _free_port() -> int:
@@ -198,8 +214,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(rank: int, world_size: int, port: int, conn: Connection) -> None:
+def _serve(rank: int, world_size: int, port: int, conn: Connection, output_dir: Path) -> None:
     """A worker's life: join the group, then run jobs until told to stop (None) or the pool is killed."""
+    faulthandler.enable(all_threads=True)  # on a fatal signal, every thread's Python stack to fd 2: the job's file
     # before torch is imported: one thread per rank, as the torchrun of the tests had
     os.environ["OMP_NUM_THREADS"] = "1"
     if world_size > 1:
@@ -234,13 +251,13 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection) -> None:
         fn, args, env = job
         if world_size > 1:
             groups.new_job()
-        conn.send(_run_job(rank, fn, args, {**env, **launcher_env}))
+        conn.send(_run_job(rank, fn, args, {**env, **launcher_env}, output_dir))
     # as lm's tools end: gloo's threads may still hold the last tensors, and an interpreter teardown can abort
     sys.stdout.flush()
     os._exit(0)
 
 
-def _run_job(rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str]) -> dict:
+def _run_job(rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str], output_dir: Path) -> dict:
     """Run one job with its environment and output files, and put back what it changed of the process."""
     import torch
     import torch.distributed as dist
@@ -261,7 +278,8 @@ def _run_job(rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str]
     os.environ.update(env)
     root.setLevel(logging.INFO)  # init_distributed lowers it on ranks other than 0, per job
     reply: dict[str, Any] = {"rank": rank, "value": None, "error": None}
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    out_path, err_path = _output_paths(output_dir, rank)
+    with open(out_path, "w+b") as out, open(err_path, "w+b") as err:
         held = _redirect(out, err)
         try:
             reply["value"] = fn(*args)
@@ -289,11 +307,19 @@ def _run_job(rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str]
             if "torch._dynamo" in sys.modules:
                 sys.modules["torch._dynamo"].reset()
             _settle_heap()
-        out.seek(0)
-        err.seek(0)
-        reply["stdout"] = out.read().decode(errors="replace")
-        reply["stderr"] = err.read().decode(errors="replace")
-    return reply
+    return {**reply, **_read_output(output_dir, rank)}
+
+
+def _output_paths(output_dir: Path, rank: int) -> tuple[Path, Path]:
+    """Where a rank's job writes its stdout and stderr; each job starts them empty."""
+    return output_dir / f"rank{rank}.out", output_dir / f"rank{rank}.err"
+
+
+def _read_output(output_dir: Path, rank: int) -> dict[str, str]:
+    """The "stdout" and "stderr" of the rank's last job, as far as they were written."""
+    paths = _output_paths(output_dir, rank)
+    return {key: path.read_bytes().decode(errors="replace") if path.exists() else ""
+            for key, path in zip(("stdout", "stderr"), paths)}
 
 
 def _settle_heap() -> None:
