@@ -26,6 +26,7 @@ def fail_on_rank_one() -> None:
 
     if dist.get_rank() == 1:
         raise ValueError("rank 1 gives up")
+    print("rank 0 waits in a barrier", flush=True)
     dist.barrier()  # rank 0 waits for a rank that never comes
 
 
@@ -41,7 +42,7 @@ def test_a_job_that_fails_on_one_rank_fails_with_its_error_and_the_next_job_gets
     before = pool(2)
     started = time.monotonic()
     with pytest.raises(WorkerError, match=r"(?s)rank 1: Traceback.*ValueError: rank 1 gives up.*"
-                                          r"rank 0 did not answer in time"):
+                                          r"rank 0 did not answer in time\n--- stdout:\nrank 0 waits in a barrier"):
         before.run(fail_on_rank_one, grace_s=2)
     assert time.monotonic() - started < 60
     assert not before.alive

@@ -105,7 +105,8 @@ class Pool:
         return replies
 
     def _collect(self, deadline: float, grace_s: float) -> list[dict]:
-        """One reply per rank; a rank that died or did not answer by the deadline gets one that says so."""
+        """One reply per rank; a rank that died or did not answer by the deadline gets one that says so, with
+        the output its job wrote so far."""
         replies: list[dict] = [{}] * self.world_size
         waiting = dict(zip(self.conns, range(self.world_size)))
         while waiting:
@@ -124,7 +125,8 @@ class Pool:
                 if replies[rank]["error"]:
                     deadline = min(deadline, time.monotonic() + grace_s)
         for rank in waiting.values():
-            replies[rank] = {"rank": rank, "error": f"rank {rank} did not answer in time", "stdout": "", "stderr": ""}
+            replies[rank] = {"rank": rank, "error": f"rank {rank} did not answer in time",
+                             **_read_output(self.output_dir, rank)}  # what it wrote before it hung
         return replies
 
     @property
