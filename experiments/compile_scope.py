@@ -3,8 +3,12 @@ step (forward, backward, clip, AdamW) with the blocks compiled (the trainer befo
 the blocks and the float32 loss (`train.compile` now), and the whole forward with the loss in one graph.
 
     python -m experiments.compile_scope [--device cuda] [--micro 16 32] [--warmup 3] [--reps 10] [--preset demo]
+                                        [--modes default max-autotune-no-cudagraphs]
 
-Prints one row per (what is compiled, micro-batch). Meant for a GPU; on a CPU every step is one sequence (of
+Prints one row per (what is compiled, torch.compile mode, micro-batch). A mode other than `default` applies to
+the blocks and to the whole forward (the loss keeps `lm.models.loss.compiled_loss`'s): `max-autotune-no-cudagraphs`
+lets Inductor time Triton matmul templates against cuBLAS, `reduce-overhead` replays CUDA graphs, and
+`max-autotune` does both. Meant for a GPU; on a CPU every step is one sequence (of
 256 tokens for gpt2-124m, as in lm.bench). --preset times another config of configs/ (the tests use demo).
 """
 
@@ -27,10 +31,11 @@ from lm.plan.counts import flops_per_token
 from lm.plan.flops import peak_flops
 
 SCOPES = ["blocks", "blocks+loss", "whole"]
+MODES = ["default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"]
 
 
 def measure(device: torch.device, scope: str, micro: int, warmup: int, reps: int,
-            preset: str = "gpt2-124m") -> list[str]:
+            preset: str = "gpt2-124m", mode: str = "default") -> list[str]:
     torch._dynamo.reset()  # each row compiles from nothing and is timed after its own warm-up
     cfg, _ = preset_config(preset, device)
     if device.type == "cpu":
@@ -39,15 +44,18 @@ def measure(device: torch.device, scope: str, micro: int, warmup: int, reps: int
     torch.manual_seed(0)
     model = family.build(cfg.model).to(device)
     optimizer = build_optimizer(model, cfg.optim, family.output_layers(model))
-    if scope != "whole":
+    if scope != "whole" and mode == "default":
         compile_blocks(family.blocks(model))
+    elif scope != "whole":
+        for block in family.blocks(model):
+            block.compile(mode=mode)
 
     def loss_of(inputs, targets):
         with compiled_loss(scope == "blocks+loss"):
             return family.training.loss(model, model, [inputs, targets]).optimized
 
     if scope == "whole":
-        loss_of = torch.compile(loss_of)
+        loss_of = torch.compile(loss_of, mode=None if mode == "default" else mode)
     x = random_batch(cfg, micro, device)
     autocast = autocast_for(cfg.train.dtype, device)
 
@@ -70,7 +78,7 @@ def measure(device: torch.device, scope: str, micro: int, warmup: int, reps: int
     flops = flops_per_token(cfg.model, cfg.data.seq_len, cfg.data) * tokens
     peak = peak_flops(device)
     mfu = flops / peak if peak else None
-    return [scope, f"{micro} x {cfg.data.seq_len}", fmt(seconds * 1e3, ".1f"), fmt(tokens, ",.0f"),
+    return [scope, mode, f"{micro} x {cfg.data.seq_len}", fmt(seconds * 1e3, ".1f"), fmt(tokens, ",.0f"),
             fmt(mfu and 100 * mfu, ".1f"), fmt(peak_memory_gib(device), ".1f"), fmt(first, ".1f")]
 
 
@@ -79,15 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--micro", nargs="+", type=positive_int, default=[16, 32], help="micro-batches to time")
     parser.add_argument("--scopes", nargs="+", default=SCOPES, choices=SCOPES)
+    parser.add_argument("--modes", nargs="+", default=["default"], choices=MODES, help="torch.compile modes to time")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=positive_int, default=10)
     parser.add_argument("--preset", default="gpt2-124m", help="a config of configs/ by name (default gpt2-124m)")
     args = parser.parse_args(argv)
     device = init_device(args.device, "--device")
-    rows = [measure(device, scope, micro, args.warmup, args.reps, args.preset)
-            for micro in args.micro for scope in args.scopes]
+    rows = [measure(device, scope, micro, args.warmup, args.reps, args.preset, mode)
+            for micro in args.micro for mode in args.modes for scope in args.scopes]
     print_table(f"compile scope: {args.preset} training step (forward, backward, clip, AdamW), one process",
-                ["compiled", "batch x seq", "ms/step", "tokens/s", "MFU %", "peak GiB", "first step s"], rows)
+                ["compiled", "mode", "batch x seq", "ms/step", "tokens/s", "MFU %", "peak GiB", "first step s"], rows)
     return 0
 
 

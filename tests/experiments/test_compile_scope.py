@@ -1,5 +1,6 @@
-"""The compile-scope measurement: each scope's row, printed; timed here for the demo preset cut to one block (one
-128-token sequence on a CPU), so that compiling two scopes takes seconds, not the minutes gpt2-124m's would."""
+"""The compile-scope measurement: each scope's and mode's row, printed; timed here for the demo preset cut to one
+block (one 128-token sequence on a CPU), so that compiling four rows takes seconds, not the minutes gpt2-124m's
+would."""
 
 import dataclasses
 
@@ -11,7 +12,7 @@ from experiments import compile_scope
 pytestmark = pytest.mark.slow
 
 
-def test_each_scope_gets_a_timed_row(capsys, monkeypatch):
+def test_each_scope_and_mode_gets_a_timed_row(capsys, monkeypatch):
     # compile time grows with the blocks; one shows the rows as well as four. The blocks-and-loss scope is what
     # train.compile runs (tests/training/test_trainer.py, tests/models/test_compiled_loss.py)
     preset_config = compile_scope.preset_config
@@ -22,9 +23,11 @@ def test_each_scope_gets_a_timed_row(capsys, monkeypatch):
 
     monkeypatch.setattr(compile_scope, "preset_config", one_block)
     assert compile_scope.main(["--device", "cpu", "--micro", "1", "--warmup", "0", "--reps", "1",
-                               "--scopes", "blocks", "whole", "--preset", "demo"]) == 0
+                               "--scopes", "blocks", "whole", "--modes", "default", "max-autotune-no-cudagraphs",
+                               "--preset", "demo"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    rows = {line.split()[0]: line.split() for line in lines if line.startswith(("blocks", "whole"))}
-    assert set(rows) == {"blocks", "whole"}
+    rows = {tuple(line.split()[:2]): line.split() for line in lines if line.startswith(("blocks", "whole"))}
+    assert set(rows) == {(scope, mode) for scope in ("blocks", "whole")
+                         for mode in ("default", "max-autotune-no-cudagraphs")}
     for cells in rows.values():
-        assert cells[1:4] == ["1", "x", "128"] and float(cells[4]) > 0  # ms/step
+        assert cells[2:5] == ["1", "x", "128"] and float(cells[5]) > 0  # ms/step
