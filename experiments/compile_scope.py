@@ -55,7 +55,7 @@ def measure(device: torch.device, scope: str, micro: int, warmup: int, reps: int
             return family.training.loss(model, model, [inputs, targets]).optimized
 
     if scope == "whole":
-        loss_of = torch.compile(loss_of, mode=None if mode == "default" else mode)
+        loss_of = torch.compile(loss_of, mode=mode)
     x = random_batch(cfg, micro, device)
     autocast = autocast_for(cfg.train.dtype, device)
 
