@@ -208,6 +208,15 @@ def publish_dir(staging: Path, final: Path) -> None:
     shutil.rmtree(aside)
 
 
+def restore_replaced_dir(final: Path) -> bool:
+    """Put back `<final>.replaced` where a kill between `publish_dir`'s two renames left no `final`; True if it did."""
+    aside = final.with_name(final.name + REPLACED_SUFFIX)
+    if final.exists() or not aside.is_dir():
+        return False
+    aside.rename(final)
+    return True
+
+
 def merge_dir(staging: Path, final: Path) -> None:
     """Move every file of `staging` into `final`, each replacing its namesake atomically, then remove
     `staging`; files of `final` that `staging` does not hold stay. A missing `final` appears whole."""

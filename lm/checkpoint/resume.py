@@ -8,9 +8,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from lm.checkpoint.manifest import verify_checkpoint
-from lm.checkpoint.store import complete_checkpoints, read_config, read_state, restore_replaced
+from lm.checkpoint.store import describe_failure, published_checkpoints, read_config, read_state, restore_replaced
 from lm.config import JobConfig, config_diff
 from lm.distributed.engine import Engine
 from lm.distributed.env import DistEnv
@@ -22,9 +23,9 @@ log = logging.getLogger("lm.checkpoint")
 
 def find_resume(root: Path, mode: str, env: DistEnv, allow_unverified: bool = False) -> Path | None:
     """The checkpoint a run resumes from under checkpoint.resume=`mode` (auto, never, required), or None
-    to start fresh: the newest one that verifies, corrupt ones skipped with a warning (and ones without a
-    manifest, unless `allow_unverified`). Every rank calls it."""
-    found = complete_checkpoints(root)
+    to start fresh: the newest one that verifies, corrupt or incomplete ones skipped with a warning (and ones
+    without a manifest, unless `allow_unverified`). Every rank calls it."""
+    found = published_checkpoints(root)
     if mode == "required" and not found:
         raise CheckpointError(f"checkpoint.resume=required, but {root} holds no complete checkpoint")
     if mode == "never" and found:
@@ -46,7 +47,7 @@ def check_resume(path: Path, cfg: JobConfig, data: dict, env: DistEnv) -> bool:
 
 
 def latest_valid_checkpoint(root: Path, env: DistEnv | None = None, allow_unverified: bool = False) -> Path | None:
-    """The newest complete checkpoint under `root` that verifies, or None when there is none at all.
+    """The newest checkpoint under `root` that verifies, or None when there is none at all.
 
     Each one skipped is logged with the reason; raises CheckpointError listing them when checkpoints
     exist but none verifies. With `env`, every rank must call this: rank 0 verifies and broadcasts its
@@ -56,7 +57,7 @@ def latest_valid_checkpoint(root: Path, env: DistEnv | None = None, allow_unveri
     if env is None or env.is_main:
         if root.is_dir():
             restore_replaced(root)
-        found = complete_checkpoints(root)
+        found = published_checkpoints(root)
         problems = []
         for path in reversed(found):
             try:
@@ -96,7 +97,14 @@ def load_checkpoint(path: Path, engine: Engine, env: DistEnv) -> dict:
     """Load model and optimizer through the engine (resharded to this world size) and this rank's RNG;
     return state.json."""
     state = read_state(path)
-    engine.load(path)
+    try:
+        engine.load(path)
+    except CheckpointError:
+        raise
+    # a file damaged where no manifest could tell (checkpoint.allow_unverified): one line, not a traceback;
+    # DCP raises it on every rank
+    except (Exception, dcp.CheckpointException) as err:
+        raise CheckpointError(f"{path}: cannot read the {state['engine']} checkpoint: {describe_failure(err)}") from err
     rng_file = path / f"rng_rank{env.rank}.pt"
     if state["world_size"] == env.world_size and rng_file.is_file():
         rng = torch.load(rng_file, weights_only=True)

@@ -42,7 +42,7 @@ from lm.config import JobConfig, read_stored_config, save_config
 from lm.distributed.engine import Engine
 from lm.distributed.env import DistEnv
 from lm.errors import CheckpointError
-from lm.io import REPLACED_SUFFIX, publish_dir
+from lm.io import REPLACED_SUFFIX, publish_dir, restore_replaced_dir
 
 log = logging.getLogger("lm.checkpoint")
 
@@ -57,12 +57,18 @@ def checkpoint_root(out_dir: str | Path) -> Path:
     return Path(out_dir) / "checkpoints"
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
+def published_checkpoints(root: Path) -> list[Path]:
+    """Every step directory under `root`, oldest first: a save renames one into place only when complete, so
+    one without its state.json was damaged afterwards (resume reports and skips it rather than not seeing it)."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / "state.json").is_file()]
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()]
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root` (those with their state.json), oldest first."""
+    return [p for p in published_checkpoints(root) if (p / "state.json").is_file()]
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -318,10 +324,8 @@ def _prune(root: Path, final: Path, keep: int) -> None:
 def restore_replaced(root: Path) -> None:
     """A kill between the two renames of `publish_dir` leaves the replaced checkpoint only under `.replaced`."""
     for aside in root.glob(f"step_*{REPLACED_SUFFIX}"):
-        final = aside.with_suffix("")
-        if not final.exists():
-            log.warning("%s: a save was killed while replacing this checkpoint; restoring it", final)
-            aside.rename(final)
+        if restore_replaced_dir(aside.with_suffix("")):
+            log.warning("%s: a save was killed while replacing this checkpoint; restored it", aside.with_suffix(""))
 
 
 def _clean_leftovers(root: Path) -> None:

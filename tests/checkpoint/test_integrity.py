@@ -105,6 +105,25 @@ def test_missing_extra_and_unverified_files(tmp_path, caplog):
     assert "step_00000001: no manifest.json; its files are read unchecked" in caplog.text
 
 
+def test_a_checkpoint_whose_state_json_was_deleted_is_reported_not_overlooked(tmp_path, caplog):
+    first, second = save_two(tmp_path)
+    (second / "state.json").unlink()  # published complete, so damaged since: skipped by name, not unseen
+    with caplog.at_level(logging.WARNING, logger="lm.checkpoint"):
+        assert latest_valid_checkpoint(tmp_path) == first
+    assert f"skipping checkpoint {second}: {second}/state.json: missing" in caplog.text
+    shutil.rmtree(first)  # the only one left: refused, where a run would otherwise start again from step 0
+    with pytest.raises(CheckpointError, match=f"no usable checkpoint in {tmp_path}: .*state.json: missing"):
+        latest_valid_checkpoint(tmp_path)
+
+
+def test_a_shard_that_cannot_be_read_is_one_checkpoint_error(tmp_path):
+    _, second = save_two(tmp_path)
+    truncate(second / "__0_0.distcp")  # as resume reads it with checkpoint.allow_unverified: no manifest check
+    _, other = setup(seed=1)
+    with pytest.raises(CheckpointError, match=f"^{second}: cannot read the ddp checkpoint: "):
+        load_checkpoint(second, other, init_distributed("cpu"))
+
+
 def test_an_edited_state_json_is_caught_by_the_manifest(tmp_path):
     _, second = save_two(tmp_path)
     state_file = second / "state.json"
