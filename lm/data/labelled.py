@@ -19,7 +19,7 @@ import numpy as np
 from lm.data.loader import rank_slice
 from lm.data.local_datasets import JSON_OPTIONS, check_json_rows, local_datasets, read_failure
 from lm.data.mixture import sample_order
-from lm.data.prepare import is_val_document
+from lm.data.prepare import is_val_document, smallest_val_fraction
 from lm.errors import DataError
 
 __all__ = ["KINDS", "ExampleLoader", "encode_examples", "example_batches", "pad_examples", "read_labelled",
@@ -159,7 +159,7 @@ def split_examples(n: int, val_fraction: float, key: str = "val_fraction") -> tu
     train, val = np.flatnonzero(~is_val), np.flatnonzero(is_val)
     if val_fraction > 0 and not val.size:
         raise DataError(f"{key}={val_fraction} puts none of the {n} examples in the val split; raise it to at "
-                        f"least {1 / n:.3g} or add examples")
+                        f"least {smallest_val_fraction(n):g} or add examples")
     return train, val
 
 

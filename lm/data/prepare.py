@@ -47,7 +47,7 @@ from lm.data.shards import (
 )
 from lm.data.staging import Staging
 from lm.errors import DataError
-from lm.io import output_dir_problem
+from lm.io import output_dir_problem, restore_replaced_dir
 from lm.tokenizer import (
     HFTokenizer,
     Tokenizer,
@@ -83,6 +83,14 @@ def num_threads(num_workers: int) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def smallest_val_fraction(n: int) -> float:
+    """The least val_fraction of 3 significant digits that puts one of `n` documents in val: 1/n rounded up, as
+    1/n rounded to nearest (0.333 of 3) would put none there."""
+    exact = 1 / n
+    scale = 10 ** (2 - math.floor(math.log10(exact)))
+    return math.ceil(round(exact * scale, 6)) / scale
+
+
 def is_val_document(index: int, val_fraction: float) -> bool:
     """Whether document `index` goes to val: evenly spaced, exactly floor(N * f) of the first N documents."""
     return math.floor((index + 1) * val_fraction) > math.floor(index * val_fraction)
@@ -114,6 +122,8 @@ def prepare(cfg: DataConfig, force: bool = False) -> dict:
     unwritable = output_dir_problem(out, sibling=True)
     if unwritable is not None and not _has_manifest(out):
         raise DataError(f"data.dir: {unwritable}")
+    if restore_replaced_dir(out):
+        log.warning("%s: a prepare was killed while replacing it; restored the data it replaced", out)
     corpus = find_corpus(cfg.source, cfg.document_separator)
     enc = load_tokenizer(cfg.tokenizer)
     content_hash = output_hash(corpus.content_hash(cfg.text_column), cfg)
@@ -126,7 +136,7 @@ def prepare(cfg: DataConfig, force: bool = False) -> dict:
         raise DataError(f"data.dir: {unwritable}")
     _check_replaceable(out)
     if corpus.num_documents is not None:  # fail before tokenizing when the split is known to be empty
-        _check_splits(math.floor(corpus.num_documents * cfg.val_fraction), corpus.num_documents, cfg.val_fraction)
+        _check_splits(math.floor(corpus.num_documents * cfg.val_fraction), corpus.num_documents, cfg)
 
     with Staging(out, content_hash) as staging:
         try:
@@ -195,14 +205,17 @@ def _check_replaceable(out: Path) -> None:
         )
 
 
-def _check_splits(val_docs: int, documents: int, val_fraction: float) -> None:
+def _check_splits(val_docs: int, documents: int, cfg: DataConfig) -> None:
+    if documents == 0:  # every document empty or blank (those are skipped), so nothing to split
+        raise DataError(f"data.source={cfg.source!r} holds no documents (empty and blank ones are skipped)")
+    val_fraction = cfg.val_fraction
     if val_fraction > 0 and documents < 2:
         raise DataError(f"data.val_fraction={val_fraction} needs at least 2 documents (one for val, one for training), "
                         f"but data.source holds {documents}; add documents or set it to 0 for no validation")
     if val_fraction > 0 and val_docs == 0:
         raise DataError(
-            f"data.val_fraction={val_fraction} puts none of the {documents} documents in the val split; "
-            f"raise it to at least {1 / documents:.3g}, add documents, or set it to 0 for no validation"
+            f"data.val_fraction={val_fraction} puts none of the {documents} documents in the val split; raise it "
+            f"to at least {smallest_val_fraction(documents):g}, add documents, or set it to 0 for no validation"
         )
     if val_docs == documents:
         raise DataError(f"data.val_fraction={val_fraction} leaves no training documents out of {documents}")
@@ -230,7 +243,7 @@ def _tokenize(corpus: Corpus, cfg: DataConfig, staging: Staging, dtype: np.dtype
             if sum(len(w.shards) for w in writers.values()) > finished:
                 progress.position = batch.end
                 staging.save(progress, writers)
-    _check_splits(docs["val"], docs["train"] + docs["val"], cfg.val_fraction)
+    _check_splits(docs["val"], docs["train"] + docs["val"], cfg)
     splits = {}
     for split, writer in writers.items():
         shards = writer.close()

@@ -263,6 +263,8 @@ def read_manifest(data_dir: str | Path) -> dict:
         version = manifest["format_version"]
         listed = [(e["file"], e["tokens"]) for split in ("train", "val") for e in manifest["splits"][split]["shards"]]
         dtype = np.dtype(manifest["dtype"])
+        if not all(isinstance(name, str) and type(tokens) is int for name, tokens in listed):
+            raise TypeError("each shard's file must be a string and its tokens an integer")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
         raise DataError(f"{path}: unreadable manifest ({type(err).__name__}: {err}); {_PREPARE_HINT}") from None
     if version != FORMAT_VERSION:
@@ -303,7 +305,11 @@ def document_eot(manifest: dict, data_dir: str | Path) -> int:
             f"{Path(data_dir) / MANIFEST_NAME}: records no document boundaries (prepared by an older lm), which "
             "data.document_mask needs; run the same `python -m lm.prepare` command again to rebuild it"
         )
-    return int(manifest["eot_id"])
+    eot = manifest.get("eot_id")
+    if type(eot) is not int:
+        raise DataError(f"{Path(data_dir) / MANIFEST_NAME}: eot_id is {eot!r}, not a token id (an integer); "
+                        f"{_PREPARE_HINT} with --force")
+    return eot
 
 
 def manifest_tokenizer(manifest: dict) -> str | None:

@@ -14,7 +14,7 @@ from lm.data import corpora
 from lm.data import prepare as prepare_module
 from lm.data.config import DataConfig
 from lm.data.corpora import find_corpus
-from lm.data.prepare import is_val_document, prepare
+from lm.data.prepare import is_val_document, prepare, smallest_val_fraction
 from lm.data.shards import open_shard
 from lm.errors import DataError
 from lm.prepare import main
@@ -292,6 +292,33 @@ def test_document_separator_splits_text_files(tmp_path, monkeypatch, separator, 
     assert val == expected_tokens(docs, val=True, val_fraction=0.5)
     assert [i for i, t in enumerate(val) if t == 50256] == [8, 16, 25]  # after "Second", "Fourth" and "Sixth"
     assert load_tokenizer("gpt2").decode(val) == "".join(docs[i] + "<|endoftext|>" for i in (1, 3, 5))
+
+
+def test_the_val_fraction_an_error_suggests_puts_exactly_one_document_in_val():
+    for n in range(1, 300):  # 1/3 to 3 digits, 0.333, would put none of 3 documents there
+        assert sum(is_val_document(i, smallest_val_fraction(n)) for i in range(n)) == 1, n
+    assert [smallest_val_fraction(n) for n in (1, 3, 8, 10, 11, 3000)] == [1.0, 0.334, 0.125, 0.1, 0.091, 0.000334]
+
+
+def test_data_left_aside_by_a_killed_publish_is_restored(tmp_path, caplog):
+    cfg = config(tmp_path, write_txt(tmp_path / "in", DOCS))
+    manifest = prepare(cfg)
+    data = tmp_path / "data"
+    data.rename(tmp_path / "data.replaced")  # a kill after publish_dir moved it aside, before the new one came
+    with caplog.at_level(logging.WARNING, logger="lm.data"):
+        assert prepare(cfg) == manifest  # put back and up to date: nothing tokenized again
+    assert "a prepare was killed while replacing it; restored the data it replaced" in caplog.text
+    assert not (tmp_path / "data.replaced").exists()
+
+
+def test_a_source_of_only_blank_documents_is_named(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("\n\n\n  \n")  # two blank paragraphs, both skipped
+    cfg = config(tmp_path, str(tmp_path / "in" / "a.txt"), document_separator="\n\n", val_fraction=0.0)
+    with pytest.raises(DataError,
+                       match=r"^data.source='.*a.txt' holds no documents \(empty and blank ones are skipped\)$"):
+        prepare(cfg)
+    assert not (tmp_path / "data" / "manifest.json").exists()
 
 
 def test_changing_document_separator_re_prepares(tmp_path):

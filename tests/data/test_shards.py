@@ -9,6 +9,7 @@ from lm.data.shards import (
     HEADER_BYTES,
     ShardWriter,
     check_manifest,
+    document_eot,
     dtype_for_vocab,
     new_manifest,
     open_shard,
@@ -158,6 +159,23 @@ def test_manifest_shard_count_differs(tmp_path):
     (data / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DataError, match=r"train_00002.bin: holds 2 uint16 tokens, but .* lists 3 uint16"):
         read_manifest(data)
+
+
+@pytest.mark.parametrize("key, value", [("file", 5), ("tokens", "2"), ("tokens", True)])
+def test_manifest_shard_entry_of_the_wrong_type(tmp_path, key, value):
+    data, manifest = _prepared_dir(tmp_path)
+    manifest["splits"]["train"]["shards"][2][key] = value  # a hand edit: one error line, not a traceback
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"manifest.json: unreadable manifest \(TypeError: each shard's file must be"):
+        read_manifest(data)
+
+
+def test_document_eot_must_be_a_token_id(tmp_path):
+    data, manifest = _prepared_dir(tmp_path)
+    assert document_eot(manifest, data) == 50256
+    manifest["eot_id"] = "x"
+    with pytest.raises(DataError, match=r"manifest.json: eot_id is 'x', not a token id \(an integer\)"):
+        document_eot(manifest, data)
 
 
 def test_check_manifest(tmp_path):
