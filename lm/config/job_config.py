@@ -129,6 +129,8 @@ class TrainConfig:
         for key in ("steps", "batch_size", "micro_batch_size", "eval_every", "eval_batches", "max_nonfinite_steps"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"train.{key}: must be positive, got {getattr(self, key)}")
+        if not self.out_dir.strip():  # "" is the working directory, whose config.yaml the run would replace
+            raise ConfigError("train.out_dir: empty; name the run directory, e.g. runs/mine")
         if self.batch_size % self.micro_batch_size:
             raise ConfigError(
                 f"train.batch_size: {self.batch_size} is not a multiple of "

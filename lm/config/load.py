@@ -21,7 +21,7 @@ import yaml
 from lm.config.init_from import model_from_checkpoint
 from lm.config.job_config import JobConfig, config_key
 from lm.errors import ConfigError
-from lm.io import atomic_write_text
+from lm.io import atomic_write_text, read_utf8
 from lm.models.config import ModelConfig
 from lm.models.registry import DEFAULT, config_class, family_names
 
@@ -194,11 +194,7 @@ def config_from_yaml(text: str, origin: str | Path) -> JobConfig:
 
 def read_stored_config(path: Path) -> JobConfig:
     """`config_from_yaml` of a file lm wrote (a checkpoint's config.yaml)."""
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read the stored config: {err}") from None
-    return config_from_yaml(text, path)
+    return config_from_yaml(read_utf8(path), path)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -214,7 +210,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"--config: no such file {str(path)!r}")
-        for section, keys in _parse_yaml(path.read_text(), path).items():
+        for section, keys in _parse_yaml(read_utf8(path), path).items():
             if isinstance(keys, dict) and isinstance(raw.get(section), dict):
                 raw[section] = {**raw[section], **keys}
             else:

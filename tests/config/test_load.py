@@ -1,8 +1,8 @@
 import pytest
 import yaml
 
-from lm.config import JobConfig, load_config, parse_cli, save_config
-from lm.errors import ConfigError
+from lm.config import JobConfig, load_config, parse_cli, read_stored_config, save_config
+from lm.errors import ConfigError, LMError
 
 
 def test_defaults_then_yaml_then_overrides(tmp_path):
@@ -57,12 +57,22 @@ def test_text_that_reads_as_a_yaml_mapping_is_taken_literally():
         ("--train.float8=rowwise --parallel.engine=fsdp --parallel.cpu_offload=true",
          "train.float8=rowwise: float8 speeds up GPU matmuls, and an offloaded run waits on host copies"),
         ("--model.n_layer", "overrides take the form --section.key=value"),
+        ("--train.out_dir=", "train.out_dir: empty; name the run directory"),  # not the working directory
     ],
 )
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, override.split(" --"))
     assert message in str(err.value)
+
+
+def test_a_config_file_that_is_not_utf8_is_one_error_naming_it(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(LMError, match=f"^{path}: .*UTF-8"):
+        load_config(path)
+    with pytest.raises(LMError, match=f"^{path}: .*UTF-8"):  # a checkpoint's stored config.yaml, read the same way
+        read_stored_config(path)
 
 
 def test_float8_off_reads_as_yaml_writes_it(tmp_path):
