@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from lm.checkpoint.manifest import verify_checkpoint
-from lm.checkpoint.store import describe_failure, read_state
+from lm.checkpoint.store import read_state, reading
 from lm.distributed.zero import DEEPSPEED_TAG
 from lm.errors import CheckpointError
 from lm.io import held_output
@@ -84,7 +84,7 @@ def load_checkpoint_weights(step_dir: Path, model: nn.Module) -> None:
     verify_checkpoint(step_dir, require_manifest=False)
     state = read_state(step_dir)
     engine = state.get("engine", "ddp")  # checkpoints older than the engine key were all DDP
-    try:
+    with reading(step_dir, engine):
         if engine == "deepspeed":
             weights = _deepspeed_state_dict(step_dir)
             fill_tied(weights, model)
@@ -93,8 +93,3 @@ def load_checkpoint_weights(step_dir: Path, model: nn.Module) -> None:
             load_model_weights(step_dir, model)
         else:
             raise CheckpointError(f"{step_dir}: unknown engine {engine!r} in state.json")
-    except CheckpointError:
-        raise
-    # a missing or corrupt file, or weights that do not fit the config
-    except (Exception, dcp.CheckpointException) as err:
-        raise CheckpointError(f"{step_dir}: cannot read the {engine} checkpoint: {describe_failure(err)}") from err

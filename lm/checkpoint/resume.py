@@ -8,10 +8,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from lm.checkpoint.manifest import verify_checkpoint
-from lm.checkpoint.store import describe_failure, published_checkpoints, read_config, read_state, restore_replaced
+from lm.checkpoint.store import published_checkpoints, read_config, read_state, reading, restore_replaced
 from lm.config import JobConfig, config_diff
 from lm.distributed.engine import Engine
 from lm.distributed.env import DistEnv
@@ -97,14 +96,8 @@ def load_checkpoint(path: Path, engine: Engine, env: DistEnv) -> dict:
     """Load model and optimizer through the engine (resharded to this world size) and this rank's RNG;
     return state.json."""
     state = read_state(path)
-    try:
+    with reading(path, state["engine"]):  # a file damaged where no manifest could tell (allow_unverified)
         engine.load(path)
-    except CheckpointError:
-        raise
-    # a file damaged where no manifest could tell (checkpoint.allow_unverified): one line, not a traceback;
-    # DCP raises it on every rank
-    except (Exception, dcp.CheckpointException) as err:
-        raise CheckpointError(f"{path}: cannot read the {state['engine']} checkpoint: {describe_failure(err)}") from err
     rng_file = path / f"rng_rank{env.rank}.pt"
     if state["world_size"] == env.world_size and rng_file.is_file():
         rng = torch.load(rng_file, weights_only=True)

@@ -25,12 +25,14 @@ the copy of the state to host memory, and the checkpoint is published, as above,
 written. A kill while it is written leaves the `.tmp` unpublished and the previous checkpoint the newest.
 """
 
+import contextlib
 import json
 import logging
 import re
 import shutil
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -288,6 +290,18 @@ def _agree(error: BaseException | None, tmp: Path, root: Path, step: int, env: D
                           f"previous checkpoint {found[-1] if found else '(none)'} is intact") from error
 
 
+@contextlib.contextmanager
+def reading(step_dir: Path, engine: str) -> Iterator[None]:
+    """Turn any failure to read a checkpoint's files (a missing or corrupt file, weights that do not fit the
+    config) into one CheckpointError naming `step_dir`; DCP raises its failure on every rank."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (Exception, dcp.CheckpointException) as err:
+        raise CheckpointError(f"{step_dir}: cannot read the {engine} checkpoint: {describe_failure(err)}") from err
+
+
 def describe_failure(err: BaseException) -> str:
     """One line for an exception of a checkpoint write or read; for DCP's, which holds every rank's error
     with its traceback, the first rank's error alone."""
@@ -323,9 +337,9 @@ def _prune(root: Path, final: Path, keep: int) -> None:
 
 def restore_replaced(root: Path) -> None:
     """A kill between the two renames of `publish_dir` leaves the replaced checkpoint only under `.replaced`."""
-    for aside in root.glob(f"step_*{REPLACED_SUFFIX}"):
-        if restore_replaced_dir(aside.with_suffix("")):
-            log.warning("%s: a save was killed while replacing this checkpoint; restored it", aside.with_suffix(""))
+    for final in (aside.with_suffix("") for aside in root.glob(f"step_*{REPLACED_SUFFIX}")):
+        if restore_replaced_dir(final):
+            log.warning("%s: a save was killed while replacing this checkpoint; restored it", final)
 
 
 def _clean_leftovers(root: Path) -> None:
