@@ -325,12 +325,15 @@ def _step(path: Path) -> int:
 
 
 def _prune(root: Path, final: Path, keep: int) -> None:
-    """Keep `keep` complete checkpoints: `final`, just written, always; then the newest below its step;
-    steps above it come last, as they belong to a run that resumed from an earlier checkpoint."""
-    others = [p for p in complete_checkpoints(root) if p != final]
-    below = [p for p in others if _step(p) < _step(final)]
-    above = [p for p in others if _step(p) > _step(final)]
-    ranked = [final, *reversed(below), *reversed(above)]
+    """Keep `keep` checkpoints: `final`, just written, always; then the newest complete one below its step;
+    steps above it next, as they belong to a run that resumed from an earlier checkpoint; step directories
+    damaged after publishing (no state.json, which resume skips) last, so they go first."""
+    found = [p for p in published_checkpoints(root) if p != final]
+    complete = [p for p in found if (p / "state.json").is_file()]
+    below = [p for p in complete if _step(p) < _step(final)]
+    above = [p for p in complete if _step(p) > _step(final)]
+    damaged = [p for p in found if p not in complete]
+    ranked = [final, *reversed(below), *reversed(above), *reversed(damaged)]
     for old in ranked[keep:]:
         _remove(old)
 

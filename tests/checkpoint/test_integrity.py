@@ -158,6 +158,18 @@ def test_retention_never_deletes_the_checkpoint_just_written(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000005"]
 
 
+def test_retention_removes_a_damaged_checkpoint_before_a_good_one(tmp_path):
+    """A step directory that lost its state.json is one resume skips: retention counts it last, so the good
+    checkpoint a run resumed from is kept and the damaged one does not stay behind forever."""
+    cfg, engine = setup()
+    env = init_distributed("cpu")
+    save_checkpoint(tmp_path, 2, engine, state(2), cfg, env, keep=3)
+    damaged = save_checkpoint(tmp_path, 6, engine, state(6), cfg, env, keep=3)
+    (damaged / "state.json").unlink()
+    save_checkpoint(tmp_path, 4, engine, state(4), cfg, env, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000004"]
+
+
 def _killed_save(point: str, root: str, log: str) -> None:
     """In a process of its own: save step 1 (keep=1), train one more step and save step 2, killing the process
     with SIGKILL at `point`. "replace" saves step 2 fully first and is killed while a second save of step 2
