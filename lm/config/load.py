@@ -34,7 +34,7 @@ def _coerce(key: str, value: object, kind: object) -> object:
             return value
     elif kind is int:
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            return int(value)
     elif kind is float:
         number = _float(value)
         if number is not None and not math.isfinite(number):
@@ -43,8 +43,10 @@ def _coerce(key: str, value: object, kind: object) -> object:
             return number
     elif kind is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
+            return getattr(value, "text", str(value))  # 2024_12_01 as written, not YAML's 20241201
     name = getattr(kind, "__name__", str(kind))
+    if hasattr(value, "text"):  # a number YAML read, with its text: named as the int or float it is
+        value = type(value).__base__(value)
     raise ConfigError(f"{key}: expected {name}, got {type(value).__name__} {value!r}")
 
 
@@ -66,7 +68,7 @@ def _build(cls: type, values: dict, prefix: str) -> object:
     known = set(names)
     for key in values:
         if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
+            close = difflib.get_close_matches(str(key), known, n=1)  # YAML reads `1:` as a number
             hint = f"did you mean {close[0]!r}? " if close else ""
             if issubclass(cls, ModelConfig):  # each family takes its own keys
                 raise ConfigError(f"{prefix}{key}: not a key of {cls.title} (model.arch={cls.arch}); {hint}it "
@@ -136,9 +138,18 @@ class _DuplicateKey(Exception):
         self.key, self.first, self.again = key, first, again
 
 
+class _Int(int):
+    """An int YAML read, with the text it was read from (`text`)."""
+
+
+class _Float(float):
+    """A float YAML read, with the text it was read from (`text`)."""
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, except that a key given twice in one mapping is an error: YAML keeps the last
-    value silently, so a typo'd copy of a section would quietly replace the first."""
+    value silently, so a typo'd copy of a section would quietly replace the first. Numbers keep their text,
+    for a text key given one (`out_dir: 2024_12_01` or `010`, which YAML 1.1 reads as 20241201 and 8)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         lines: dict[object, int] = {}
@@ -152,6 +163,19 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 raise _DuplicateKey(key, lines[key], line)
             lines[key] = line
         return super().construct_mapping(node, deep)
+
+
+def _keeping_text(number: type, construct: Callable) -> Callable:
+    def construct_number(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> object:
+        kept = number(construct(loader, node))
+        kept.text = node.value
+        return kept
+    return construct_number
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _keeping_text(_Int, yaml.SafeLoader.construct_yaml_int))
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float",
+                                 _keeping_text(_Float, yaml.SafeLoader.construct_yaml_float))
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
@@ -221,10 +245,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not eq:
             raise ConfigError(f"{item}: overrides take the form --section.key=value")
         try:
-            value = yaml.safe_load(text) if text else ""
-        except yaml.YAMLError as err:
+            value = yaml.load(text, Loader=_UniqueKeyLoader) if text else ""
+        except (yaml.YAMLError, _DuplicateKey) as err:
             if _is_list_key(key):
-                raise ConfigError(f"--{key}: not valid YAML: {_yaml_problem(err)}") from None
+                problem = (f"key {err.key!r} is given twice" if isinstance(err, _DuplicateKey)
+                           else f"not valid YAML: {_yaml_problem(err)}")
+                raise ConfigError(f"--{key}: {problem}") from None
             value = text  # "*.txt" (an alias to YAML), "a: b: c": see below
         # a scalar key's text that YAML reads as a mapping or list ("KING: hi") is meant literally; a list
         # key (data.mixture) takes YAML's flow form: '[{dir: data/a, weight: 3}, {dir: data/b, weight: 1}]'

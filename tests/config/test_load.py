@@ -25,6 +25,28 @@ def test_text_that_reads_as_a_yaml_mapping_is_taken_literally():
     assert load_config(None, ["--log.sample_prompt=[a, b]"]).log.sample_prompt == "[a, b]"
 
 
+def test_a_text_key_given_a_number_keeps_it_as_written(tmp_path):
+    # YAML 1.1 reads 2024_12_01 as 20241201 and 010 as 8; a text key takes the characters given
+    cfg = load_config(None, ["--train.out_dir=2024_12_01", "--data.dir=010", "--train.steps=1_000"])
+    assert (cfg.train.out_dir, cfg.data.dir) == ("2024_12_01", "010")
+    assert cfg.train.steps == 1000 and type(cfg.train.steps) is int  # a number key still reads the number
+    path = tmp_path / "job.yaml"
+    path.write_text("train:\n  out_dir: 2024_12_01\ndata:\n  dir: 1.50\n")
+    cfg = load_config(path)
+    assert (cfg.train.out_dir, cfg.data.dir) == ("2024_12_01", "1.50")
+    save_config(cfg, tmp_path / "saved.yaml")
+    assert load_config(tmp_path / "saved.yaml") == cfg
+
+
+def test_a_number_as_a_key_is_named(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("train:\n  1: 2\n")  # was TypeError: 'int' object is not iterable
+    with pytest.raises(ConfigError, match="^train.1: unknown key; expected one of"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^--data.mixture: key 'dir' is given twice$"):
+        load_config(None, ["--data.mixture=[{dir: a, dir: b}]"])
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
