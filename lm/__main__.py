@@ -28,10 +28,15 @@ TOOLS = {
 
 def main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] not in TOOLS:
-        print("usage: lm {" + ",".join(TOOLS) + "} [--help] [ARGS]\n")
+        asked = len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help")
+        print("usage: lm {" + ",".join(TOOLS) + "} [--help] [ARGS]\n", file=sys.stdout if asked else sys.stderr)
         for name, (_, doc) in TOOLS.items():
-            print(f"  {name:{max(map(len, TOOLS))}s} {doc}")
-        return 0 if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help") else 2
+            print(f"  {name:{max(map(len, TOOLS))}s} {doc}", file=sys.stdout if asked else sys.stderr)
+        if asked:
+            return 0
+        given = f"unknown tool {sys.argv[1]!r}" if len(sys.argv) >= 2 else "no tool given"
+        print(f"\nerror: {given}; expected one of the tools above", file=sys.stderr)
+        return 2
     module = importlib.import_module(TOOLS[sys.argv[1]][0])
     code = run(module.main, sys.argv[2:])
     if sys.argv[1] in TRAINING_TOOLS:

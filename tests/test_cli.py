@@ -55,3 +55,6 @@ def test_console_entry_point_runs_as_a_process():
     assert listing.returncode == 0
     assert all(t in listing.stdout for t in ("prepare", "train", "finetune", "predict", "eval", "sample", "sweep",
                                              "plot", "bench"))
+    unknown = subprocess.run([sys.executable, "-m", "lm", "trian"], capture_output=True, text=True, timeout=60)
+    assert unknown.returncode == 2 and unknown.stdout == ""
+    assert unknown.stderr.splitlines()[-1] == "error: unknown tool 'trian'; expected one of the tools above"
