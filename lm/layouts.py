@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lm.cli import finite_float, positive_int, run, run_logged, train_command
-from lm.config import load_config
+from lm.config import OneConfig, load_config
 from lm.distributed.layout import check_world
 from lm.errors import ConfigError
 from lm.io import output_dir_problem
@@ -142,7 +142,8 @@ def main(argv: list[str]) -> int:
         prog="python -m lm.layouts", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
         epilog="example: python -m lm.layouts --config configs/llama-tiny.yaml --layout 1 --layout 4:tp=2 "
                "--layout 4:pp=2 --steps 10")
-    parser.add_argument("--config", help="the YAML config every layout trains (default: lm's defaults)")
+    parser.add_argument("--config", action=OneConfig,
+                        help="the YAML config every layout trains (default: lm's defaults)")
     parser.add_argument("--layout", action="append", required=True, metavar="NPROC[:key=value,...]",
                         help="a layout to train under; give two or more")
     parser.add_argument("--steps", type=positive_int, default=10, help="optimizer steps per layout (default 10)")

@@ -11,12 +11,20 @@ from lm.config.job_config import (
     TaskConfig,
     TrainConfig,
 )
-from lm.config.load import config_from_yaml, config_help, load_config, parse_cli, read_stored_config, save_config
+from lm.config.load import (
+    OneConfig,
+    config_from_yaml,
+    config_help,
+    load_config,
+    parse_cli,
+    read_stored_config,
+    save_config,
+)
 from lm.config.parallel import ENGINES, ParallelConfig
 from lm.config.rules import config_diff, device_type, resolve_device, use_bf16
 
 __all__ = [
-    "ENGINES", "CheckpointConfig", "JobConfig", "LogConfig", "OptimConfig", "ParallelConfig", "ScheduleConfig",
-    "TaskConfig", "TrainConfig", "config_diff", "config_from_yaml", "config_help", "device_type", "load_config",
-    "parse_cli", "read_stored_config", "resolve_device", "save_config", "use_bf16",
+    "ENGINES", "CheckpointConfig", "JobConfig", "LogConfig", "OneConfig", "OptimConfig", "ParallelConfig",
+    "ScheduleConfig", "TaskConfig", "TrainConfig", "config_diff", "config_from_yaml", "config_help", "device_type",
+    "load_config", "parse_cli", "read_stored_config", "resolve_device", "save_config", "use_bf16",
 ]

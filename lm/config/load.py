@@ -320,6 +320,17 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+class OneConfig(argparse.Action):
+    """The action of a tool's `--config FILE`: one file, as a second would silently replace the first."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: object,
+                 option: str | None = None) -> None:
+        if getattr(namespace, self.dest) is not None:
+            parser.error(f"--config is given twice ({getattr(namespace, self.dest)}, {value}); give one file and "
+                         "override its keys with --section.key=value")
+        setattr(namespace, self.dest, value)
+
+
 def parse_cli(
     argv: list[str], description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None,
     prog: str | None = None, base: dict | None = None,
@@ -335,7 +346,7 @@ def parse_cli(
         epilog="config keys (override any with --section.key=value):\n" + config_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", help="YAML config file (see configs/)")
+    parser.add_argument("--config", action=OneConfig, help="YAML config file (see configs/)")
     if extra is not None:
         extra(parser)
     args, rest = parser.parse_known_args(argv)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lm.checkpoint.store import checkpoint_root, complete_checkpoints
 from lm.cli import positive_int, run, run_logged, train_command
-from lm.config import JobConfig, config_diff, load_config
+from lm.config import JobConfig, OneConfig, config_diff, load_config
 from lm.errors import ConfigError, SweepError
 from lm.io import atomic_write_text, output_dir_problem
 from lm.plan.counts import num_params
@@ -125,7 +125,7 @@ def main(argv: list[str]) -> int:
         prog="python -m lm.sweep", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
         epilog="example: python -m lm.sweep --config configs/demo.yaml --grid model.n_layer=2,4 optim.lr=3e-3,7e-3 "
                "--train.steps=200 --out runs/sweep_demo")
-    parser.add_argument("--config", required=True, help="the base YAML config every run starts from")
+    parser.add_argument("--config", action=OneConfig, required=True, help="the base YAML config every run starts from")
     parser.add_argument("--grid", nargs="+", action="extend", default=[], metavar="KEY=V1,V2",
                         help="a config key and the values to try; runs cover every combination of the keys")
     parser.add_argument("--random", type=positive_int, metavar="N",

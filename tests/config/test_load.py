@@ -151,6 +151,14 @@ def test_cli_rejects_stray_arguments():
         parse_cli(["steps=3"], "test tool")
 
 
+def test_cli_refuses_a_second_config_file(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_cli(["--config", "configs/demo.yaml", "--config=configs/gpt2-124m.yaml"], "test tool")
+    assert exit_.value.code == 2
+    assert "--config is given twice (configs/demo.yaml, configs/gpt2-124m.yaml)" in capsys.readouterr().err
+    assert parse_cli(["--config", "configs/demo.yaml"], "test tool")[1].config == "configs/demo.yaml"
+
+
 def test_presets_load():
     demo = load_config("configs/demo.yaml")
     big = load_config("configs/gpt2-124m.yaml")
