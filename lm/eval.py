@@ -47,14 +47,14 @@ def _parser() -> argparse.ArgumentParser:
     tasks.add_argument("--tasks", help=f"comma-separated, of {', '.join(TASKS)}; or {CORE} for all of them")
     tasks.add_argument("--limit", type=positive_int,
                        help="score the first N items of each task, in the package's order")
-    tasks.add_argument("--shots", type=int, default=0, help="solved examples before each item (default 0)")
-    tasks.add_argument("--seed", type=int, default=0, help="which examples --shots draws")
+    tasks.add_argument("--shots", type=int, help="solved examples before each item (default 0)")
+    tasks.add_argument("--seed", type=int, help="which examples --shots draws (default 0)")
     tasks.add_argument("--json", type=Path, help="also write the results to this JSON file")
     return parser
 
 
 _LOSS_FLAGS = ("text", "data_dir", "seq_len", "stride", "max_tokens")
-_TASK_FLAGS = ("limit", "json")
+_TASK_FLAGS = ("limit", "shots", "seed", "json")
 
 
 def _document_eot(cfg: JobConfig) -> int | None:
@@ -115,6 +115,8 @@ def main(argv: list[str]) -> int:
     for flag in _TASK_FLAGS:
         if getattr(args, flag) is not None:
             parser.error(f"--{flag.replace('_', '-')}: goes with --tasks")
+    if args.text is not None and args.data_dir is not None:
+        parser.error("--data-dir: names the shards to score, and --text a file to score instead (drop one of them)")
     device = init_device(args.device, "--device")
     model, cfg, step_dir = load_for_inference(args.checkpoint, device)
     family = family_of(cfg.model)
@@ -154,6 +156,7 @@ def _main_tasks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     for flag in _LOSS_FLAGS:
         if getattr(args, flag) is not None:
             parser.error(f"--{flag.replace('_', '-')}: scores the loss; --tasks scores tasks (drop one of them)")
+    args.shots, args.seed = args.shots or 0, args.seed or 0
     if args.shots < 0:
         parser.error(f"--shots: must be 0 or more, got {args.shots}")
     names = parse_tasks(args.tasks, "--tasks")

@@ -144,6 +144,8 @@ def test_tasks_split_over_two_ranks_score_as_one(trained_run, tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--tasks", "piqa", "--text", "t.txt"], "--text: scores the loss; --tasks scores tasks (drop one of them)"),
     (["--limit", "3"], "--limit: goes with --tasks"),
+    (["--shots", "2"], "--shots: goes with --tasks"),
+    (["--text", "t.txt", "--data-dir", "data/x"], "--data-dir: names the shards to score, and --text a file"),
     (["--tasks", "piqa", "--shots", "-1"], "--shots: must be 0 or more, got -1"),
 ])
 def test_task_flags_that_do_not_go_together_are_usage_errors(trained_run, capsys, flags, message):
