@@ -39,6 +39,7 @@ def check_resume(path: Path, cfg: JobConfig, data: dict, env: DistEnv) -> bool:
     """Refuse a checkpoint that does not fit the run (model, data, engine family); True when the engine
     must load the DeepSpeed checkpoint's universal form (which the engine makes when it loads, if it is not
     there yet)."""
+    resumable_state(path)
     check_compatible(path, cfg)
     check_optimizer(path, cfg)
     check_data(path, data, cfg)
@@ -76,6 +77,19 @@ def latest_valid_checkpoint(root: Path, env: DistEnv | None = None, allow_unveri
     return choice
 
 
+def resumable_state(path: Path) -> dict:
+    """state.json of a checkpoint to resume, with what resuming reads from it: with no manifest to tell that
+    it was edited (checkpoint.allow_unverified), a missing or mistyped key is refused by name."""
+    state = read_state(path)
+    for key, least in (("world_size", 1), ("tokens_seen", 0), ("position", 0)):
+        if not isinstance(state.get(key), int) or isinstance(state[key], bool) or state[key] < least:
+            raise CheckpointError(f"{path / 'state.json'}: {key} must be an integer >= {least}, got "
+                                  f"{state.get(key)!r}")
+    if not isinstance(state.get("elapsed_s", 0.0), (int, float)) or not isinstance(state["engine"], str):
+        raise CheckpointError(f"{path / 'state.json'}: elapsed_s must be a number and engine a name")
+    return state
+
+
 def check_engine(path: Path, cfg: JobConfig, world_size: int) -> bool:
     """Refuse a checkpoint another engine family wrote; True when a DeepSpeed checkpoint must first be
     converted to DeepSpeed's universal format (another world size or ZeRO stage)."""
@@ -95,7 +109,7 @@ def check_engine(path: Path, cfg: JobConfig, world_size: int) -> bool:
 def load_checkpoint(path: Path, engine: Engine, env: DistEnv) -> dict:
     """Load model and optimizer through the engine (resharded to this world size) and this rank's RNG;
     return state.json."""
-    state = read_state(path)
+    state = resumable_state(path)
     with reading(path, state["engine"]):  # a file damaged where no manifest could tell (allow_unverified)
         engine.load(path)
     rng_file = path / f"rng_rank{env.rank}.pt"

@@ -132,6 +132,21 @@ def test_an_edited_state_json_is_caught_by_the_manifest(tmp_path):
         verify_checkpoint(second)
 
 
+def test_a_state_json_edited_without_a_manifest_is_refused_by_key(tmp_path):
+    # checkpoint.allow_unverified resumes one with no manifest: what resume reads from state.json is checked
+    _, second = save_two(tmp_path)
+    state_file = second / "state.json"
+    _, other = setup(seed=1)
+    for edit, message in ((lambda s: s.pop("position"), "position must be an integer >= 0, got None"),
+                          (lambda s: s.update(world_size="2"), "world_size must be an integer >= 1, got '2'")):
+        state_dict = json.loads(state_file.read_text())
+        edit(state_dict)
+        state_file.write_text(json.dumps(state_dict))
+        with pytest.raises(CheckpointError, match=f"^{state_file}: {message}$"):  # was a KeyError, a TypeError
+            load_checkpoint(second, other, init_distributed("cpu"))
+        state_file.write_text(json.dumps({**state_dict, "position": 2, "world_size": 1}))
+
+
 def test_load_for_inference_names_the_corrupt_file(tmp_path):
     cfg, engine = setup()
     save_checkpoint(checkpoint_root(tmp_path), 1, engine, state(1), cfg, init_distributed("cpu"), keep=1)
