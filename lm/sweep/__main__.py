@@ -100,18 +100,22 @@ def recorded_base(record: Path) -> dict:
     return values["base"]
 
 
-def claim_sweep_dir(out: Path, base: dict, config: str, grid: dict, force: bool) -> None:
-    """Record the base config in OUT/sweep.json, refusing a directory that holds a sweep of another one."""
+def refuse_another_sweep(out: Path, base: dict, force: bool) -> None:
+    """Refuse (unless `force`) a directory whose sweep.json records another base config; reads only."""
     record = out / "sweep.json"
-    if record.is_file():
-        previous = recorded_base(record)
-        diff = [f"{key}: {old!r} -> {new!r}" for key, (old, new) in config_diff(previous, base).items()]
-        if diff and not force:
-            shown = "; ".join(diff[:4]) + ("; ..." if len(diff) > 4 else "")
-            raise SweepError(f"{out}: holds a sweep of another base config ({shown}); use another --out, or "
-                             "--force to add these runs beside the others (no run directory is reused)")
+    if not record.is_file():
+        return
+    diff = [f"{key}: {old!r} -> {new!r}" for key, (old, new) in config_diff(recorded_base(record), base).items()]
+    if diff and not force:
+        shown = "; ".join(diff[:4]) + ("; ..." if len(diff) > 4 else "")
+        raise SweepError(f"{out}: holds a sweep of another base config ({shown}); use another --out, or "
+                         "--force to add these runs beside the others (no run directory is reused)")
+
+
+def claim_sweep_dir(out: Path, base: dict, config: str, grid: dict) -> None:
+    """Record the base config in OUT/sweep.json (once `refuse_another_sweep` has let the directory be used)."""
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(record, json.dumps({"config": config, "base": base, "grid": grid}, indent=1) + "\n")
+    atomic_write_text(out / "sweep.json", json.dumps({"config": config, "base": base, "grid": grid}, indent=1) + "\n")
 
 
 def finished(run: Run) -> bool:
@@ -147,12 +151,13 @@ def main(argv: list[str]) -> int:
     if problem := output_dir_problem(out):
         raise SweepError(f"--out {problem}")
     runs = plan_runs(args.config, fixed, expand(grid, args.random, args.seed), out)
+    refuse_another_sweep(out, resolved(base), args.force)  # a dry run lists only what the real one would train
     if args.dry_run:
         for i, r in enumerate(runs, 1):
             print(f"[{i}/{len(runs)}] {r.dir}  {' '.join(overrides(r.settings))}"
                   + ("  (finished)" if finished(r) else ""))
         return 0
-    claim_sweep_dir(out, resolved(base), args.config, grid, args.force)
+    claim_sweep_dir(out, resolved(base), args.config, grid)
 
     # every run reads the same shards: prepare them once (lm.prepare reuses data that is already there)
     code = subprocess.run([sys.executable, "-m", "lm.prepare", "--config", args.config, *fixed]).returncode

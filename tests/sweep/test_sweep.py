@@ -159,6 +159,8 @@ def test_a_directory_of_another_base_config_is_refused_unless_forced(torchrun_sw
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {out}: holds a sweep of another base config (model.d_model: 32 -> 64); use another "
                    "--out, or --force to add these runs beside the others (no run directory is reused)"]
+    assert run(main, [*args, "--model.d_model=64", "--dry-run"]) == 2  # lists no runs the real one refuses
+    assert capsys.readouterr().err.strip().splitlines() == err
     assert tree_digest(out) == before  # nothing written, nothing trained
     assert run(main, [*args, "--model.d_model=64", "--force"]) == 0
     runs = sorted(p.name for p in (out / "runs").iterdir())
