@@ -87,6 +87,16 @@ def test_gpt2_run_exports_to_gpt2(trained_run, tmp_path):
     assert {p.name for p in out.iterdir()} == HF_FILES
     assert [p.name for p in out.parent.iterdir()] == ["gpt2"]  # no staging directory left behind
     assert_same_model(trained_run, out, "GPT2LMHeadModel")
+    # lm's tools read the export's tokenizer.json as the encoding it was written from: the run's data fits it
+    from lm.eval import main as eval_main
+
+    assert load_for_inference(out, torch.device("cpu"))[1].data.tokenizer == "gpt2"
+    data_dir = yaml.safe_load((trained_run / "config.yaml").read_text())["data"]["dir"]
+    assert run(eval_main, ["--checkpoint", str(out), "--data-dir", data_dir, "--max-tokens", "64"]) == 0
+    # not into a run directory, whose checkpoints lm's tools would no longer see
+    with pytest.raises(SystemExit, match="2"):
+        run(main, ["--checkpoint", str(trained_run), "--to", "hf", str(trained_run), "--force"])
+    assert not (trained_run / "config.json").exists()
 
 
 @pytest.mark.process

@@ -14,6 +14,7 @@ from typing import Any
 
 from lm.errors import CheckpointError, ConfigError
 from lm.hf.importing import is_hf_checkpoint
+from lm.hf.tokenizer_files import exported_encoding
 from lm.models.registry import config_class
 
 __all__ = ["model_from_checkpoint"]
@@ -52,5 +53,6 @@ def model_from_checkpoint(raw: dict[str, Any], coerce: typing.Callable[[str, obj
     data = raw.get("data") or {}
     tokenizer = Path(init_from) / TOKENIZER_FILE
     if isinstance(data, dict) and "tokenizer" not in data and tokenizer.is_file():
-        data = {**data, "tokenizer": str(tokenizer)}
+        # lm.export's files of a tiktoken encoding are named by the encoding, as the data it trained on records
+        data = {**data, "tokenizer": exported_encoding(Path(init_from)) or str(tokenizer)}
     return {**raw, "model": model, "data": data}

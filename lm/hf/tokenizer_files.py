@@ -10,6 +10,7 @@ text of a special token ("<|endoftext|>") into that token, as `encoding.encode(a
 """
 
 import functools
+import hashlib
 import json
 import re
 from collections.abc import Mapping
@@ -18,11 +19,21 @@ from typing import Any
 
 import tiktoken
 
+from lm.tokenizer import load_tokenizer
+
 __all__ = [
-    "byte_to_unicode", "hf_pattern", "recover_merges", "tokenizer_config", "tokenizer_json", "write_hf_tokenizer",
+    "EXPORTED_SHA256", "byte_to_unicode", "exported_encoding", "hf_pattern", "recover_merges", "tokenizer_config",
+    "tokenizer_json", "write_hf_tokenizer",
 ]
 
 ENDOFTEXT = "<|endoftext|>"
+
+# sha256 of the tokenizer.json `write_hf_tokenizer` writes for each encoding (it is a function of the encoding's
+# rank file, whose own sha256 is pinned); a test builds them again
+EXPORTED_SHA256 = {
+    "gpt2": "5b5ac696aab0d7319d3d48bd51228a3b56bb08dc67f5a3abe46f75d135ef510c",
+    "cl100k_base": "7fa827f85c9d6f36c0f178106602ed3eed62afffb24d8150c36d90d3c8bb4922",
+}
 _NO_RANK = float("inf")
 
 
@@ -235,3 +246,19 @@ def write_hf_tokenizer(encoding: tiktoken.Encoding, name: str, out_dir: Path, mo
         path.write_text(text, encoding="utf-8")
         paths.append(path)
     return paths
+
+
+def exported_encoding(directory: Path) -> str | None:
+    """The tiktoken encoding whose files `write_hf_tokenizer` wrote into `directory` (its tokenizer.json byte for
+    byte, its tokenizer_config.json as written), or None: data prepared with that encoding's name, and a model
+    trained on it, make the same ids as this tokenizer.json."""
+    try:
+        digest = hashlib.sha256((directory / "tokenizer.json").read_bytes()).hexdigest()
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    name = next((name for name, sha in EXPORTED_SHA256.items() if sha == digest), None)
+    if name is None or not isinstance(config, dict) or not isinstance(config.get("model_max_length"), int):
+        return None
+    written = tokenizer_config(load_tokenizer(name), name, config["model_max_length"])
+    return name if config == written else None

@@ -1,4 +1,6 @@
+import hashlib
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -7,7 +9,14 @@ import tiktoken
 from tokenizers import Regex, pre_tokenizers
 
 from lm.data.corpora import find_corpus
-from lm.hf.tokenizer_files import byte_to_unicode, hf_pattern, recover_merges, write_hf_tokenizer
+from lm.hf.tokenizer_files import (
+    EXPORTED_SHA256,
+    byte_to_unicode,
+    exported_encoding,
+    hf_pattern,
+    recover_merges,
+    write_hf_tokenizer,
+)
 from lm.tokenizer import load_tokenizer
 
 # Each line aims at a place where a converted tokenizer can drift from tiktoken: contractions and the
@@ -72,6 +81,22 @@ def test_encodes_like_tiktoken(converted, sample_text):
     ids = hf.encode(sample_text, add_special_tokens=False)
     assert ids == enc.encode_ordinary(sample_text)
     assert hf.decode(ids) == sample_text
+
+
+def test_the_files_written_for_an_encoding_are_known_as_that_encoding(converted, tmp_path):
+    name, _, paths, _ = converted
+    out = paths[0].parent
+    assert hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest() == EXPORTED_SHA256[name]
+    assert exported_encoding(out) == name
+    for path in paths:
+        shutil.copy(path, tmp_path / path.name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
+    assert exported_encoding(tmp_path) is None  # edited: the file's own settings apply
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert exported_encoding(tmp_path) == name
+    (tmp_path / "tokenizer.json").write_bytes((out / "tokenizer.json").read_bytes() + b" ")
+    assert exported_encoding(tmp_path) is None
 
 
 def test_edge_cases_one_line_at_a_time(converted):
