@@ -45,14 +45,14 @@ def split_pieces(chunks: Iterable[str], separator: str, max_chars: int) -> Itera
     any other string splits at each occurrence of itself, which is dropped. Documents that are empty or
     whitespace only are skipped, except the one document of a file. Once `max_chars` characters are held
     back, the document so far is yielded as a piece, so at most `max_chars` plus one chunk are held (more
-    only for whitespace that a run of blank lines could still take).
+    only for whitespace: that a run of blank lines could still take, or a document's start that is blank so far).
     """
     rest, started = "", False  # started: a piece of the document in `rest` was yielded already
     for chunk in chunks:
         rest, started = yield from _complete_documents(rest + chunk, separator, started, final=False)
         if len(rest) >= max_chars:
             end = _piece_end(rest, _piece_reach(rest, separator))
-            if end:
+            if end and (started or not rest[:end].isspace()):  # a blank start may be a blank document, skipped
                 yield Piece(rest[:end], False)
                 rest, started = rest[end:], True
     rest, started = yield from _complete_documents(rest, separator, started, final=True)
