@@ -279,6 +279,12 @@ def read_manifest(data_dir: str | Path) -> dict:
                 f"{shard}: holds {count} {shard_dtype} tokens, but {path} lists {tokens} {dtype}; "
                 f"{_PREPARE_HINT} with --force"
             )
+    for split in ("train", "val"):  # a shard's entry deleted by hand leaves the split's total behind
+        entry = manifest["splits"][split]
+        total, in_shards = entry.get("tokens"), sum(shard["tokens"] for shard in entry["shards"])
+        if total is not None and total != in_shards:
+            raise DataError(f"{path}: splits.{split}.tokens is {total!r}, but its shards list {in_shards} tokens "
+                            f"(a shard's entry removed or edited); {_PREPARE_HINT} with --force")
     return manifest
 
 

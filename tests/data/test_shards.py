@@ -161,6 +161,14 @@ def test_manifest_shard_count_differs(tmp_path):
         read_manifest(data)
 
 
+def test_manifest_shard_entry_removed(tmp_path):
+    data, manifest = _prepared_dir(tmp_path)
+    del manifest["splits"]["train"]["shards"][1]  # its file is still there; the run would skip its tokens
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"manifest.json: splits.train.tokens is \d+, but its shards list \d+ tokens"):
+        read_manifest(data)
+
+
 @pytest.mark.parametrize("key, value", [("file", 5), ("tokens", "2"), ("tokens", True)])
 def test_manifest_shard_entry_of_the_wrong_type(tmp_path, key, value):
     data, manifest = _prepared_dir(tmp_path)
