@@ -34,6 +34,7 @@ EXPORTED_SHA256 = {
     "gpt2": "5b5ac696aab0d7319d3d48bd51228a3b56bb08dc67f5a3abe46f75d135ef510c",
     "cl100k_base": "7fa827f85c9d6f36c0f178106602ed3eed62afffb24d8150c36d90d3c8bb4922",
 }
+
 _NO_RANK = float("inf")
 
 
