@@ -67,7 +67,10 @@ def parse_layout(text: str) -> Layout:
         key, eq, value = item.partition("=")
         if not eq or not key or not value:
             raise ConfigError(f"--layout {text}: {item!r} is not key=value (a key of the parallel section)")
-        settings.append((key.removeprefix("parallel."), value))
+        key = key.removeprefix("parallel.")
+        if key in dict(settings):  # the later value would silently win
+            raise ConfigError(f"--layout {text}: parallel.{key} is given twice")
+        settings.append((key, value))
     return Layout(text, int(nproc_text), tuple(settings))
 
 
@@ -158,6 +161,8 @@ def main(argv: list[str]) -> int:
     if len(args.layout) < 2:
         parser.error("--layout: give two or more layouts to compare")
     layouts = [parse_layout(text) for text in args.layout]
+    if len({layout.dir_name for layout in layouts}) < len(layouts):  # one run directory: the second trains nothing
+        parser.error(f"--layout: a layout is given twice in {', '.join(args.layout)}; give each once")
     fixed = [*fixed, *run_keys(args.steps)]
     for layout in layouts:
         check_layout(args.config, fixed, layout)

@@ -134,6 +134,9 @@ def exit_code(argv: list[str]) -> int:
      "pp=2: the token embedding sits on the first pipeline stage"),
     (["--layout", "2:ep=2", "--layout", "1"], "error: --layout 2:ep=2: parallel.ep=2: the model has no experts"),
     (["--layout", "2:tp=2"], "--layout: give two or more layouts to compare"),
+    (["--layout", "2:tp=2", "--layout", "2:tp=2"], "--layout: a layout is given twice in 2:tp=2, 2:tp=2"),
+    (["--layout", "2:tp=2,parallel.tp=1", "--layout", "1"], "error: --layout 2:tp=2,parallel.tp=1: parallel.tp is "
+     "given twice"),
 ])
 def test_bad_layouts_are_refused_before_anything_runs(args, message, tmp_path, capsys):
     """In-process, through `run` as `python -m lm.layouts` calls it (exit 2 and the `error:` line, argparse's too);
