@@ -26,6 +26,37 @@ from lm.distributed.env import init_device
 SECTIONS = ["sampling", "data", "training", "engines", "hfimport", "corpus"]
 # hfimport is asked for by name: it writes gigabytes of random checkpoints; corpus too: it needs --corpus
 DEFAULT_SECTIONS = ["sampling", "data", "training", "engines"]
+ENGINES = ["ddp", "fsdp", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"]
+# the flags of some sections (or of --profile), each with its default and what reads it: given where none of
+# those runs, a flag is refused rather than silently ignored
+SECTION_FLAGS = {
+    "presets": (PRESETS, ("training", "engines", "data", "--profile")),
+    "engines": (ENGINES, ("engines",)),
+    "reps_no_cache": (1, ("sampling",)),
+    "new_tokens": (256, ("sampling",)),
+    "sampling_preset": ("demo", ("sampling",)),
+    "reps_data": (3, ("data",)),
+    "import_models": (["gpt2-124m", "llama-1.1b"], ("hfimport",)),
+    "import_dir": (None, ("hfimport",)),
+    "reps_import": (3, ("hfimport",)),
+    "corpus": ([], ("corpus",)),
+    "corpus_work": (None, ("corpus",)),
+    "num_proc": (os.cpu_count() or 1, ("corpus",)),
+    "reps_corpus": (1, ("corpus",)),
+}
+
+
+def ignored_flags(args: argparse.Namespace) -> str | None:
+    """What is wrong with flags that nothing this run does would read (`SECTION_FLAGS`), or None."""
+    if args.profile and args.sections is not None:
+        return "--sections: --profile runs none of them (it profiles a training step per preset); drop one"
+    running = ["--profile"] if args.profile else args.sections or DEFAULT_SECTIONS
+    named = lambda what: what if what.startswith("--") else f"--sections {what}"  # noqa: E731
+    for name, (_, readers) in SECTION_FLAGS.items():
+        if getattr(args, name) is not None and not set(readers) & set(running):
+            return (f"--{name.replace('_', '-')}: only {' or '.join(map(named, readers))} reads it, and this run is "
+                    f"{'--profile' if args.profile else named(' '.join(running))}")
+    return None
 
 
 def _train_cells(preset: str, mode: str, micro: int, cfg: JobConfig, row: dict, ours: dict | None) -> list[str]:
@@ -204,36 +235,39 @@ def header(device: torch.device) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m lm.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sections", nargs="+", default=DEFAULT_SECTIONS, choices=SECTIONS,
-                        help=f"default: {' '.join(DEFAULT_SECTIONS)}")
-    parser.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
-    parser.add_argument("--engines", nargs="+", default=["ddp", "fsdp", "deepspeed-zero1", "deepspeed-zero2",
-                                                        "deepspeed-zero3"],
-                        choices=["ddp", "fsdp", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"])
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, help=f"default: {' '.join(DEFAULT_SECTIONS)}")
+    parser.add_argument("--presets", nargs="+", choices=PRESETS)
+    parser.add_argument("--engines", nargs="+", choices=ENGINES)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
     parser.add_argument("--reps", type=positive_int, default=5, help="timed repetitions (the median is reported)")
-    parser.add_argument("--reps-no-cache", type=positive_int, default=1,
+    parser.add_argument("--reps-no-cache", type=positive_int,
                         help="timed repetitions of sampling without cache")
-    parser.add_argument("--reps-data", type=positive_int, default=3, help="timed repetitions of data preparation")
+    parser.add_argument("--reps-data", type=positive_int, help="timed repetitions of data preparation")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile rows")
-    parser.add_argument("--new-tokens", type=positive_int, default=256, help="tokens per sequence in the sampling rows")
-    parser.add_argument("--sampling-preset", default="demo", choices=PRESETS)
-    parser.add_argument("--import-models", nargs="+", default=["gpt2-124m", "llama-1.1b"],
-                        choices=["gpt2-124m", "llama-1.1b"], help="hfimport: the checkpoints to write and import")
-    parser.add_argument("--import-dir", default=None, help="hfimport: where to write them (default: the temp dir)")
-    parser.add_argument("--reps-import", type=positive_int, default=3, help="hfimport: fresh processes per loader")
-    parser.add_argument("--corpus", nargs="+", default=[],
+    parser.add_argument("--new-tokens", type=positive_int, help="tokens per sequence in the sampling rows")
+    parser.add_argument("--sampling-preset", choices=PRESETS)
+    parser.add_argument("--import-models", nargs="+", choices=["gpt2-124m", "llama-1.1b"],
+                        help="hfimport: the checkpoints to write and import")
+    parser.add_argument("--import-dir", help="hfimport: where to write them (default: the temp dir)")
+    parser.add_argument("--reps-import", type=positive_int, help="hfimport: fresh processes per loader")
+    parser.add_argument("--corpus", nargs="+",
                         help="corpus: globs of the JSON-lines files (text in `text`) to prepare, e.g. the Debian mix "
                              "of launch/debian_corpus.sh")
-    parser.add_argument("--corpus-work", default=None,
+    parser.add_argument("--corpus-work",
                         help="corpus: where to write shards and datasets' cache (default: the temp dir)")
-    parser.add_argument("--num-proc", type=positive_int, default=os.cpu_count() or 1,
+    parser.add_argument("--num-proc", type=positive_int,
                         help="corpus: datasets.map's num_proc (default: the cores)")
-    parser.add_argument("--reps-corpus", type=positive_int, default=1, help="corpus: runs of each side, in turns")
+    parser.add_argument("--reps-corpus", type=positive_int, help="corpus: runs of each side, in turns")
     parser.add_argument("--profile", action="store_true",
                         help="instead: torch.profiler's top ops of a training step, ours and transformers', per preset")
     args = parser.parse_args(argv)
+    if problem := ignored_flags(args):
+        parser.error(problem)
+    args.sections = args.sections or DEFAULT_SECTIONS
+    for name, (default, _) in SECTION_FLAGS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.warmup < 0:
         parser.error(f"--warmup: must be >= 0, got {args.warmup}")
     if "corpus" in args.sections and not args.corpus:

@@ -112,3 +112,17 @@ def test_the_summary_shows_ratios_and_shares():
 def test_bad_flags():
     with pytest.raises(SystemExit):
         bench.main(["--reps", "0"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sections", "data", "--import-models", "gpt2-124m"],
+     "--import-models: only --sections hfimport reads it, and this run is --sections data"),
+    (["--new-tokens", "4", "--sections", "training", "engines"],
+     "--new-tokens: only --sections sampling reads it, and this run is --sections training engines"),
+    (["--profile", "--engines", "ddp"], "--engines: only --sections engines reads it, and this run is --profile"),
+    (["--profile", "--sections", "training"], "--sections: --profile runs none of them"),
+])
+def test_flags_no_chosen_section_reads_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench.main(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
