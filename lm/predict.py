@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from lm.checkpoint.loading import load_for_inference
+from lm.checkpoint.run_dir import run_files
 from lm.checkpoint.store import step_store
 from lm.cli import positive_int, run
 from lm.data.labelled import encode_examples, example_batches, read_labelled, read_texts
@@ -47,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    if args.out is not None and (problem := output_file_problem(args.out, [args.file, step_store(args.checkpoint)])):
+    inputs = [args.file, step_store(args.checkpoint), *run_files(args.checkpoint)]
+    if args.out is not None and (problem := output_file_problem(args.out, inputs)):
         raise ConfigError(f"--out {problem}")
     device = init_device(args.device, "--device")
     model, cfg, source = load_for_inference(args.checkpoint, device)

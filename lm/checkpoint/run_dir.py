@@ -24,6 +24,15 @@ from lm.errors import CheckpointError, ConfigError
 from lm.plan.disk import checkpoint_bytes
 
 LOCK = ".lock"
+RUN_FILES = ("config.yaml", "metrics.jsonl", "tb", "checkpoints", LOCK)
+"""What a run writes into its directory (beside which a tool may write its own outputs, as lm.predict's)."""
+
+
+def run_files(checkpoint: str | Path) -> list[Path]:
+    """The files and directories of the run that `checkpoint` (any path a tool takes) belongs to, which a tool's
+    output must not replace; none for a checkpoint outside a run directory (a consolidated file, an export)."""
+    home = home_run(checkpoint)
+    return [home / name for name in RUN_FILES] if (home / "checkpoints").is_dir() else []
 
 
 def check_run_paths(cfg: JobConfig) -> None:

@@ -264,7 +264,8 @@ def test_a_run_directory_beside_its_task_file_is_no_data_directory(encoder_run, 
 
 def test_predictions_are_never_written_over_the_checkpoint_they_come_from(encoder_run, separable_rows, tmp_path,
                                                                            capsys):
-    # --out named the step directory's config.yaml or the consolidated file itself: exit 0, and the model gone
+    # --out named the step directory's config.yaml or the consolidated file itself: exit 0, and the model gone;
+    # the run's own config.yaml or metrics.jsonl (predictions beside them in the run directory are fine)
     task = write_rows(tmp_path / "lines.csv", separable_rows[:20])
     out = tmp_path / "ft"
     assert finetune_run(encoder_run, out, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
@@ -275,7 +276,10 @@ def test_predictions_are_never_written_over_the_checkpoint_they_come_from(encode
     capsys.readouterr()
     for checkpoint, dest, why in ((out, step / "config.yaml", f"is inside the input {out / 'checkpoints'}"),
                                   (step, step.parent / "p.jsonl", f"is inside the input {out / 'checkpoints'}"),
-                                  (tmp_path / "ft.safetensors", tmp_path / "ft.safetensors", "is the input")):
+                                  (tmp_path / "ft.safetensors", tmp_path / "ft.safetensors", "is the input"),
+                                  (out, out / "config.yaml", f"is the input {out / 'config.yaml'}"),
+                                  (step, out / "metrics.jsonl", f"is the input {out / 'metrics.jsonl'}")):
         assert run(predict.main, ["--checkpoint", str(checkpoint), "--file", str(task), "--out", str(dest)]) == 2
         assert capsys.readouterr().err.startswith(f"error: --out {dest}: {why}")
     assert digest(tmp_path) == before
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(task), "--out", str(out / "p.jsonl")]) == 0
