@@ -16,6 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lm.checkpoint.loading import load_for_inference
+from lm.checkpoint.run_dir import run_files
 from lm.cli import exit_without_teardown, positive_int, run
 from lm.config import JobConfig
 from lm.data.objectives import ScoredObjective
@@ -160,7 +161,8 @@ def _main_tasks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     if args.shots < 0:
         parser.error(f"--shots: must be 0 or more, got {args.shots}")
     names = parse_tasks(args.tasks, "--tasks")
-    if args.json is not None and (problem := output_file_problem(args.json, [Path(args.checkpoint)])):
+    inputs = [Path(args.checkpoint), *run_files(args.checkpoint)]
+    if args.json is not None and (problem := output_file_problem(args.json, inputs)):
         parser.error(f"--json {problem}")
     items = {name: few_shot_items(load_items(name, args.limit), args.shots, args.seed) for name in names}  # checked
     env = init_distributed(args.device) if launched_world_size() > 1 else None

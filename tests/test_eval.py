@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from lm.checkpoint.store import resolve_checkpoint
 from lm.cli import run
 from lm.data.prepare import prepare
 from lm.eval import main
@@ -152,6 +153,15 @@ def test_task_flags_that_do_not_go_together_are_usage_errors(trained_run, capsys
     with pytest.raises(SystemExit):
         run(main, ["--checkpoint", str(trained_run), *flags])
     assert message in capsys.readouterr().err
+
+
+def test_the_results_never_replace_a_file_of_the_run(trained_run, capsys):
+    step = resolve_checkpoint(trained_run)  # the step directory named: its run's metrics.jsonl is still the run's
+    before = (trained_run / "metrics.jsonl").read_bytes()
+    with pytest.raises(SystemExit):
+        run(main, ["--checkpoint", str(step), "--tasks", "piqa", "--json", str(trained_run / "metrics.jsonl")])
+    assert f"--json {trained_run / 'metrics.jsonl'}: is the input" in capsys.readouterr().err
+    assert (trained_run / "metrics.jsonl").read_bytes() == before
 
 
 def test_tasks_on_an_encoder_are_refused(encoder_run, capsys):
