@@ -53,8 +53,23 @@ def _describe(exitcode: int) -> str:
     return f"exited with status {exitcode}"
 
 
+def _count_problem(args) -> str | None:
+    """What is wrong with torchrun's process and node counts, which it would refuse with a traceback, or None."""
+    nproc = str(args.nproc_per_node)
+    if not (nproc in ("auto", "cpu", "gpu", "xpu") or nproc.isdecimal() and int(nproc) > 0):
+        return (f"--nproc_per_node: expected a positive number of processes per node (or auto, cpu, gpu), got "
+                f"{nproc!r} (NPROC_PER_NODE in the launch scripts)")
+    nodes = str(args.nnodes).split(":")
+    if len(nodes) > 2 or not all(n.isdecimal() and int(n) > 0 for n in nodes) or int(nodes[0]) > int(nodes[-1]):
+        return f"--nnodes: expected a positive number of nodes, or MIN:MAX with 0 < MIN <= MAX, got {args.nnodes!r}"
+    return None
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if problem := _count_problem(args):
+        print(f"error: {problem}", file=sys.stderr)
+        return INPUT_ERROR
     if "OMP_NUM_THREADS" not in os.environ and args.nproc_per_node not in ("1", 1):
         # what torchrun would set, without the banner it prints to say so on every run
         os.environ["OMP_NUM_THREADS"] = "1"

@@ -117,6 +117,22 @@ def test_multi_node_rejects_bad_input_before_torchrun(tmp_path, variables, messa
     assert calls(torchrun) == []
 
 
+@pytest.mark.parametrize("counts, message", [
+    (["--nproc_per_node=abc"], "--nproc_per_node: expected a positive number of processes per node (or auto, cpu, "
+     "gpu), got 'abc' (NPROC_PER_NODE in the launch scripts)"),
+    (["--nproc_per_node=0"], "--nproc_per_node: expected a positive number of processes per node"),
+    (["--nnodes=2:1"], "--nnodes: expected a positive number of nodes, or MIN:MAX with 0 < MIN <= MAX, got '2:1'"),
+    (["--nnodes=0"], "--nnodes: expected a positive number of nodes"),
+])
+def test_lm_torchrun_refuses_bad_counts_in_one_line(counts, message, capsys):
+    """torchrun itself would end on a ValueError or AssertionError traceback (single_node.sh's NPROC_PER_NODE)."""
+    from lm.torchrun import main
+
+    assert main([*counts, "-m", "lm.train"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {message}")
+
+
 def test_multi_node_command_lines(tmp_path):
     torchrun = stub(tmp_path, "lm-torchrun")
     base = {"NNODES": "4", "NPROC_PER_NODE": "8", "MASTER_ADDR": "node0", "WORLD_SIZE": "32"}
