@@ -85,6 +85,10 @@ class ScheduleConfig:
     def __post_init__(self) -> None:
         if self.warmup_steps < 0 or self.decay_steps < 0:
             raise ConfigError("schedule.warmup_steps and schedule.decay_steps must be >= 0")
+        if 0 < self.decay_steps < self.warmup_steps:  # the rate would fall from its peak to the floor in one step
+            raise ConfigError(f"schedule.decay_steps: {self.decay_steps} ends the decay before warmup ends "
+                              f"(schedule.warmup_steps={self.warmup_steps}); expected at least {self.warmup_steps}, "
+                              "or 0 for train.steps")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"schedule.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
 

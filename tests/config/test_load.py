@@ -65,6 +65,8 @@ def test_a_number_as_a_key_is_named(tmp_path):
         ("--train.device=tpu", "train.device: expected auto, cpu or cuda"),
         ("--checkpoint.resume=maybe", "checkpoint.resume: expected auto, never or required"),
         ("--optim.beta2=1.5", "optim.beta2: must be in [0, 1)"),
+        ("--schedule.decay_steps=50", "schedule.decay_steps: 50 ends the decay before warmup ends "
+         "(schedule.warmup_steps=100); expected at least 100, or 0 for train.steps"),
         ("--data.document_separator=\\n\\n", "data.document_separator: '\\\\n\\\\n' holds a backslash escape"),
         ("--log.sample_every=-1", "log.sample_every: must be >= 0"),
         ("--checkpoint.every=-1", "checkpoint.every: must be >= 0"),
