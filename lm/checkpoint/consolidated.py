@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 
 from lm.checkpoint.model_weights import fill_tied, load_checkpoint_weights, tied_names
-from lm.checkpoint.store import read_config, read_state, resolve_checkpoint
+from lm.checkpoint.store import read_config, read_state, resolve_checkpoint, step_store
 from lm.config import JobConfig, config_from_yaml
 from lm.errors import CheckpointError, ConfigError
 from lm.io import atomic_path, output_file_problem
@@ -33,10 +33,12 @@ from lm.models.registry import family_of
 log = logging.getLogger("lm.consolidate")
 
 
-def output_problem(out: Path, force: bool) -> str | None:
+def output_problem(out: Path, force: bool, checkpoint: str | Path) -> str | None:
+    """Why `out` may not be written with the weights of `checkpoint`, or None: not inside the directory of step
+    directories it comes from (retention would delete it with them)."""
     if out.suffix != ".safetensors":
         return f"{out}: the output must be a .safetensors file"
-    if problem := output_file_problem(out):
+    if problem := output_file_problem(out, [step_store(checkpoint)]):
         return problem
     if out.exists() and not force:
         return f"{out}: exists; pass --force to replace it"
@@ -49,7 +51,7 @@ def consolidate(checkpoint: str | Path, out: str | Path, force: bool = False) ->
     The file appears whole or not at all (written beside `out`, then renamed). Returns the step dir read.
     """
     out = Path(out)
-    if problem := output_problem(out, force):
+    if problem := output_problem(out, force, checkpoint):
         raise CheckpointError(problem)
     step_dir = resolve_checkpoint(checkpoint)
     state = read_state(step_dir)
