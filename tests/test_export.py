@@ -94,8 +94,10 @@ def test_gpt2_run_exports_to_gpt2(trained_run, tmp_path):
     data_dir = yaml.safe_load((trained_run / "config.yaml").read_text())["data"]["dir"]
     assert run(eval_main, ["--checkpoint", str(out), "--data-dir", data_dir, "--max-tokens", "64"]) == 0
     # not into a run directory, whose checkpoints lm's tools would no longer see
-    with pytest.raises(SystemExit, match="2"):
-        run(main, ["--checkpoint", str(trained_run), "--to", "hf", str(trained_run), "--force"])
+    for inside in (trained_run, resolve_checkpoint(trained_run) / "hf"):  # nor among its checkpoints
+        with pytest.raises(SystemExit, match="2"):
+            run(main, ["--checkpoint", str(trained_run), "--to", "hf", str(inside), "--force"])
+    assert not (resolve_checkpoint(trained_run) / "hf").exists()
     assert not (trained_run / "config.json").exists()
 
 
