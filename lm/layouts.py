@@ -160,9 +160,12 @@ def main(argv: list[str]) -> int:
             parser.error(f"unrecognized argument {item!r}; config overrides look like --section.key=value")
     if len(args.layout) < 2:
         parser.error("--layout: give two or more layouts to compare")
-    layouts = [parse_layout(text) for text in args.layout]
-    if len({layout.dir_name for layout in layouts}) < len(layouts):  # one run directory: the second trains nothing
-        parser.error(f"--layout: a layout is given twice in {', '.join(args.layout)}; give each once")
+    layouts: list[Layout] = []
+    for text in args.layout:
+        layout = parse_layout(text)
+        if any(seen.dir_name == layout.dir_name for seen in layouts):  # one run directory: the second trains nothing
+            raise ConfigError(f"--layout {text}: given twice; give each layout once")
+        layouts.append(layout)
     fixed = [*fixed, *run_keys(args.steps)]
     for layout in layouts:
         check_layout(args.config, fixed, layout)

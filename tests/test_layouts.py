@@ -134,7 +134,7 @@ def exit_code(argv: list[str]) -> int:
      "pp=2: the token embedding sits on the first pipeline stage"),
     (["--layout", "2:ep=2", "--layout", "1"], "error: --layout 2:ep=2: parallel.ep=2: the model has no experts"),
     (["--layout", "2:tp=2"], "--layout: give two or more layouts to compare"),
-    (["--layout", "2:tp=2", "--layout", "2:tp=2"], "--layout: a layout is given twice in 2:tp=2, 2:tp=2"),
+    (["--layout", "2:tp=2", "--layout", "2:tp=2"], "error: --layout 2:tp=2: given twice; give each layout once"),
     (["--layout", "2:tp=2,parallel.tp=1", "--layout", "1"], "error: --layout 2:tp=2,parallel.tp=1: parallel.tp is "
      "given twice"),
 ])
@@ -232,6 +232,7 @@ def random_layout(rng: random.Random, odd: float, keys: list[str], sound: bool) 
                 value = rng.choice(ODD_VALUES)
                 item = f"{name}={value}"
             items.append(f"parallel.{item}" if rng.random() < 0.1 else item)
+            parses = parses and name.removeprefix("parallel.") not in overrides  # a key given twice is refused
             overrides[name] = value
     text = nproc_text + (":" + ",".join(items) if items else "")
     engine = [] if "engine" in overrides else ["--parallel.engine=fsdp"]  # lm.layouts' default engine
@@ -278,11 +279,18 @@ def test_random_layout_lists_are_accepted_as_lm_train_would_run_them_or_refused_
         batch = [f"--train.batch_size={rng.choice([32, 32, 16, 8, 12, 6, 4, 1])}",
                  f"--train.micro_batch_size={rng.choice([1, 1, 2, 4])}"] if rng.random() < 0.8 else []
         batch += [f"--data.seq_len={rng.choice([48, 64, 100])}"] if rng.random() < 0.2 else []
-        drawn = [random_layout(rng, odd, keys, sound) for _ in range(rng.choice([2, 2, 3, 4]))]
+        drawn = []
+        for _ in range(rng.choice([2, 2, 3, 4])):
+            layout = random_layout(rng, odd, keys, sound)
+            while sound and layout.text in {d.text for d in drawn}:  # a sound list names each layout once
+                layout = random_layout(rng, odd, keys, sound)
+            drawn.append(layout)
         steps = rng.choice([1, 3])
         argv = [*config, *(f"--layout={layout.text}" for layout in drawn), *batch, "--steps", str(steps),
                 "--out", str(tmp_path / "runs")]
         bad = {layout.text for layout in drawn if train_refuses(config, [*batch, *run_keys(steps)], layout)}
+        runs = [parse_layout(layout.text).dir_name if layout.nproc else layout.text for layout in drawn]
+        bad |= {layout.text for i, layout in enumerate(drawn) if runs[i] in runs[:i]}  # given twice
         try:
             code = run(main, argv)
         except Accepted:
