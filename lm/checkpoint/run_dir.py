@@ -39,13 +39,15 @@ def check_run_paths(cfg: JobConfig) -> None:
     """Refuse a run directory inside a data directory (data.dir or a mixture's), or data inside the run
     directory (by resolved path): `lm.prepare --force` replaces a data directory whole, which would take a
     run's checkpoints with it. A fine-tuning run reads task.file, not data.dir, so only the next rule holds
-    for it: no run directory inside the run that checkpoint.init_from (lm.finetune's --encoder) comes from,
-    whose files (a step directory's config.yaml, its checkpoints/) the run would write over or among."""
+    for it: no run directory that is, or is inside, the run that checkpoint.init_from (lm.finetune's --encoder)
+    comes from, whose files (a step directory's config.yaml, its checkpoints/) the run would write over or
+    among."""
     out = Path(cfg.train.out_dir).resolve()
     if cfg.checkpoint.init_from:
         home = home_run(Path(cfg.checkpoint.init_from).resolve())
-        if home in out.parents:
-            raise ConfigError(f"train.out_dir: {cfg.train.out_dir!r} is inside {str(home)!r}, the run of the "
+        if out == home or home in out.parents:
+            where = "is" if out == home else "is inside"
+            raise ConfigError(f"train.out_dir: {cfg.train.out_dir!r} {where} {str(home)!r}, the run of the "
                               "checkpoint this run starts from (checkpoint.init_from, lm.finetune's --encoder); "
                               "writing there would change that run's files: put the run elsewhere")
     for source in [] if cfg.task.file else cfg.data.sources:

@@ -241,11 +241,13 @@ def test_a_run_inside_the_encoders_run_is_refused_and_the_encoder_kept(encoder_r
     task = write_rows(tmp_path / "lines.csv", separable_rows[:20])
     step = resolve_checkpoint(encoder)
     before = digest(encoder)
-    for given, out in ((encoder, encoder / "checkpoints"), (step, step), (encoder / "checkpoints", step / "run")):
+    for given, out in ((encoder, encoder / "checkpoints"), (step, step), (encoder / "checkpoints", step / "run"),
+                       (step, encoder)):  # the run itself: it resumed there, and retention deleted the encoder
         assert finetune_run(given, out, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
                             "--train.steps=1", "--train.batch_size=2", "--train.micro_batch_size=2") == 2
+        where = "is" if out == encoder else "is inside"
         assert capsys.readouterr().err == (
-            f"error: train.out_dir: {str(out)!r} is inside {str(encoder)!r}, the run of the checkpoint this run "
+            f"error: train.out_dir: {str(out)!r} {where} {str(encoder)!r}, the run of the checkpoint this run "
             "starts from (checkpoint.init_from, lm.finetune's --encoder); writing there would change that run's "
             "files: put the run elsewhere\n")
         assert digest(encoder) == before
