@@ -121,6 +121,10 @@ def _number(value: object) -> float | None:
     return None
 
 
+MAX_REGRESSION_LABEL = float(np.finfo(np.float32).max) ** 0.5
+"""The largest regression label: the head trains in float32, where a larger one's squared error is inf."""
+
+
 def _numbers(path: Path, column: str, values: list) -> np.ndarray:
     labels = np.empty(len(values), dtype=np.float64)  # (N,)
     for row, value in enumerate(values):
@@ -128,6 +132,9 @@ def _numbers(path: Path, column: str, values: list) -> np.ndarray:
         if number is None or not math.isfinite(number):
             raise DataError(f"{path}: row {row}: column {column!r} holds {value!r}; a regression label must be "
                             "a finite number")
+        if abs(number) >= MAX_REGRESSION_LABEL:
+            raise DataError(f"{path}: row {row}: column {column!r} holds {value!r}; a regression label must be "
+                            f"below {MAX_REGRESSION_LABEL:.3g} in magnitude, where its squared error fits float32")
         labels[row] = number
     return labels
 

@@ -90,6 +90,10 @@ def test_refusals(tmp_path):
     infinite = write(tmp_path / "inf.jsonl", [("a", 1.0), ("b", None)])
     assert refusal(infinite, kind="regress") == (
         f"{infinite}: row 1: column 'label' holds None; a regression label must be a finite number")
+    huge = write(tmp_path / "huge.jsonl", [("a", 1.0), ("b", -1e20)])  # trained as inf: every step skipped
+    assert refusal(huge, kind="regress") == (
+        f"{huge}: row 1: column 'label' holds -1e+20; a regression label must be below 1.84e+19 in magnitude, where "
+        "its squared error fits float32")
     numbers = write(tmp_path / "numbers.jsonl", [(5, 1), ("b", 0)])
     assert refusal(numbers, num_classes=2).startswith(f"{numbers}: ")  # a number as the text
 
