@@ -20,14 +20,18 @@ from tqdm import tqdm
 from lm.checkpoint.loading import load_for_inference
 from lm.checkpoint.run_dir import run_files
 from lm.checkpoint.store import step_store
-from lm.cli import positive_int, run
+from lm.checkpoint.trunk import saved_config
+from lm.cli import in_range, run
 from lm.data.labelled import encode_examples, example_batches, read_labelled, read_texts
 from lm.distributed.env import init_device
-from lm.errors import ConfigError
+from lm.errors import ConfigError, LMError
 from lm.io import atomic_path, output_file_problem
 from lm.models.registry import family_of
 from lm.tokenizer import model_tokenizer
 from lm.training.evaluate import task_metrics, task_sums, task_sums_size
+
+MAX_BATCH = 1 << 20
+"""The largest --batch-size: more rows than a file of any sensible size holds; a larger one is a typo."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,19 +42,27 @@ def _parser() -> argparse.ArgumentParser:
                         help="a fine-tuning run directory, its checkpoints/, a step directory or a consolidated file")
     parser.add_argument("--file", required=True, type=Path, help="a .csv, .jsonl/.json or .parquet file")
     parser.add_argument("--out", type=Path, help="write the predictions here as JSON lines (default: none written)")
+    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
     parser.add_argument("--text-column", help="column of the texts (default: the run's task.text_column)")
     parser.add_argument("--label-column",
                         help="column of the labels (default: the run's task.label_column); '' scores nothing")
-    parser.add_argument("--batch-size", type=positive_int, default=32)
+    parser.add_argument("--batch-size", type=in_range(int, 1, MAX_BATCH), default=32,
+                        help="rows per forward (default 32)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     return parser
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
-    inputs = [args.file, step_store(args.checkpoint), *run_files(args.checkpoint)]
-    if args.out is not None and (problem := output_file_problem(args.out, inputs)):
-        raise ConfigError(f"--out {problem}")
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.text_column == "":
+        parser.error("--text-column: empty; name the column of the texts (default: the run's task.text_column)")
+    if args.out is not None:
+        inputs = [args.file, step_store(args.checkpoint), *run_files(args.checkpoint), *_task_file(args.checkpoint)]
+        if problem := output_file_problem(args.out, inputs):
+            raise ConfigError(f"--out {problem}")
+        if args.out.exists() and not args.force:
+            raise ConfigError(f"--out {args.out}: exists; pass --force to replace it")
     device = init_device(args.device, "--device")
     model, cfg, source = load_for_inference(args.checkpoint, device)
     head = cfg.model.task_head
@@ -59,7 +71,7 @@ def main(argv: list[str]) -> int:
                           "on token shards; lm.predict takes a fine-tuned head (model.head classify or regress: "
                           "lm.finetune)")
     family = family_of(cfg.model)
-    text_column = args.text_column or cfg.task.text_column
+    text_column = cfg.task.text_column if args.text_column is None else args.text_column
     label_column = cfg.task.label_column if args.label_column is None else args.label_column
     labels = None
     if label_column:
@@ -77,8 +89,9 @@ def main(argv: list[str]) -> int:
 
     outputs, sums = [], np.zeros(task_sums_size(head, cfg.model.num_classes))
     with torch.no_grad(), tqdm(total=len(examples), unit="row", desc="predict", disable=None) as bar:
-        for ids, batch_labels, keep, weight in example_batches(examples, labels, args.batch_size, 0, 1,
-                                                               cfg.model.pad_id):
+        # one process: no batch is padded past the rows to keep ranks in step
+        batch_size = min(args.batch_size, len(examples))
+        for ids, batch_labels, keep, weight in example_batches(examples, labels, batch_size, 0, 1, cfg.model.pad_id):
             ids_t, keep_t = (torch.from_numpy(a).to(device) for a in (ids, keep))
             out = family.training.head.outputs(model, model, ids_t, keep_t).float().cpu()
             real = int(weight.sum())
@@ -96,6 +109,16 @@ def main(argv: list[str]) -> int:
             print(f"{key.removeprefix('val/')}: " + ("n/a (the labels or the predictions are constant)"
                                                     if value is None else f"{value:.4f}"))
     return 0
+
+
+def _task_file(checkpoint: str) -> list[Path]:
+    """The labelled file the fine-tuning run of `checkpoint` trained on (predictions must not replace it), if its
+    config can be read; loading the checkpoint names what is wrong with it otherwise."""
+    try:
+        file = saved_config(Path(checkpoint)).task.file
+    except LMError:
+        return []
+    return [Path(file)] if file else []
 
 
 def _write(path: Path, head: str, outputs: torch.Tensor) -> None:

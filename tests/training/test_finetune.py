@@ -75,6 +75,20 @@ def test_a_classifier_learns_a_separable_task_and_predicts_it(encoder_run, separ
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: --out {bad}: ") and why in err[0], err
     assert task.read_bytes() == before
+    # an existing output only with --force; never the file the run trained on, whatever the file predicted
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(unlabelled), "--out", str(again)]) == 2
+    assert capsys.readouterr().err == f"error: --out {again}: exists; pass --force to replace it\n"
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(unlabelled), "--out", str(task),
+                              "--force"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --out {task}: is the input")
+    assert task.read_bytes() == before
+    # a batch larger than the file is one batch of its rows (it was padded to the full size)
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(unlabelled), "--out", str(again), "--force",
+                              "--batch-size", "1000000"]) == 0
+    assert again.read_text() == preds.read_text()
+    with pytest.raises(SystemExit):  # an empty column name is no default
+        run(predict.main, ["--checkpoint", str(out), "--file", str(unlabelled), "--text-column", ""])
+    assert "--text-column: empty" in capsys.readouterr().err
 
 
 def test_a_regression_head_fits_a_linear_target(encoder_run, tmp_path):
