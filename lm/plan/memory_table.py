@@ -34,7 +34,7 @@ def pick(rows: list[MemoryEstimate], device_gib: float) -> MemoryEstimate | None
     to the CPU (whose transfers and CPU optimizer step are slowest). ZeRO-3 needs what fsdp needs and
     ZeRO-1/2 more, so fsdp stands for the sharded engines. None when nothing fits."""
     order = [("ddp", False, False), ("fsdp", False, False), ("ddp", True, False), ("fsdp", True, False),
-             ("fsdp", True, True)]
+             ("fsdp", False, True), ("fsdp", True, True)]
     for engine, recompute, offload in order:
         for row in rows:
             if (row.engine, row.activation_checkpointing > 0, row.cpu_offload) == (engine, recompute, offload) \

@@ -277,6 +277,10 @@ def test_plan_table_lists_every_engine_and_picks_one():
     assert "pick: fsdp, no activation checkpointing" in table
     rows = plan_rows(cfg, 1)
     assert pick(rows, 80).cpu_offload and pick(rows, 8) is None  # a 7B model on one 80 GiB GPU needs the host
+    # a config that offloads: its rows offload without recomputation too, which comes first when it fits
+    offloaded = pick(plan_rows(load_config("configs/llama-7b.yaml", ["--parallel.engine=fsdp",
+                                                                     "--parallel.cpu_offload=true"]), 1), 80)
+    assert (offloaded.engine, offloaded.activation_checkpointing, offloaded.cpu_offload) == ("fsdp", 0, True)
     assert "nothing fits" in plan_table(cfg, 1, device_gib=8)
     assert estimate_memory(cfg, 8, "ddp").total > 80 * GIB
     encdec = plan_table(load_config("configs/demo-encdec.yaml"), 2)
