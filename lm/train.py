@@ -20,7 +20,7 @@ def _flags(parser: argparse.ArgumentParser) -> None:
                              "then exit without training (no process group, model, data or run directory)")
     parser.add_argument("--nproc", type=devices, default=None,
                         help=f"--dry-run: devices to plan for, 1 to {MAX_DEVICES} (default: WORLD_SIZE, else 1)")
-    parser.add_argument("--gpu-gib", type=in_range(float, 1, MAX_GIB), default=80.0,
+    parser.add_argument("--gpu-gib", type=in_range(float, 1, MAX_GIB), default=None,
                         help=f"--dry-run: device memory in GiB, 1 to {MAX_GIB:g}, that the 'fits' column checks "
                              "against (default 80)")
     parser.add_argument("--nodes", type=devices, default=None,
@@ -67,7 +67,8 @@ def main(argv: list[str]) -> int:
                                 "Run under torchrun for several processes.",
                           extra=_flags, prog="python -m lm.train")
     if not args.dry_run:
-        for flag, value in (("--nproc", args.nproc), ("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
+        for flag, value in (("--nproc", args.nproc), ("--gpu-gib", args.gpu_gib), ("--nodes", args.nodes),
+                            ("--gpus-per-node", args.gpus_per_node)):
             if value is not None:
                 raise ConfigError(f"{flag}: only --dry-run takes it; torchrun sets the world size of a real run")
     else:
@@ -83,7 +84,7 @@ def main(argv: list[str]) -> int:
                 raise ConfigError(f"--nproc {args.nproc}: --nodes {nodes} x --gpus-per-node {per_node} is "
                                   f"{nodes * per_node} GPUs; give one or the other")
             args.nproc = nodes * per_node
-        dry_run(cfg, _planned_world_size(args.nproc), args.gpu_gib, nodes, per_node)
+        dry_run(cfg, _planned_world_size(args.nproc), args.gpu_gib or 80.0, nodes, per_node)
         return 0
     # imported here so that --dry-run needs neither torch.distributed nor the trainer
     from lm.training.job import run_job

@@ -333,6 +333,7 @@ def test_dry_run_takes_the_world_size_from_the_environment(tmp_path):
     (["--dry-run", "--nproc", "0"], "argument --nproc: expected an integer in [1, 16777216], got '0'"),
     (["--dry-run", "--nproc", "two"], "argument --nproc: expected an integer in [1, 16777216], got 'two'"),
     (["--nproc", "2"], "error: --nproc: only --dry-run takes it"),
+    (["--gpu-gib", "40"], "error: --gpu-gib: only --dry-run takes it"),
 ])
 def test_bad_nproc_is_a_usage_error(args, message, tmp_path):
     result = _train("--config", "configs/gpt2-124m.yaml", f"--train.out_dir={tmp_path / 'run'}", *args)
