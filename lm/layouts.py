@@ -74,6 +74,28 @@ def parse_layout(text: str) -> Layout:
     return Layout(text, int(nproc_text), tuple(settings))
 
 
+def replaced_override(fixed: list[str], layouts: list[Layout]) -> str | None:
+    """Why a `--section.key=value` of the command line would be replaced by what lm.layouts gives each run (its
+    steps, directory and logging, a layout's parallel keys, fsdp as the engine), or None: silently, it would
+    train something else than asked."""
+    run_set = {item.removeprefix("--").partition("=")[0] for item in run_keys(1)}
+    for item in fixed:
+        key = item.removeprefix("--").partition("=")[0]
+        leaf = key.removeprefix("parallel.")
+        if key == "train.steps":
+            return "--train.steps: lm.layouts trains each layout --steps steps; give --steps"
+        if key == "train.out_dir":
+            return "--train.out_dir: lm.layouts puts each layout's run in --out; give --out"
+        if key in run_set:
+            return (f"--{key}: lm.layouts sets {', '.join(sorted(run_set - {'train.steps'}))} for every run (each "
+                    "step logged, the last evaluated and saved, no samples or TensorBoard)")
+        in_a_layout = key.startswith("parallel.") and any(leaf in dict(lay.settings) for lay in layouts)
+        if key == "parallel.engine" or in_a_layout:
+            return (f"--{key}: a layout's own key (a layout without engine= runs under fsdp); give it in each "
+                    f"--layout, e.g. --layout 2:{leaf}=...")
+    return None
+
+
 def check_layout(config: str | None, fixed: list[str], layout: Layout) -> None:
     """The config each layout trains, checked before anything runs: the model's split (a config's own checks), the
     world size and the global batch's split over the layout's data-parallel replicas (`check_world`)."""
@@ -166,6 +188,8 @@ def main(argv: list[str]) -> int:
         if any(seen.dir_name == layout.dir_name for seen in layouts):  # one run directory: the second trains nothing
             raise ConfigError(f"--layout {text}: given twice; give each layout once")
         layouts.append(layout)
+    if problem := replaced_override(fixed, layouts):
+        raise ConfigError(problem)
     fixed = [*fixed, *run_keys(args.steps)]
     for layout in layouts:
         check_layout(args.config, fixed, layout)

@@ -137,6 +137,13 @@ def exit_code(argv: list[str]) -> int:
     (["--layout", "2:tp=2", "--layout", "2:tp=2"], "error: --layout 2:tp=2: given twice; give each layout once"),
     (["--layout", "2:tp=2,parallel.tp=1", "--layout", "1"], "error: --layout 2:tp=2,parallel.tp=1: parallel.tp is "
      "given twice"),
+    # what lm.layouts sets for each run would replace these without a word
+    (["--layout", "1", "--layout", "2:tp=2", "--train.steps=5"], "error: --train.steps: lm.layouts trains each "
+     "layout --steps steps; give --steps"),
+    (["--layout", "1", "--layout", "2:tp=2", "--log.every=5"], "error: --log.every: lm.layouts sets"),
+    (["--layout", "1", "--layout", "2:tp=2", "--parallel.tp=1"], "error: --parallel.tp: a layout's own key"),
+    (["--layout", "1", "--layout", "2:tp=2", "--parallel.engine=ddp"], "error: --parallel.engine: a layout's own "
+     "key (a layout without engine= runs under fsdp); give it in each --layout, e.g. --layout 2:engine=..."),
 ])
 def test_bad_layouts_are_refused_before_anything_runs(args, message, tmp_path, capsys):
     """In-process, through `run` as `python -m lm.layouts` calls it (exit 2 and the `error:` line, argparse's too);
