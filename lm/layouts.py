@@ -182,6 +182,8 @@ def main(argv: list[str]) -> int:
             parser.error(f"unrecognized argument {item!r}; config overrides look like --section.key=value")
     if len(args.layout) < 2:
         parser.error("--layout: give two or more layouts to compare")
+    if args.max_rel is not None and args.max_rel < 0:  # every comparison would fail, after every layout trained
+        parser.error(f"--max-rel: must be >= 0, got {args.max_rel:g}")
     layouts: list[Layout] = []
     for text in args.layout:
         layout = parse_layout(text)

@@ -134,6 +134,7 @@ def exit_code(argv: list[str]) -> int:
      "pp=2: the token embedding sits on the first pipeline stage"),
     (["--layout", "2:ep=2", "--layout", "1"], "error: --layout 2:ep=2: parallel.ep=2: the model has no experts"),
     (["--layout", "2:tp=2"], "--layout: give two or more layouts to compare"),
+    (["--layout", "1", "--layout", "2:tp=2", "--max-rel", "-1"], "--max-rel: must be >= 0, got -1"),
     (["--layout", "2:tp=2", "--layout", "2:tp=2"], "error: --layout 2:tp=2: given twice; give each layout once"),
     (["--layout", "2:tp=2,parallel.tp=1", "--layout", "1"], "error: --layout 2:tp=2,parallel.tp=1: parallel.tp is "
      "given twice"),
