@@ -40,6 +40,9 @@ def main(argv: list[str]) -> int:
     out = _output_path(args.run_dirs, args.out)
     # every run is read and checked before anything is written
     runs = {label: load_run(d) for label, d in zip(run_labels(args.run_dirs), args.run_dirs)}
+    if not any(row.get(key) is not None for rows in runs.values() for row in rows for key in row
+               if key.endswith(("/loss", "/ppl"))):
+        raise PlotError(f"{', '.join(map(str, args.run_dirs))}: no loss or perplexity logged yet; nothing to draw")
     save_png(curves_figure(runs), out)
     print(out)
     return 0

@@ -27,6 +27,9 @@ def test_cli_plots_several_runs_into_out(tmp_path, capsys):
     ("no_metrics", "bad/metrics.jsonl: no metrics log"),
     ("empty", "bad/metrics.jsonl: the metrics log is empty"),
     ("malformed", "bad/metrics.jsonl:2: not a JSON object"),
+    ("not_utf8", "bad/metrics.jsonl: "),  # was a UnicodeDecodeError traceback
+    ("a_text_loss", "bad/metrics.jsonl:1: 'train/loss' is 'abc'; expected a number (or null)"),  # drawn as an axis
+    ("a_bool_step", "bad/metrics.jsonl:1: expected a JSON object with an integer 'step'"),
     ("several_without_out", "--out is required with several run directories (2 given)"),
     ("not_png", "the figure is written as PNG; name the file *.png"),
     ("below_a_file", "curves.png/x.png: {tmp}/curves.png is a file, not a directory"),
@@ -40,6 +43,12 @@ def test_cli_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, ca
         (bad / "metrics.jsonl").write_text("\n")
     if case == "malformed":
         (bad / "metrics.jsonl").write_text('{"step": 1, "train/loss": 5.0}\n{"step": 2, "train/lo\n')
+    if case == "not_utf8":
+        (bad / "metrics.jsonl").write_bytes(b'{"step": 1, "train/loss": 5.0}\n\xff\xfe\n')
+    if case == "a_text_loss":
+        (bad / "metrics.jsonl").write_text('{"step": 1, "tokens": 8, "train/loss": "abc"}\n')
+    if case == "a_bool_step":
+        (bad / "metrics.jsonl").write_text('{"step": true, "tokens": 8, "train/loss": 1.0}\n')
     out = tmp_path / "curves.png"
     out.write_bytes(PNG_SIGNATURE + b"a good old figure")
     argv = {
@@ -59,3 +68,12 @@ def test_cli_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, ca
     made = ["good.png"] if case == "a_directory" else []
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["bad", "curves.png", "good", *made])
     assert sorted(p.name for p in good.iterdir()) == ["metrics.jsonl"]
+
+
+def test_a_log_without_any_loss_draws_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "tokens": 8}\n{"step": 2, "tokens": 16}\n')
+    assert run(plot.main, [str(run_dir)]) == 2  # it wrote four empty axes as the curves
+    assert capsys.readouterr().err == f"error: {run_dir}: no loss or perplexity logged yet; nothing to draw\n"
+    assert not (run_dir / "curves.png").exists()

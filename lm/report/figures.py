@@ -49,10 +49,10 @@ def _tokens_per_step(run_dir: Path) -> int:
     try:
         cfg = yaml.safe_load(path.read_text())
         per_step = cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError) as err:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError) as err:
         raise PlotError(f"{run_dir / METRICS_FILE} has rows without 'tokens' and {path} cannot supply "
                         f"train.batch_size * data.seq_len ({type(err).__name__}: {err})") from None
-    if not isinstance(per_step, int) or per_step <= 0:
+    if not isinstance(per_step, int) or isinstance(per_step, bool) or per_step <= 0:
         raise PlotError(f"{path}: train.batch_size * data.seq_len should be a positive integer, got {per_step!r}")
     return per_step
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from lm.errors import MetricsError
+from lm.io import read_utf8
 
 
 def perplexity(loss: float) -> float:
@@ -36,21 +37,28 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     if not path.is_file():
         raise MetricsError(f"{path}: no metrics log; is {run_dir} a training run directory (train.out_dir)?")
     rows: list[dict] = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(read_utf8(path).splitlines(), 1):  # not UTF-8: one error naming the file
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise MetricsError(f"{path}:{number}: not a JSON object ({err.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+        if not isinstance(row, dict) or not _is_number(row.get("step"), int):
             raise MetricsError(f"{path}:{number}: expected a JSON object with an integer 'step'")
+        for key, value in row.items():  # what the trainer writes: numbers, and null for a score it could not tell
+            if (key in ("tokens", "elapsed_s") or "/" in key) and value is not None and not _is_number(value):
+                raise MetricsError(f"{path}:{number}: {key!r} is {value!r}; expected a number (or null)")
         kind = row_kind(row)
         rows = [r for r in rows if row_kind(r) != kind or r["step"] < row["step"]]
         rows.append(row)
     if not rows:
         raise MetricsError(f"{path}: the metrics log is empty; the run has not logged a step yet")
     return rows
+
+
+def _is_number(value: object, kind: type | tuple[type, ...] = (int, float)) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool)
 
 
 def row_kind(row: dict) -> str:
