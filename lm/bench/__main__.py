@@ -29,7 +29,11 @@ DEFAULT_SECTIONS = ["sampling", "data", "training", "engines"]
 ENGINES = ["ddp", "fsdp", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"]
 # the flags of some sections (or of --profile), each with its default and what reads it: given where none of
 # those runs, a flag is refused rather than silently ignored
+TIMED = ("sampling", "data", "training", "engines", "--profile")
 SECTION_FLAGS = {
+    "warmup": (2, TIMED),
+    "reps": (5, TIMED),
+    "compile": (True, ("training", "sampling")),
     "presets": (PRESETS, ("training", "engines", "data", "--profile")),
     "engines": (ENGINES, ("engines",)),
     "reps_no_cache": (1, ("sampling",)),
@@ -46,6 +50,19 @@ SECTION_FLAGS = {
 }
 
 
+def late_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with a flag that only its section would find, once the sections before it had run."""
+    if "sampling" in args.sections:
+        block = preset_config(args.sampling_preset, torch.device("cpu"))[0].model.block_size
+        if args.new_tokens > block:  # after a one-token prompt: the last new token is never fed back
+            return (f"--new-tokens: {args.new_tokens} do not fit --sampling-preset {args.sampling_preset}'s context "
+                    f"of {block} tokens after a one-token prompt; give at most {block}")
+    for flag, path in (("--import-dir", args.import_dir), ("--corpus-work", args.corpus_work)):
+        if path is not None and Path(path).exists() and not Path(path).is_dir():
+            return f"{flag} {path}: is a file; name a directory to write in"
+    return None
+
+
 def ignored_flags(args: argparse.Namespace) -> str | None:
     """What is wrong with flags that nothing this run does would read (`SECTION_FLAGS`), or None."""
     if args.profile and args.sections is not None:
@@ -54,7 +71,8 @@ def ignored_flags(args: argparse.Namespace) -> str | None:
     named = lambda what: what if what.startswith("--") else f"--sections {what}"  # noqa: E731
     for name, (_, readers) in SECTION_FLAGS.items():
         if getattr(args, name) is not None and not set(readers) & set(running):
-            return (f"--{name.replace('_', '-')}: only {' or '.join(map(named, readers))} reads it, and this run is "
+            flag = "--no-compile" if name == "compile" else f"--{name.replace('_', '-')}"
+            return (f"{flag}: only {' or '.join(map(named, readers))} reads it, and this run is "
                     f"{'--profile' if args.profile else named(' '.join(running))}")
     return None
 
@@ -239,12 +257,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--presets", nargs="+", choices=PRESETS)
     parser.add_argument("--engines", nargs="+", choices=ENGINES)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
-    parser.add_argument("--reps", type=positive_int, default=5, help="timed repetitions (the median is reported)")
+    parser.add_argument("--warmup", type=int, help="untimed repetitions first (default 2)")
+    parser.add_argument("--reps", type=positive_int, help="timed repetitions, the median reported (default 5)")
     parser.add_argument("--reps-no-cache", type=positive_int,
                         help="timed repetitions of sampling without cache")
     parser.add_argument("--reps-data", type=positive_int, help="timed repetitions of data preparation")
-    parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile rows")
+    parser.add_argument("--no-compile", dest="compile", action="store_const", const=False,
+                        help="skip the torch.compile rows")
     parser.add_argument("--new-tokens", type=positive_int, help="tokens per sequence in the sampling rows")
     parser.add_argument("--sampling-preset", choices=PRESETS)
     parser.add_argument("--import-models", nargs="+", choices=["gpt2-124m", "llama-1.1b"],
@@ -270,6 +289,8 @@ def main(argv: list[str]) -> int:
             setattr(args, name, default)
     if args.warmup < 0:
         parser.error(f"--warmup: must be >= 0, got {args.warmup}")
+    if problem := late_problem(args):  # found now, not after minutes of the sections before the one that reads it
+        parser.error(problem)
     if "corpus" in args.sections and not args.corpus:
         parser.error("--sections corpus needs --corpus GLOB ...")
     device = init_device(args.device, "--device")

@@ -121,6 +121,12 @@ def test_bad_flags():
      "--new-tokens: only --sections sampling reads it, and this run is --sections training engines"),
     (["--profile", "--engines", "ddp"], "--engines: only --sections engines reads it, and this run is --profile"),
     (["--profile", "--sections", "training"], "--sections: --profile runs none of them"),
+    (["--sections", "hfimport", "--no-compile"], "--no-compile: only --sections training or --sections sampling reads "
+     "it, and this run is --sections hfimport"),
+    # found at once, not when the section starts after the ones before it
+    (["--sections", "training", "sampling", "--new-tokens", "257"], "--new-tokens: 257 do not fit --sampling-preset "
+     "demo's context of 256 tokens after a one-token prompt; give at most 256"),
+    (["--sections", "hfimport", "--import-dir", "README.md"], "--import-dir README.md: is a file"),
 ])
 def test_flags_no_chosen_section_reads_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
