@@ -60,6 +60,9 @@ def main(argv: list[str]) -> int:
     encoder = pre.parse_known_args(argv)[0].encoder
     base = None if encoder is None else encoder_base(Path(encoder), encoder_config(Path(encoder)))
     cfg, _ = parse_cli(argv, DESCRIPTION, extra=_flags, prog="python -m lm.finetune", base=base)
+    if encoder is not None and Path(cfg.checkpoint.init_from).resolve() != Path(encoder).resolve():
+        raise ConfigError(f"checkpoint.init_from: {cfg.checkpoint.init_from!r}, but --encoder {encoder} names the "
+                          "weights to start from (and the model to build); give the checkpoint as --encoder alone")
     if cfg.model.task_head is None:
         head = getattr(cfg.model, "head", None)
         raise ConfigError(f"model.head: lm.finetune trains a classify or regress head, got {head!r}; "

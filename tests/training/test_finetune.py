@@ -180,6 +180,18 @@ def test_a_decoder_checkpoint_is_not_an_encoder(trained_run, separable_rows, tmp
     assert not out.exists()
 
 
+def test_init_from_besides_the_encoder_is_refused(encoder_run, trained_run, separable_rows, tmp_path, capsys):
+    # it replaced --encoder's weights with another checkpoint's, the model still built from --encoder's config
+    task = write_rows(tmp_path / "lines.csv", separable_rows)
+    out = tmp_path / "ft"
+    assert finetune_run(encoder_run, out, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
+                        f"--checkpoint.init_from={trained_run}") == 2
+    assert capsys.readouterr().err == (f"error: checkpoint.init_from: {str(trained_run)!r}, but --encoder "
+                                       f"{encoder_run} names the weights to start from (and the model to build); give "
+                                       "the checkpoint as --encoder alone\n")
+    assert not out.exists()
+
+
 def test_a_hugging_face_checkpoint_is_no_encoder_to_fine_tune(separable_rows, tmp_path, capsys):
     hf = tmp_path / "bert"
     hf.mkdir()
