@@ -27,7 +27,7 @@ from lm.data.tokenizer_training import (
     special_tokens,
     train_bpe,
 )
-from lm.errors import ConfigError
+from lm.errors import ConfigError, DataError
 from lm.io import atomic_write_text, output_file_problem
 from lm.tokenizer import load_tokenizer
 from lm.tokenizer.hf_json import TOKENIZER_CONFIG
@@ -83,6 +83,9 @@ def main(argv: list[str]) -> int:
     pieces = corpus_pieces(corpus, data.text_column, data.val_fraction, held_out=False)
     tokenizer = train_bpe(seen.texts(pieces), args.vocab_size, specials)
     seconds = time.perf_counter() - start
+    if seen.bytes == 0:  # documents that are empty rows: a tokenizer of bare bytes, learnt from nothing
+        raise DataError(f"data.source: {data.source}: its training documents ({_documents(seen.documents)}) hold no "
+                        "text; nothing to train a tokenizer on")
     try:
         atomic_write_text(args.out, tokenizer.to_str())
     except OSError as err:  # checked before training; a full disk, or a directory changed since, still ends here
@@ -98,8 +101,9 @@ def main(argv: list[str]) -> int:
         "new": lambda texts: [e.ids for e in written.encode_batch_fast(texts, add_special_tokens=False)],
         BASELINE: baseline.encode_ordinary_batch,
     })
-    if held_out.documents == 0:
-        print(f"held out: no document (data.val_fraction={data.val_fraction}), so compression is not measured")
+    if held_out.documents == 0 or held_out.bytes == 0:
+        none = "no document" if held_out.documents == 0 else f"{_documents(held_out.documents)} without text"
+        print(f"held out: {none} (data.val_fraction={data.val_fraction}), so compression is not measured")
     else:
         new, old = held_out.bytes_per_token("new"), held_out.bytes_per_token(BASELINE)
         fewer = 1 - held_out.tokens["new"] / held_out.tokens[BASELINE]

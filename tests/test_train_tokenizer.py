@@ -149,6 +149,11 @@ def test_force_replaces_and_no_val_split_measures_nothing(tiny_corpus_dir, tmp_p
     assert "held out: no document (data.val_fraction=0.0)" in capsys.readouterr().out
     assert tokenizers.Tokenizer.from_file(str(out)).get_vocab_size() == 300
     assert [p.name for p in tmp_path.iterdir()] == ["tok.json"]  # no temporary file left
+    rows = tmp_path / "rows.jsonl"  # held-out rows without text: not measured either (it divided by zero)
+    rows.write_text("".join(f'{{"text": "{"" if i % 2 else f"word {i}"}"}}\n' for i in range(20)))
+    assert run(main, [f"--data.source={rows}", "--data.val_fraction=0.5", "--vocab-size", "300", "--out",
+                      str(out), "--force"]) == 0
+    assert "held out: 10 documents without text (data.val_fraction=0.5)" in capsys.readouterr().out
 
 
 def test_a_small_corpus_gives_fewer_ids_and_says_so(tmp_path, capsys):
@@ -203,6 +208,9 @@ BAD = [
     ("special-eot", ["--special-token", "<|endoftext|>"], r"--special-token: '<\|endoftext\|>' is the end-of-text"),
     ("special-empty", ["--special-token="], r"--special-token: got an empty string"),
     ("bad-utf8", ["--data.source={ws}/corpus/*.txt,{ws}/binary.txt"], r"{ws}/binary.txt: not UTF-8"),
+    # rows of empty text: it trained on nothing, wrote --out and then divided by zero
+    ("no-text", ["--data.source={ws}/empty_rows.jsonl"],
+     r"data.source: {ws}/empty_rows.jsonl: its training documents \(\d+ documents\) hold no text"),
 ]
 
 
@@ -215,6 +223,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, monkey
     (ws / "corpus" / "b.txt").write_text("That is the question. " * 20)
     (ws / "rows.json").write_text('{"text": "one row"}\n{"text": "another"}\n')
     (ws / "binary.txt").write_bytes(b"text \xff\xfe then bytes")
+    (ws / "empty_rows.jsonl").write_text('{"text": ""}\n' * 20)
     (ws / "dir.json").mkdir()
     (ws / "old.json").write_text("{}")
     (ws / "hf").mkdir()
