@@ -35,11 +35,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-new-tokens", type=positive_int, default=200)
     parser.add_argument("--temperature", type=in_range(float, 0.0, MAX_TEMPERATURE), default=0.8,
                         help=f"0 means greedy; else {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}")
-    parser.add_argument("--top-k", type=positive_int, default=200)
+    parser.add_argument("--top-k", type=positive_int, help="keep the K most likely tokens (default 200)")
     parser.add_argument("--top-p", type=finite_float, default=None, help="nucleus sampling threshold in (0, 1]")
     parser.add_argument("--num-samples", type=positive_int, default=1)
-    parser.add_argument("--seed", type=in_range(int, 0, MAX_SEED), default=1337,
-                        help="same seed, same text (sample i of --num-samples takes seed + i)")
+    parser.add_argument("--seed", type=in_range(int, 0, MAX_SEED),
+                        help="same seed, same text (sample i of --num-samples takes seed + i; default 1337)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--compile", action="store_true",
                         help="decode through a static KV cache with the per-token step compiled (torch.compile, a CUDA "
@@ -47,6 +47,14 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top-p: must be in (0, 1], got {args.top_p}")
+    if args.temperature == 0:  # greedy: the most likely token every time, whatever these say
+        for flag, given in (("--top-k", args.top_k is not None), ("--top-p", args.top_p is not None),
+                            ("--seed", args.seed is not None), ("--num-samples", args.num_samples > 1)):
+            if given:
+                parser.error(f"{flag}: greedy decoding (--temperature 0) takes the most likely token every time, "
+                             "so it would change nothing; drop it, or sample at a temperature")
+    args.top_k = 200 if args.top_k is None else args.top_k
+    args.seed = 1337 if args.seed is None else args.seed
     if 0 < args.temperature < MIN_TEMPERATURE:
         parser.error(f"--temperature: {args.temperature:g} is too close to 0: the logits divided by it overflow; "
                      f"0 for greedy, or at least {MIN_TEMPERATURE:g}")

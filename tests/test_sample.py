@@ -21,8 +21,12 @@ def test_same_seed_same_text(trained_run, capsys):
 def test_prompt_file_and_greedy(trained_run, capsys, tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text("KING:")
-    greedy = sample(trained_run, capsys, "--prompt-file", str(prompt), "--temperature", "0", "--seed", "1")
-    assert greedy == sample(trained_run, capsys, "--prompt", "KING:", "--temperature", "0", "--seed", "2")
+    greedy = sample(trained_run, capsys, "--prompt-file", str(prompt), "--temperature", "0")
+    assert greedy == sample(trained_run, capsys, "--prompt", "KING:", "--temperature", "0")
+    for ignored in (["--seed", "2"], ["--top-k", "5"], ["--top-p", "0.5"], ["--num-samples", "2"]):
+        with pytest.raises(SystemExit):  # each would change nothing of greedy text: refused, not ignored
+            run(main, ["--checkpoint", str(trained_run), "--temperature", "0", *ignored])
+        assert f"error: {ignored[0]}: greedy decoding (--temperature 0)" in capsys.readouterr().err
 
 
 def test_the_extreme_seeds_and_temperatures_sample(trained_run, capsys):
