@@ -9,6 +9,7 @@ same way at every world size, so a run resumes on any number of ranks. Batches a
 longest example with pad_id, under a key-padding mask `keep` (True at real tokens).
 """
 
+import csv
 import math
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -104,7 +105,23 @@ def _read_columns(path: Path, names: Sequence[str], optional: Sequence[str] = ()
             raise DataError(f"{path}: no column {name!r}; the columns are {sorted(table.column_names)}")
     if table.num_rows == 0:
         raise DataError(f"{path}: no rows; expected labelled examples")
-    return {name: list(table[name]) for name in (*names, *optional) if name in table.column_names}
+    if fmt == "csv":
+        _check_header(path)
+    try:  # pyarrow's JSON reader keeps bytes that are not UTF-8 in a string column; they fail only here
+        return {name: list(table[name]) for name in (*names, *optional) if name in table.column_names}
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: holds text that is not UTF-8 ({err.reason}); convert the file to UTF-8") from None
+
+
+def _check_header(path: Path) -> None:
+    """Refuse a csv header that names a column twice: pandas renames the second (`label.1`) and the first is read
+    without a word."""
+    with open(path, newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), [])
+    twice = sorted({name for name in header if header.count(name) > 1})
+    if twice:
+        raise DataError(f"{path}: the header names column {twice[0]!r} {header.count(twice[0])} times; rename all "
+                        "but one")
 
 
 def _number(value: object) -> float | None:
@@ -147,12 +164,17 @@ def _classes(path: Path, column: str, values: list, num_classes: int, every_clas
             raise DataError(f"{path}: row {row}: column {column!r} holds {value!r}; a class label must be an "
                             f"integer in [0, {num_classes})")
         labels[row] = int(number)
-    missing = np.flatnonzero(np.bincount(labels, minlength=num_classes) == 0)
-    if every_class and missing.size:
+    present = set(labels.tolist())
+    if every_class and len(present) < num_classes:
+        # the first few: they lie below len(present) + 5 (no array of num_classes counts, which may be huge)
+        missing = [c for c in range(min(num_classes, len(present) + 5)) if c not in present][:5]
+        unshown = num_classes - len(present) - len(missing)
+        more = f" (and {unshown:,} more)" if unshown else ""
+        shown = sorted(present)[:10]
         raise DataError(
-            f"{path}: column {column!r} never holds class {', '.join(map(str, missing.tolist()))} of "
-            f"num_classes={num_classes}; the labels hold classes {sorted(set(labels.tolist()))}, so num_classes "
-            "does not match the data"
+            f"{path}: column {column!r} never holds class {', '.join(map(str, missing))}{more} of "
+            f"num_classes={num_classes}; the labels hold classes {shown}{' ...' if len(present) > 10 else ''}, so "
+            "num_classes does not match the data"
         )
     return labels
 

@@ -70,6 +70,15 @@ def test_refusals(tmp_path):
     assert read_labelled(good, "text", "label", "classify", 4, every_class=False)[1].tolist() == [1, 0, 2, 1, 0]
     assert refusal(good, num_classes=2) == (
         f"{good}: row 2: column 'label' holds 2; a class label must be an integer in [0, 2)")
+    assert refusal(good, num_classes=10**12) == (  # was a 7 TiB bincount; a huge count lists the first few
+        f"{good}: column 'label' never holds class 3, 4, 5, 6, 7 (and 999,999,999,992 more) of "
+        "num_classes=1000000000000; the labels hold classes [0, 1, 2], so num_classes does not match the data")
+    twice = tmp_path / "twice.csv"
+    twice.write_text("text,label,label\na,0,1\nb,1,0\n")  # the second was renamed label.1 and dropped
+    assert refusal(twice, num_classes=2) == f"{twice}: the header names column 'label' 2 times; rename all but one"
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"text": "caf\xe9", "label": 0}\n{"text": "b", "label": 1}\n'.encode("latin-1"))
+    assert refusal(latin, num_classes=2).startswith(f"{latin}: holds text that is not UTF-8")  # was a traceback
 
     words = write(tmp_path / "words.csv", [("a", 1), ("b", "positive"), ("c", 0)])
     assert refusal(words) == (

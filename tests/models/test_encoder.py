@@ -262,6 +262,8 @@ def test_sequences_longer_than_block_size_are_refused() -> None:
     (["--model.arch=encdec", "--model.num_classes=3"], r"model.num_classes: not a key of an encoder-decoder"),
     (["--model.arch=lstm", "--model.pooling=mean"], r"model.pooling: not a key of an LSTM \(model.arch=lstm\)"),
     (["--model.arch=encoder", "--model.head=classify"], r"model.num_classes: head classify needs at least 2 classes"),
+    (["--model.arch=encoder", "--model.head=classify", "--model.num_classes=1048577"],
+     r"model.num_classes: 1,048,577 is more than 1,048,576, a head's largest"),
     (["--model.arch=encoder", "--model.head=classify", "--model.num_classes=1"],
      r"model.num_classes: .* at least 2 classes, got 1"),
     (["--model.arch=encoder", "--model.num_classes=3"], r"model.num_classes: only head classify has classes; head "

@@ -10,6 +10,10 @@ HEADS = ("mlm", "classify", "regress")
 POOLINGS = ("first", "mean")
 
 
+MAX_CLASSES = 2**20
+"""The most classes a classify head takes: more than a vocabulary's ids, each class needing its labelled rows."""
+
+
 @dataclass
 class EncoderConfig(TransformerConfig):
     """The encoder alone (BERT, ModernBERT): bidirectional blocks under a masked-LM head (`head: mlm`,
@@ -38,6 +42,9 @@ class EncoderConfig(TransformerConfig):
         check_choice("pooling", self.pooling, POOLINGS)
         if self.head == "classify" and self.num_classes < 2:
             raise ConfigError(f"model.num_classes: head classify needs at least 2 classes, got {self.num_classes}")
+        if self.num_classes > MAX_CLASSES:  # a head of d_model x num_classes, and a labelled file filling them all
+            raise ConfigError(f"model.num_classes: {self.num_classes:,} is more than {MAX_CLASSES:,}, a head's "
+                              "largest; a task of more classes is a language-modelling one")
         if self.head != "classify" and self.num_classes:
             raise ConfigError(f"model.num_classes: only head classify has classes; head {self.head} needs "
                               f"model.num_classes=0, got {self.num_classes}")
