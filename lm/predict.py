@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from lm.checkpoint.loading import load_for_inference
 from lm.checkpoint.run_dir import run_files
-from lm.checkpoint.store import step_store
+from lm.checkpoint.store import enclosing_checkpoint, step_store
 from lm.checkpoint.trunk import saved_config
 from lm.cli import in_range, run
 from lm.data.labelled import encode_examples, example_batches, read_labelled, read_texts
@@ -27,7 +27,7 @@ from lm.distributed.env import init_device
 from lm.errors import ConfigError, LMError
 from lm.io import atomic_path, output_file_problem
 from lm.models.registry import family_of
-from lm.tokenizer import model_tokenizer
+from lm.tokenizer import is_tokenizer_file, model_tokenizer
 from lm.training.evaluate import task_metrics, task_sums, task_sums_size
 
 MAX_BATCH = 1 << 20
@@ -58,9 +58,11 @@ def main(argv: list[str]) -> int:
     if args.text_column == "":
         parser.error("--text-column: empty; name the column of the texts (default: the run's task.text_column)")
     if args.out is not None:
-        inputs = [args.file, step_store(args.checkpoint), *run_files(args.checkpoint), *_task_file(args.checkpoint)]
+        inputs = [args.file, step_store(args.checkpoint), *run_files(args.checkpoint), *_run_inputs(args.checkpoint)]
         if problem := output_file_problem(args.out, inputs):
             raise ConfigError(f"--out {problem}")
+        if (step := enclosing_checkpoint(args.out)) is not None:
+            raise ConfigError(f"--out {args.out}: is inside the checkpoint {step}; write the predictions elsewhere")
         if args.out.exists() and not args.force:
             raise ConfigError(f"--out {args.out}: exists; pass --force to replace it")
     device = init_device(args.device, "--device")
@@ -111,14 +113,17 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _task_file(checkpoint: str) -> list[Path]:
-    """The labelled file the fine-tuning run of `checkpoint` trained on (predictions must not replace it), if its
-    config can be read; loading the checkpoint names what is wrong with it otherwise."""
+def _run_inputs(checkpoint: str) -> list[Path]:
+    """The files the fine-tuning run of `checkpoint` reads (its labelled task.file, a tokenizer.json), which
+    predictions must not replace, if its config can be read; loading the checkpoint says what is wrong otherwise."""
     try:
-        file = saved_config(Path(checkpoint)).task.file
+        cfg = saved_config(Path(checkpoint))
     except LMError:
         return []
-    return [Path(file)] if file else []
+    files = [cfg.task.file] if cfg.task.file else []
+    if is_tokenizer_file(cfg.data.tokenizer):
+        files.append(cfg.data.tokenizer)
+    return [Path(file) for file in files]
 
 
 def _write(path: Path, head: str, outputs: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import tokenizers
 
+from lm.checkpoint.store import enclosing_checkpoint
 from lm.cli import positive_int, run
 from lm.config import parse_cli
 from lm.data.corpora import find_corpus
@@ -55,6 +56,8 @@ def output_problem(out: Path, inputs: tuple[Path, ...], force: bool) -> str | No
         return f"{out}: must end in .json, which is how data.tokenizer tells a tokenizer.json from a tiktoken name"
     if problem := output_file_problem(out, inputs):
         return problem
+    if (step := enclosing_checkpoint(out)) is not None:
+        return f"{out}: is inside the checkpoint {step}; write the tokenizer elsewhere"
     if out.exists() and not force:
         return f"{out}: exists; pass --force to replace it (a run trained with it would then read the new one)"
     if (config := out.with_name(TOKENIZER_CONFIG)).exists():

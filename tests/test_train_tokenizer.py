@@ -208,6 +208,9 @@ BAD = [
     ("special-eot", ["--special-token", "<|endoftext|>"], r"--special-token: '<\|endoftext\|>' is the end-of-text"),
     ("special-empty", ["--special-token="], r"--special-token: got an empty string"),
     ("bad-utf8", ["--data.source={ws}/corpus/*.txt,{ws}/binary.txt"], r"{ws}/binary.txt: not UTF-8"),
+    ("out-in-a-checkpoint", ["--out", "{ws}/run/checkpoints/step_00000001/state.json", "--force"],
+     r"--out {ws}/run/checkpoints/step_00000001/state.json: is inside the checkpoint {ws}/run/checkpoints/"
+     r"step_00000001"),
     # rows of empty text: it trained on nothing, wrote --out and then divided by zero
     ("no-text", ["--data.source={ws}/empty_rows.jsonl"],
      r"data.source: {ws}/empty_rows.jsonl: its training documents \(\d+ documents\) hold no text"),
@@ -224,6 +227,8 @@ def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, monkey
     (ws / "rows.json").write_text('{"text": "one row"}\n{"text": "another"}\n')
     (ws / "binary.txt").write_bytes(b"text \xff\xfe then bytes")
     (ws / "empty_rows.jsonl").write_text('{"text": ""}\n' * 20)
+    (ws / "run" / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (ws / "run" / "checkpoints" / "step_00000001" / "state.json").write_text('{"step": 1}')
     (ws / "dir.json").mkdir()
     (ws / "old.json").write_text("{}")
     (ws / "hf").mkdir()

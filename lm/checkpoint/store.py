@@ -68,6 +68,13 @@ def published_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
 
 
+def enclosing_checkpoint(path: str | Path) -> Path | None:
+    """The step directory that `path` is or lies in, if any: a tool's output there would change a checkpoint
+    (its manifest refuses it, or retention deletes the output with it)."""
+    path = Path(path).resolve()
+    return next((p for p in (path, *path.parents) if _STEP_DIR.match(p.name) and p.is_dir()), None)
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under `root` (those with their state.json), oldest first."""
     return [p for p in published_checkpoints(root) if (p / "state.json").is_file()]

@@ -306,7 +306,8 @@ def test_predictions_are_never_written_over_the_checkpoint_they_come_from(encode
                                   (step, step.parent / "p.jsonl", f"is inside the input {out / 'checkpoints'}"),
                                   (tmp_path / "ft.safetensors", tmp_path / "ft.safetensors", "is the input"),
                                   (out, out / "config.yaml", f"is the input {out / 'config.yaml'}"),
-                                  (step, out / "metrics.jsonl", f"is the input {out / 'metrics.jsonl'}")):
+                                  (step, out / "metrics.jsonl", f"is the input {out / 'metrics.jsonl'}"),
+                                  (tmp_path / "ft.safetensors", step / "p.jsonl", f"is inside the checkpoint {step}")):
         assert run(predict.main, ["--checkpoint", str(checkpoint), "--file", str(task), "--out", str(dest)]) == 2
         assert capsys.readouterr().err.startswith(f"error: --out {dest}: {why}")
     assert digest(tmp_path) == before
