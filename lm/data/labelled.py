@@ -89,6 +89,8 @@ def _read_columns(path: Path, names: Sequence[str], optional: Sequence[str] = ()
     options = {"keep_default_na": False} if fmt == "csv" else JSON_OPTIONS if fmt == "json" else {}
     if fmt == "json":
         check_json_rows(path)
+    if fmt == "parquet" and _parquet_rows(path) == 0:  # datasets fails on one with pyarrow's "BatchSize must be > 0"
+        raise DataError(f"{path}: no rows; expected labelled examples")
     with local_datasets() as datasets:
         try:
             with tempfile.TemporaryDirectory(prefix="lm-datasets-") as cache:
@@ -111,6 +113,16 @@ def _read_columns(path: Path, names: Sequence[str], optional: Sequence[str] = ()
         return {name: list(table[name]) for name in (*names, *optional) if name in table.column_names}
     except UnicodeDecodeError as err:
         raise DataError(f"{path}: holds text that is not UTF-8 ({err.reason}); convert the file to UTF-8") from None
+
+
+def _parquet_rows(path: Path) -> int | None:
+    """The rows a parquet file's footer counts, or None when it cannot be read (loading it then says why)."""
+    import pyarrow.parquet
+
+    try:
+        return pyarrow.parquet.ParquetFile(path).metadata.num_rows
+    except (OSError, ValueError):
+        return None
 
 
 def _check_header(path: Path) -> None:

@@ -76,6 +76,13 @@ def test_refusals(tmp_path):
     twice = tmp_path / "twice.csv"
     twice.write_text("text,label,label\na,0,1\nb,1,0\n")  # the second was renamed label.1 and dropped
     assert refusal(twice, num_classes=2) == f"{twice}: the header names column 'label' 2 times; rename all but one"
+    import pyarrow
+    import pyarrow.parquet
+
+    empty = tmp_path / "empty.parquet"
+    pyarrow.parquet.write_table(pyarrow.table({"text": pyarrow.array([], pyarrow.string()),
+                                               "label": pyarrow.array([], pyarrow.int64())}), empty)
+    assert refusal(empty) == f"{empty}: no rows; expected labelled examples"  # was pyarrow's BatchSize message
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes('{"text": "caf\xe9", "label": 0}\n{"text": "b", "label": 1}\n'.encode("latin-1"))
     assert refusal(latin, num_classes=2).startswith(f"{latin}: holds text that is not UTF-8")  # was a traceback
