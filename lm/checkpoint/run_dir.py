@@ -50,6 +50,11 @@ def check_run_paths(cfg: JobConfig) -> None:
             raise ConfigError(f"train.out_dir: {cfg.train.out_dir!r} {where} {str(home)!r}, the run of the "
                               "checkpoint this run starts from (checkpoint.init_from, lm.finetune's --encoder); "
                               "writing there would change that run's files: put the run elsewhere")
+    if cfg.task.file:  # the run appends to its metrics.jsonl, rewrites config.yaml, prunes its checkpoints
+        task = Path(cfg.task.file).resolve()
+        if any(task == out / name or out / name in task.parents for name in RUN_FILES):
+            raise ConfigError(f"task.file: {cfg.task.file!r} is one of the files of train.out_dir "
+                              f"{cfg.train.out_dir!r}, which the run writes; keep the labelled file elsewhere")
     for source in [] if cfg.task.file else cfg.data.sources:
         key = "data.mixture" if cfg.data.mixture else "data.dir"
         data = Path(source.dir).resolve()

@@ -279,6 +279,17 @@ def test_a_run_inside_the_encoders_run_is_refused_and_the_encoder_kept(encoder_r
         assert digest(encoder) == before
 
 
+def test_a_task_file_among_the_runs_own_files_is_refused(encoder_run, separable_rows, tmp_path, capsys):
+    out = tmp_path / "ft"
+    out.mkdir()
+    task = write_rows(out / "metrics.jsonl", separable_rows[:20])  # the run would append its metrics to it
+    before = task.read_bytes()
+    assert finetune_run(encoder_run, out, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
+                        "--train.steps=1", "--train.batch_size=2", "--train.micro_batch_size=2") == 2
+    assert capsys.readouterr().err.startswith(f"error: task.file: {str(task)!r} is one of the files of train.out_dir")
+    assert task.read_bytes() == before
+
+
 def test_a_run_directory_beside_its_task_file_is_no_data_directory(encoder_run, separable_rows, tmp_path,
                                                                    monkeypatch):
     # fine-tuning reads no data.dir, but the default 'data/shakespeare' below the working directory was refused
