@@ -419,7 +419,8 @@ CASES = [
     Case("cli: train --dry-run --gpu-gib 0", "train", [*train(), "--dry-run", "--gpu-gib", "0"],
          r"python -m lm.train: error: argument --gpu-gib: expected a number in \[1, 1e\+06\], got '0'"),
     Case("cli: layouts whose batch does not split over one of them", "layouts",
-         ["--layout", "1", "--layout", "4", *TINY, "--model.n_head=4", "--data.dir={ws}/data", "--out", "{ws}/layouts"],
+         ["--layout", "1", "--layout", "4", *[a for a in TINY if not a.startswith(("--train.steps", "--log."))],
+          "--model.n_head=4", "--data.dir={ws}/data", "--out", "{ws}/layouts"],  # not the keys lm.layouts sets
          r"--layout 4: train.batch_size: 4 is not a multiple of train.micro_batch_size \(2\) x 4 data-parallel "
          r"replica\(s\) \(world size 4\)"),
     Case("cli: train --dry-run --nproc 0", "train", [*train(), "--dry-run", "--nproc", "0"],
