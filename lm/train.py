@@ -56,6 +56,19 @@ def dry_run(cfg: JobConfig, world_size: int, device_gib: float, nodes: int | Non
     print(f"configured: parallel.engine={cfg.parallel.engine}"
           + (f" zero_stage={cfg.parallel.zero_stage}" if cfg.parallel.engine == "deepspeed" else "")
           + f" cpu_offload={cfg.parallel.cpu_offload} activation_checkpointing={cfg.parallel.activation_checkpointing}")
+    par = cfg.parallel
+    split = {key: n for key, n in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp), ("dp_replicate", par.dp_replicate),
+                                   ("ep", par.ep)) if n > 1}
+    if split:
+        from lm.distributed.layout import check_world  # the rules the run applies to its world size (no group)
+
+        try:
+            check_world(cfg, world_size)
+        except ConfigError as err:
+            raise ConfigError(f"--nproc {world_size}: {err}") from None
+        print(f"configured layout: {' '.join(f'{key}={n}' for key, n in split.items())} on {world_size} devices; "
+              "the table below plans each engine over data parallelism alone (--nodes plans tensor and pipeline "
+              "layouts)")
     print(plan_table(cfg, world_size, device_gib))
     if nodes is not None:
         print()

@@ -269,6 +269,18 @@ def test_dry_run_describes_an_lstm_without_heads(capsys):
     assert lines[1] == f"parameters: {50304 * 64 + 2 * (8 * 64 * 64 + 8 * 64):,}"
 
 
+def test_the_dry_run_checks_the_configured_layout_and_says_the_table_is_data_parallel(capsys):
+    from lm.errors import ConfigError
+    from lm.train import dry_run
+
+    cfg = load_config("configs/demo.yaml", ["--parallel.engine=fsdp", "--parallel.tp=2"])
+    with pytest.raises(ConfigError, match=r"^--nproc 3: parallel.tp=2 does not divide the world size 3"):
+        dry_run(cfg, 3, 80.0)  # the run refuses it: the plan was printed as if it could start
+    dry_run(cfg, 4, 80.0)
+    assert ("configured layout: tp=2 on 4 devices; the table below plans each engine over data parallelism alone"
+            in capsys.readouterr().out)
+
+
 def test_plan_table_lists_every_engine_and_picks_one():
     cfg = load_config("configs/llama-7b.yaml")
     table = plan_table(cfg, 8)
