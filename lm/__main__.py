@@ -29,9 +29,10 @@ TOOLS = {
 def main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] not in TOOLS:
         asked = len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help")
-        print("usage: lm {" + ",".join(TOOLS) + "} [--help] [ARGS]\n", file=sys.stdout if asked else sys.stderr)
+        out = sys.stdout if asked else sys.stderr  # a usage error's listing goes with its error line
+        print("usage: lm {" + ",".join(TOOLS) + "} [--help] [ARGS]\n", file=out)
         for name, (_, doc) in TOOLS.items():
-            print(f"  {name:{max(map(len, TOOLS))}s} {doc}", file=sys.stdout if asked else sys.stderr)
+            print(f"  {name:{max(map(len, TOOLS))}s} {doc}", file=out)
         if asked:
             return 0
         given = f"unknown tool {sys.argv[1]!r}" if len(sys.argv) >= 2 else "no tool given"

@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out", type=Path, metavar="OUT", help="the .safetensors file to write")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
     args = parser.parse_args(argv)
-    if problem := output_problem(args.out, args.force, args.checkpoint):
+    if problem := output_problem(args.out, args.force):
         parser.error(problem)
     consolidate(args.checkpoint, args.out, force=args.force)
     return 0

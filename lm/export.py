@@ -21,7 +21,7 @@ import torch
 
 from lm.checkpoint.consolidated import read_consolidated_config
 from lm.checkpoint.loading import load_for_inference
-from lm.checkpoint.store import checkpoint_root, read_config, resolve_checkpoint, step_store
+from lm.checkpoint.store import checkpoint_root, enclosing_checkpoint, read_config, resolve_checkpoint
 from lm.cli import run
 from lm.hf.export_files import output_problem, write_export
 from lm.hf.importing import find_origin
@@ -62,10 +62,8 @@ def main(argv: list[str]) -> int:
     if checkpoint_root(args.out).is_dir():  # lm's tools would read the run as this Hugging Face checkpoint
         parser.error(f"{args.out}: holds a run's checkpoints/, which an export there would hide from lm's tools; "
                      "export into a directory of its own")
-    store = step_store(args.checkpoint).resolve()
-    if store == args.out.resolve() or store in args.out.resolve().parents:
-        parser.error(f"{args.out}: is inside {step_store(args.checkpoint)}, among the checkpoints it exports "
-                     "(retention would delete it with them); export into a directory of its own")
+    if (step := enclosing_checkpoint(args.out)) is not None:  # retention would delete the export with it
+        parser.error(f"{args.out}: is inside the checkpoint {step}; export into a directory of its own")
     # refuse before loading weights or creating anything
     target = pick_target(saved.model, family_of(saved.model).hf.targets, saved.model.title)
     model, job, _ = load_for_inference(step_dir, torch.device("cpu"))

@@ -125,7 +125,7 @@ def test_cli_refuses_an_existing_output_unless_forced(trained_run, tmp_path, cap
 def test_bad_inputs_fail_with_one_error_naming_the_path(trained_run, tmp_path):
     out = tmp_path / "model.safetensors"
     inside = resolve_checkpoint(trained_run) / "model.safetensors"  # pruned with its step directory
-    with pytest.raises(CheckpointError, match=f"{inside}: is inside the input {trained_run / 'checkpoints'}"):
+    with pytest.raises(CheckpointError, match=f"{inside}: is inside the checkpoint {inside.parent}"):
         consolidate(trained_run, inside)
     with pytest.raises(CheckpointError, match=str(tmp_path / "nothing")):
         consolidate(tmp_path / "nothing", out)

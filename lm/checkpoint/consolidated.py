@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 
 from lm.checkpoint.model_weights import fill_tied, load_checkpoint_weights, tied_names
-from lm.checkpoint.store import read_config, read_state, resolve_checkpoint, step_store
+from lm.checkpoint.store import enclosing_checkpoint, read_config, read_state, resolve_checkpoint
 from lm.config import JobConfig, config_from_yaml
 from lm.errors import CheckpointError, ConfigError
 from lm.io import atomic_path, output_file_problem
@@ -33,13 +33,14 @@ from lm.models.registry import family_of
 log = logging.getLogger("lm.consolidate")
 
 
-def output_problem(out: Path, force: bool, checkpoint: str | Path) -> str | None:
-    """Why `out` may not be written with the weights of `checkpoint`, or None: not inside the directory of step
-    directories it comes from (retention would delete it with them)."""
+def output_problem(out: Path, force: bool) -> str | None:
+    """Why `out` may not be written, or None: not inside a checkpoint, whose retention would delete it."""
     if out.suffix != ".safetensors":
         return f"{out}: the output must be a .safetensors file"
-    if problem := output_file_problem(out, [step_store(checkpoint)]):
+    if problem := output_file_problem(out):
         return problem
+    if (step := enclosing_checkpoint(out)) is not None:
+        return f"{out}: is inside the checkpoint {step}; write it elsewhere"
     if out.exists() and not force:
         return f"{out}: exists; pass --force to replace it"
     return None
@@ -51,7 +52,7 @@ def consolidate(checkpoint: str | Path, out: str | Path, force: bool = False) ->
     The file appears whole or not at all (written beside `out`, then renamed). Returns the step dir read.
     """
     out = Path(out)
-    if problem := output_problem(out, force, checkpoint):
+    if problem := output_problem(out, force):
         raise CheckpointError(problem)
     step_dir = resolve_checkpoint(checkpoint)
     state = read_state(step_dir)
