@@ -72,6 +72,12 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout: must be in [0, 1), got {self.dropout}")
 
+    def depth_steps(self) -> list[tuple[dict[str, int], int]]:
+        """How this config's depth is built of repeated steps: each (the keys one step adds to, how many such steps
+        this config has beyond a shallow config of the same model), so that a planner counts a deep model off a
+        few shallow ones (`lm.plan.counts`). Every block alike: steps of one block beyond two."""
+        return [({"n_layer": 1}, max(0, self.n_layer - 2))]
+
     @property
     def task_head(self) -> str | None:
         """The fine-tuning head this config trains on labelled rows (task.file), classify or regress; None for a

@@ -10,6 +10,7 @@ see, the family's spec supplies (`Family.estimates`): which parameters a token l
 FLOPs, which no parameter stands for, and the activations a micro-batch saves for backward.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ class Counts:
     experts: int = 0
     """In the routed experts of every mixture-of-experts layer (`Parallel.experts`): what parallel.ep splits"""
     units: tuple[tuple[int, int], ...] = ()
-    """Each repeated unit's (parameters, of them in routed experts)"""
+    """The (parameters, of them in routed experts) of each kind of repeated unit, once, in model order"""
     expert_layers: int = 0
     """Modules of routed experts, one per mixture-of-experts layer"""
     n_experts: int = 0
@@ -53,33 +54,51 @@ _counted: dict[tuple[type, str], Counts] = {}
 
 
 def counts(cfg: ModelConfig) -> Counts:
-    """The parameters of the model `cfg` describes, counted on the meta device."""
+    """The parameters of the model `cfg` describes. A deep model is counted off shallow ones
+    (`ModelConfig.depth_steps`): the config with its steps taken off, and it again with one of each step, which
+    adds what every further such step adds; so a plan of any depth takes the time of a few blocks."""
     key = (type(cfg), repr(cfg))
     if key not in _counted:
-        family = family_of(cfg)
-        with torch.device("meta"):
-            model = family.build(cfg)
-        sizes = {id(p): p.numel() for p in model.parameters()}
-        tables = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-        positions = {id(m.weight) for m in tables if isinstance(m, PositionTable)}
-        units = family.blocks(model)
-        in_units = {id(p) for unit in units for p in unit.parameters()}
-        routed = family.parallel.experts(model) if family.parallel.experts else []
-        in_experts = {id(p) for m in routed for p in m.parameters()}
-        _counted[key] = Counts(
-            total=sum(sizes.values()),
-            positions=sum(sizes[i] for i in positions),
-            embeddings=sum(sizes[i] for i in {id(p) for m in tables for p in m.parameters()}),
-            unit=max(sum(p.numel() for p in unit.parameters()) for unit in units),
-            root=sum(n for i, n in sizes.items() if i not in in_units),
-            idle=0 if family.estimates.idle_params is None else family.estimates.idle_params(cfg),
-            experts=sum(sizes[i] for i in in_experts),
-            units=tuple((sum(p.numel() for p in unit.parameters()),
-                         sum(p.numel() for p in unit.parameters() if id(p) in in_experts)) for unit in units),
-            expert_layers=len(routed),
-            n_experts=next(iter(routed[0].parameters())).shape[0] if routed else 0,
-        )
+        steps = [(keys, n) for keys, n in cfg.depth_steps() if n > 0]
+        taken = {k: sum(n * keys.get(k, 0) for keys, n in steps) for keys, _ in steps for k in keys}
+        shallow = dataclasses.replace(cfg, **{k: getattr(cfg, k) - n for k, n in taken.items()})
+        base = _built(shallow, cfg)
+        grown = [(_built(dataclasses.replace(shallow, **{k: getattr(shallow, k) + d for k, d in keys.items()}), cfg), n)
+                 for keys, n in steps]
+        built = [base, *(one for one, _ in grown)]
+        more = {f: getattr(base, f) + sum(n * (getattr(one, f) - getattr(base, f)) for one, n in grown)
+                for f in ("total", "positions", "embeddings", "root", "experts", "expert_layers")}
+        _counted[key] = dataclasses.replace(base, **more, unit=max(c.unit for c in built),
+                                            units=tuple(dict.fromkeys(u for c in built for u in c.units)))
     return _counted[key]
+
+
+def _built(cfg: ModelConfig, whole: ModelConfig) -> Counts:
+    """The counts of the model `cfg` describes, built on the meta device; `whole` is the config counted, which
+    says what a token leaves idle."""
+    family = family_of(cfg)
+    with torch.device("meta"):
+        model = family.build(cfg)
+    sizes = {id(p): p.numel() for p in model.parameters()}
+    tables = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    positions = {id(m.weight) for m in tables if isinstance(m, PositionTable)}
+    units = family.blocks(model)
+    in_units = {id(p) for unit in units for p in unit.parameters()}
+    routed = family.parallel.experts(model) if family.parallel.experts else []
+    in_experts = {id(p) for m in routed for p in m.parameters()}
+    return Counts(
+        total=sum(sizes.values()),
+        positions=sum(sizes[i] for i in positions),
+        embeddings=sum(sizes[i] for i in {id(p) for m in tables for p in m.parameters()}),
+        unit=max(sum(p.numel() for p in unit.parameters()) for unit in units),
+        root=sum(n for i, n in sizes.items() if i not in in_units),
+        idle=0 if family.estimates.idle_params is None else family.estimates.idle_params(whole),
+        experts=sum(sizes[i] for i in in_experts),
+        units=tuple(dict.fromkeys((sum(p.numel() for p in unit.parameters()),
+                                   sum(p.numel() for p in unit.parameters() if id(p) in in_experts)) for unit in units)),
+        expert_layers=len(routed),
+        n_experts=next(iter(routed[0].parameters())).shape[0] if routed else 0,
+    )
 
 
 def num_params(cfg: ModelConfig, non_embedding: bool = False, active: bool = False) -> int:

@@ -222,8 +222,8 @@ def layout_rows(cfg: JobConfig, nodes: int, gpus_per_node: int) -> list[LayoutEs
 def _most_gpus(cfg: JobConfig, gpus_per_node: int) -> tuple[int, int, int]:
     """The (tp, pp, dp) with the most GPUs that the model and the global batch allow (tp within a node of
     gpus_per_node, pp up to the model's layers), whatever the cluster."""
-    micro = cfg.train.batch_size // cfg.train.micro_batch_size
-    layouts = [(tp, pp, dp) for tp in _divisors(gpus_per_node) for pp in range(1, cfg.model.n_layer + 1)
+    micro = cfg.train.batch_size // cfg.train.micro_batch_size  # a pipeline stage takes one micro-batch at least
+    layouts = [(tp, pp, dp) for tp in _divisors(gpus_per_node) for pp in range(1, min(cfg.model.n_layer, micro) + 1)
                for dp in _divisors(micro) if _ruled_out(cfg, tp, pp, dp) is None]
     return max(layouts, key=lambda layout: (layout[0] * layout[1] * layout[2], -layout[0]))
 

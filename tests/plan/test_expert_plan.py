@@ -27,7 +27,7 @@ def moe(*flags: str):
 
 def test_the_counts_find_the_routed_experts():
     n = counts(moe().model)
-    assert (n.experts, n.units, n.expert_layers, n.n_experts) == (2 * EXPERTS, ((BLOCK, EXPERTS),) * 2, 2, 4)
+    assert (n.experts, n.units, n.expert_layers, n.n_experts) == (2 * EXPERTS, ((BLOCK, EXPERTS),), 2, 4)
     assert BLOCK == 8_384
     # a dense first block (its gelu MLP 32 -> 128 -> 32) is the largest unit, and under ep it stays whole
     first_dense = moe("--model.moe_first_dense=1").model

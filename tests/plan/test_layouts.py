@@ -5,6 +5,7 @@ import glob
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,15 @@ def test_a_million_nodes_plan_quickly(capsys):
     out = capsys.readouterr().out
     assert "pick: none on 8000000 devices: train.batch_size: 4" in out
     assert "pick: no layout of 8000000 GPUs can train this config: the batch split rules out 2" in out
+
+
+def test_a_hundred_million_blocks_plan_quickly(capsys):
+    # the deepest pipeline looked at is the batch's micro-batches, not the model's blocks
+    start = time.perf_counter()
+    assert train_main(["--config", "configs/llama-tiny.yaml", "--dry-run", "--nodes", "2",
+                       "--model.n_layer=100000000"]) == 0
+    assert time.perf_counter() - start < 20
+    assert "this config trains on at most 4 GPUs (tp 2 x pp 1 x dp 2)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args, message", [

@@ -108,6 +108,20 @@ class GPTConfig(TransformerConfig):
         """Whether block `layer` (from 0) is a mixture of experts."""
         return self.n_experts > 0 and moe_block(layer, self.moe_first_dense, self.moe_every)
 
+    @property
+    def moe_layers(self) -> int:
+        """How many blocks are mixtures of experts: one every moe_every after the first moe_first_dense."""
+        return max(0, self.n_layer - self.moe_first_dense) // self.moe_every if self.n_experts else 0
+
+    def depth_steps(self) -> list[tuple[dict[str, int], int]]:
+        """A mixture of experts: dense blocks beyond the first, each one more of moe_first_dense, then periods of
+        moe_every blocks beyond two (rotary or not, a block has the same parameters)."""
+        if not self.n_experts:
+            return super().depth_steps()
+        periods = (self.n_layer - self.moe_first_dense) // self.moe_every
+        return [({"moe_first_dense": 1, "n_layer": 1}, max(0, self.moe_first_dense - 1)),
+                ({"n_layer": self.moe_every}, max(0, periods - 2))]
+
     def rotary_layer(self, layer: int) -> bool:
         """Whether block `layer` (from 0) rotates its queries and keys: not every nope_interval-th one."""
         return self.pos == "rope" and not (self.nope_interval and (layer + 1) % self.nope_interval == 0)
@@ -157,7 +171,7 @@ class GPTConfig(TransformerConfig):
         if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
             raise ConfigError(f"model.experts_per_token: {self.experts_per_token} experts per token of "
                               f"model.n_experts={self.n_experts}; it must be 1 to {self.n_experts}")
-        if self.n_experts and not any(self.moe_layer(i) for i in range(self.n_layer)):
+        if self.n_experts and not self.moe_layers:
             raise ConfigError(f"model.n_experts: {self.n_experts} experts, but no block of the {self.n_layer} "
                               f"(model.n_layer) is a mixture of experts with model.moe_first_dense="
                               f"{self.moe_first_dense} and model.moe_every={self.moe_every}")

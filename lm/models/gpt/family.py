@@ -182,8 +182,7 @@ def idle_expert_params(cfg: GPTConfig) -> int:
     """The parameters of the experts a token does not go through: (n_experts - experts_per_token) experts in
     every mixture-of-experts block."""
     per_expert = (3 if cfg.mlp == "swiglu" else 2) * cfg.d_model * cfg.expert_ff
-    blocks = sum(cfg.moe_layer(i) for i in range(cfg.n_layer))
-    return blocks * (cfg.n_experts - cfg.experts_per_token) * per_expert if cfg.n_experts else 0
+    return cfg.moe_layers * (cfg.n_experts - cfg.experts_per_token) * per_expert
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int, data: "DataConfig", params: int) -> float:

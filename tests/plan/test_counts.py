@@ -1,0 +1,46 @@
+import time
+
+import pytest
+
+from lm.config import load_config
+from lm.models.encdec.config import EncDecConfig
+from lm.models.encoder.config import EncoderConfig
+from lm.models.gpt.config import GPTConfig
+from lm.models.lstm.config import LSTMConfig
+from lm.plan import counts
+from lm.train import dry_run
+
+SMALL = dict(vocab_size=97, block_size=16, d_model=16, n_head=2)
+
+
+@pytest.mark.parametrize("cfg", [
+    GPTConfig(**SMALL, n_layer=7),
+    GPTConfig(**SMALL, n_layer=9, pos="rope", norm="rmsnorm", mlp="swiglu", nope_interval=4),
+    GPTConfig(**SMALL, n_layer=11, n_experts=4, experts_per_token=2, moe_every=3, moe_first_dense=2),
+    GPTConfig(**SMALL, n_layer=10, n_experts=4, experts_per_token=1, moe_every=2, moe_first_dense=5,
+              n_shared_experts=1, expert_d_ff=8),
+    GPTConfig(**SMALL, n_layer=6, n_experts=2, experts_per_token=1),
+    EncDecConfig(**SMALL, n_layer=5),
+    EncoderConfig(**SMALL, n_layer=6),
+    LSTMConfig(vocab_size=97, n_layer=5, d_model=16),
+], ids=["gpt", "llama-nope", "moe-every-3", "moe-dense-first", "moe-all", "encdec", "encoder", "lstm"])
+def test_a_deep_model_counted_off_shallow_ones_matches_the_built_one(cfg):
+    assert counts.counts(cfg) == counts._built(cfg, cfg)
+
+
+def test_a_plan_of_a_hundred_million_blocks_takes_seconds(capsys):
+    # the count of a block is read once, not built 10^8 times; the dense prefix is counted the same way
+    cfg = load_config("configs/moe-tiny.yaml", ["--model.n_layer=100000003", "--model.moe_first_dense=100000000"])
+    start = time.perf_counter()
+    dry_run(cfg, 1, 80.0)
+    assert time.perf_counter() - start < 20
+    def built(n_layer, first_dense):
+        model = load_config("configs/moe-tiny.yaml", [f"--model.n_layer={n_layer}",
+                                                       f"--model.moe_first_dense={first_dense}"]).model
+        return counts._built(model, model).total
+
+    dense_block = built(6, 3) - built(5, 2)
+    assert counts.counts(cfg.model).total == built(5, 2) + (100_000_003 - 5) * dense_block
+    n = counts.counts(cfg.model)
+    assert f"{n.total:,} parameters" in capsys.readouterr().out
+
