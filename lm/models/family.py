@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from lm.errors import ConfigError
 from lm.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -345,3 +346,18 @@ class Family:
     def title(self) -> str:
         """How messages call it: "a decoder-only GPT"."""
         return self.config_class.title
+
+    def build_meta(self, cfg: ModelConfig) -> "nn.Module":
+        """The model `cfg` describes on the meta device: shapes only, nothing allocated or drawn. A weight past
+        what torch can describe (2^63 bytes) is a ConfigError, where torch's is a traceback."""
+        import torch
+
+        try:
+            with torch.device("meta"):
+                return self.build(cfg)
+        except (RuntimeError, TypeError) as e:
+            if "overflow" not in str(e).lower():
+                raise
+            raise ConfigError(f"model: {self.title} (model.arch={self.name}) of this size has a weight larger than "
+                              f"torch can hold (2^63 bytes): {str(e).splitlines()[0]}; lower model.d_model, "
+                              "model.vocab_size or the width it overflows") from None

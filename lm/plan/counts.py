@@ -13,7 +13,6 @@ FLOPs, which no parameter stands for, and the activations a micro-batch saves fo
 import dataclasses
 from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
 
 from lm.data.config import DataConfig
@@ -77,8 +76,7 @@ def _built(cfg: ModelConfig, whole: ModelConfig) -> Counts:
     """The counts of the model `cfg` describes, built on the meta device; `whole` is the config counted, which
     says what a token leaves idle."""
     family = family_of(cfg)
-    with torch.device("meta"):
-        model = family.build(cfg)
+    model = family.build_meta(cfg)
     sizes = {id(p): p.numel() for p in model.parameters()}
     tables = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     positions = {id(m.weight) for m in tables if isinstance(m, PositionTable)}

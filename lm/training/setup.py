@@ -36,8 +36,7 @@ def build_run_engine(cfg: JobConfig, family: Family, env: DistEnv, load_weights:
     run on this device is refused here, under every engine, before any weights exist."""
     family.check_precision(cfg.model, env.device.type, use_bf16(cfg.train.dtype, env.device.type))
     torch.manual_seed(cfg.train.seed)
-    with torch.device("meta"):
-        model = family.build(cfg.model)
+    model = family.build_meta(cfg.model)
     return build_engine(model, family, cfg.parallel, cfg.train, cfg.optim, env, load_weights, load_universal)
 
 

@@ -2,6 +2,7 @@ import time
 
 import pytest
 
+from lm.cli import run
 from lm.config import load_config
 from lm.models.encdec.config import EncDecConfig
 from lm.models.encoder.config import EncoderConfig
@@ -9,6 +10,7 @@ from lm.models.gpt.config import GPTConfig
 from lm.models.lstm.config import LSTMConfig
 from lm.plan import counts
 from lm.train import dry_run
+from lm.train import main as train_main
 
 SMALL = dict(vocab_size=97, block_size=16, d_model=16, n_head=2)
 
@@ -44,3 +46,16 @@ def test_a_plan_of_a_hundred_million_blocks_takes_seconds(capsys):
     n = counts.counts(cfg.model)
     assert f"{n.total:,} parameters" in capsys.readouterr().out
 
+
+@pytest.mark.parametrize("d_model, overflow", [(2 ** 40, "Storage size calculation overflowed"),
+                                               (2 ** 64, "Overflow when unpacking long long")])
+@pytest.mark.parametrize("dry", [True, False])
+def test_a_weight_past_torchs_limit_is_one_error_line(d_model, overflow, dry, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["--config", "configs/demo.yaml", f"--model.d_model={d_model}", "--model.n_head=1",
+            f"--train.out_dir={out}", *(["--dry-run"] if dry else [])]
+    assert run(train_main, args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model: a decoder-only GPT (model.arch=gpt) of this size has a weight larger than "
+                          "torch can hold (2^63 bytes): ") and overflow in err and "Traceback" not in err
+    assert not out.exists()
