@@ -46,7 +46,7 @@ def dry_run(cfg: JobConfig, world_size: int, device_gib: float, nodes: int | Non
     """Print what the config would train and how much memory each engine needs per device; with `nodes`, also
     the layouts of that many nodes of `gpus_per_node` GPUs and the one to pick."""
     from lm.plan.counts import num_params
-    from lm.plan.layouts import layout_table
+    from lm.plan.layouts import configured_table, layout_table
     from lm.plan.memory_table import plan_table
 
     m = cfg.model
@@ -66,9 +66,9 @@ def dry_run(cfg: JobConfig, world_size: int, device_gib: float, nodes: int | Non
             check_world(cfg, world_size)
         except ConfigError as err:
             raise ConfigError(f"--nproc {world_size}: {err}") from None
-        print(f"configured layout: {' '.join(f'{key}={n}' for key, n in split.items())} on {world_size} devices; "
-              "the table below plans each engine over data parallelism alone (--nodes plans tensor and pipeline "
-              "layouts)")
+        print(configured_table(cfg, world_size, device_gib))
+        print()
+        print("each engine over data parallelism alone:")
     print(plan_table(cfg, world_size, device_gib))
     if nodes is not None:
         print()

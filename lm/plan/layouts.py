@@ -279,14 +279,12 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.1f}"
 
 
-def layout_table(cfg: JobConfig, nodes: int, gpus_per_node: int, device_gib: float) -> str:
-    """The layouts of `layout_rows` as a text table, and the pick with its reasons."""
-    rows = layout_rows(cfg, nodes, gpus_per_node)
-    world = nodes * gpus_per_node
+def _rows_text(title: str, rows: list[LayoutEstimate], device_gib: float) -> list[str]:
+    """`rows` under `title` as the lines of a text table, and what its columns mean."""
     head = (f"{'layout':<30} {'ckpt':>4} {'offload':>7} {'micro':>5} {'state':>7} {'gather':>7} {'activ':>7} "
             f"{'GPU GiB':>8} {'tp GB':>7} {'fsdp GB':>7} {'pp GB':>6} {'ep GB':>6}  fits {device_gib:g} GiB")
-    lines = [f"layouts on {nodes} node(s) x {gpus_per_node} GPUs = {world} (fsdp engine, 1F1B): per-GPU memory in "
-             f"GiB and data sent per GPU per step in GB", head, "-" * len(head)]
+    lines = [f"{title} (fsdp engine, 1F1B): per-GPU memory in GiB and data sent per GPU per step in GB", head,
+             "-" * len(head)]
     for r in rows:
         lines.append(f"{r.label:<30} {r.activation_checkpointing:>4} {'yes' if r.cpu_offload else 'no':>7} "
                      f"{r.micro_batches:>5} {_gib(r.state):>7} "
@@ -296,6 +294,30 @@ def layout_table(cfg: JobConfig, nodes: int, gpus_per_node: int, device_gib: flo
     lines.append("micro: micro-batches per replica and step. state: weights, gradients and AdamW moments (in host "
                  "memory when offloaded); gather: FSDP2's unsharded units; activ: activations and logits; all for "
                  "the rank that needs most")
+    return lines
+
+
+def configured_table(cfg: JobConfig, world_size: int, device_gib: float) -> str:
+    """The layout the parallel section sets (tp, pp, ep) on `world_size` GPUs, estimated as `layout_table`
+    estimates each layout of a cluster; one the estimate does not model (cp, dp_replicate, a pipeline schedule
+    other than 1F1B) is named, not guessed at. The world size is the run's (`check_world`)."""
+    par = cfg.parallel
+    unmodelled = [f"parallel.{key}={n}" for key, n in (("cp", par.cp), ("dp_replicate", par.dp_replicate)) if n > 1]
+    if par.pp > 1 and par.pp_schedule != "1f1b":
+        unmodelled.append(f"parallel.pp_schedule={par.pp_schedule}")
+    if unmodelled:
+        return (f"configured layout: not estimated: the planner models tensor, 1F1B pipeline and expert parallelism, "
+                f"not {' or '.join(unmodelled)}")
+    row = estimate_layout(cfg, par.tp, par.pp, world_size // (par.tp * par.pp), par.activation_checkpointing,
+                          par.cpu_offload, par.ep)
+    return "\n".join(_rows_text(f"configured layout on {world_size} GPUs", [row], device_gib))
+
+
+def layout_table(cfg: JobConfig, nodes: int, gpus_per_node: int, device_gib: float) -> str:
+    """The layouts of `layout_rows` as a text table, and the pick with its reasons."""
+    rows = layout_rows(cfg, nodes, gpus_per_node)
+    lines = _rows_text(f"layouts on {nodes} node(s) x {gpus_per_node} GPUs = {nodes * gpus_per_node}", rows,
+                       device_gib)
     best = pick_layout(rows, device_gib)
     if best is None:
         lines.append(why_none(cfg, nodes, gpus_per_node, rows, device_gib))

@@ -269,16 +269,31 @@ def test_dry_run_describes_an_lstm_without_heads(capsys):
     assert lines[1] == f"parameters: {50304 * 64 + 2 * (8 * 64 * 64 + 8 * 64):,}"
 
 
-def test_the_dry_run_checks_the_configured_layout_and_says_the_table_is_data_parallel(capsys):
+def test_the_dry_run_checks_and_estimates_the_configured_layout(capsys):
     from lm.errors import ConfigError
+    from lm.plan.layouts import estimate_layout
     from lm.train import dry_run
 
-    cfg = load_config("configs/demo.yaml", ["--parallel.engine=fsdp", "--parallel.tp=2"])
-    with pytest.raises(ConfigError, match=r"^--nproc 3: parallel.tp=2 does not divide the world size 3"):
-        dry_run(cfg, 3, 80.0)  # the run refuses it: the plan was printed as if it could start
-    dry_run(cfg, 4, 80.0)
-    assert ("configured layout: tp=2 on 4 devices; the table below plans each engine over data parallelism alone"
-            in capsys.readouterr().out)
+    cfg = load_config("configs/llama3-8b.yaml", ["--parallel.engine=fsdp", "--parallel.tp=2", "--parallel.pp=2",
+                                                 "--parallel.activation_checkpointing=1"])
+    with pytest.raises(ConfigError, match=r"^--nproc 6: parallel.tp=2 x parallel.pp=2 does not divide the world "):
+        dry_run(cfg, 6, 80.0)  # the run refuses it: the plan was printed as if it could start
+    dry_run(cfg, 16, 80.0)
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("configured layout on 16 GPUs (fsdp engine, 1F1B): per-GPU memory in GiB and data sent per GPU "
+                     "per step in GB")
+    row = estimate_layout(cfg, 2, 2, 4, 1)
+    assert lines[at + 3].split() == ["tp", "2", "x", "pp", "2", "x", "dp", "4", "1", "no", "128",
+                                     f"{row.state / GIB:.2f}", f"{row.gathered / GIB:.2f}",
+                                     f"{row.activations / GIB:.2f}", f"{row.total / GIB:.2f}",
+                                     f"{row.tp_bytes / 1e9:.1f}", f"{row.fsdp_bytes / 1e9:.1f}",
+                                     f"{row.pp_bytes / 1e9:.1f}", "0.0", "yes"]
+    assert "each engine over data parallelism alone:" in lines[at:]
+    # a layout the estimate does not model is named, not guessed at
+    cp = load_config("configs/demo.yaml", ["--parallel.engine=fsdp", "--parallel.cp=2", "--parallel.dp_replicate=2"])
+    dry_run(cp, 4, 80.0)
+    assert ("configured layout: not estimated: the planner models tensor, 1F1B pipeline and expert parallelism, not "
+            "parallel.cp=2 or parallel.dp_replicate=2") in capsys.readouterr().out.splitlines()
 
 
 def test_plan_table_lists_every_engine_and_picks_one():
