@@ -22,6 +22,9 @@ from lm.errors import ConfigError
 from lm.hf.importing import is_hf_checkpoint
 from lm.models.registry import family_of
 
+READS = ("model", "optim", "schedule", "train", "parallel", "checkpoint", "log", "task", "data.seq_len")
+"""What a fine-tuning run reads of the config: of the data section only the window length; the tokenizer is the
+encoder's, and the labelled rows are task.file's."""
 DESCRIPTION = "Fine-tune a pretrained encoder: a classify or regress head on a labelled file (task.file)."
 
 
@@ -59,7 +62,7 @@ def main(argv: list[str]) -> int:
     pre.add_argument("--encoder")
     encoder = pre.parse_known_args(argv)[0].encoder
     base = None if encoder is None else encoder_base(Path(encoder), encoder_config(Path(encoder)))
-    cfg, _ = parse_cli(argv, DESCRIPTION, extra=_flags, prog="python -m lm.finetune", base=base)
+    cfg, _ = parse_cli(argv, DESCRIPTION, extra=_flags, prog="python -m lm.finetune", base=base, reads=READS)
     if encoder is not None and Path(cfg.checkpoint.init_from).resolve() != Path(encoder).resolve():
         raise ConfigError(f"checkpoint.init_from: {cfg.checkpoint.init_from!r}, but --encoder {encoder} names the "
                           "weights to start from (and the model to build); give the checkpoint as --encoder alone")

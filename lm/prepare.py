@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     """Prepare `data.dir` from `data.source` and print a summary of what it holds."""
     start = time.perf_counter()
     cfg, args = parse_cli(argv, "Tokenize a corpus into train/val shards.", extra=_add_flags,
-                          prog="python -m lm.prepare")
+                          prog="python -m lm.prepare", reads=("data",))
     if args.verify:
         manifest = read_manifest(cfg.data.dir)
         verify_hashes(cfg.data.dir, manifest)

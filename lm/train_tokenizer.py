@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
     """Train the tokenizer, write it atomically to --out and print its compression beside GPT-2's."""
     cfg, args = parse_cli(argv, "Train a byte-level BPE tokenizer.json on data.source, read as lm.prepare reads it "
                           "(of the config, only the data section applies).", extra=_add_flags,
-                          prog="python -m lm.train_tokenizer")
+                          prog="python -m lm.train_tokenizer", reads=("data",))
     data = cfg.data
     specials = special_tokens(args.special_token)
     check_vocab_size(args.vocab_size, specials)

@@ -333,10 +333,12 @@ class OneConfig(argparse.Action):
 
 def parse_cli(
     argv: list[str], description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None,
-    prog: str | None = None, base: dict | None = None,
+    prog: str | None = None, base: dict | None = None, reads: tuple[str, ...] | None = None,
 ) -> tuple[JobConfig, argparse.Namespace]:
     """Parse `--config FILE` plus dotted overrides over `base` (see `load_config`); `extra(parser)` may add
-    tool-specific flags.
+    tool-specific flags. `reads`: the sections ("data") and keys ("data.seq_len") the tool reads, for one that
+    reads part of the config; an override of anything else is refused, as it would change nothing. A config
+    file's other keys are left alone: one file serves every tool.
 
     Returns (JobConfig, argparse.Namespace of the extra flags).
     """
@@ -354,5 +356,20 @@ def parse_cli(
     for item in rest:
         if not item.startswith("--") or "." not in item.split("=", 1)[0]:
             parser.error(f"unrecognized argument {item!r}; config overrides look like --section.key=value")
+        if reads is not None and (problem := unread_override(item.split("=", 1)[0][2:], reads)):
+            parser.error(problem)
         overrides.append(item)
     return load_config(args.config, overrides, base), args
+
+
+def unread_override(key: str, reads: tuple[str, ...]) -> str | None:
+    """Why a tool that reads only `reads` (sections and section.key names) refuses an override of `key`; None
+    when it reads it. The same key in a section it reads is named: --data.val_fraction for --task.val_fraction."""
+    sections = typing.get_type_hints(JobConfig)
+    section, name = key.split(".", 1)
+    if key in reads or section in reads or section not in sections:  # an unknown section: load_config's to name
+        return None
+    same = [f"--{read}.{name}" for read in reads if read in sections
+            and name in {config_key(f.name) for f in dataclasses.fields(sections[read])}]
+    return (f"--{key}: this tool does not read it (it reads {', '.join(reads)}), so it would change nothing"
+            + (f"; did you mean {same[0]}?" if same else ""))

@@ -161,6 +161,35 @@ def test_cli_refuses_a_second_config_file(capsys):
     assert parse_cli(["--config", "configs/demo.yaml"], "test tool")[1].config == "configs/demo.yaml"
 
 
+@pytest.mark.parametrize("tool, args, message", [
+    ("lm.prepare", ["--train.steps=3"], "--train.steps: this tool does not read it (it reads data), so it would "
+     "change nothing"),
+    ("lm.train_tokenizer", ["--out", "t.json", "--vocab-size", "300", "--model.vocab_size=1000"], "--model.vocab_size: this tool does not "
+     "read it (it reads data)"),
+    ("lm.finetune", ["--encoder", "run", "--data.val_fraction=0.5"], "--data.val_fraction: this tool does not read "
+     "it (it reads model, optim, schedule, train, parallel, checkpoint, log, task, data.seq_len), so it would change "
+     "nothing; did you mean --task.val_fraction?"),
+])
+def test_a_tool_refuses_an_override_it_would_not_read(tool, args, message, capsys, monkeypatch):
+    import importlib
+
+    module = importlib.import_module(tool)
+    if tool == "lm.finetune":  # no encoder is read before the overrides are parsed
+        monkeypatch.setattr(module, "encoder_config", lambda path: load_config(None, ["--model.arch=encoder"]))
+        monkeypatch.setattr(module, "encoder_base", lambda path, saved: None)
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--config", "configs/demo.yaml", *args])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_tool_takes_the_keys_it_reads_and_leaves_unknown_sections_to_the_loader():
+    assert parse_cli(["--data.seq_len=64", "--task.val_fraction=0.5"], "t", reads=("task", "data.seq_len"))[0] \
+        .data.seq_len == 64
+    with pytest.raises(ConfigError, match="dta"):
+        parse_cli(["--dta.seq_len=64"], "t", reads=("data",))
+
+
 def test_presets_load():
     demo = load_config("configs/demo.yaml")
     big = load_config("configs/gpt2-124m.yaml")
