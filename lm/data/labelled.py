@@ -49,8 +49,8 @@ def read_labelled(
     if kind == "classify" and num_classes < 2:
         raise ValueError(f"a classifier needs num_classes >= 2, got {num_classes}")
     path = Path(path)
-    required, optional = ((text_column,), (label_column,)) if labels_optional else ((text_column, label_column), ())
-    columns = _read_columns(path, required, optional)
+    others, optional = ((), (label_column,)) if labels_optional else ((label_column,), ())
+    columns = _read_columns(path, text_column, others, optional)
     texts = _texts(path, text_column, columns[text_column])
     if label_column not in columns:
         return texts, None
@@ -63,7 +63,7 @@ def read_labelled(
 def read_texts(path: str | Path, text_column: str) -> list[str]:
     """The texts of a file without labels (csv/json/jsonl/parquet), refused as `read_labelled` refuses them."""
     path = Path(path)
-    return _texts(path, text_column, _read_columns(path, (text_column,))[text_column])
+    return _texts(path, text_column, _read_columns(path, text_column)[text_column])
 
 
 def _texts(path: Path, column: str, values: list) -> list[str]:
@@ -73,9 +73,11 @@ def _texts(path: Path, column: str, values: list) -> list[str]:
     return values
 
 
-def _read_columns(path: Path, names: Sequence[str], optional: Sequence[str] = ()) -> dict[str, list]:
-    """The columns `names` of a csv/json/jsonl/parquet file, read whole by Hugging Face datasets, and those
-    of `optional` that it has."""
+def _read_columns(path: Path, text: str, others: Sequence[str] = (), optional: Sequence[str] = ()
+                  ) -> dict[str, list]:
+    """The columns `text` and `others` of a csv/json/jsonl/parquet file, read whole by Hugging Face datasets, and
+    those of `optional` that it has; a csv's `text` column is read as written, numbers and all."""
+    names = (text, *others)
     fmt = _FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise DataError(f"{path}: unsupported extension {path.suffix!r}; expected one of {', '.join(_FORMATS)}")
@@ -86,7 +88,9 @@ def _read_columns(path: Path, names: Sequence[str], optional: Sequence[str] = ()
     # datasets writes an Arrow copy before loading it; a temporary cache keeps it out of the user's home,
     # and keep_in_memory loads it whole, so the copy can go at once
     # a csv cell is read as written: pandas would otherwise turn "", "NA", "null", "None" ... into a missing value
-    options = {"keep_default_na": False} if fmt == "csv" else JSON_OPTIONS if fmt == "json" else {}
+    # and a text column of numbers alone ("007", "1e5") stays text
+    options = {"keep_default_na": False, "converters": {text: str}} if fmt == "csv" \
+        else JSON_OPTIONS if fmt == "json" else {}
     if fmt == "json":
         check_json_rows(path)
     if fmt == "parquet" and _parquet_rows(path) == 0:  # datasets fails on one with pyarrow's "BatchSize must be > 0"
@@ -102,13 +106,13 @@ def _read_columns(path: Path, names: Sequence[str], optional: Sequence[str] = ()
             if "corresponds to no data" in str(err):
                 raise DataError(f"{path}: no rows; expected labelled examples") from err
             raise DataError(f"{path}: {read_failure(path, fmt, err.__cause__ or err)}") from err
+    if fmt == "csv":
+        _check_csv(path)
     for name in names:
         if name not in table.column_names:
             raise DataError(f"{path}: no column {name!r}; the columns are {sorted(table.column_names)}")
     if table.num_rows == 0:
         raise DataError(f"{path}: no rows; expected labelled examples")
-    if fmt == "csv":
-        _check_header(path)
     try:  # pyarrow's JSON reader keeps bytes that are not UTF-8 in a string column; they fail only here
         return {name: list(table[name]) for name in (*names, *optional) if name in table.column_names}
     except UnicodeDecodeError as err:
@@ -125,15 +129,24 @@ def _parquet_rows(path: Path) -> int | None:
         return None
 
 
-def _check_header(path: Path) -> None:
-    """Refuse a csv header that names a column twice: pandas renames the second (`label.1`) and the first is read
-    without a word."""
-    with open(path, newline="", encoding="utf-8") as f:
-        header = next(csv.reader(f), [])
-    twice = sorted({name for name in header if header.count(name) > 1})
-    if twice:
-        raise DataError(f"{path}: the header names column {twice[0]!r} {header.count(twice[0])} times; rename all "
-                        "but one")
+def _check_csv(path: Path) -> None:
+    """Refuse a csv that pandas reads without a word, but wrongly: a header that names a column twice (pandas
+    renames the second, `label.1`, and the first is read), and a row with more or fewer fields than the header
+    (with one more in every row pandas takes the first field for an index, and each text is read cut at its first
+    comma). A blank line is no row, as for pandas."""
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        rows = csv.reader(f)
+        header = next(rows, [])
+        twice = sorted({name for name in header if header.count(name) > 1})
+        if twice:
+            raise DataError(f"{path}: the header names column {twice[0]!r} {header.count(twice[0])} times; rename "
+                            "all but one")
+        for row in rows:
+            if row and len(row) != len(header):
+                fix = "quote a text that holds a comma" if len(row) > len(header) else "give every column a value"
+                fields = f"{len(row)} field{'s' * (len(row) != 1)}"
+                raise DataError(f"{path}: line {rows.line_num} has {fields} and the header {len(header)} "
+                                f"({', '.join(header)}); {fix}")
 
 
 def _number(value: object) -> float | None:

@@ -55,6 +55,16 @@ def test_other_column_names_and_extra_columns(tmp_path):
     assert read_labelled(path, "sentence", "y", "classify", 2)[0] == ["b", "c"]
 
 
+def test_a_csv_text_of_numbers_alone_is_read_as_written(tmp_path):
+    # pandas had made the column numbers (100000.0, 7.0, True), then refused as no text
+    numbers, flags = tmp_path / "numbers.csv", tmp_path / "flags.csv"
+    numbers.write_text("text,label\n1e5,0\n007,1\n")
+    flags.write_text("text,label\nTrue,0\nFalse,1\n")
+    assert read_labelled(numbers, "text", "label", "classify", 2)[0] == ["1e5", "007"]
+    assert read_texts(numbers, "text") == ["1e5", "007"]
+    assert read_labelled(flags, "text", "label", "classify", 2)[0] == ["True", "False"]
+
+
 def refusal(path, kind="classify", num_classes=3, text="text", label="label") -> str:
     with pytest.raises(DataError) as error:
         read_labelled(path, text, label, kind, num_classes)
@@ -76,6 +86,15 @@ def test_refusals(tmp_path):
     twice = tmp_path / "twice.csv"
     twice.write_text("text,label,label\na,0,1\nb,1,0\n")  # the second was renamed label.1 and dropped
     assert refusal(twice, num_classes=2) == f"{twice}: the header names column 'label' 2 times; rename all but one"
+    # a comma left unquoted in every text: pandas had read the first field as an index and each text cut at it
+    commas = tmp_path / "commas.csv"
+    commas.write_text("text,label\nI love it, really,1\n\nawful, just awful,0\n")
+    assert refusal(commas, num_classes=2) == (
+        f"{commas}: line 2 has 3 fields and the header 2 (text, label); quote a text that holds a comma")
+    short = tmp_path / "short.csv"
+    short.write_text('text,label\n"two\nlines",1\n\nawful\n')  # a quoted text's lines and a blank line count
+    assert refusal(short, num_classes=2) == (
+        f"{short}: line 5 has 1 field and the header 2 (text, label); give every column a value")
     import pyarrow
     import pyarrow.parquet
 
