@@ -176,6 +176,8 @@ def check_data(path: Path, current: dict, cfg: JobConfig) -> None:
     else:
         key = "data.mixture" if cfg.data.mixture else "data.dir"
         where = key if cfg.data.mixture else f"data.dir={cfg.data.dir!r}"
+    if cfg.task.file:
+        check_task_rows(path, cfg)
     if saved is None or saved["content_hash"] == current["content_hash"]:
         return
     unit = "train rows" if cfg.task.file else "train tokens"  # what TaskData.identity() counts instead
@@ -186,6 +188,26 @@ def check_data(path: Path, current: dict, cfg: JobConfig) -> None:
         raise CheckpointError(f"{what}. Prepare the original data again, point {key} at it, or set "
                               "checkpoint.allow_data_change=true to go on with the new data")
     log.warning("%s; going on with the new data (checkpoint.allow_data_change=true)", what)
+
+
+TASK_ROWS = ("val_fraction", "text_column", "label_column")
+"""The task keys that choose what a fine-tuning run trains on out of task.file: its train rows and what they hold."""
+
+
+def check_task_rows(path: Path, cfg: JobConfig) -> None:
+    """Refuse to resume a fine-tuning run whose task.file is read otherwise than the checkpoint read it (another
+    task.val_fraction scores rows the run trained on as validation, and moves the loader's position onto other
+    rows; another column trains on other texts or labels), unless checkpoint.allow_data_change is set."""
+    saved = read_config(path).task
+    changed = [f"task.{key}={getattr(saved, key)!r}, now {getattr(cfg.task, key)!r}" for key in TASK_ROWS
+               if getattr(saved, key) != getattr(cfg.task, key)]
+    if not changed:
+        return
+    what = f"{path} trained on the rows of {cfg.task.file!r} read with {'; '.join(changed)}"
+    if not cfg.checkpoint.allow_data_change:
+        raise CheckpointError(f"{what}. Resume with the checkpoint's settings, use another train.out_dir, or set "
+                              "checkpoint.allow_data_change=true to go on with the new rows")
+    log.warning("%s; going on with the new rows (checkpoint.allow_data_change=true)", what)
 
 
 def changed_settings(checkpoint: Path, cfg: JobConfig) -> dict[str, tuple[object, object]]:

@@ -227,8 +227,15 @@ def test_a_run_resumes_only_on_its_own_labelled_file(encoder_run, separable_rows
     out = tmp_path / "ft"
     flags = ["--model.head=classify", "--model.num_classes=2", f"--task.file={task}", "--checkpoint.every=2"]
     assert finetune_run(encoder_run, out, *flags, "--train.steps=2") == 0
-    write_rows(task, [{**row, "text": row["text"] + " again"} for row in separable_rows])
     capsys.readouterr()
+    # the same file read otherwise: another split would score trained rows as validation
+    assert finetune_run(encoder_run, out, *flags, "--train.steps=4", "--task.val_fraction=0.5") == 2
+    step = out / "checkpoints" / "step_00000002"
+    assert capsys.readouterr().err == (
+        f"error: {step} trained on the rows of {str(task)!r} read with task.val_fraction=0.1, now 0.5. Resume with "
+        "the checkpoint's settings, use another train.out_dir, or set checkpoint.allow_data_change=true to go on "
+        "with the new rows\n")
+    write_rows(task, [{**row, "text": row["text"] + " again"} for row in separable_rows])
     assert finetune_run(encoder_run, out, *flags, "--train.steps=4") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"task.file={str(task)!r} now holds" in err[0] and "144 train rows" in err[0], err
