@@ -96,6 +96,17 @@ def in_range(kind: type[int] | type[float], low: float, high: float) -> Callable
     return parse
 
 
+PREPARE_READS = ("data",)
+"""The config sections lm.prepare reads; it refuses an override of any other."""
+
+
+def prepare_command(config: list[str], overrides: list[str]) -> list[str]:
+    """`lm.prepare` of the data a job trains on: the job's `--config FILE` (`config`, or none) and, of its
+    `overrides`, those lm.prepare reads."""
+    read = [o for o in overrides if o.removeprefix("--").split(".", 1)[0] in PREPARE_READS]
+    return [sys.executable, "-m", "lm.prepare", *config, *read]
+
+
 def train_command(nproc: int, args: list[str]) -> list[str]:
     """`lm.train` with `args`: one process, or a torchrun job of `nproc` on this machine."""
     if nproc > 1:

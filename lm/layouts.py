@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from lm.cli import finite_float, positive_int, run, run_logged, train_command
+from lm.cli import finite_float, positive_int, prepare_command, run, run_logged, train_command
 from lm.config import OneConfig, load_config
 from lm.distributed.layout import check_world
 from lm.errors import ConfigError
@@ -199,7 +199,7 @@ def main(argv: list[str]) -> int:
     base = ["--config", args.config] if args.config else []
     try:
         # every layout reads the same shards: prepare them once (lm.prepare reuses data that is already there)
-        code = subprocess.run([sys.executable, "-m", "lm.prepare", *base, *fixed]).returncode
+        code = subprocess.run(prepare_command(base, fixed)).returncode
         if code:
             raise ConfigError(f"lm.prepare failed for the config (exit {code}; its error is above)")
         losses, failed = [], []

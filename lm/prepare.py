@@ -8,7 +8,7 @@ import argparse
 import sys
 import time
 
-from lm.cli import run
+from lm.cli import PREPARE_READS, run
 from lm.config import parse_cli
 from lm.data.prepare import prepare
 from lm.data.shards import read_manifest, verify_hashes
@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     """Prepare `data.dir` from `data.source` and print a summary of what it holds."""
     start = time.perf_counter()
     cfg, args = parse_cli(argv, "Tokenize a corpus into train/val shards.", extra=_add_flags,
-                          prog="python -m lm.prepare", reads=("data",))
+                          prog="python -m lm.prepare", reads=PREPARE_READS)
     if args.verify:
         manifest = read_manifest(cfg.data.dir)
         verify_hashes(cfg.data.dir, manifest)

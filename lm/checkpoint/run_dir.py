@@ -18,13 +18,14 @@ import time
 from pathlib import Path
 
 from lm.checkpoint.store import home_run
-from lm.config import JobConfig
+from lm.config import JobConfig, saved_by_lm
 from lm.distributed.env import DistEnv
 from lm.errors import CheckpointError, ConfigError
 from lm.plan.disk import checkpoint_bytes
+from lm.report.metrics import METRICS_FILE
 
 LOCK = ".lock"
-RUN_FILES = ("config.yaml", "metrics.jsonl", "tb", "checkpoints", LOCK)
+RUN_FILES = ("config.yaml", METRICS_FILE, "tb", "checkpoints", LOCK)
 """What a run writes into its directory (beside which a tool may write its own outputs, as lm.predict's)."""
 
 
@@ -65,6 +66,23 @@ def check_run_paths(cfg: JobConfig) -> None:
         if out in data.parents:
             raise ConfigError(f"{key}: {source.dir!r} is inside train.out_dir {cfg.train.out_dir!r}; keep "
                               "prepared data out of the run directory")
+    check_foreign_files(out, cfg.train.out_dir)
+
+
+def check_foreign_files(out: Path, key: str) -> None:
+    """Refuse a directory holding a config.yaml that lm did not write (`saved_by_lm`: a user's own config, say, in
+    the directory train.out_dir names), or a metrics.jsonl without an lm config.yaml beside it, unless it holds a
+    run's checkpoints (a run from before config.yaml's first line named lm): a run would replace the one and
+    append to the other."""
+    if (out / "checkpoints").is_dir():
+        return
+    config, metrics = out / "config.yaml", out / METRICS_FILE
+    if config.is_file() and not saved_by_lm(config):
+        raise ConfigError(f"train.out_dir: {key!r} holds a config.yaml that no lm run wrote ({str(config)!r} does "
+                          "not start with lm's line), which the run would replace; use another train.out_dir")
+    if metrics.exists() and not config.is_file():
+        raise ConfigError(f"train.out_dir: {key!r} holds a {METRICS_FILE} without a run's config.yaml, which the "
+                          "run would append to; use another train.out_dir")
 
 
 def probe_output_dir(cfg: JobConfig) -> None:

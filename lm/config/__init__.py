@@ -19,6 +19,7 @@ from lm.config.load import (
     parse_cli,
     read_stored_config,
     save_config,
+    saved_by_lm,
 )
 from lm.config.parallel import ENGINES, ParallelConfig
 from lm.config.rules import config_diff, device_type, resolve_device, use_bf16
@@ -26,5 +27,6 @@ from lm.config.rules import config_diff, device_type, resolve_device, use_bf16
 __all__ = [
     "ENGINES", "CheckpointConfig", "JobConfig", "LogConfig", "OneConfig", "OptimConfig", "ParallelConfig",
     "ScheduleConfig", "TaskConfig", "TrainConfig", "config_diff", "config_from_yaml", "config_help", "device_type",
-    "load_config", "parse_cli", "read_stored_config", "resolve_device", "save_config", "use_bf16",
+    "load_config", "parse_cli", "read_stored_config", "resolve_device", "save_config", "saved_by_lm",
+    "use_bf16",
 ]

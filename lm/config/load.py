@@ -278,9 +278,19 @@ def _build_job(raw: dict) -> JobConfig:
         raise ConfigError(str(err)) from None
 
 
+SAVED_CONFIG_HEADER = "# lm: a run's resolved config, every key; lm writes this file and replaces it\n"
+"""The first line of each config.yaml lm writes: a run replaces only a config.yaml that starts with it."""
+
+
 def save_config(cfg: JobConfig, path: str | Path) -> None:
     """Write the resolved config as YAML (atomically, so a crash never leaves half a file)."""
-    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    atomic_write_text(path, SAVED_CONFIG_HEADER + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def saved_by_lm(path: Path) -> bool:
+    """Whether the file at `path` is a config.yaml `save_config` wrote (by its first line)."""
+    with open(path, "rb") as f:
+        return f.readline() == SAVED_CONFIG_HEADER.encode()
 
 
 def config_help() -> str:

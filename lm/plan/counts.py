@@ -93,7 +93,8 @@ def _built(cfg: ModelConfig, whole: ModelConfig) -> Counts:
         idle=0 if family.estimates.idle_params is None else family.estimates.idle_params(whole),
         experts=sum(sizes[i] for i in in_experts),
         units=tuple(dict.fromkeys((sum(p.numel() for p in unit.parameters()),
-                                   sum(p.numel() for p in unit.parameters() if id(p) in in_experts)) for unit in units)),
+                                   sum(p.numel() for p in unit.parameters() if id(p) in in_experts))
+                                  for unit in units)),
         expert_layers=len(routed),
         n_experts=next(iter(routed[0].parameters())).shape[0] if routed else 0,
     )

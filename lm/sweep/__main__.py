@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lm.checkpoint.store import checkpoint_root, complete_checkpoints
-from lm.cli import positive_int, run, run_logged, train_command
+from lm.cli import positive_int, prepare_command, run, run_logged, train_command
 from lm.config import JobConfig, OneConfig, config_diff, load_config
 from lm.errors import ConfigError, SweepError
 from lm.io import atomic_write_text, output_dir_problem
@@ -160,7 +160,7 @@ def main(argv: list[str]) -> int:
     claim_sweep_dir(out, resolved(base), args.config, grid)
 
     # every run reads the same shards: prepare them once (lm.prepare reuses data that is already there)
-    code = subprocess.run([sys.executable, "-m", "lm.prepare", "--config", args.config, *fixed]).returncode
+    code = subprocess.run(prepare_command(["--config", args.config], fixed)).returncode
     if code:
         raise SweepError(f"lm.prepare failed for the base config {args.config} (exit {code}; its error is above)")
     statuses = {}

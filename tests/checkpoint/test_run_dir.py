@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lm.checkpoint.run_dir import LOCK, RunLock, check_run_paths
-from lm.config import load_config
+from lm.config import load_config, read_stored_config, save_config
 from lm.errors import CheckpointError, ConfigError
 from tests.training.test_faults import TINY, refused_run, run_env
 from tests.workers import train_in_pool
@@ -31,6 +31,25 @@ def test_a_run_inside_its_data_or_data_inside_its_run_is_refused(tmp_path, data,
 
 def test_side_by_side_is_fine(tmp_path):
     check_run_paths(load_config(None, [f"--data.dir={tmp_path}/data", f"--train.out_dir={tmp_path}/data_run"]))
+
+
+def test_files_no_lm_run_wrote_are_not_replaced_or_appended_to(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    cfg = load_config(None, [f"--data.dir={tmp_path}/data", f"--train.out_dir={out}"])
+    (out / "config.yaml").write_text("train:\n  steps: 5  # my own notes\n")  # a user's config where the run goes
+    with pytest.raises(ConfigError, match=r"holds a config.yaml that no lm run wrote .* which the run would replace"):
+        check_run_paths(cfg)
+    save_config(cfg, out / "config.yaml")  # one lm wrote: an earlier start of this run, replaced as before
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    check_run_paths(cfg)
+    assert read_stored_config(out / "config.yaml") == cfg
+    (out / "config.yaml").unlink()
+    with pytest.raises(ConfigError, match=r"holds a metrics.jsonl without a run's config.yaml"):
+        check_run_paths(cfg)
+    (out / "checkpoints").mkdir()  # a run's directory, whatever its config.yaml's first line
+    (out / "config.yaml").write_text("train:\n  steps: 5\n")
+    check_run_paths(cfg)
 
 
 def test_a_held_lock_names_its_holder_and_a_released_one_is_taken_over(tmp_path):

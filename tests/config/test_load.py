@@ -164,8 +164,8 @@ def test_cli_refuses_a_second_config_file(capsys):
 @pytest.mark.parametrize("tool, args, message", [
     ("lm.prepare", ["--train.steps=3"], "--train.steps: this tool does not read it (it reads data), so it would "
      "change nothing"),
-    ("lm.train_tokenizer", ["--out", "t.json", "--vocab-size", "300", "--model.vocab_size=1000"], "--model.vocab_size: this tool does not "
-     "read it (it reads data)"),
+    ("lm.train_tokenizer", ["--out", "t.json", "--vocab-size", "300", "--model.vocab_size=1000"],
+     "--model.vocab_size: this tool does not read it (it reads data)"),
     ("lm.finetune", ["--encoder", "run", "--data.val_fraction=0.5"], "--data.val_fraction: this tool does not read "
      "it (it reads model, optim, schedule, train, parallel, checkpoint, log, task, data.seq_len), so it would change "
      "nothing; did you mean --task.val_fraction?"),
