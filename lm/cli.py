@@ -65,6 +65,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def a_path(text: str) -> Path:
+    """argparse type of a path flag: an empty one is refused, where Path("") would be the working directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r}")
+    return Path(text)
+
+
 def finite_float(text: str) -> float:
     """argparse type of a float setting: nan and inf are refused (they pass every range check)."""
     try:

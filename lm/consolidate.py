@@ -7,10 +7,9 @@ checkpoint.init_from read.
 
 import argparse
 import sys
-from pathlib import Path
 
 from lm.checkpoint.consolidated import consolidate, output_problem
-from lm.cli import run
+from lm.cli import a_path, run
 
 
 def main(argv: list[str]) -> int:
@@ -20,9 +19,9 @@ def main(argv: list[str]) -> int:
                     "one safetensors file holding the fp32 weights and the run's config, which lm.eval, lm.sample "
                     "and lm.export read on a single process. A tied output head is stored once.",
     )
-    parser.add_argument("--checkpoint", required=True,
+    parser.add_argument("--checkpoint", required=True, type=a_path,
                         help="run directory, its checkpoints/ or one step_XXXXXXXX directory")
-    parser.add_argument("out", type=Path, metavar="OUT", help="the .safetensors file to write")
+    parser.add_argument("out", type=a_path, metavar="OUT", help="the .safetensors file to write")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
     args = parser.parse_args(argv)
     if problem := output_problem(args.out, args.force):

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from lm.checkpoint.loading import load_for_inference
 from lm.checkpoint.run_dir import run_files
-from lm.cli import exit_without_teardown, positive_int, run
+from lm.cli import a_path, exit_without_teardown, positive_int, run
 from lm.config import JobConfig
 from lm.data.objectives import ScoredObjective
 from lm.data.tasks import CORE, TASKS, TaskScore, core_score, few_shot_items, load_items, parse_tasks, task_table
@@ -34,10 +34,10 @@ from lm.tokenizer import model_tokenizer
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lm.eval",
                                      description="Evaluate a checkpoint: loss, perplexity (and bits per byte on text).")
-    parser.add_argument("--checkpoint", required=True,
+    parser.add_argument("--checkpoint", required=True, type=a_path,
                         help="run directory, its checkpoints/ or one step_XXXXXXXX directory")
-    parser.add_argument("--text", type=Path, help="score this UTF-8 text file instead of the val shards")
-    parser.add_argument("--data-dir", help="shard directory (default: the checkpoint's data.dir)")
+    parser.add_argument("--text", type=a_path, help="score this UTF-8 text file instead of the val shards")
+    parser.add_argument("--data-dir", type=a_path, help="shard directory (default: the checkpoint's data.dir)")
     parser.add_argument("--seq-len", type=positive_int, help="window length (default: the checkpoint's data.seq_len)")
     parser.add_argument("--stride", type=positive_int, help="new tokens scored per window (default: seq_len // 2)")
     parser.add_argument("--batch-size", type=positive_int, default=8)
@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="score the first N items of each task, in the package's order")
     tasks.add_argument("--shots", type=int, help="solved examples before each item (default 0)")
     tasks.add_argument("--seed", type=int, help="which examples --shots draws (default 0)")
-    tasks.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    tasks.add_argument("--json", type=a_path, help="also write the results to this JSON file")
     return parser
 
 

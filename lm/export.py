@@ -22,7 +22,7 @@ import torch
 from lm.checkpoint.consolidated import read_consolidated_config
 from lm.checkpoint.loading import load_for_inference
 from lm.checkpoint.store import checkpoint_root, enclosing_checkpoint, read_config, resolve_checkpoint
-from lm.cli import run
+from lm.cli import a_path, run
 from lm.hf.export_files import output_problem, write_export
 from lm.hf.importing import find_origin
 from lm.hf.targets import pick_target
@@ -41,10 +41,10 @@ def main(argv: list[str]) -> int:
                     "model as lm's own modeling code, loaded with trust_remote_code=True; an encoder gets no "
                     "tokenizer files).",
     )
-    parser.add_argument("--checkpoint", required=True,
+    parser.add_argument("--checkpoint", required=True, type=a_path,
                         help="run directory, its checkpoints/ or one step_XXXXXXXX directory")
     parser.add_argument("--to", required=True, choices=["hf"], help="hf: a Hugging Face transformers directory")
-    parser.add_argument("out", type=Path, metavar="OUT",
+    parser.add_argument("out", type=a_path, metavar="OUT",
                         help="output directory (created; must be empty unless --force)")
     parser.add_argument("--force", action="store_true",
                         help="write into a non-empty OUT: replace the files the export writes, keep the others")

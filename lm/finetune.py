@@ -16,7 +16,7 @@ import dataclasses
 from pathlib import Path
 
 from lm.checkpoint.trunk import saved_config
-from lm.cli import exit_without_teardown, run
+from lm.cli import a_path, exit_without_teardown, run
 from lm.config import JobConfig, parse_cli
 from lm.errors import ConfigError
 from lm.hf.importing import is_hf_checkpoint
@@ -29,7 +29,7 @@ DESCRIPTION = "Fine-tune a pretrained encoder: a classify or regress head on a l
 
 
 def _flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--encoder", required=True,
+    parser.add_argument("--encoder", required=True, type=a_path,
                         help="the pretrained encoder: a run directory, a step directory or a consolidated .safetensors")
 
 
@@ -61,7 +61,8 @@ def main(argv: list[str]) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--encoder")
     encoder = pre.parse_known_args(argv)[0].encoder
-    base = None if encoder is None else encoder_base(Path(encoder), encoder_config(Path(encoder)))
+    # an empty one is left to parse_cli, which names the flag
+    base = None if not (encoder or "").strip() else encoder_base(Path(encoder), encoder_config(Path(encoder)))
     cfg, _ = parse_cli(argv, DESCRIPTION, extra=_flags, prog="python -m lm.finetune", base=base, reads=READS)
     if encoder is not None and Path(cfg.checkpoint.init_from).resolve() != Path(encoder).resolve():
         raise ConfigError(f"checkpoint.init_from: {cfg.checkpoint.init_from!r}, but --encoder {encoder} names the "

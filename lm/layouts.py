@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from lm.cli import finite_float, positive_int, prepare_command, run, run_logged, train_command
+from lm.cli import a_path, finite_float, positive_int, prepare_command, run, run_logged, train_command
 from lm.config import OneConfig, load_config
 from lm.distributed.layout import check_world
 from lm.errors import ConfigError
@@ -150,16 +150,16 @@ def summary(losses: list[dict[int, float]], worst: Worst) -> tuple[str, float]:
             f"{high}"), relative
 
 
-def runs_dir(out: str | None) -> Path:
+def runs_dir(out: Path | None) -> Path:
     """Where the runs go: --out, new or empty, or a new temporary directory."""
     if out is None:
         return Path(tempfile.mkdtemp(prefix="lm-layouts-"))
-    if problem := output_dir_problem(Path(out)):
+    if problem := output_dir_problem(out):
         raise ConfigError(f"--out {problem}")
-    if Path(out).exists() and any(Path(out).iterdir()):
+    if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out}: exists and is not an empty directory; name a new one (every layout "
                           "trains from step 0)")
-    return Path(out)
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -172,8 +172,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--layout", action="append", required=True, metavar="NPROC[:key=value,...]",
                         help="a layout to train under; give two or more")
     parser.add_argument("--steps", type=positive_int, default=10, help="optimizer steps per layout (default 10)")
-    parser.add_argument("--out", help="a new directory for the runs, kept (default: a temporary one, removed at "
-                        "the end)")
+    parser.add_argument("--out", type=a_path,
+                        help="a new directory for the runs, kept (default: a temporary one, removed at the end)")
     parser.add_argument("--max-rel", type=finite_float, metavar="R",
                         help="exit 1 when two layouts' losses at a step differ by more than R relative")
     args, fixed = parser.parse_known_args(argv)

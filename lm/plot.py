@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from lm.cli import run
+from lm.cli import a_path, run
 from lm.errors import PlotError
 from lm.io import output_file_problem
 from lm.report.figures import curves_figure, load_run, run_labels, save_png
@@ -32,9 +32,9 @@ def main(argv: list[str]) -> int:
         description="Draw train/val loss and perplexity curves, by step and by tokens trained, of one or "
                     "more runs into one PNG, from each run's metrics.jsonl (no TensorBoard needed).",
     )
-    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",
+    parser.add_argument("run_dirs", nargs="+", type=a_path, metavar="RUN_DIR",
                         help="a training run directory (train.out_dir) holding metrics.jsonl")
-    parser.add_argument("--out", type=Path, default=None,
+    parser.add_argument("--out", type=a_path, default=None,
                         help="the PNG to write (default: RUN_DIR/curves.png; required with several runs)")
     args = parser.parse_args(argv)
     out = _output_path(args.run_dirs, args.out)

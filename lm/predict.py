@@ -21,7 +21,7 @@ from lm.checkpoint.loading import load_for_inference
 from lm.checkpoint.run_dir import run_files
 from lm.checkpoint.store import enclosing_checkpoint, step_store
 from lm.checkpoint.trunk import saved_config
-from lm.cli import in_range, run
+from lm.cli import a_path, in_range, run
 from lm.data.labelled import encode_examples, example_batches, read_labelled, read_texts
 from lm.distributed.env import init_device
 from lm.errors import ConfigError, LMError
@@ -38,10 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lm.predict",
                                      description="Predict (and score, when labelled) the rows of a file with a "
                                                  "fine-tuned encoder.")
-    parser.add_argument("--checkpoint", required=True,
+    parser.add_argument("--checkpoint", required=True, type=a_path,
                         help="a fine-tuning run directory, its checkpoints/, a step directory or a consolidated file")
-    parser.add_argument("--file", required=True, type=Path, help="a .csv, .jsonl/.json or .parquet file")
-    parser.add_argument("--out", type=Path, help="write the predictions here as JSON lines (default: none written)")
+    parser.add_argument("--file", required=True, type=a_path, help="a .csv, .jsonl/.json or .parquet file")
+    parser.add_argument("--out", type=a_path, help="write the predictions here as JSON lines (default: none written)")
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
     parser.add_argument("--text-column", help="column of the texts (default: the run's task.text_column)")
     parser.add_argument("--label-column",

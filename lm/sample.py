@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from lm.checkpoint.loading import load_for_inference
-from lm.cli import finite_float, in_range, positive_int, run
+from lm.cli import a_path, finite_float, in_range, positive_int, run
 from lm.distributed.env import init_device
 from lm.errors import ConfigError, PromptError
 from lm.io import read_utf8
@@ -25,7 +25,7 @@ MAX_SEED = 2**63 - 1
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m lm.sample", description="Sample text from a trained checkpoint.")
-    parser.add_argument("--checkpoint", required=True,
+    parser.add_argument("--checkpoint", required=True, type=a_path,
                         help="run directory, its checkpoints/ or one step_XXXXXXXX directory")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", default="",

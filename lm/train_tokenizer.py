@@ -16,7 +16,7 @@ from pathlib import Path
 import tokenizers
 
 from lm.checkpoint.store import enclosing_checkpoint
-from lm.cli import positive_int, run
+from lm.cli import a_path, positive_int, run
 from lm.config import parse_cli
 from lm.data.corpora import find_corpus
 from lm.data.tokenizer_training import (
@@ -46,7 +46,8 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--special-token", action="append", default=[], metavar="TOKEN",
                         help="a special token after <|endoftext|> (always id 0, the end of every document); "
                              "repeat for more")
-    parser.add_argument("--out", type=Path, required=True, help="the tokenizer.json to write (a path ending in .json)")
+    parser.add_argument("--out", type=a_path, required=True,
+                        help="the tokenizer.json to write (a path ending in .json)")
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
 
 

@@ -19,6 +19,31 @@ def test_every_tool_has_help(tool, capsys):
     assert "usage:" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("tool, args, flag", [
+    ("finetune", ["--encoder", ""], "--encoder"),
+    ("predict", ["--checkpoint", "", "--file", "p.csv"], "--checkpoint"),
+    ("predict", ["--checkpoint", "run", "--file", " "], "--file"),
+    ("predict", ["--checkpoint", "run", "--file", "p.csv", "--out", ""], "--out"),
+    ("eval", ["--checkpoint", "run", "--data-dir", ""], "--data-dir"),
+    ("sample", ["--checkpoint", ""], "--checkpoint"),
+    ("export", ["--checkpoint", "run", "--to", "hf", ""], "OUT"),
+    ("consolidate", ["--checkpoint", "run", ""], "OUT"),
+    ("train_tokenizer", ["--vocab-size", "300", "--out", ""], "--out"),
+    ("plot", [""], "RUN_DIR"),
+    ("sweep", ["--config", "configs/demo.yaml", "--grid", "optim.lr=1e-3", "--out", ""], "--out"),
+    ("layouts", ["--layout", "1", "--out", ""], "--out"),
+])
+def test_an_empty_path_is_refused_by_its_flag(tool, args, flag, capsys):
+    # Path("") is ".": the tools read or wrote the working directory, and their errors named "."
+    import importlib
+
+    module = importlib.import_module(f"lm.{tool}" if tool != "sweep" else "lm.sweep.__main__")
+    with pytest.raises(SystemExit) as exit_:
+        module.main(args)
+    assert exit_.value.code == 2
+    assert f"argument {flag}: expected a path, got " in capsys.readouterr().err
+
+
 def test_train_reports_missing_data_dir_in_one_line(tmp_path, capsys):
     missing = tmp_path / "nowhere"
     code = run(train_tool.main, ["--config", "configs/demo.yaml", f"--data.dir={missing}",

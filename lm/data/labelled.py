@@ -81,6 +81,8 @@ def _read_columns(path: Path, text: str, others: Sequence[str] = (), optional: S
     fmt = _FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise DataError(f"{path}: unsupported extension {path.suffix!r}; expected one of {', '.join(_FORMATS)}")
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory; expected a {', '.join(_FORMATS)} file")
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     if path.stat().st_size == 0:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lm.checkpoint.store import checkpoint_root, complete_checkpoints
-from lm.cli import positive_int, prepare_command, run, run_logged, train_command
+from lm.cli import a_path, positive_int, prepare_command, run, run_logged, train_command
 from lm.config import JobConfig, OneConfig, config_diff, load_config
 from lm.errors import ConfigError, SweepError
 from lm.io import atomic_write_text, output_dir_problem
@@ -135,7 +135,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--random", type=positive_int, metavar="N",
                         help="train N combinations drawn at random instead of all")
     parser.add_argument("--seed", type=int, default=0, help="--random: seed of the draw (default 0)")
-    parser.add_argument("--out", help="sweep directory (default runs/sweep_<config name>)")
+    parser.add_argument("--out", type=a_path, help="sweep directory (default runs/sweep_<config name>)")
     parser.add_argument("--nproc", type=positive_int, default=1,
                         help="processes per run: >1 runs each as a torchrun job")
     parser.add_argument("--force", action="store_true",

@@ -83,6 +83,9 @@ def test_refusals(tmp_path):
     assert refusal(good, num_classes=10**12) == (  # was a 7 TiB bincount; a huge count lists the first few
         f"{good}: column 'label' never holds class 3, 4, 5, 6, 7 (and 999,999,999,992 more) of "
         "num_classes=1000000000000; the labels hold classes [0, 1, 2], so num_classes does not match the data")
+    folder = tmp_path / "folder.csv"
+    folder.mkdir()
+    assert refusal(folder) == f"{folder}: is a directory; expected a .csv, .json, .jsonl, .parquet file"  # no such file
     twice = tmp_path / "twice.csv"
     twice.write_text("text,label,label\na,0,1\nb,1,0\n")  # the second was renamed label.1 and dropped
     assert refusal(twice, num_classes=2) == f"{twice}: the header names column 'label' 2 times; rename all but one"
