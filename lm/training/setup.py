@@ -7,6 +7,7 @@ meta device and the engine allocates, draws and wraps it (`lm.distributed.engine
 resumed run's state into that engine.
 """
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,10 @@ from lm.config import JobConfig, use_bf16
 from lm.distributed.engine import Engine, build_engine
 from lm.distributed.env import DistEnv
 from lm.distributed.materialize import WeightLoader
+from lm.errors import ConfigError
 from lm.models.family import Family
+from lm.plan.counts import num_params
+from lm.plan.memory import GIB
 from lm.training.task_data import TaskData, open_task_data
 from lm.training.token_data import TrainingData, open_training_data
 
@@ -35,9 +39,27 @@ def build_run_engine(cfg: JobConfig, family: Family, env: DistEnv, load_weights:
     checkpoint.init_from, loads them with `load_weights` (`init_from_loader`). A precision the family cannot
     run on this device is refused here, under every engine, before any weights exist."""
     family.check_precision(cfg.model, env.device.type, use_bf16(cfg.train.dtype, env.device.type))
+    check_host_room(cfg, env)
     torch.manual_seed(cfg.train.seed)
     model = family.build_meta(cfg.model)
     return build_engine(model, family, cfg.parallel, cfg.train, cfg.optim, env, load_weights, load_universal)
+
+
+def check_host_room(cfg: JobConfig, env: DistEnv) -> None:
+    """Refuse a run on CPUs whose float32 weights and gradients alone (8 bytes a parameter, however the engine
+    shards them over this machine's ranks) exceed this machine's memory, before building it: allocated, such a
+    model has the kernel kill the processes without a word. A GPU's own memory is the planner's to check
+    (`lm.train --dry-run`)."""
+    if env.device.type != "cpu":
+        return
+    params = num_params(cfg.model)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))  # this machine's ranks (torchrun sets it)
+    needed = 8 * params * local // env.world_size
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > memory:
+        raise ConfigError(f"model: {params:,} parameters need {needed / GIB:,.1f} GiB of this machine's memory for "
+                          f"their float32 weights and gradients alone, and it has {memory / GIB:,.1f} GiB; make "
+                          "the model smaller (python -m lm.train --dry-run plans what a model needs)")
 
 
 @dataclass

@@ -16,7 +16,7 @@ from lm.checkpoint.model_weights import load_model_weights
 from lm.checkpoint.store import complete_checkpoints
 from lm.config import load_config
 from lm.distributed.env import init_distributed
-from lm.errors import CheckpointError, TrainingError
+from lm.errors import CheckpointError, ConfigError, TrainingError
 from lm.models.registry import family_of
 from lm.training.faults import install_faults
 from lm.training.trainer import Trainer
@@ -97,6 +97,17 @@ def test_an_unwritable_output_directory_is_found_before_training(tiny_data_dir, 
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(CheckpointError, match="train.out_dir: cannot write to .*file/run"):
         Trainer(config(tiny_data_dir, tmp_path / "file" / "run"), init_distributed("cpu"))
+
+
+def test_a_model_too_large_for_this_machine_is_refused_before_it_is_built(tiny_data_dir, tmp_path):
+    # 645 B parameters: allocated, the kernel had killed the run without a word; building it on the meta device
+    # alone took minutes
+    big = config(tiny_data_dir, tmp_path / "run", "--model.d_model=16384", "--model.n_head=128",
+                 "--model.n_layer=200")
+    with pytest.raises(ConfigError, match=r"^model: 645,112,430,592 parameters need 4,806.5 GiB of this machine's "
+                                          r"memory for their float32 weights and gradients alone, and it has "):
+        Trainer(big, init_distributed("cpu"))
+    assert not (tmp_path / "run" / "config.yaml").exists()
 
 
 def test_changed_settings_are_accepted_and_logged_on_resume(tiny_data_dir, tmp_path, caplog):
