@@ -11,6 +11,7 @@ from lm.models.lstm.config import LSTMConfig
 from lm.plan import counts
 from lm.train import dry_run
 from lm.train import main as train_main
+from tests.models import conv_family
 
 SMALL = dict(vocab_size=97, block_size=16, d_model=16, n_head=2)
 
@@ -25,7 +26,8 @@ SMALL = dict(vocab_size=97, block_size=16, d_model=16, n_head=2)
     EncDecConfig(**SMALL, n_layer=5),
     EncoderConfig(**SMALL, n_layer=6),
     LSTMConfig(vocab_size=97, n_layer=5, d_model=16),
-], ids=["gpt", "llama-nope", "moe-every-3", "moe-dense-first", "moe-all", "encdec", "encoder", "lstm"])
+    conv_family.ConvConfig(vocab_size=97, block_size=16, n_layer=6, d_model=16, kernel_size=3),
+], ids=["gpt", "llama-nope", "moe-every-3", "moe-dense-first", "moe-all", "encdec", "encoder", "lstm", "outside"])
 def test_a_deep_model_counted_off_shallow_ones_matches_the_built_one(cfg):
     assert counts.counts(cfg) == counts._built(cfg, cfg)
 
