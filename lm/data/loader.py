@@ -21,7 +21,7 @@ from lm.data.objectives import NextToken, Objective
 from lm.data.shards import check_token_ids, open_shard, read_manifest
 from lm.errors import DataError
 
-__all__ = ["SplitWindows", "TokenLoader", "locate", "rank_slice", "sample_id_at", "val_batches"]
+__all__ = ["SplitWindows", "TokenLoader", "locate", "rank_slice", "sample_id_at", "val_batches", "val_batches_per_rank"]
 
 
 def sample_id_at(position: int, seed: int, num_samples: int) -> int:
@@ -175,6 +175,20 @@ class TokenLoader:
                 for i in range(0, len(keys), b)]
 
 
+def val_batches_per_rank(windows: SplitWindows, micro_batch: int, world: int, max_batches: int) -> int:
+    """The full batches each rank scores of a split's windows: min(max_batches, full batches // world). DataError
+    for a split with fewer windows than one micro-batch on every rank, which the trainer asks before its first
+    step, not at its first evaluation."""
+    per_rank = min(max_batches, windows.num_samples // micro_batch // world)
+    if per_rank == 0:
+        raise DataError(
+            f"{windows.data_dir}: the {windows.split} split has {windows.num_samples} windows of "
+            f"data.seq_len={windows.seq_len}, fewer than train.micro_batch_size ({micro_batch}) x world size "
+            f"({world}); prepare with a larger data.val_fraction"
+        )
+    return per_rank
+
+
 def val_batches(
     windows: SplitWindows, micro_batch: int, rank: int, world: int, max_batches: int,
     objective: Objective | None = None,
@@ -187,13 +201,7 @@ def val_batches(
     ranks that average their losses with a collective stay in step. `windows` is opened once by the
     caller and reused for every evaluation.
     """
-    per_rank = min(max_batches, windows.num_samples // micro_batch // world)
-    if per_rank == 0:
-        raise DataError(
-            f"{windows.data_dir}: the {windows.split} split has {windows.num_samples} windows of "
-            f"data.seq_len={windows.seq_len}, fewer than train.micro_batch_size ({micro_batch}) x world size "
-            f"({world}); prepare with a larger data.val_fraction"
-        )
+    per_rank = val_batches_per_rank(windows, micro_batch, world, max_batches)
     objective = objective if objective is not None else NextToken()
     starts = [(rank + i * world) * micro_batch for i in range(per_rank)]
     batches = [np.arange(start, start + micro_batch, dtype=np.int64) for start in starts]  # sample ids, each (B,)

@@ -11,7 +11,7 @@ import torch
 
 from lm.config import JobConfig
 from lm.data.config import MixtureSource
-from lm.data.loader import SplitWindows, TokenLoader
+from lm.data.loader import SplitWindows, TokenLoader, val_batches_per_rank
 from lm.data.mixture import exact_shares
 from lm.data.objectives import Objective
 from lm.data.shards import check_manifest, document_eot, manifest_tokenizer, read_manifest, verify_hashes
@@ -77,6 +77,8 @@ def open_training_data(cfg: JobConfig, env: DistEnv) -> TrainingData:
     loader = TokenLoader(dirs, "train", cfg.data.seq_len, cfg.train.seed, env.dp_rank, env.dp_size,
                          cfg.train.batch_size, cfg.train.micro_batch_size, objective, [s.weight for s in sources])
     val = [SplitWindows(d, "val", cfg.data.seq_len) for d in dirs]
+    for windows in val:  # every run validates (at the end at least): a split too small for it is refused now
+        val_batches_per_rank(windows, cfg.train.micro_batch_size, env.dp_size, cfg.train.eval_batches)
     return TrainingData(sources, bool(cfg.data.mixture), manifests, objective, loader, val)
 
 

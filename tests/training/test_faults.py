@@ -16,7 +16,7 @@ from lm.checkpoint.model_weights import load_model_weights
 from lm.checkpoint.store import complete_checkpoints
 from lm.config import load_config
 from lm.distributed.env import init_distributed
-from lm.errors import CheckpointError, ConfigError, TrainingError
+from lm.errors import CheckpointError, ConfigError, DataError, TrainingError
 from lm.models.registry import family_of
 from lm.training.faults import install_faults
 from lm.training.trainer import Trainer
@@ -107,6 +107,22 @@ def test_a_model_too_large_for_this_machine_is_refused_before_it_is_built(tiny_d
     with pytest.raises(ConfigError, match=r"^model: 645,112,430,592 parameters need 4,806.5 GiB of this machine's "
                                           r"memory for their float32 weights and gradients alone, and it has "):
         Trainer(big, init_distributed("cpu"))
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_a_val_split_smaller_than_a_micro_batch_is_refused_before_training(tmp_path):
+    # it was refused at the first evaluation: after train.eval_every steps, with no checkpoint saved
+    from lm.data.prepare import prepare
+
+    for i in range(5):
+        (tmp_path / f"n{i}.txt").write_text(f"Doc {i} line one.\n\nPara two of {i}.\n")
+    data = load_config(None, [f"--data.source={tmp_path}/*.txt", '--data.document_separator="\\n\\n"',
+                              "--data.val_fraction=0.1", f"--data.dir={tmp_path / 'data'}"]).data
+    prepare(data)
+    cfg = config(tmp_path / "data", tmp_path / "run", "--data.seq_len=4")
+    with pytest.raises(DataError, match=r"the val split has 1 windows of data.seq_len=4, fewer than "
+                                        r"train.micro_batch_size \(2\) x world size \(1\)"):
+        Trainer(cfg, init_distributed("cpu"))
     assert not (tmp_path / "run" / "config.yaml").exists()
 
 
