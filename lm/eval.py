@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from lm.checkpoint.loading import load_for_inference
 from lm.checkpoint.run_dir import run_files
-from lm.cli import a_path, exit_without_teardown, positive_int, run
+from lm.cli import MAX_SEED, a_path, exit_without_teardown, in_range, positive_int, run
 from lm.config import JobConfig
 from lm.data.objectives import ScoredObjective
 from lm.data.tasks import CORE, TASKS, TaskScore, core_score, few_shot_items, load_items, parse_tasks, task_table
@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     tasks.add_argument("--limit", type=positive_int,
                        help="score the first N items of each task, in the package's order")
     tasks.add_argument("--shots", type=int, help="solved examples before each item (default 0)")
-    tasks.add_argument("--seed", type=int, help="which examples --shots draws (default 0)")
+    tasks.add_argument("--seed", type=in_range(int, 0, MAX_SEED), help="which examples --shots draws (default 0)")
     tasks.add_argument("--json", type=a_path, help="also write the results to this JSON file")
     return parser
 

@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from lm.checkpoint.loading import load_for_inference
-from lm.cli import a_path, finite_float, in_range, positive_int, run
+from lm.cli import MAX_SEED, a_path, finite_float, in_range, positive_int, run
 from lm.distributed.env import init_device
 from lm.errors import ConfigError, PromptError
 from lm.io import read_utf8
@@ -19,8 +19,6 @@ from lm.tokenizer import model_tokenizer
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 1e4
 """Sampling temperatures besides 0 (greedy): below 1e-4 the logits divided by it leave float32's range (inf, then
 nan probabilities); above 1e4 every token is as likely as any other."""
-MAX_SEED = 2**63 - 1
-"""The largest --seed: torch seeds are 64-bit, and --num-samples adds the sample's index."""
 
 
 def main(argv: list[str]) -> int:

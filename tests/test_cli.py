@@ -44,6 +44,22 @@ def test_an_empty_path_is_refused_by_its_flag(tool, args, flag, capsys):
     assert f"argument {flag}: expected a path, got " in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("tool, args", [
+    ("eval", ["--checkpoint", "run", "--tasks", "arc_easy", "--shots", "1", "--seed=-1"]),
+    ("sweep", ["--config", "configs/demo.yaml", "--grid", "optim.lr=1e-3,2e-3", "--random", "1", "--seed=-1"]),
+    ("sample", ["--checkpoint", "run", "--seed", "99999999999999999999999"]),
+])
+def test_a_seed_out_of_range_is_refused_by_its_flag(tool, args, capsys):
+    # lm.eval and lm.sweep took any integer, as lm.sample did not
+    import importlib
+
+    module = importlib.import_module(f"lm.{tool}" if tool != "sweep" else "lm.sweep.__main__")
+    with pytest.raises(SystemExit) as exit_:
+        module.main(args)
+    assert exit_.value.code == 2
+    assert "argument --seed: expected an integer in [0, 9223372036854775807], got " in capsys.readouterr().err
+
+
 def test_train_reports_missing_data_dir_in_one_line(tmp_path, capsys):
     missing = tmp_path / "nowhere"
     code = run(train_tool.main, ["--config", "configs/demo.yaml", f"--data.dir={missing}",

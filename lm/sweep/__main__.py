@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lm.checkpoint.store import checkpoint_root, complete_checkpoints
-from lm.cli import a_path, positive_int, prepare_command, run, run_logged, train_command
+from lm.cli import MAX_SEED, a_path, in_range, positive_int, prepare_command, run, run_logged, train_command
 from lm.config import JobConfig, OneConfig, config_diff, load_config
 from lm.errors import ConfigError, SweepError
 from lm.io import atomic_write_text, output_dir_problem
@@ -134,7 +134,8 @@ def main(argv: list[str]) -> int:
                         help="a config key and the values to try; runs cover every combination of the keys")
     parser.add_argument("--random", type=positive_int, metavar="N",
                         help="train N combinations drawn at random instead of all")
-    parser.add_argument("--seed", type=int, default=0, help="--random: seed of the draw (default 0)")
+    parser.add_argument("--seed", type=in_range(int, 0, MAX_SEED), default=0,
+                        help="--random: seed of the draw (default 0)")
     parser.add_argument("--out", type=a_path, help="sweep directory (default runs/sweep_<config name>)")
     parser.add_argument("--nproc", type=positive_int, default=1,
                         help="processes per run: >1 runs each as a torchrun job")
