@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     source.add_argument("--prompt", default="",
                         help="prompt text, led by the tokenizer's BOS if it has one (default: empty, start from the "
                              "BOS, or without one from end-of-text)")
-    source.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
+    source.add_argument("--prompt-file", type=a_path, help="read the prompt from this UTF-8 file")
     parser.add_argument("--max-new-tokens", type=positive_int, default=200)
     parser.add_argument("--temperature", type=in_range(float, 0.0, MAX_TEMPERATURE), default=0.8,
                         help=f"0 means greedy; else {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}")

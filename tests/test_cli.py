@@ -32,6 +32,8 @@ def test_every_tool_has_help(tool, capsys):
     ("plot", [""], "RUN_DIR"),
     ("sweep", ["--config", "configs/demo.yaml", "--grid", "optim.lr=1e-3", "--out", ""], "--out"),
     ("layouts", ["--layout", "1", "--out", ""], "--out"),
+    ("sample", ["--checkpoint", "run", "--prompt-file", ""], "--prompt-file"),
+    ("train", ["--config", ""], "--config"),
 ])
 def test_an_empty_path_is_refused_by_its_flag(tool, args, flag, capsys):
     # Path("") is ".": the tools read or wrote the working directory, and their errors named "."

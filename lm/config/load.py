@@ -335,6 +335,8 @@ class OneConfig(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: object,
                  option: str | None = None) -> None:
+        if not str(value).strip():  # Path("") is the working directory
+            parser.error(f"argument --config: expected a path, got {value!r}")
         if getattr(namespace, self.dest) is not None:
             parser.error(f"--config is given twice ({getattr(namespace, self.dest)}, {value}); give one file and "
                          "override its keys with --section.key=value")

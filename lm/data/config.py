@@ -107,6 +107,8 @@ class DataConfig:
             )
         if not self.source.strip():
             raise ConfigError("data.source: must name a corpus or files, got an empty string")
+        if not self.mixture and not self.dir.strip():
+            raise ConfigError(f"data.dir: expected a non-empty string, got {self.dir!r}")
         check_masking(self.mlm_rate, self.mlm_mask_fraction, self.mlm_random_fraction)
         self._check_mixture()
 

@@ -250,11 +250,12 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, origin: str | Path, sta
         )
 
 
-def read_manifest(data_dir: str | Path) -> dict:
-    """Load manifest.json and check that every shard it lists exists with the token count it lists."""
+def read_manifest(data_dir: str | Path, key: str = "data.dir") -> dict:
+    """Load manifest.json and check that every shard it lists exists with the token count it lists; a missing
+    directory is named by the config `key` that gave it."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise DataError(f"data.dir: no directory {str(data_dir)!r}; {_PREPARE_HINT}")
+        raise DataError(f"{key}: no directory {str(data_dir)!r}; {_PREPARE_HINT}")
     path = data_dir / MANIFEST_NAME
     if not path.is_file():
         raise DataError(f"{path}: no manifest, so {data_dir} holds no prepared data; {_PREPARE_HINT}")

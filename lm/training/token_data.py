@@ -62,7 +62,8 @@ def open_training_data(cfg: JobConfig, env: DistEnv) -> TrainingData:
     not fit the model, before any weights exist."""
     check_batch_split(cfg, env)
     sources = cfg.data.sources
-    manifests = [read_manifest(s.dir) for s in sources]  # shard sizes, on every rank
+    keys = [f"data.mixture[{i}].dir" for i in range(len(sources))] if cfg.data.mixture else ["data.dir"]
+    manifests = [read_manifest(s.dir, key) for s, key in zip(sources, keys)]  # shard sizes, on every rank
     _check_shared_tokenizer(sources, manifests)
     for source, manifest in zip(sources, manifests):
         check_manifest(manifest, cfg.data.tokenizer, cfg.model.vocab_size, source.dir)

@@ -190,6 +190,13 @@ def test_a_tool_takes_the_keys_it_reads_and_leaves_unknown_sections_to_the_loade
         parse_cli(["--dta.seq_len=64"], "t", reads=("data",))
 
 
+def test_an_empty_data_dir_is_named_by_its_key():
+    # the check of a mixture's entries named it "dir"
+    with pytest.raises(ConfigError, match=r"^data.dir: expected a non-empty string, got ''$"):
+        load_config("configs/demo.yaml", ["--data.dir="])
+    assert load_config("configs/demo.yaml", ["--data.dir=", "--data.mixture=[{dir: a}]"]).data.sources[0].dir == "a"
+
+
 def test_presets_load():
     demo = load_config("configs/demo.yaml")
     big = load_config("configs/gpt2-124m.yaml")

@@ -126,6 +126,13 @@ def test_a_val_split_smaller_than_a_micro_batch_is_refused_before_training(tmp_p
     assert not (tmp_path / "run" / "config.yaml").exists()
 
 
+def test_a_missing_mixture_source_is_named_by_its_entry(tiny_data_dir, tmp_path):
+    # it was named data.dir, the key a mixture does not read
+    mixture = f"--data.mixture=[{{dir: {tiny_data_dir}}}, {{dir: {tmp_path / 'gone'}}}]"
+    with pytest.raises(DataError, match=r"^data.mixture\[1\].dir: no directory '.*gone'; run `python -m lm.prepare`"):
+        Trainer(config(tiny_data_dir, tmp_path / "run", mixture), init_distributed("cpu"))
+
+
 def test_changed_settings_are_accepted_and_logged_on_resume(tiny_data_dir, tmp_path, caplog):
     Trainer(config(tiny_data_dir, tmp_path / "run", "--train.steps=2"), init_distributed("cpu")).fit()
     with caplog.at_level(logging.INFO, logger="lm.train"):
