@@ -35,6 +35,9 @@ class MixtureSource:
     """Name in the metrics (val/<name>/loss, data/<name>/tokens); default: the directory's last part."""
 
     def __post_init__(self) -> None:
+        if self.dir == "":
+            raise ConfigError("dir: missing; each entry names the directory lm.prepare wrote, such as "
+                              "{dir: data/a, weight: 1}")
         self.name = self.name or Path(self.dir).name
         check(vars(self), _SOURCE_KEYS, None, ConfigError)  # named data.mixture[i].key by the loader
 

@@ -22,14 +22,15 @@ def test_good_sources_pass_with_their_defaults():
 @pytest.mark.parametrize("entries, message", [
     ("[{dir: a}, {dir: b, weight: -1}]", "data.mixture[1].weight: expected a finite number >= 0, got -1.0"),
     ("[{dir: a, weight: -1e-300}]", "data.mixture[0].weight: expected a finite number >= 0, got -1e-300"),
-    ("[{dir: ''}]", "data.mixture[0].dir: expected a non-empty string, got ''"),
+    ("[{dir: ''}]", "data.mixture[0].dir: missing; each entry names the directory lm.prepare wrote"),
+    ("[{dir: a}, {weight: 2}]", "data.mixture[1].dir: missing; each entry names the directory lm.prepare wrote"),
     ("[{dir: a}, {dir: '  '}]", "data.mixture[1].dir: expected a non-empty string, got '  '"),
     ("[{dir: a, name: 'x y'}]", "data.mixture[0].name: expected a name of letters, digits, '_', '.' and '-' (it "
                                 "names the source's metrics), got 'x y'"),
     ("[{dir: /}]", "data.mixture[0].name: expected a name of letters"),  # the directory's last part is empty
     ("[{dir: a, weight: .nan}]", "data.mixture[0].weight: must be a finite number, got nan"),  # the loader's
     ("[{dir: a, weight: [1]}]", "data.mixture[0].weight: expected float, got list [1]"),
-], ids=["negative", "tiny-negative", "empty-dir", "blank-dir", "name", "root-dir", "nan", "list"])
+], ids=["negative", "tiny-negative", "empty-dir", "no-dir", "blank-dir", "name", "root-dir", "nan", "list"])
 def test_a_bad_value_is_named_by_its_place_and_key(entries, message):
     with pytest.raises(ConfigError) as err:
         mixture(entries)
