@@ -280,6 +280,9 @@ class Estimates:
     idle_params: "Callable[[Any], int] | None" = None
     """cfg -> the parameters a token does not go through, which its FLOPs leave out (a mixture of experts' experts
     its router does not choose); None: every parameter is active"""
+    context_kv: "Callable[[Any], int] | None" = None
+    """cfg -> the key and value elements per token that each block gathers from the other context-parallel ranks
+    (`lm.distributed.context_parallel`); None: the planner does not estimate the family under parallel.cp"""
 
 
 def lm_head(model: "nn.Module") -> list["nn.Module"]:

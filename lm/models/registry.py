@@ -54,6 +54,7 @@ _PARTS: tuple[tuple[str, Any], ...] = (
     ("hf", HFAdapter), ("hf.targets", tuple), ("hf.readers", Mapping),
     ("estimates", Estimates), ("estimates.activation_bytes", _MAYBE_FN), ("estimates.flops_per_token", _MAYBE_FN),
     ("estimates.memory_note", str), ("estimates.idle_params", _MAYBE_FN),
+    ("estimates.context_kv", _MAYBE_FN),
 )
 """Every part of a spec that lm reads after registration, by its path, with what it must be: a callable (or None
 where lm skips it), or an instance of the type(s) given. A part below None (a family without a sampler) is absent."""

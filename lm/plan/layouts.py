@@ -1,19 +1,23 @@
 """Which (tensor, pipeline, data)-parallel layout to train a config on: per-GPU memory and communication of every
 layout a cluster of `nodes` x `gpus_per_node` can run, and a pick. Arithmetic on the config, like
-`lm.plan.memory`, whose terms it reuses; it prints under `python -m lm.train --dry-run --nodes N --gpus-per-node G`.
+`lm.plan.memory`, whose terms it reuses; it prints under `python -m lm.train --dry-run --nodes N --gpus-per-node G`,
+and for the layout a config sets (context parallelism and HSDP included) under `--dry-run` alone.
 
 Memory per GPU, under the fsdp engine (the one that takes layouts), at the peak of a step, for the rank that needs
 the most:
 - model state: 16 bytes per parameter (fp32 weight and gradient, AdamW's two moments), of the parameters the rank
   holds: its stages' blocks and, with a pipeline, the embedding (first stage) or the head (last stage), each
   about half of the other parameters, all divided by tp (tensor parallelism splits every matrix; the norms it
-  leaves whole are too small to count) and sharded by FSDP2 over the dp replicas;
+  leaves whole are too small to count) and sharded by FSDP2 over the dp replicas (under HSDP over one replica's
+  dp / dp_replicate ranks; with context parallelism over the cp ranks too);
 - gathered: FSDP2's unsharded units, the root and two blocks, divided by tp, as a 16-bit weight and gradient;
 - activations: what the family counts for the rank's blocks on one micro-batch (`Estimates.activation_bytes`),
   divided by tp (sequence parallelism splits all of them), times the micro-batches in flight on that rank: 1
   without a pipeline, pp - r on pipeline rank r under 1F1B (Narayanan et al. 2021); plus one micro-batch's
   logits / tp on the last stage, with tp > 1 also the head's output slice, which torch's vocabulary-parallel
-  cross-entropy keeps for backward.
+  cross-entropy keeps for backward. Under context parallelism (cp ranks, tp = pp = 1) the blocks keep what they
+  keep for seq_len / cp tokens, but each block that keeps its activations holds the whole window's keys and values
+  (`Estimates.context_kv` per token), and the head and the logits cover the whole window, gathered back.
 
 A mixture of experts' routed experts (E parameters) are not divided by tp: every
 tensor-parallel rank runs the mixture-of-experts sublayer whole. With expert parallelism (ep ranks taken from the dp
@@ -25,13 +29,16 @@ Communication per GPU per optimizer step (bytes sent; the bus carries about as m
 - tp: per block and micro-batch, 2 all-gathers and 2 reduce-scatters of the b x s x h activations forward and
   the same backward, each moving (tp - 1) / tp of them;
 - fsdp: per micro-batch an all-gather of the rank's 16-bit weights forward and again backward, and once per step a
-  reduce-scatter of its fp32 gradients, each (dp - 1) / dp of them;
+  reduce-scatter of its fp32 gradients, each (dp - 1) / dp of them; under HSDP the shard is all-reduced over
+  the replicas, 2 (r - 1) / r of it;
   (a rank's experts: an all-gather over the dp / ep ranks sharing them, (dp / ep - 1) / (dp / ep) of its ep rank's
   share);
 - pp: per micro-batch, the activations of one stage boundary forward and their gradient backward, / tp;
 - ep: per mixture-of-experts layer and micro-batch, 4 x b x s x k x h x c x (ep - 1) / ep: each of the b x s tokens'
   hidden vectors (h x c bytes) goes to the ranks of its k experts and its output comes back (2 all-to-alls), and the
-  backward sends their gradients the same two ways; with routing balanced a row stays on its own rank 1 time in ep.
+  backward sends their gradients the same two ways; with routing balanced a row stays on its own rank 1 time in ep;
+- cp: per micro-batch, each block's all-gather of keys and values (again when recomputed) and one of the trunk's
+  output, and backward's reduce-scatter of their gradients, each (cp - 1) / cp of the whole window's.
 
 The pick is a rule of thumb, not a timing: of the layouts that fit, one that offloads nothing to host memory,
 then one without recomputed activations (a third more compute), then with the fewest tensor-parallel ranks (a
@@ -46,9 +53,11 @@ from dataclasses import dataclass
 
 from lm.config import JobConfig, device_type, use_bf16
 from lm.config.rules import batch_split_problem
+from lm.data.config import DataConfig
 from lm.errors import ConfigError
+from lm.models.config import ModelConfig
 from lm.models.registry import family_of
-from lm.models.sizes import ceil_div
+from lm.models.sizes import ceil_div, checkpointed_blocks
 from lm.plan.counts import activation_bytes, counts, root_params, routed_per_token
 from lm.plan.memory import CUDA_CONTEXT_BYTES, GIB, check_ep
 
@@ -77,6 +86,12 @@ class LayoutEstimate:
     """expert-parallel ranks, taken from the dp ranks"""
     ep_bytes: int = 0
     """sent by the all-to-alls of the mixture-of-experts layers"""
+    cp: int = 1
+    """context-parallel ranks per replica, each holding 1/cp of every window's tokens"""
+    dp_replicate: int = 1
+    """HSDP: the dp ranks as this many replicas, each sharding the model over dp / dp_replicate (x cp) ranks"""
+    cp_bytes: int = 0
+    """sent by the context-parallel all-gathers of keys, values and the trunk's output, and their backward"""
 
     @property
     def total(self) -> int:
@@ -85,7 +100,9 @@ class LayoutEstimate:
 
     @property
     def label(self) -> str:
-        return f"tp {self.tp} x pp {self.pp} x dp {self.dp}" + (f" (ep {self.ep})" if self.ep > 1 else "")
+        hsdp = f" (hsdp {self.dp_replicate} x {self.dp // self.dp_replicate})" if self.dp_replicate > 1 else ""
+        return (f"tp {self.tp} x pp {self.pp}" + (f" x cp {self.cp}" if self.cp > 1 else "") + f" x dp {self.dp}"
+                + hsdp + (f" (ep {self.ep})" if self.ep > 1 else ""))
 
 
 def _stage_layers(n_layer: int, pp: int) -> list[int]:
@@ -97,12 +114,13 @@ def _stage_layers(n_layer: int, pp: int) -> list[int]:
 
 
 def estimate_layout(cfg: JobConfig, tp: int, pp: int, dp: int, activation_checkpointing: int,
-                    cpu_offload: bool = False, ep: int = 1) -> LayoutEstimate:
-    """Per-GPU memory and communication of training `cfg` (fsdp, 1F1B when pp > 1) on the layout tp x pp x dp,
-    with `ep` of the dp ranks splitting a mixture's experts; with `cpu_offload` the model state lives in host
-    memory."""
+                    cpu_offload: bool = False, ep: int = 1, cp: int = 1, dp_replicate: int = 1) -> LayoutEstimate:
+    """Per-GPU memory and communication of training `cfg` (fsdp, 1F1B when pp > 1) on the layout
+    tp x pp x cp x dp, with `ep` of a replica's dp ranks splitting a mixture's experts and the dp ranks as
+    `dp_replicate` HSDP replicas; with `cpu_offload` the model state lives in host memory."""
     model = cfg.model
-    check_ep(cfg, ep, dp)
+    dp_shard = dp // dp_replicate  # one replica's data-parallel ranks: FSDP2 shards over them (and the cp ranks)
+    check_ep(cfg, ep, dp_shard)
     if ep > 1 and pp > 1:
         raise ConfigError(f"parallel.ep={ep}: expert parallelism does not combine with parallel.pp={pp}; expected pp=1")
     n = counts(model)
@@ -123,10 +141,12 @@ def estimate_layout(cfg: JobConfig, tp: int, pp: int, dp: int, activation_checkp
         params = (layers * dense_unit + own_root) / tp
         # this ep rank's share of its blocks' experts (the blocks' share of them all: some blocks may be dense)
         experts = ceil_div(n.experts * layers, model.n_layer * ep)
-        state = 16 * (ceil_div(int(params), dp) + ceil_div(experts, dp // ep))
+        state = 16 * (ceil_div(int(params), dp_shard * cp) + ceil_div(experts, dp_shard // ep))
         gathered = (int(own_root / tp) + 2 * gathered_unit) * (2 * c)
-        acts, logits = activation_bytes(dataclasses.replace(model, n_layer=layers), cfg.data, b, c, c,
-                                        activation_checkpointing, True)
+        stage = dataclasses.replace(model, n_layer=layers)
+        acts, logits = activation_bytes(stage, cfg.data, b, c, c, activation_checkpointing, True)
+        if cp > 1:
+            acts, logits = _context_activations(stage, cfg.data, b, c, activation_checkpointing, cp)
         in_flight = 1 if pp == 1 else min(n_micro, pp - rank)  # 1F1B: stage r holds pp - r forwards at most
         # torch's vocabulary-parallel cross-entropy also keeps its input, the head's output (its slice after / tp)
         kept_input = b * s * model.padded_vocab_size * c if tp > 1 else 0
@@ -137,15 +157,58 @@ def estimate_layout(cfg: JobConfig, tp: int, pp: int, dp: int, activation_checkp
     tp_bytes = 8 * boundary * (tp - 1) // tp * max(_stage_layers(model.n_layer, pp)) * n_micro if tp > 1 else 0
     most = max(_stage_layers(model.n_layer, pp))
     local = (most * dense_unit + (root if pp == 1 else root // 2)) / tp
-    fsdp_bytes = int(local * (4 * n_micro + 4) * (dp - 1) / dp) if dp > 1 else 0
-    sharing = dp // ep  # the ranks FSDP2 shards one ep rank's experts over
-    if sharing > 1:
-        fsdp_bytes += int(n.experts * most / model.n_layer / ep * (4 * n_micro + 4) * (sharing - 1) / sharing)
+    fsdp_bytes = _fsdp_bytes(local, n_micro, dp_shard * cp, dp_replicate)
+    # the ranks FSDP2 shards one ep rank's experts over
+    fsdp_bytes += _fsdp_bytes(n.experts * most / model.n_layer / ep, n_micro, dp_shard // ep, dp_replicate)
     pp_bytes = 2 * boundary // tp * n_micro if pp > 1 else 0
     # the experts of the largest stage's mixture layers (pp is 1 under ep: all of them)
     ep_bytes = int(4 * b * s * routed_per_token(model) * h * c * (ep - 1) / ep) * n.expert_layers * n_micro
+    cp_bytes = _context_bytes(model, b * s, c, activation_checkpointing, cp) * n_micro
     return LayoutEstimate(tp, pp, dp, activation_checkpointing, n_micro, state, gathered, acts, tp_bytes,
-                          fsdp_bytes, pp_bytes, cpu_offload, ep, ep_bytes)
+                          fsdp_bytes, pp_bytes, cpu_offload, ep, ep_bytes, cp, dp_replicate, cp_bytes)
+
+
+def _fsdp_bytes(params: float, n_micro: int, shard: int, replicas: int) -> int:
+    """What FSDP2 sends per step for `params` parameters sharded over `shard` ranks: each micro-batch all-gathers
+    the 16-bit weights forward and again backward, the step reduce-scatters the fp32 gradients, and under HSDP
+    all-reduces each shard's gradients over the `replicas` (sending twice (r - 1) / r of them)."""
+    sent = params * (4 * n_micro + 4) * (shard - 1) / shard
+    return int(sent + 8 * params / shard * (replicas - 1) / replicas)
+
+
+def _context_kv(model: ModelConfig) -> int:
+    """The key and value elements per token each block gathers under context parallelism (the family's)."""
+    kv = family_of(model).estimates.context_kv
+    if kv is None:
+        raise ConfigError(f"parallel.cp: the planner has no context-parallel estimate for {model.title} "
+                          f"(model.arch={model.arch})")
+    return kv(model)
+
+
+def _context_activations(model: ModelConfig, data: DataConfig, b: int, c: int, every: int, cp: int
+                         ) -> tuple[int, int]:
+    """(activations, logits) of one of `cp` context-parallel ranks (`lm.distributed.context_parallel`): its blocks
+    keep what they keep for seq_len / cp tokens of each window, but each block that keeps its activations holds
+    the whole window's keys and values in place of its own share's, and the trunk's output is gathered back to
+    the whole window, which the head reads and whose logits every rank of the group computes."""
+    s, h = data.seq_len, model.d_model
+    acts, share_logits = activation_bytes(model, dataclasses.replace(data, seq_len=s // cp), b, c, c, every, True)
+    logits = activation_bytes(model, data, b, c, c, every, True)[1]
+    k = checkpointed_blocks(model.n_layer, every)
+    keeping = model.n_layer - k + (1 if k else 0)  # with recomputation, one block's at a time
+    others = b * (s - s // cp)  # the tokens of the other ranks
+    return acts - share_logits + logits + c * others * (keeping * _context_kv(model) + h), logits
+
+
+def _context_bytes(model: ModelConfig, tokens: int, c: int, every: int, cp: int) -> int:
+    """Sent per micro-batch of `tokens` by one of `cp` context-parallel ranks: every block's forward all-gathers
+    the keys and values (again when it is recomputed), the trunk's output is all-gathered once, and backward
+    reduce-scatters the gradients of each; a rank sends (cp - 1) / cp of a gathered tensor."""
+    if cp == 1:
+        return 0
+    k = checkpointed_blocks(model.n_layer, every)
+    gathered = (2 * model.n_layer + k) * _context_kv(model) + 2 * model.d_model
+    return int(c * tokens * gathered * (cp - 1) / cp)
 
 
 def _divisors(n: int) -> list[int]:
@@ -281,16 +344,19 @@ def _gb(n: int) -> str:
 
 def _rows_text(title: str, rows: list[LayoutEstimate], device_gib: float) -> list[str]:
     """`rows` under `title` as the lines of a text table, and what its columns mean."""
-    head = (f"{'layout':<30} {'ckpt':>4} {'offload':>7} {'micro':>5} {'state':>7} {'gather':>7} {'activ':>7} "
-            f"{'GPU GiB':>8} {'tp GB':>7} {'fsdp GB':>7} {'pp GB':>6} {'ep GB':>6}  fits {device_gib:g} GiB")
+    cp = any(r.cp > 1 for r in rows)  # a column only for tables that have context parallelism
+    width = max([30, *(len(r.label) for r in rows)])
+    head = (f"{'layout':<{width}} {'ckpt':>4} {'offload':>7} {'micro':>5} {'state':>7} {'gather':>7} {'activ':>7} "
+            f"{'GPU GiB':>8} {'tp GB':>7} {'fsdp GB':>7} {'pp GB':>6} {'ep GB':>6}" + f" {'cp GB':>6}" * cp +
+            f"  fits {device_gib:g} GiB")
     lines = [f"{title} (fsdp engine, 1F1B): per-GPU memory in GiB and data sent per GPU per step in GB", head,
              "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.label:<30} {r.activation_checkpointing:>4} {'yes' if r.cpu_offload else 'no':>7} "
+        lines.append(f"{r.label:<{width}} {r.activation_checkpointing:>4} {'yes' if r.cpu_offload else 'no':>7} "
                      f"{r.micro_batches:>5} {_gib(r.state):>7} "
                      f"{_gib(r.gathered):>7} {_gib(r.activations):>7} {_gib(r.total):>8} {_gb(r.tp_bytes):>7} "
-                     f"{_gb(r.fsdp_bytes):>7} {_gb(r.pp_bytes):>6} {_gb(r.ep_bytes):>6}  "
-                     f"{'yes' if fits_layout(r, device_gib) else 'no'}")
+                     f"{_gb(r.fsdp_bytes):>7} {_gb(r.pp_bytes):>6} {_gb(r.ep_bytes):>6}" +
+                     f" {_gb(r.cp_bytes):>6}" * cp + f"  {'yes' if fits_layout(r, device_gib) else 'no'}")
     lines.append("micro: micro-batches per replica and step. state: weights, gradients and AdamW moments (in host "
                  "memory when offloaded); gather: FSDP2's unsharded units; activ: activations and logits; all for "
                  "the rank that needs most")
@@ -298,18 +364,15 @@ def _rows_text(title: str, rows: list[LayoutEstimate], device_gib: float) -> lis
 
 
 def configured_table(cfg: JobConfig, world_size: int, device_gib: float) -> str:
-    """The layout the parallel section sets (tp, pp, ep) on `world_size` GPUs, estimated as `layout_table`
-    estimates each layout of a cluster; one the estimate does not model (cp, dp_replicate, a pipeline schedule
-    other than 1F1B) is named, not guessed at. The world size is the run's (`check_world`)."""
+    """The layout the parallel section sets (tp, pp, cp, dp_replicate, ep) on `world_size` GPUs, estimated as
+    `layout_table` estimates each layout of a cluster; a pipeline schedule other than 1F1B, which the estimate
+    does not model, is named, not guessed at. The world size is the run's (`check_world`)."""
     par = cfg.parallel
-    unmodelled = [f"parallel.{key}={n}" for key, n in (("cp", par.cp), ("dp_replicate", par.dp_replicate)) if n > 1]
     if par.pp > 1 and par.pp_schedule != "1f1b":
-        unmodelled.append(f"parallel.pp_schedule={par.pp_schedule}")
-    if unmodelled:
-        return (f"configured layout: not estimated: the planner models tensor, 1F1B pipeline and expert parallelism, "
-                f"not {' or '.join(unmodelled)}")
-    row = estimate_layout(cfg, par.tp, par.pp, world_size // (par.tp * par.pp), par.activation_checkpointing,
-                          par.cpu_offload, par.ep)
+        return (f"configured layout: not estimated: the planner models the 1F1B pipeline schedule, not "
+                f"parallel.pp_schedule={par.pp_schedule}")
+    row = estimate_layout(cfg, par.tp, par.pp, world_size // (par.tp * par.pp * par.cp), par.activation_checkpointing,
+                          par.cpu_offload, par.ep, par.cp, par.dp_replicate)
     return "\n".join(_rows_text(f"configured layout on {world_size} GPUs", [row], device_gib))
 
 

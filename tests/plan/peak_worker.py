@@ -5,9 +5,12 @@ torchrun with lm.train's flags; writes <out_dir>/peak_rank<R>.json and returns t
 The heap is measured with glibc's mallinfo2 (bytes in use), which sees every tensor because `tune_cpu` (run
 when the device is set up) makes glibc serve even large allocations from the heap. The baseline is taken after
 the process group is up and before the model is built; a thread samples the heap every millisecond while the
-second step trains (after the first, the optimizer state exists), and the peak over the baseline is reported.
+second step trains (after the first, the optimizer state exists), and the peak over the baseline is reported,
+with the heap at that step's start: the weights and AdamW's moments (this step's gradients are made in backward).
 In a pool's long-lived process the garbage of earlier jobs is collected before the baseline, so none of it is
-freed during the measured step, and the sampling thread ends with the job.
+freed during the measured step, and the sampling thread ends with the job. The first job of a process also
+counts the few MB that torch sets up once on first use and keeps (it is in later jobs' baselines); a comparison
+of two layouts' heaps at the step's start leaves that job out.
 """
 
 import ctypes
@@ -42,11 +45,12 @@ def in_use() -> int:
 
 def main(argv: list[str]) -> int:
     cfg = load_config(None, argv)
-    env = init_distributed(cfg.train.device, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+    par = cfg.parallel
+    env = init_distributed(cfg.train.device, tp=par.tp, pp=par.pp, cp=par.cp, dp_replicate=par.dp_replicate)
     gc.collect()
     baseline = in_use()
     trainer = Trainer(cfg, env)
-    peak, sampling, done = [0], threading.Event(), threading.Event()
+    peak, start, sampling, done = [0], [0], threading.Event(), threading.Event()
 
     def sample() -> None:
         while not done.is_set():
@@ -59,7 +63,8 @@ def main(argv: list[str]) -> int:
     step = trainer._train_step
 
     def measured_step(lr):
-        if trainer.step == 1:  # the second step: weights, gradients and optimizer state all exist
+        if trainer.step == 1:  # the second step: the optimizer state exists
+            start[0] = in_use()
             sampling.set()
         try:
             return step(lr)
@@ -72,7 +77,8 @@ def main(argv: list[str]) -> int:
     finally:
         done.set()
         sampler.join()
-    Path(cfg.train.out_dir, f"peak_rank{env.rank}.json").write_text(json.dumps({"peak": peak[0] - baseline}))
+    measured = {"peak": peak[0] - baseline, "start": start[0] - baseline}
+    Path(cfg.train.out_dir, f"peak_rank{env.rank}.json").write_text(json.dumps(measured))
     env.barrier()
     return peak[0] - baseline
 

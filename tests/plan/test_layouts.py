@@ -11,6 +11,7 @@ import pytest
 
 from lm.cli import run
 from lm.config import load_config
+from lm.plan.counts import num_params
 from lm.plan.layouts import estimate_layout, layout_rows, layout_table, pick_layout
 from lm.plan.memory import GIB, estimate_memory
 from lm.plan.memory_table import plan_table
@@ -22,7 +23,7 @@ WORKER = Path(__file__).with_name("peak_worker.py")
 # big enough that the model's tensors, not the process's own allocations, make the peak: ~0.3-1 GB per rank
 MEASURED = ["--model.n_layer=4", "--model.d_model=256", "--model.n_head=4", "--model.block_size=256",
             "--data.seq_len=256", "--model.tie_embeddings=false", "--train.micro_batch_size=4", "--train.steps=2",
-            "--train.device=cpu", "--train.eval_every=100", "--train.eval_batches=1", "--checkpoint.every=100",
+            "--train.device=cpu", "--train.eval_every=100", "--train.eval_batches=1", "--checkpoint.every=0",
             "--log.sample_every=0", "--log.tensorboard=false", "--parallel.engine=fsdp"]
 
 
@@ -46,6 +47,49 @@ def test_the_estimate_is_within_a_fifth_of_the_measured_peak(tp, pp, checkpointi
     assert len(peaks) == 4
     estimate = estimate_layout(load_config(None, flags), tp, pp, 4 // (tp * pp), checkpointing).total
     assert max(peaks) == pytest.approx(estimate, rel=0.2), (peaks, estimate)
+
+
+def _measure(flags: list[str], out: Path) -> dict[str, int]:
+    """The heap at its peak and at the measured step's start (`peak_worker`), the most of the 4 ranks of a run of
+    lm.train's `flags` in the tests' pool of processes."""
+    pool(4).run(peak_worker.main, [*flags, f"--train.out_dir={out}"], env=job_env(PYTHONPATH=str(Path.cwd())))
+    ranks = [json.loads(Path(p).read_text()) for p in glob.glob(str(out / "peak_rank*.json"))]
+    return {key: max(rank[key] for rank in ranks) for key in ("peak", "start")}
+
+
+@pytest.mark.process
+def test_context_parallelism_and_hsdp_move_the_measured_heap_as_estimated(tiny_data_dir, tmp_path):
+    # each rank runs one micro-batch of 4 windows in all three; loss_chunk keeps the logits from hiding the blocks.
+    # cp2 runs first: a process's first job also counts what torch sets up once, which the start comparison avoids
+    flags = [*MEASURED, "--model.loss_chunk=128", f"--data.dir={tiny_data_dir}"]
+    layouts = {"cp2": ["--train.batch_size=8", "--parallel.cp=2"], "fsdp4": ["--train.batch_size=16"],
+               "hsdp2x2": ["--train.batch_size=16", "--parallel.dp_replicate=2"]}
+    heap, estimate = {}, {}
+    for name, extra in layouts.items():
+        heap[name] = _measure([*flags, *extra], tmp_path / name)
+        cfg = load_config(None, [*flags, *extra])
+        estimate[name] = estimate_layout(cfg, 1, 1, 4 // cfg.parallel.cp, 0, cp=cfg.parallel.cp,
+                                         dp_replicate=cfg.parallel.dp_replicate)
+        assert heap[name]["peak"] == pytest.approx(estimate[name].total, rel=0.2), (name, heap, estimate[name])
+    # cp 2 halves the blocks' tokens but keeps whole keys, values and logits: what the step adds to the heap
+    # shrinks by the estimate's saving (the state is sharded over 4 ranks in both)
+    added = {name: heap[name]["peak"] - heap[name]["start"] for name in heap}
+    saved = estimate["fsdp4"].total - estimate["cp2"].total
+    assert saved > 0 and added["fsdp4"] - added["cp2"] == pytest.approx(saved, rel=0.1), (added, saved)
+    # two replicas of 2 shards hold twice the state of 4 shards; at the step's start it is the weights and the
+    # moments, 12 of the state's 16 bytes a parameter
+    grown = estimate["hsdp2x2"].state - estimate["fsdp4"].state
+    assert grown > 0 and heap["hsdp2x2"]["start"] - heap["fsdp4"]["start"] == pytest.approx(grown * 12 / 16, rel=0.1)
+
+
+def test_hsdp_shards_over_one_replica_and_all_reduces_the_shards_across_replicas():
+    cfg = load_config("configs/llama3-8b.yaml", [])
+    params, hsdp = num_params(cfg.model), estimate_layout(cfg, 1, 1, 8, 0, dp_replicate=2)
+    assert hsdp.state == 2 * estimate_layout(cfg, 1, 1, 8, 0).state == 16 * params // 4
+    # all-gathers and reduce-scatters over the 4 ranks of a replica, then each fp32 shard all-reduced over 2
+    n = hsdp.micro_batches
+    assert hsdp.fsdp_bytes == int(params * (4 * n + 4) * 3 / 4 + 8 * params / 4 * 1 / 2)
+    assert hsdp.label == "tp 1 x pp 1 x dp 8 (hsdp 2 x 4)"
 
 
 def test_without_tp_or_pp_the_layout_estimate_is_the_fsdp_engine_estimate():

@@ -289,11 +289,24 @@ def test_the_dry_run_checks_and_estimates_the_configured_layout(capsys):
                                      f"{row.tp_bytes / 1e9:.1f}", f"{row.fsdp_bytes / 1e9:.1f}",
                                      f"{row.pp_bytes / 1e9:.1f}", "0.0", "yes"]
     assert "each engine over data parallelism alone:" in lines[at:]
+    # context parallelism and HSDP get their row, and the context-parallel traffic its column
+    cp = load_config("configs/demo.yaml", ["--parallel.engine=fsdp", "--parallel.cp=2", "--parallel.dp_replicate=2",
+                                                "--train.batch_size=8"])
+    dry_run(cp, 8, 80.0)
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("configured layout on 8 GPUs (fsdp engine, 1F1B): per-GPU memory in GiB and data sent per GPU "
+                     "per step in GB")
+    row = estimate_layout(cp, 1, 1, 4, 0, cp=2, dp_replicate=2)
+    assert lines[at + 1].split()[-7:-3] == ["ep", "GB", "cp", "GB"]
+    assert lines[at + 3].split()[:14] == ["tp", "1", "x", "pp", "1", "x", "cp", "2", "x", "dp", "4", "(hsdp", "2",
+                                          "x"]
+    assert lines[at + 3].split()[-2:] == [f"{row.cp_bytes / 1e9:.1f}", "yes"] and row.cp_bytes > 0
     # a layout the estimate does not model is named, not guessed at
-    cp = load_config("configs/demo.yaml", ["--parallel.engine=fsdp", "--parallel.cp=2", "--parallel.dp_replicate=2"])
-    dry_run(cp, 4, 80.0)
-    assert ("configured layout: not estimated: the planner models tensor, 1F1B pipeline and expert parallelism, not "
-            "parallel.cp=2 or parallel.dp_replicate=2") in capsys.readouterr().out.splitlines()
+    gpipe = load_config("configs/demo.yaml", ["--parallel.engine=fsdp", "--parallel.pp=2",
+                                               "--parallel.pp_schedule=gpipe", "--model.tie_embeddings=false"])
+    dry_run(gpipe, 2, 80.0)
+    assert ("configured layout: not estimated: the planner models the 1F1B pipeline schedule, not "
+            "parallel.pp_schedule=gpipe") in capsys.readouterr().out.splitlines()
 
 
 def test_plan_table_lists_every_engine_and_picks_one():

@@ -229,7 +229,8 @@ FAMILY = Family(
     sampler=next_token.SAMPLER,
     # the native classes first, lm's own code last
     hf=HFAdapter((*hf.TARGETS, *hf_moe.TARGETS, hf_remote.TARGET), {**hf.READERS, **hf_moe.READERS}),
-    estimates=Estimates(activation_bytes, flops_per_token, idle_params=idle_expert_params),
+    estimates=Estimates(activation_bytes, flops_per_token, idle_params=idle_expert_params,
+                        context_kv=lambda cfg: 2 * cfg.kv_heads * cfg.head_dim),  # every block's k and v
     # a router's few scores decide which experts a token reaches: kept out of float8 like the head
     float8_linears=float8_except("lm_head", "router.gate"),
 )
