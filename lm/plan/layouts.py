@@ -365,12 +365,16 @@ def _rows_text(title: str, rows: list[LayoutEstimate], device_gib: float) -> lis
 
 def configured_table(cfg: JobConfig, world_size: int, device_gib: float) -> str:
     """The layout the parallel section sets (tp, pp, cp, dp_replicate, ep) on `world_size` GPUs, estimated as
-    `layout_table` estimates each layout of a cluster; a pipeline schedule other than 1F1B, which the estimate
-    does not model, is named, not guessed at. The world size is the run's (`check_world`)."""
-    par = cfg.parallel
+    `layout_table` estimates each layout of a cluster; a pipeline schedule other than 1F1B, or context
+    parallelism of a family that gives no estimate of it, is named, not guessed at. The world size is the run's
+    (`check_world`)."""
+    par, model = cfg.parallel, cfg.model
     if par.pp > 1 and par.pp_schedule != "1f1b":
         return (f"configured layout: not estimated: the planner models the 1F1B pipeline schedule, not "
                 f"parallel.pp_schedule={par.pp_schedule}")
+    if par.cp > 1 and family_of(model).estimates.context_kv is None:
+        return (f"configured layout: not estimated: {model.title} (model.arch={model.arch}) gives no "
+                "context-parallel estimate (Estimates.context_kv)")
     row = estimate_layout(cfg, par.tp, par.pp, world_size // (par.tp * par.pp * par.cp), par.activation_checkpointing,
                           par.cpu_offload, par.ep, par.cp, par.dp_replicate)
     return "\n".join(_rows_text(f"configured layout on {world_size} GPUs", [row], device_gib))

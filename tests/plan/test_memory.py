@@ -1,4 +1,5 @@
 import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
@@ -380,3 +381,15 @@ def test_bad_nproc_is_a_usage_error(args, message, tmp_path):
     assert result.returncode == 2
     assert message in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_context_parallelism_of_a_family_without_its_estimate_is_named_not_guessed(plugin_dir, capsys):
+    from lm.models.registry import get_family, register
+    from lm.plan.layouts import configured_table
+    from tests.models.test_registry import mine
+
+    gpt = get_family("gpt")
+    register(mine(estimates=dataclasses.replace(gpt.estimates, context_kv=None)))
+    cfg = load_config(None, ["--model.arch=mine", "--parallel.engine=fsdp", "--parallel.cp=2"])
+    assert configured_table(cfg, 2, 80.0) == ("configured layout: not estimated: my GPT (model.arch=mine) gives no "
+                                              "context-parallel estimate (Estimates.context_kv)")
