@@ -31,7 +31,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     """The rows of <run_dir>/metrics.jsonl as the run's final history.
 
     A run resumed from a checkpoint logs again the steps after that checkpoint; the later row supersedes:
-    a row of step s drops every earlier row of the same kind (train or val) at step >= s.
+    a row of step s drops every earlier row of the same kind (train, val or tasks, `row_kind`) at step >= s.
     """
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
@@ -62,8 +62,11 @@ def _is_number(value: object, kind: type | tuple[type, ...] = (int, float)) -> b
 
 
 def row_kind(row: dict) -> str:
-    """'val' for a validation row, 'train' otherwise: the namespace of its scalars."""
-    return "val" if any(key.startswith("val/") for key in row) else "train"
+    """The namespace of a row's scalars: 'val' (validation), 'tasks' (`train.eval_tasks`) or 'train'."""
+    for kind in ("val", "tasks"):
+        if any(key.startswith(f"{kind}/") for key in row):
+            return kind
+    return "train"
 
 
 def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_classes: int,

@@ -6,7 +6,7 @@ from matplotlib.image import imread
 
 from lm.errors import PlotError
 from lm.report import figures
-from lm.report.metrics import perplexity, read_metrics
+from lm.report.metrics import perplexity, read_metrics, row_kind
 from lm.training.logger import MetricLogger
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -44,6 +44,16 @@ def test_rows_logged_are_read_back_and_a_resume_supersedes_later_steps(tmp_path)
     # resumed from the step-10 checkpoint: steps 20 and 30 are trained and logged again
     second = log_run(tmp_path, [20, 30], val_steps=[20], loss_offset=0.125)
     assert read_metrics(tmp_path) == [first[0], *second]
+
+
+def test_a_tasks_row_is_a_kind_of_its_own_and_leaves_the_train_row_of_its_step(tmp_path):
+    rows = log_run(tmp_path, [10, 20], val_steps=[20])
+    logger = MetricLogger(tmp_path, enabled=True, tensorboard=False)
+    logger.log(20, 20 * TOKENS_PER_STEP, 10.5, {"tasks/piqa/acc": 0.5, "tasks/core": 0.0}, "tasks {step}")
+    logger.close()
+    history = read_metrics(tmp_path)
+    assert history[:3] == rows and history[3]["tasks/piqa/acc"] == 0.5
+    assert [r["train/loss"] for r in history if row_kind(r) == "train"] == [5.0, 4.0]
 
 
 def test_two_runs_draw_train_and_val_on_every_axis(tmp_path):
