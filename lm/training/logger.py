@@ -23,14 +23,18 @@ class MetricLogger:
     """Writes scalars to stdout, <out_dir>/metrics.jsonl (its rows: `lm.report.metrics`) and optionally
     TensorBoard; only rank 0 writes."""
 
-    def __init__(self, out_dir: str | Path, enabled: bool, tensorboard: bool) -> None:
+    def __init__(self, out_dir: str | Path, enabled: bool, tensorboard: bool, resumed_step: int = 0) -> None:
+        """`resumed_step`: the checkpoint's step a resumed run starts after. The steps after it that an earlier
+        process logged are logged again; TensorBoard drops its old events from there on (as the reader of
+        metrics.jsonl drops the old rows)."""
         self.enabled = enabled
         self.writer = None
         self.jsonl = open(Path(out_dir) / METRICS_FILE, "a") if enabled else None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(Path(out_dir) / "tb"))
+            self.writer = SummaryWriter(log_dir=str(Path(out_dir) / "tb"),
+                                        purge_step=resumed_step + 1 if resumed_step else None)
 
     def log(self, step: int, tokens: int, elapsed_s: float, metrics: dict[str, float], fmt: str) -> None:
         """`metrics` keys are namespaced (`train/loss`); `fmt` is the stdout line's format string."""

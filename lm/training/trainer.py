@@ -143,7 +143,7 @@ class Trainer:
             log.info("%s is already at step %d of train.steps=%d: nothing to train", self.out_dir, self.step,
                      cfg.train.steps)
             return history
-        self.metrics = MetricLogger(self.out_dir, self.env.is_main, cfg.log.tensorboard)
+        self.metrics = MetricLogger(self.out_dir, self.env.is_main, cfg.log.tensorboard, self.step)
         self.fit_started = time.perf_counter()
         tasks = [f"tasks/{name}/acc" for name in self.tasks.tasks] + ["tasks/core"] if self.tasks else []
         self.metrics.log_hparams(hparams(cfg, self.n_params),

@@ -19,6 +19,7 @@ from lm.distributed.env import init_distributed
 from lm.distributed.optim import build_optimizer
 from lm.errors import CheckpointError
 from lm.models.gpt.model import GPT
+from lm.report.metrics import read_metrics
 from lm.training.trainer import Trainer
 from tests.distributed.test_engines import heads_for, train
 
@@ -213,6 +214,22 @@ def test_tensorboard_receives_the_logged_scalars(two_step_run):
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
     rows = metrics_rows(out)
     assert events.Scalars("val/loss")[0].value == pytest.approx(rows[-1]["val/loss"], rel=1e-6)
+
+
+def test_a_resumed_run_replaces_tensorboards_points_after_its_checkpoint(tiny_data_dir, tmp_path):
+    # a run killed after step 4, its last checkpoint step 2: the steps after 2 are trained and logged again
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, env = tmp_path / "run", init_distributed("cpu")
+    flags = ["--train.steps=4", "--checkpoint.every=2", "--log.tensorboard=true"]
+    Trainer(tiny_config(tiny_data_dir, out, *flags), env).fit()
+    shutil.rmtree(out / "checkpoints/step_00000004")
+    Trainer(tiny_config(tiny_data_dir, out, *flags, "--optim.lr=3e-3"), env).fit()  # other losses from step 3
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    read = {row["step"]: row["train/loss"] for row in read_metrics(out) if "train/loss" in row}
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == pytest.approx(list(read.items()), rel=1e-6)
+    assert list(read) == [1, 2, 3, 4] and len(metrics_rows(out)) > len(read_metrics(out))
 
 
 @pytest.mark.slow
