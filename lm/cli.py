@@ -4,6 +4,7 @@ import argparse
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,18 +25,35 @@ def setup_logging() -> None:
     )
 
 
+class Stopped(Exception):
+    """A signal stopped the run a tool had started (`run_logged`): the tool stops too."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
 def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:
     """Run a tool's `main(argv)`; an error of bad input (`LMError`, or a file that is not there) exits 2
-    with one line on stderr."""
+    with one line on stderr; a Ctrl-C or a signal passed on to a tool's run (`Stopped`) ends it with one line
+    too, exiting 128 + the signal's number as a shell does."""
     setup_logging()
     try:
         return main(sys.argv[1:] if argv is None else argv) or 0
     except (LMError, FileNotFoundError) as err:
-        # one write of the whole line: ranks of one launch share stderr, and print's separate write of the
-        # newline let two ranks' lines run together
-        sys.stderr.write(f"error: {err}\n")
-        sys.stderr.flush()
-        return 2
+        return _one_line(f"error: {err}", 2)
+    except Stopped as err:
+        return _one_line(f"stopped: {err}", 128 + err.signum)
+    except KeyboardInterrupt:
+        return _one_line("stopped: SIGINT (Ctrl-C)", 128 + signal.SIGINT)
+
+
+def _one_line(text: str, code: int) -> int:
+    # one write of the whole line: ranks of one launch share stderr, and print's separate write of the
+    # newline let two ranks' lines run together
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+    return code
 
 
 def exit_without_teardown(code: int) -> NoReturn:
@@ -128,12 +146,32 @@ def train_command(nproc: int, args: list[str]) -> list[str]:
 
 def run_logged(command: list[str], log_path: Path) -> str:
     """Run `command` with its output appended to `log_path` (its directory made); "finished", or why not:
-    the exit status and the run's last `error:` line."""
+    the exit status and the run's last `error:` line. A SIGINT (Ctrl-C) or SIGTERM that reaches this process
+    meanwhile is passed on to the run once, and `Stopped` is raised once the run has exited.
+
+    The run has a session (and process group) of its own, so that a Ctrl-C in the terminal reaches it once, through this
+    process: lm.train then trains to its next log step, saves and exits, where a second SIGINT would stop it at
+    once, and subprocess.run would have killed it 0.25 s after the first."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    received: list[int] = []
     with open(log_path, "a") as out:
         out.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
         out.flush()
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
+        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def pass_on(signum: int, frame: object) -> None:
+            received.append(signum)
+            child.send_signal(signum)
+
+        previous = {signum: signal.signal(signum, pass_on) for signum in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = child.wait()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+    if received:
+        name = signal.Signals(received[0]).name
+        raise Stopped(received[0], f"{name} passed on to the run, which exited {code} (log: {log_path})")
     if code == 0:
         return "finished"
     errors = [line for line in log_path.read_text().splitlines() if line.startswith("error:")]

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lm.checkpoint.store import checkpoint_root, complete_checkpoints
-from lm.cli import MAX_SEED, a_path, in_range, positive_int, prepare_command, run, run_logged, train_command
+from lm.cli import MAX_SEED, Stopped, a_path, in_range, positive_int, prepare_command, run, run_logged, train_command
 from lm.config import JobConfig, OneConfig, config_diff, load_config
+from lm.distributed.layout import check_world
 from lm.errors import ConfigError, SweepError
 from lm.io import atomic_write_text, output_dir_problem
 from lm.plan.counts import num_params
@@ -50,9 +51,10 @@ def resolved(cfg: JobConfig) -> dict:
     return values
 
 
-def plan_runs(config: str, fixed: list[str], combos: list[dict], out: Path) -> list[Run]:
-    """Each combination's config, checked before anything runs; a bad one names the grid value to blame, and two
-    that train the same config (1 and 1.0 for a float) are refused rather than trained twice."""
+def plan_runs(config: str, fixed: list[str], combos: list[dict], out: Path, nproc: int = 1) -> list[Run]:
+    """Each combination's config, checked before anything runs (with the layout and batch split of `nproc`
+    processes a run); a bad one names the grid value to blame, and two that train the same config (1 and 1.0 for
+    a float) are refused rather than trained twice."""
     runs, planned = [], {}
     for combo in combos:
         try:
@@ -60,6 +62,10 @@ def plan_runs(config: str, fixed: list[str], combos: list[dict], out: Path) -> l
         except ConfigError as err:
             message = blame(config, fixed, combo) or f"--grid combination {' '.join(overrides(combo))}: {err}"
             raise SweepError(message) from None
+        try:
+            check_world(cfg, nproc)
+        except ConfigError as err:
+            raise SweepError(f"--nproc {nproc} (--grid combination {' '.join(overrides(combo))}): {err}") from None
         settings = resolved(cfg)
         same = planned.setdefault(json.dumps(settings, sort_keys=True), combo)
         if same is not combo:
@@ -118,10 +124,15 @@ def claim_sweep_dir(out: Path, base: dict, config: str, grid: dict) -> None:
     atomic_write_text(out / "sweep.json", json.dumps({"config": config, "base": base, "grid": grid}, indent=1) + "\n")
 
 
+def saved_step(run: Run) -> int:
+    """The step of the run's newest complete checkpoint (0 without one)."""
+    found = complete_checkpoints(checkpoint_root(run.dir))
+    return int(found[-1].name.removeprefix("step_")) if found else 0
+
+
 def finished(run: Run) -> bool:
     """Whether the run's newest complete checkpoint is its last step."""
-    found = complete_checkpoints(checkpoint_root(run.dir))
-    return bool(found) and int(found[-1].name.removeprefix("step_")) >= run.cfg.train.steps
+    return saved_step(run) >= run.cfg.train.steps
 
 
 def main(argv: list[str]) -> int:
@@ -151,7 +162,7 @@ def main(argv: list[str]) -> int:
     out = Path(args.out or f"runs/sweep_{Path(args.config).stem}")
     if problem := output_dir_problem(out):
         raise SweepError(f"--out {problem}")
-    runs = plan_runs(args.config, fixed, expand(grid, args.random, args.seed), out)
+    runs = plan_runs(args.config, fixed, expand(grid, args.random, args.seed), out, args.nproc)
     refuse_another_sweep(out, resolved(base), args.force)  # a dry run lists only what the real one would train
     if args.dry_run:
         for i, r in enumerate(runs, 1):
@@ -173,7 +184,13 @@ def main(argv: list[str]) -> int:
         log.info("[%d/%d] %s: training (log: %s)", i, len(runs), r.name, r.dir / "train.log")
         command = train_command(args.nproc, ["--config", args.config, *fixed, *overrides(r.settings),
                                              f"--train.out_dir={r.dir}"])
-        statuses[r.name] = run_logged(command, r.dir / "train.log")
+        try:
+            statuses[r.name] = run_logged(command, r.dir / "train.log")
+        except Stopped as err:
+            raise Stopped(err.signum, f"{r.name}: {err}; the same command resumes the sweep from its newest "
+                                      "checkpoint") from None
+        if statuses[r.name] == "finished" and not finished(r):  # lm.train exits 0 when a signal stops it
+            statuses[r.name] = f"stopped at step {saved_step(r)} of {r.cfg.train.steps} by a signal"
         log.info("[%d/%d] %s: %s", i, len(runs), r.name, statuses[r.name])
 
     results = [read_result(r.dir, r.settings, num_params(r.cfg.model, non_embedding=True),

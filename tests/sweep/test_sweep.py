@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -102,6 +103,69 @@ def test_a_killed_sweep_continues_where_it_stopped_and_a_finished_one_trains_not
     assert launches(run_a) == 1 and launches(run_b) == 2
 
 
+def train_pid(run_dir: Path) -> int | None:
+    """The process of the lm.train run that trains into `run_dir`, if one is running."""
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and b"lm.train" in args and f"--train.out_dir={run_dir}".encode() in args:
+            return int(proc.name)
+    return None
+
+
+def saved_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*") if p.name[5:].isdigit())
+
+
+def when(condition, timeout_s: float = 240):
+    """Poll `condition()` until it gives something true; that value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"{condition} did not hold within {timeout_s} s")
+
+
+@pytest.mark.process
+def test_ctrl_c_reaches_the_run_once_so_it_saves_and_the_sweep_stops_with_one_line(base_config, tmp_path):
+    # a terminal's Ctrl-C: SIGINT to the sweep's process group; the run, in a group of its own, gets it from the
+    # sweep, once: it trains to its next log step (10, 20 or 30), saves there and exits
+    out = tmp_path / "sweep"
+    sweep = subprocess.Popen([sys.executable, "-m", "lm.sweep", *sweep_args(base_config, out)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    run_dir = when(lambda: next(iter(out.glob("runs/*lr=0.003-*")), None))
+    when(lambda: saved_steps(run_dir))
+    os.killpg(sweep.pid, signal.SIGINT)
+    err = sweep.communicate(timeout=120)[1].strip().splitlines()
+    assert sweep.returncode == 128 + signal.SIGINT, err
+    assert err[-1].startswith(f"stopped: {run_dir.name}: SIGINT passed on to the run, which exited 0 (log: ")
+    assert err[-1].endswith("the same command resumes the sweep from its newest checkpoint") and "Traceback" not in err
+    log_text = (run_dir / "train.log").read_text()
+    stop = int(log_text.split("stopped at step ")[1].split()[0])
+    assert stop < RUN_STEPS and saved_steps(run_dir)[-1] == stop and "checkpoint saved" in log_text
+    assert not list(out.glob("runs/*lr=0.01-*")) and not (out / "results.md").exists()
+
+
+@pytest.mark.process
+def test_a_run_a_signal_stopped_is_not_called_finished(base_config, tmp_path, capsys):
+    # SIGTERM to the run alone (a scheduler stopping it): lm.train saves and exits 0, short of its steps
+    out = tmp_path / "sweep"
+    args = ["--config", str(base_config), "--grid", "optim.lr=3e-3", "--out", str(out)]
+    stopper = threading.Thread(target=lambda: os.kill(when(lambda: train_pid(next(out.glob("runs/*"))) if
+                                                            list(out.glob("runs/*/checkpoints/step_*")) else None),
+                                                      signal.SIGTERM), daemon=True)
+    stopper.start()
+    assert run(main, args) == 1
+    stopper.join()
+    with open(out / "results.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    step = saved_steps(next(out.glob("runs/*")))[-1]
+    assert step < RUN_STEPS and row["status"] == f"stopped at step {step} of {RUN_STEPS} by a signal"
+
+
 TORCHRUN_SWEEP = ["--grid", "model.arch=gpt", "--train.steps=2", "--train.batch_size=4", "--train.micro_batch_size=2",
                   "--checkpoint.every=2", "--train.eval_every=2"]
 """A one-run sweep of 2 steps on the base config, 2 data-parallel ranks splitting its batch of 4."""
@@ -135,6 +199,9 @@ def tree_digest(root: Path) -> dict[str, str]:
     (["--grid", "optim.lr=1e-3,3e-3", "--random", "3"], r"--random: 3 runs asked for, but the grid has 2"),
     (["--grid", "optim.lr=1,1.0"], r"--grid: --optim.lr=1 and --optim.lr=1.0 train the same config; list each value "
                                    r"once"),
+    (["--grid", "optim.lr=1e-3,3e-3", "--nproc", "3"],
+     r"^error: --nproc 3 \(--grid combination --optim.lr=0.001\): train.batch_size: 4 is not a multiple of "
+     r"train.micro_batch_size \(4\) x 3 data-parallel replica"),
 ])
 def test_bad_grids_are_refused_before_any_run_starts(base_config, tmp_path, capsys, args, message):
     import re
