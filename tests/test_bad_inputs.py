@@ -310,6 +310,11 @@ CASES = [
          r"step_00000004 trained on .* \(25,450 train tokens, content hash [0-9a-f]{12}\), but "
          r"data.dir='{ws}/data' now holds 'elsewhere' .* checkpoint.allow_data_change=true",
          lambda ws: edit_json(ws / "data/manifest.json", content_hash="0" * 64, source="elsewhere")),
+    Case("data: another seed on resume", "train", train("--train.seed=7"),
+         r"{ws}/run/checkpoints/step_00000004 read its samples in the order of train.seed=1337, now 7: the rest of "
+         r"its epoch would read again samples it has read, and never others. .* checkpoint.allow_data_change=true"),
+    Case("data: other windows on resume", "train", train("--data.seq_len=8"),
+         r"step_00000004 read its samples in the order of data.seq_len=16, now 8: "),
     Case("data: a mixture source without shards", "train", train(mixture("{ws}/data", 1, "{ws}/corpus", 1)),
          r"{ws}/corpus/manifest.json: no manifest, so {ws}/corpus holds no prepared data"),
     Case("data: a mixture of two tokenizers", "train", train(mixture("{ws}/data", 1, "{ws}/data2", 1)),

@@ -178,6 +178,7 @@ def check_data(path: Path, current: dict, cfg: JobConfig) -> None:
         where = key if cfg.data.mixture else f"data.dir={cfg.data.dir!r}"
     if cfg.task.file:
         check_task_rows(path, cfg)
+    check_order(path, cfg)
     if saved is None or saved["content_hash"] == current["content_hash"]:
         return
     unit = "train rows" if cfg.task.file else "train tokens"  # what TaskData.identity() counts instead
@@ -208,6 +209,34 @@ def check_task_rows(path: Path, cfg: JobConfig) -> None:
         raise CheckpointError(f"{what}. Resume with the checkpoint's settings, use another train.out_dir, or set "
                               "checkpoint.allow_data_change=true to go on with the new rows")
     log.warning("%s; going on with the new rows (checkpoint.allow_data_change=true)", what)
+
+
+ORDER = ("train.seed", "data.seq_len")
+"""The keys that decide which samples the loader's saved position stands for: the seed of the shuffle, and the
+windows the shards are cut into (a fine-tuning run reads whole rows: its seed alone)."""
+
+
+def check_order(path: Path, cfg: JobConfig) -> None:
+    """Refuse to resume in another sample order than the checkpoint's unless checkpoint.allow_data_change is set:
+    its position would point elsewhere in the data, and the rest of the epoch would read again samples the run
+    has read and never read others."""
+    saved = read_config(path)
+    keys = ORDER[:1] if cfg.task.file else ORDER
+    changed = [f"{key}={_value(saved, key)!r}, now {_value(cfg, key)!r}" for key in keys
+               if _value(saved, key) != _value(cfg, key)]
+    if not changed:
+        return
+    what = (f"{path} read its samples in the order of {'; '.join(changed)}: the rest of its epoch would read "
+            "again samples it has read, and never others")
+    if not cfg.checkpoint.allow_data_change:
+        raise CheckpointError(f"{what}. Resume with the checkpoint's settings, use another train.out_dir, or set "
+                              "checkpoint.allow_data_change=true to go on in the new order")
+    log.warning("%s; going on in the new order (checkpoint.allow_data_change=true)", what)
+
+
+def _value(cfg: JobConfig, key: str) -> object:
+    section, _, name = key.partition(".")
+    return getattr(getattr(cfg, section), name)
 
 
 def changed_settings(checkpoint: Path, cfg: JobConfig) -> dict[str, tuple[object, object]]:

@@ -216,6 +216,17 @@ def test_tensorboard_receives_the_logged_scalars(two_step_run):
     assert events.Scalars("val/loss")[0].value == pytest.approx(rows[-1]["val/loss"], rel=1e-6)
 
 
+def test_another_seed_resumes_only_when_told_and_then_reads_in_the_new_order(tiny_data_dir, tmp_path, caplog):
+    out, env = tmp_path / "run", init_distributed("cpu")
+    Trainer(tiny_config(tiny_data_dir, out, "--train.steps=2", "--checkpoint.every=2"), env).fit()
+    reseeded = ["--train.steps=3", "--checkpoint.every=2", "--train.seed=7"]
+    with pytest.raises(CheckpointError, match=r"read its samples in the order of train.seed=1337, now 7"):
+        Trainer(tiny_config(tiny_data_dir, out, *reseeded), env)
+    caplog.set_level(logging.WARNING, logger="lm.checkpoint")
+    trainer = Trainer(tiny_config(tiny_data_dir, out, *reseeded, "--checkpoint.allow_data_change=true"), env)
+    assert trainer.step == 2 and any("going on in the new order" in m for m in caplog.messages)
+
+
 def test_a_resumed_run_replaces_tensorboards_points_after_its_checkpoint(tiny_data_dir, tmp_path):
     # a run killed after step 4, its last checkpoint step 2: the steps after 2 are trained and logged again
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
