@@ -51,11 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     tasks.add_argument("--shots", type=int, help="solved examples before each item (default 0)")
     tasks.add_argument("--seed", type=in_range(int, 0, MAX_SEED), help="which examples --shots draws (default 0)")
     tasks.add_argument("--json", type=a_path, help="also write the results to this JSON file")
+    tasks.add_argument("--force", action="store_true", default=None, help="replace --json if it exists")
     return parser
 
 
 _LOSS_FLAGS = ("text", "data_dir", "seq_len", "stride", "max_tokens")
-_TASK_FLAGS = ("limit", "shots", "seed", "json")
+_TASK_FLAGS = ("limit", "shots", "seed", "json", "force")
 
 
 def _document_eot(cfg: JobConfig) -> int | None:
@@ -164,6 +165,8 @@ def _main_tasks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     inputs = [Path(args.checkpoint), *run_files(args.checkpoint)]
     if args.json is not None and (problem := output_file_problem(args.json, inputs)):
         parser.error(f"--json {problem}")
+    if args.json is not None and args.json.exists() and not args.force:  # a data file, a tokenizer, earlier results
+        parser.error(f"--json {args.json}: exists; pass --force to replace it")
     items = {name: few_shot_items(load_items(name, args.limit), args.shots, args.seed) for name in names}  # checked
     env = init_distributed(args.device) if launched_world_size() > 1 else None
     device = env.device if env is not None else init_device(args.device, "--device")

@@ -164,6 +164,24 @@ def test_the_results_never_replace_a_file_of_the_run(trained_run, capsys):
     assert (trained_run / "metrics.jsonl").read_bytes() == before
 
 
+def test_the_results_replace_an_existing_file_only_with_force(trained_run, tiny_data_dir, tmp_path, capsys):
+    # the run's own data is outside its directory: its manifest is refused as any existing file is
+    manifest = tiny_data_dir / "manifest.json"
+    before = manifest.read_bytes()
+    args = ["--checkpoint", str(trained_run), "--tasks", "piqa", "--limit", "2"]
+    with pytest.raises(SystemExit):
+        run(main, [*args, "--json", str(manifest)])
+    assert f"--json {manifest}: exists; pass --force to replace it" in capsys.readouterr().err
+    assert manifest.read_bytes() == before
+    earlier = tmp_path / "results.json"
+    earlier.write_text("{}")
+    assert run(main, [*args, "--json", str(earlier), "--force"]) == 0
+    assert json.loads(earlier.read_text())["tasks"]["piqa"]["items"] == 2
+    with pytest.raises(SystemExit):
+        run(main, ["--checkpoint", str(trained_run), "--force"])
+    assert "--force: goes with --tasks" in capsys.readouterr().err
+
+
 def test_tasks_on_an_encoder_are_refused(encoder_run, capsys):
     assert run(main, ["--checkpoint", str(encoder_run), "--tasks", "piqa"]) == 2
     assert "--tasks: scores a next-token model by the likelihood of each choice" in capsys.readouterr().err
