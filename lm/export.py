@@ -21,7 +21,13 @@ import torch
 
 from lm.checkpoint.consolidated import read_consolidated_config
 from lm.checkpoint.loading import load_for_inference
-from lm.checkpoint.store import checkpoint_root, enclosing_checkpoint, read_config, resolve_checkpoint
+from lm.checkpoint.store import (
+    checkpoint_root,
+    complete_checkpoints,
+    enclosing_checkpoint,
+    read_config,
+    resolve_checkpoint,
+)
 from lm.cli import a_path, run
 from lm.hf.export_files import output_problem, write_export
 from lm.hf.importing import find_origin
@@ -61,6 +67,9 @@ def main(argv: list[str]) -> int:
         saved = read_config(step_dir)
     if checkpoint_root(args.out).is_dir():  # lm's tools would read the run as this Hugging Face checkpoint
         parser.error(f"{args.out}: holds a run's checkpoints/, which an export there would hide from lm's tools; "
+                     "export into a directory of its own")
+    if complete_checkpoints(args.out):  # a run's checkpoints/ itself, which the tools take for its newest step
+        parser.error(f"{args.out}: holds checkpoints (step_*), which an export there would hide from lm's tools; "
                      "export into a directory of its own")
     if (step := enclosing_checkpoint(args.out)) is not None:  # retention would delete the export with it
         parser.error(f"{args.out}: is inside the checkpoint {step}; export into a directory of its own")

@@ -383,6 +383,10 @@ CASES = [
     Case("cli: export over an existing directory", "export",
          ["--checkpoint", "{ws}/run", "--to", "hf", "{ws}/exported"],
          r"python -m lm.export: error: {ws}/exported: directory is not empty; pass --force"),
+    Case("cli: export into a run's checkpoints/", "export",
+         ["--checkpoint", "{ws}/run", "--to", "hf", "--force", "{ws}/run/checkpoints"],
+         r"python -m lm.export: error: {ws}/run/checkpoints: holds checkpoints \(step_\*\), which an export there "
+         r"would hide from lm's tools"),
     Case("cli: consolidate over an existing file", "consolidate",
          ["--checkpoint", "{ws}/run", "{ws}/weights.safetensors"],
          r"python -m lm.consolidate: error: {ws}/weights.safetensors: exists; pass --force"),

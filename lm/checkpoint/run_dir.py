@@ -21,6 +21,7 @@ from lm.checkpoint.store import home_run
 from lm.config import JobConfig, saved_by_lm
 from lm.distributed.env import DistEnv
 from lm.errors import CheckpointError, ConfigError
+from lm.hf.importing import is_hf_checkpoint
 from lm.plan.disk import checkpoint_bytes
 from lm.report.metrics import METRICS_FILE
 
@@ -73,7 +74,11 @@ def check_foreign_files(out: Path, key: str) -> None:
     """Refuse a directory holding a config.yaml that lm did not write (`saved_by_lm`: a user's own config, say, in
     the directory train.out_dir names), or a metrics.jsonl without an lm config.yaml beside it, unless it holds a
     run's checkpoints (a run from before config.yaml's first line named lm): a run would replace the one and
-    append to the other."""
+    append to the other. A Hugging Face checkpoint (a config.json) is refused too: lm's tools read a directory
+    holding one as that checkpoint, not as the run."""
+    if is_hf_checkpoint(out):
+        raise ConfigError(f"train.out_dir: {key!r} holds a Hugging Face checkpoint (config.json), which lm's tools "
+                          "would read in place of the run's checkpoints; use another train.out_dir")
     if (out / "checkpoints").is_dir():
         return
     config, metrics = out / "config.yaml", out / METRICS_FILE

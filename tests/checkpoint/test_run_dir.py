@@ -50,6 +50,10 @@ def test_files_no_lm_run_wrote_are_not_replaced_or_appended_to(tmp_path):
     (out / "checkpoints").mkdir()  # a run's directory, whatever its config.yaml's first line
     (out / "config.yaml").write_text("train:\n  steps: 5\n")
     check_run_paths(cfg)
+    (out / "config.json").write_text("{}")  # a Hugging Face checkpoint's: lm's tools would read it, not the run
+    with pytest.raises(ConfigError, match=r"holds a Hugging Face checkpoint \(config.json\), which lm's tools would "
+                                          r"read in place of the run's checkpoints"):
+        check_run_paths(cfg)
 
 
 def test_a_held_lock_names_its_holder_and_a_released_one_is_taken_over(tmp_path):
