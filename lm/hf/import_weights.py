@@ -34,15 +34,16 @@ _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
 def _index(directory: Path) -> list[Path]:
-    """The safetensors files of the checkpoint: the index's, or the one file."""
+    """The safetensors files of the checkpoint: the one file, or else the index's. transformers reads a directory
+    holding both (an export with --force over a sharded save) in that order, and so does lm."""
+    if (directory / SINGLE).is_file():
+        return [directory / SINGLE]
     if (directory / INDEX).is_file():
         try:
             weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
             return sorted({directory / file for file in weight_map.values()})
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise CheckpointError(f"{directory / INDEX}: not an index with a weight_map: {err}") from None
-    if (directory / SINGLE).is_file():
-        return [directory / SINGLE]
     found = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
     raise CheckpointError(f"{directory}: no {SINGLE} or {INDEX} (found: {', '.join(found) or 'no weights'}); lm "
                           "imports safetensors: save the model with save_pretrained(safe_serialization=True)")

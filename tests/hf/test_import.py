@@ -100,6 +100,20 @@ def test_a_sharded_save_imports_alike_and_decodes_through_the_kv_cache(kind, tmp
         assert_same_logits(ours, hf(idx).logits)
 
 
+def test_a_directory_holding_one_file_and_a_sharded_save_is_read_as_transformers_reads_it(tmp_path):
+    # an export with --force over a sharded save leaves the index and its shards beside the new model.safetensors
+    hf_checkpoint("llama", tmp_path / "old", shard="20KB")
+    hf = hf_checkpoint("llama", tmp_path / "new", seed=1)
+    for shard in [*(tmp_path / "old").glob("model-*.safetensors"), tmp_path / "old/model.safetensors.index.json"]:
+        shard.rename(tmp_path / "new" / shard.name)
+    again = type(hf).from_pretrained(tmp_path / "new", attn_implementation="eager").eval()
+    model = imported(tmp_path / "new")
+    idx = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(again(idx).logits, hf(idx).logits)  # transformers reads model.safetensors
+        assert_same_logits(model.logits(model(idx)), hf(idx).logits)
+
+
 @pytest.mark.parametrize("kind", ["gpt2-untied", "llama", "qwen2", "mistral", "qwen3", "olmo2", "llama3", "smollm3"])
 def test_import_then_export_gives_back_the_same_tensors(kind, tmp_path):
     hf = hf_checkpoint(kind, tmp_path)
