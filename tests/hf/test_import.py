@@ -100,6 +100,23 @@ def test_a_sharded_save_imports_alike_and_decodes_through_the_kv_cache(kind, tmp
         assert_same_logits(ours, hf(idx).logits)
 
 
+FIELDS = {"norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings", "block_size": "max_position_embeddings",
+          "n_layer": "num_hidden_layers", "d_model": "hidden_size", "n_head": "num_attention_heads",
+          "n_kv_head": "num_key_value_heads", "d_ff": "intermediate_size", "vocab_size": "vocab_size"}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "mixtral",
+                                        "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("n_head", [None, 8])
+def test_a_key_a_config_json_leaves_out_has_the_classs_default_as_in_transformers(model_type, n_head, tmp_path):
+    # OLMo 2's rms_norm_eps is 1e-5 and SmolLM3 ties its embeddings by default; one default for every class had
+    # imported other logits, or refused the weights
+    given = {"model_type": model_type} | ({"num_attention_heads": n_head} if n_head else {})
+    (tmp_path / "config.json").write_text(json.dumps(given))
+    fields, hf = read_hf_model(tmp_path).fields, AutoConfig.for_model(**given)
+    assert {ours: fields[ours] for ours in FIELDS} == {ours: getattr(hf, theirs) for ours, theirs in FIELDS.items()}
+
+
 def test_a_directory_holding_one_file_and_a_sharded_save_is_read_as_transformers_reads_it(tmp_path):
     # an export with --force over a sharded save leaves the index and its shards beside the new model.safetensors
     hf_checkpoint("llama", tmp_path / "old", shard="20KB")

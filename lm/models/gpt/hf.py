@@ -269,9 +269,33 @@ def _gpt2_fields(hf: dict, problems: list[str]) -> dict[str, Any]:
                 tie_embeddings=hf.get("tie_word_embeddings", True), vocab_multiple=1)
 
 
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "intermediate_size": 14336},
+    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "intermediate_size": 22016,
+              "vocab_size": 151936},
+    "qwen3": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "intermediate_size": 22016,
+              "vocab_size": 151936},
+    "olmo2": {"vocab_size": 50304, "rms_norm_eps": 1e-5},
+    "smollm3": {"hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 4,
+                "max_position_embeddings": 32768, "num_hidden_layers": 36, "vocab_size": 128256,
+                "tie_word_embeddings": True},
+    "mixtral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "intermediate_size": 14336,
+                "rms_norm_eps": 1e-5},
+    "qwen3_moe": {"hidden_size": 2048, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+                  "num_hidden_layers": 24, "intermediate_size": 6144, "vocab_size": 151936},
+    "olmoe": {"hidden_size": 2048, "num_attention_heads": 16, "max_position_embeddings": 4096,
+              "num_hidden_layers": 16, "intermediate_size": 2048, "vocab_size": 50304, "rms_norm_eps": 1e-5},
+}
+"""transformers' defaults of the Llama-shaped classes where they are not LlamaConfig's (which `rotary_fields`
+falls back on): what a config.json that leaves the key out means. A missing num_key_value_heads is otherwise
+num_attention_heads, as LlamaConfig makes it."""
+
+
 def rotary_fields(hf: dict, model_type: str, problems: list[str]) -> dict[str, Any]:
     """The Llama-shaped classes, mixtures of experts included (their attention and norms: `hf_moe` adds the
-    experts): one block, with biases, windows, norms and head widths as the class has them."""
+    experts): one block, with biases, windows, norms and head widths as the class has them; a key the file leaves
+    out has the class's default."""
+    hf = {**CLASS_DEFAULTS.get(model_type, {}), **hf}
     d, n_head = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} (lm's SwiGLU gates with silu)")
