@@ -4,7 +4,7 @@ With `checkpoint.init_from` naming a transformers checkpoint directory, the `mod
 config.json describes (`lm.hf.importing`). A model key given in the YAML or on the command line must agree
 with it, except the keys that change training and not the weights (`ModelConfig.training_keys`); anything
 else is a config that does not describe the checkpoint, refused by name. `data.tokenizer` defaults to the
-checkpoint's own tokenizer.json when it has one.
+checkpoint's own tokenizer.json when it has one, and another tokenizer is refused.
 """
 
 import dataclasses
@@ -12,10 +12,11 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from lm.errors import CheckpointError, ConfigError
+from lm.errors import CheckpointError, ConfigError, LMError
 from lm.hf.importing import is_hf_checkpoint
 from lm.hf.tokenizer_files import exported_encoding
 from lm.models.registry import config_class
+from lm.tokenizer import tokenizer_identity
 
 __all__ = ["model_from_checkpoint"]
 
@@ -52,7 +53,23 @@ def model_from_checkpoint(raw: dict[str, Any], coerce: typing.Callable[[str, obj
     model = dataclasses.asdict(derived) | {key: given[key] for key in family.training_keys if key in given}
     data = raw.get("data") or {}
     tokenizer = Path(init_from) / TOKENIZER_FILE
-    if isinstance(data, dict) and "tokenizer" not in data and tokenizer.is_file():
+    if isinstance(data, dict) and tokenizer.is_file():
         # lm.export's files of a tiktoken encoding are named by the encoding, as the data it trained on records
-        data = {**data, "tokenizer": exported_encoding(Path(init_from)) or str(tokenizer)}
+        own = exported_encoding(Path(init_from)) or str(tokenizer)
+        if "tokenizer" in data:
+            _check_tokenizer(data["tokenizer"], own, init_from)
+        data = {**data, "tokenizer": data.get("tokenizer", own)}
     return {**raw, "model": model, "data": data}
+
+
+def _check_tokenizer(given: object, own: str, init_from: str) -> None:
+    """Refuse a data.tokenizer whose ids (or BOS and EOS) are not those of the checkpoint's own tokenizer: every
+    embedding row stands for one of its ids. One that cannot be read is left to the config's own check."""
+    try:
+        same = isinstance(given, str) and tokenizer_identity(given) == tokenizer_identity(own)
+    except (LMError, OSError, ValueError):
+        return
+    if isinstance(given, str) and not same:
+        raise ConfigError(f"data.tokenizer: {given!r} is not the tokenizer of checkpoint.init_from={init_from} "
+                          f"({own}), whose embedding rows stand for that tokenizer's ids; drop data.tokenizer (it "
+                          "defaults to the checkpoint's) and prepare the data with the checkpoint's tokenizer")

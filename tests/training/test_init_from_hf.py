@@ -136,6 +136,20 @@ def test_the_model_comes_from_the_checkpoint(tmp_path):
     assert m.dropout == 0.1  # a training setting, free to differ
 
 
+def test_the_tokenizer_is_the_checkpoints_and_another_is_refused(tokenizer_jsons, tmp_path):
+    save_hf(LLAMA, tmp_path / "hf", vocab_size=400)
+    shutil.copy(tokenizer_jsons["eot"], tmp_path / "hf/tokenizer.json")
+    init = [f"--checkpoint.init_from={tmp_path / 'hf'}", "--data.seq_len=16"]
+    assert load_config(None, init).data.tokenizer == str(tmp_path / "hf/tokenizer.json")
+    # the same file elsewhere makes the same ids; another one's embedding rows would stand for other tokens
+    assert load_config(None, [*init, f"--data.tokenizer={tokenizer_jsons['eot']}"]).data.tokenizer == \
+        str(tokenizer_jsons["eot"])
+    with pytest.raises(ConfigError, match=rf"^data.tokenizer: '{tokenizer_jsons['bos']}' is not the tokenizer of "
+                                          rf"checkpoint.init_from={tmp_path / 'hf'} \({tmp_path / 'hf/tokenizer.json'}"
+                                          r"\), whose embedding rows stand for that tokenizer's ids"):
+        load_config(None, [*init, f"--data.tokenizer={tokenizer_jsons['bos']}"])
+
+
 def test_a_mixture_of_experts_run_sets_its_own_loss_weights(tmp_path):
     # config.json's router_aux_loss_coef gives model.aux_loss_coef, but the losses' weights are the run's to choose
     save_hf(QWEN3_MOE, tmp_path)
