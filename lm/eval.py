@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from lm.checkpoint.loading import load_for_inference
@@ -25,7 +26,7 @@ from lm.distributed.env import init_device, init_distributed, launched_world_siz
 from lm.errors import ConfigError, DataError
 from lm.inference.choices import encode_items, model_logits_at, score_items
 from lm.inference.scoring import first_tokens, score_stream, score_windows, text_tokens, unigram_entropy, val_streams
-from lm.io import atomic_write_text, output_file_problem
+from lm.io import atomic_write_text, output_file_problem, physical_memory
 from lm.models.family import Family
 from lm.models.registry import family_of
 from lm.tokenizer import model_tokenizer
@@ -123,6 +124,7 @@ def main(argv: list[str]) -> int:
     model, cfg, step_dir = load_for_inference(args.checkpoint, device)
     family = family_of(cfg.model)
     seq_len, stride, objective = _windows(args, cfg, family, parser)
+    _check_batch_room(args.batch_size, seq_len, cfg, device)
     streams, source, n_bytes = _streams(args, cfg)
 
     nll, count, correct = 0.0, 0, None
@@ -175,6 +177,7 @@ def _main_tasks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         raise ConfigError(f"--tasks: scores a next-token model by the likelihood of each choice; {args.checkpoint} "
                           f"is {cfg.model.title}")
     model.eval()
+    _check_batch_room(args.batch_size, cfg.model.block_size, cfg, device)  # a pair is at most a window long
     tokenizer = model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
     rank, ranks = (env.rank, env.world_size) if env is not None else (0, 1)
     scores = {}
@@ -194,6 +197,17 @@ def _main_tasks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                        CORE: core_score(scores)}
             atomic_write_text(args.json, json.dumps(results, indent=2) + "\n")
     return 0
+
+
+def _check_batch_room(batch_size: int, length: int, cfg: JobConfig, device: torch.device) -> None:
+    """Refuse, on a CPU, a --batch-size whose float32 logits (and their log-softmax) of `length` positions each exceed
+    this machine's memory: allocated, they end the tool in an allocator's traceback, or the kernel kills it. A
+    GPU's allocator says so itself."""
+    per_window = 2 * 4 * length * cfg.model.padded_vocab_size
+    if device.type == "cpu" and batch_size * per_window > physical_memory():
+        raise ConfigError(f"--batch-size: {batch_size:,} sequences of {length} positions need "
+                          f"{batch_size * per_window / 2**30:,.1f} GiB for their logits, more than this machine's "
+                          f"{physical_memory() / 2**30:,.1f} GiB; use at most {physical_memory() // per_window:,}")
 
 
 def _print_loss(nll: float, count: int, n_bytes: int | None, decoder_streams: list[np.ndarray] | None) -> None:

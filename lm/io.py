@@ -38,6 +38,11 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def physical_memory() -> int:
+    """Bytes of this machine's memory (RAM), which a CPU process's tensors must fit in."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def file_above(path: Path) -> Path | None:
     """The nearest existing ancestor of `path` if it is a file, so that nothing can be made below it; else None."""
     for parent in path.parents:

@@ -393,6 +393,10 @@ CASES = [
     Case("cli: eval stride beyond the window", "eval",
          ["--checkpoint", "{ws}/run", "--data-dir", "{ws}/data", "--stride", "99"],
          r"python -m lm.eval: error: --stride: must be in \[1, 16\] \(the window length\), got 99"),
+    Case("cli: eval batch beyond the machine's memory", "eval",
+         ["--checkpoint", "{ws}/run", "--batch-size", "100000000"],
+         r"^error: --batch-size: 100,000,000 sequences of 16 positions need [\d,.]+ GiB for their logits, more than "
+         r"this machine's [\d,.]+ GiB; use at most [\d,]+$"),
     Case("cli: eval batch size 0", "eval", ["--checkpoint", "{ws}/run", "--batch-size", "0"],
          r"python -m lm.eval: error: argument --batch-size: expected a positive integer, got 0"),
     Case("cli: eval batch size -1", "eval", ["--checkpoint", "{ws}/run", "--batch-size", "-1"],

@@ -20,6 +20,7 @@ from lm.distributed.engine import Engine, build_engine
 from lm.distributed.env import DistEnv
 from lm.distributed.materialize import WeightLoader
 from lm.errors import ConfigError
+from lm.io import physical_memory
 from lm.models.family import Family
 from lm.plan.counts import num_params
 from lm.plan.memory import GIB
@@ -55,7 +56,7 @@ def check_host_room(cfg: JobConfig, env: DistEnv) -> None:
     params = num_params(cfg.model)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))  # this machine's ranks (torchrun sets it)
     needed = 8 * params * local // env.world_size
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = physical_memory()
     if needed > memory:
         raise ConfigError(f"model: {params:,} parameters need {needed / GIB:,.1f} GiB of this machine's memory for "
                           f"their float32 weights and gradients alone, and it has {memory / GIB:,.1f} GiB; make "
