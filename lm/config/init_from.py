@@ -65,11 +65,13 @@ def model_from_checkpoint(raw: dict[str, Any], coerce: typing.Callable[[str, obj
 def _check_tokenizer(given: object, own: str, init_from: str) -> None:
     """Refuse a data.tokenizer whose ids (or BOS and EOS) are not those of the checkpoint's own tokenizer: every
     embedding row stands for one of its ids. One that cannot be read is left to the config's own check."""
+    if not isinstance(given, str):
+        return
     try:
-        same = isinstance(given, str) and tokenizer_identity(given) == tokenizer_identity(own)
+        same = tokenizer_identity(given) == tokenizer_identity(own)
     except (LMError, OSError, ValueError):
         return
-    if isinstance(given, str) and not same:
+    if not same:
         raise ConfigError(f"data.tokenizer: {given!r} is not the tokenizer of checkpoint.init_from={init_from} "
                           f"({own}), whose embedding rows stand for that tokenizer's ids; drop data.tokenizer (it "
                           "defaults to the checkpoint's) and prepare the data with the checkpoint's tokenizer")
