@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     PrepareModuleInputOutput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -72,9 +73,9 @@ def _style(style: TPStyle) -> ParallelStyle:
     if style is TPStyle.GATHER:  # a sublayer's first input: the whole sequence, from each rank's positions
         return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                   input_kwarg_layouts={}, desired_input_kwarg_layouts={}, use_local_output=True)
-    if style is TPStyle.SCATTER:  # the first block: the embedded sequence, whole on every rank, cut into shards
-        return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                  input_kwarg_layouts={}, desired_input_kwarg_layouts={}, use_local_output=True)
+    if style is TPStyle.SCATTER:  # the embedded sequence, whole on every rank, cut into shards as it comes out
+        return PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
+                                   use_local_output=True)
     if style is TPStyle.EMBEDDING:  # vocabulary rows split; every rank gets the whole embedded sequence
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if style is TPStyle.HEAD:  # vocabulary rows split; logits stay split over the vocabulary for the loss

@@ -84,7 +84,10 @@ class TPStyle(enum.Enum):
     GATHER = "gather"
     """A sublayer whose first input arrives as sequence slices and is gathered whole"""
     SCATTER = "scatter"
-    """The first block: its first input arrives whole on every rank and is cut into sequence slices"""
+    """The module that makes the embedded sequence, before the first block: its output, whole on every rank, is
+    cut into sequence slices. Not the first block's input: a compiled block would hold the cut in its graph, and
+    torch 2.13 compiles its backward to pass on only this rank's slice of the gradient (tensor parallelism with
+    rotary positions trained a wrong embedding)"""
     EMBEDDING = "embedding"
     """The token embedding: vocabulary rows split; every rank gets the whole embedded sequence"""
     HEAD = "head"

@@ -75,8 +75,10 @@ CASES = {
     "modern+muon+document_mask": ["--model.pos=rope", "--model.norm=rmsnorm", "--model.mlp=relu2",
                                   "--model.qk_norm=true", "--model.logit_softcap=15", "--model.bias=false",
                                   "--optim.name=muon", "--data.document_mask=true"],
-    # the original transformer's post-norm blocks (no final norm), per-block torch.compile
-    "post_norm+compile": ["--model.norm_position=post", "--train.compile=true"],
+    # the original transformer's post-norm blocks (no final norm) with rotary positions, per-block torch.compile:
+    # a block compiled with the sequence's cut in its graph had passed back only this rank's slice of the
+    # embedding's gradient
+    "post_norm+rope+compile": ["--model.norm_position=post", "--model.pos=rope", "--train.compile=true"],
 }
 
 

@@ -50,9 +50,9 @@ def stage(model: "nn.Module", layers: range, sequence_shards: int = 1) -> "nn.Mo
 def tensor_styles(model: "nn.Module") -> dict[str, TPStyle]:
     """Megatron's split with sequence parallelism: each block's q, k, v and first MLP matrices by heads and
     hidden units, its two output projections back to sequence slices; norms on sequence slices; the
-    embedding and the head by vocabulary rows. Positions are added while the embedded sequence is whole,
-    and the first block cuts it, so learned, sinusoidal and rotary positions all work."""
-    plan = {"wte": TPStyle.EMBEDDING, "blocks.0": TPStyle.SCATTER, "lm_head": TPStyle.HEAD}
+    embedding and the head by vocabulary rows. Positions are added while the embedded sequence is whole, and
+    the dropout after them cuts it, so learned, sinusoidal and rotary positions all work."""
+    plan = {"wte": TPStyle.EMBEDDING, "drop": TPStyle.SCATTER, "lm_head": TPStyle.HEAD}
     if model.cfg.final_norm:
         plan["ln_f"] = TPStyle.SEQUENCE
     if model.cfg.pos == "learned":
