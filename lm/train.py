@@ -49,6 +49,15 @@ def dry_run(cfg: JobConfig, world_size: int, device_gib: float, nodes: int | Non
     from lm.plan.layouts import configured_table, layout_table
     from lm.plan.memory_table import plan_table
 
+    if cfg.train.device == "cpu":  # planned for the CPU, as the config says: what a CPU run cannot do is refused
+        import torch
+
+        from lm.distributed.float8 import check_float8
+        from lm.distributed.fsdp import check_offload
+
+        if cfg.parallel.engine == "fsdp":
+            check_offload(cfg.parallel, "cpu")
+        check_float8(cfg.train.float8, torch.device("cpu"))
     m = cfg.model
     print(f"model: {m.summary}, vocabulary {m.padded_vocab_size:,} (padded)")
     total, active = num_params(m), num_params(m, active=True)

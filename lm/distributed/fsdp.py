@@ -87,15 +87,20 @@ def mixed_precision(dtype: str, device: torch.device) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
+def check_offload(parallel: ParallelConfig, device_type: str) -> None:
+    """Refuse parallel.cpu_offload for a run on the CPU (at launch, and in a dry run whose config says cpu)."""
+    if parallel.cpu_offload and device_type != "cuda":
+        raise ConfigError("parallel.cpu_offload: FSDP2 offloads a GPU run's shards to host memory; this run is "
+                          "on the CPU already, so drop parallel.cpu_offload")
+
+
 def parallelize(roots: list[nn.Module], blocks: list[nn.Module], family: Family, model: nn.Module,
                 parallel: ParallelConfig, train: TrainConfig, env: DistEnv, mesh: DeviceMesh | None) -> None:
     """Parallelise the model's parts `roots` (the whole model, or this rank's pipeline stages) in place, still on
     the meta device: the family's tensor-parallel plan over the mesh's "tp" dimension (parallel.tp > 1), activation
     checkpointing and torch.compile per block, FSDP2 per block in `blocks` and per root over the "dp" dimension (the
     whole world without a mesh); then allocate each root's shards on this rank's device."""
-    if parallel.cpu_offload and env.device.type != "cuda":
-        raise ConfigError("parallel.cpu_offload: FSDP2 offloads a GPU run's shards to host memory; this run is "
-                          "on the CPU already, so drop parallel.cpu_offload")
+    check_offload(parallel, env.device.type)
     options = {"mp_policy": mixed_precision(train.dtype, env.device)}
     if mesh is not None:
         options["mesh"] = shard_mesh(mesh)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from lm.cli import run
 from lm.config import load_config
 from lm.distributed.activation import checkpoint_blocks
 from lm.models.lstm.family import layer_activation_bytes as lstm_layer_activation_bytes
@@ -393,3 +394,15 @@ def test_context_parallelism_of_a_family_without_its_estimate_is_named_not_guess
     cfg = load_config(None, ["--model.arch=mine", "--parallel.engine=fsdp", "--parallel.cp=2"])
     assert configured_table(cfg, 2, 80.0) == ("configured layout: not estimated: my GPT (model.arch=mine) gives no "
                                               "context-parallel estimate (Estimates.context_kv)")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--parallel.engine=fsdp", "--parallel.cpu_offload=true"], "parallel.cpu_offload: FSDP2 offloads a GPU run's "
+                                                                "shards to host memory; this run is on the CPU"),
+    (["--train.float8=tensorwise"], "train.float8=tensorwise needs a CUDA GPU of compute capability 8.9 or later"),
+])
+def test_a_dry_run_on_the_cpu_refuses_what_the_run_on_the_cpu_refuses(flags, message, capsys):
+    from lm.train import main as train_main
+
+    assert run(train_main, ["--config", "configs/demo.yaml", "--train.device=cpu", *flags, "--dry-run"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {message}")
