@@ -125,14 +125,17 @@ def in_range(kind: type[int] | type[float], low: float, high: float) -> Callable
     return parse
 
 
-PREPARE_READS = ("data",)
-"""The config sections lm.prepare reads; it refuses an override of any other."""
+PREPARE_READS = ("data", "model.vocab_size")
+"""What lm.prepare and lm.train_tokenizer read of a config; they refuse an override of anything else. The data,
+and model.vocab_size, which the config checks against a tiktoken data.tokenizer (--data.tokenizer=cl100k_base
+needs --model.vocab_size=100277)."""
 
 
 def prepare_command(config: list[str], overrides: list[str]) -> list[str]:
     """`lm.prepare` of the data a job trains on: the job's `--config FILE` (`config`, or none) and, of its
     `overrides`, those lm.prepare reads."""
-    read = [o for o in overrides if o.removeprefix("--").split(".", 1)[0] in PREPARE_READS]
+    keys = [o.removeprefix("--").split("=", 1)[0] for o in overrides]  # read as `lm.config.unread_override` reads
+    read = [o for o, key in zip(overrides, keys) if key in PREPARE_READS or key.split(".", 1)[0] in PREPARE_READS]
     return [sys.executable, "-m", "lm.prepare", *config, *read]
 
 

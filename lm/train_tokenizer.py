@@ -16,7 +16,7 @@ from pathlib import Path
 import tokenizers
 
 from lm.checkpoint.store import enclosing_checkpoint
-from lm.cli import a_path, positive_int, run
+from lm.cli import PREPARE_READS, a_path, positive_int, run
 from lm.config import parse_cli
 from lm.data.corpora import find_corpus
 from lm.data.tokenizer_training import (
@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
     """Train the tokenizer, write it atomically to --out and print its compression beside GPT-2's."""
     cfg, args = parse_cli(argv, "Train a byte-level BPE tokenizer.json on data.source, read as lm.prepare reads it "
                           "(of the config, only the data section applies).", extra=_add_flags,
-                          prog="python -m lm.train_tokenizer", reads=("data",))
+                          prog="python -m lm.train_tokenizer", reads=PREPARE_READS)
     data = cfg.data
     specials = special_tokens(args.special_token)
     check_vocab_size(args.vocab_size, specials)

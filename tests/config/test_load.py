@@ -162,10 +162,10 @@ def test_cli_refuses_a_second_config_file(capsys):
 
 
 @pytest.mark.parametrize("tool, args, message", [
-    ("lm.prepare", ["--train.steps=3"], "--train.steps: this tool does not read it (it reads data), so it would "
-     "change nothing"),
-    ("lm.train_tokenizer", ["--out", "t.json", "--vocab-size", "300", "--model.vocab_size=1000"],
-     "--model.vocab_size: this tool does not read it (it reads data)"),
+    ("lm.prepare", ["--train.steps=3"], "--train.steps: this tool does not read it (it reads data, "
+     "model.vocab_size), so it would change nothing"),
+    ("lm.train_tokenizer", ["--out", "t.json", "--vocab-size", "300", "--model.n_layer=3"],
+     "--model.n_layer: this tool does not read it (it reads data, model.vocab_size)"),
     ("lm.finetune", ["--encoder", "run", "--data.val_fraction=0.5"], "--data.val_fraction: this tool does not read "
      "it (it reads model, optim, schedule, train, parallel, checkpoint, log, task, data.seq_len), so it would change "
      "nothing; did you mean --task.val_fraction?"),
@@ -181,6 +181,14 @@ def test_a_tool_refuses_an_override_it_would_not_read(tool, args, message, capsy
         module.main(["--config", "configs/demo.yaml", *args])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_prepare_takes_the_vocab_size_a_tiktoken_tokenizer_needs_and_jobs_pass_it_on(tmp_path):
+    from lm.cli import PREPARE_READS, prepare_command
+
+    args = ["--data.tokenizer=cl100k_base", "--model.vocab_size=100277", f"--data.dir={tmp_path}/d"]
+    assert parse_cli(args, "t", reads=PREPARE_READS)[0].data.tokenizer == "cl100k_base"
+    assert prepare_command([], [*args, "--model.n_layer=2", "--train.steps=5"])[3:] == args
 
 
 def test_a_tool_takes_the_keys_it_reads_and_leaves_unknown_sections_to_the_loader():
