@@ -115,6 +115,9 @@ def prepare(cfg: DataConfig, force: bool = False) -> dict:
     return its manifest. Raises DataError for bad input before `cfg.dir` changes."""
     start_time = time.perf_counter()
     out = Path(cfg.dir)
+    if out.is_symlink():  # data kept on another disk: the build replaces what the link names, and the link stays
+        out = Path(os.path.realpath(out))
+        log.info("data.dir %s links to %s: preparing there", cfg.dir, out)
     if out.name in ("", ".."):  # "", ".", "/", "x/..": the build goes into a sibling named after it
         raise DataError(f"data.dir: {cfg.dir!r} does not end in a directory's name; name the directory to prepare "
                         "into, e.g. data/mine")

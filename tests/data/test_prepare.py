@@ -227,6 +227,21 @@ def test_refuses_to_replace_a_foreign_directory(tmp_path):
     assert (tmp_path / "data" / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("target_exists", [True, False])
+def test_a_linked_data_dir_is_prepared_where_it_links_and_stays_a_link(tmp_path, target_exists):
+    # data kept on another disk: a rebuild had replaced the link with a directory, left the target stale, and
+    # failed on every later run
+    source = write_txt(tmp_path / "in", DOCS)
+    if target_exists:
+        prepare(config(tmp_path, source, dir=str(tmp_path / "disk")))
+    (tmp_path / "data").symlink_to(tmp_path / "disk")
+    manifest = prepare(config(tmp_path, source, val_fraction=0.5), force=True)
+    assert (tmp_path / "data").is_symlink() and (tmp_path / "data").resolve() == tmp_path / "disk"
+    assert json.loads((tmp_path / "disk/manifest.json").read_text()) == manifest
+    assert manifest["splits"]["val"]["documents"] == 10
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "disk", "in"]
+
+
 def test_cli(tmp_path, capsys):
     source = write_txt(tmp_path / "in", DOCS)
     argv = [f"--data.source={source}", f"--data.dir={tmp_path / 'data'}", "--data.val_fraction=0.25",
