@@ -182,6 +182,8 @@ def find_corpus(source: str, separator: str = "") -> Corpus:
     if source == "kjv":
         return _kjv()
     entries = [e.strip() for e in source.split(",") if e.strip()]
+    if not entries:
+        raise DataError(f"data.source: {source!r} names no corpus or files")
     if any(entry.startswith(HUB_PREFIX) for entry in entries):
         if len(entries) > 1:
             raise DataError(f"data.source: a Hub dataset ({HUB_PREFIX}...) is read alone, but {source!r} names "

@@ -54,7 +54,7 @@ def shard_name(split: str, index: int) -> str:
 
 def is_prepared_file(name: str) -> bool:
     """Whether `name` is a file lm.prepare writes into a data directory: manifest.json or a shard."""
-    return name == MANIFEST_NAME or re.fullmatch(r"(train|val)_\d{5}\.bin", name) is not None
+    return name == MANIFEST_NAME or re.fullmatch(r"(train|val)_\d{5,}\.bin", name) is not None  # past 99,999 too
 
 
 def _header(count: int, dtype: np.dtype) -> bytes:

@@ -155,6 +155,7 @@ def test_non_utf8_names_file_and_offset(tmp_path):
     ("a.csv", "{tmp}/a.csv", r"a.csv: unsupported extension '.csv'; expected one of .txt, .md, .json"),
     ("a.txt", "{tmp}/a.txt", r"a.txt: empty file"),
     (None, "{tmp}", r"is a directory; name files or a glob"),
+    (None, ", ,", r"^data.source: ', ,' names no corpus or files$"),  # was commonpath's traceback
 ])
 def test_bad_sources(tmp_path, make, source, message):
     if make:

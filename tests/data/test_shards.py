@@ -11,6 +11,7 @@ from lm.data.shards import (
     check_manifest,
     document_eot,
     dtype_for_vocab,
+    is_prepared_file,
     new_manifest,
     open_shard,
     read_header,
@@ -32,6 +33,9 @@ def test_dtype_for_vocab():
 
 def test_shard_name():
     assert shard_name("train", 3) == "train_00003.bin"
+    # past 99,999 shards the index grows, and lm.prepare still knows the file for its own (to rebuild it)
+    assert shard_name("val", 123456) == "val_123456.bin" and is_prepared_file(shard_name("val", 123456))
+    assert not is_prepared_file("val_12.bin") and not is_prepared_file("notes_00001.bin")
 
 
 @pytest.mark.parametrize("dtype, top", [(np.uint16, 65535), (np.uint32, 100276)])
