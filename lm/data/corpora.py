@@ -118,6 +118,8 @@ class Corpus:
             h.update(f"builtin:{self.builtin}:clean-v{_CLEANING_VERSION}\0".encode())
         if self.num_documents is None:
             h.update(f"text_column:{text_column}\0".encode())
+        if self.hub is not None or any(f.suffix in _ROW_FORMATS for f in self.files):
+            h.update(b"rows:blank-skipped\0")  # rows prepared before blank ones were skipped are prepared again
         if self.hub is not None:
             hub = self.hub
             h.update(f"hub:{hub.name}\0{hub.config or ''}\0{hub.split}\0{hub.revision}\0".encode())
@@ -306,8 +308,11 @@ def _hub_dataset(entry: str) -> HubDataset:
 
 
 def _row_pieces(texts: Iterator[str]) -> Iterator[Piece]:
-    """Each row's text as one document, in pieces when it is long (as a text file's document would be)."""
+    """Each row's text as one document, in pieces when it is long (as a text file's document would be); an empty
+    or blank row is skipped, as an empty or blank document of a text file is."""
     for text in texts:
+        if not text or text.isspace():
+            continue
         if len(text) <= TEXT_CHUNK:
             yield Piece(text, True)
         else:

@@ -227,6 +227,16 @@ def test_refuses_to_replace_a_foreign_directory(tmp_path):
     assert (tmp_path / "data" / "notes.txt").read_text() == "mine"
 
 
+def test_empty_and_blank_rows_are_no_documents_as_in_text_files(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["one", "", "   ", "two", "three", "\n"]))
+    manifest = prepare(config(tmp_path, str(rows), val_fraction=0.34))
+    assert {s: manifest["splits"][s]["documents"] for s in ("train", "val")} == {"train": 2, "val": 1}
+    rows.write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": " "}) + "\n")
+    with pytest.raises(DataError, match=r"holds no documents \(empty and blank ones are skipped\)"):
+        prepare(config(tmp_path, str(rows), dir=str(tmp_path / "blank")))
+
+
 @pytest.mark.parametrize("target_exists", [True, False])
 def test_a_linked_data_dir_is_prepared_where_it_links_and_stays_a_link(tmp_path, target_exists):
     # data kept on another disk: a rebuild had replaced the link with a directory, left the target stale, and
