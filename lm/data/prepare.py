@@ -16,6 +16,7 @@ pieces are joined and the document encoded whole: memory then grows with the lon
 """
 
 import collections
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -45,9 +46,9 @@ from lm.data.shards import (
     verify_hashes,
     write_manifest,
 )
-from lm.data.staging import Staging
+from lm.data.staging import PARTIAL_SUFFIX, Staging
 from lm.errors import DataError
-from lm.io import output_dir_problem, restore_replaced_dir
+from lm.io import REPLACED_SUFFIX, output_dir_problem, restore_replaced_dir
 from lm.tokenizer import (
     HFTokenizer,
     Tokenizer,
@@ -127,7 +128,7 @@ def prepare(cfg: DataConfig, force: bool = False) -> dict:
         raise DataError(f"data.dir: {unwritable}")
     if restore_replaced_dir(out):
         log.warning("%s: a prepare was killed while replacing it; restored the data it replaced", out)
-    corpus = find_corpus(cfg.source, cfg.document_separator)
+    corpus = _outside(find_corpus(cfg.source, cfg.document_separator), out)
     enc = load_tokenizer(cfg.tokenizer)
     content_hash = output_hash(corpus.content_hash(cfg.text_column), cfg)
     if not force:
@@ -158,6 +159,23 @@ def prepare(cfg: DataConfig, force: bool = False) -> dict:
     log.info("prepared %d tokens into %s in %.1f s (%.0f tokens/s)%s", tokens, out, seconds, tokenized / seconds,
              f", {tokenized} of them tokenized in this run" if tokenized != tokens else "")
     return manifest
+
+
+def _outside(corpus: Corpus, out: Path) -> Corpus:
+    """The corpus less its files inside data.dir or the directories lm.prepare builds beside it: a source glob
+    that reaches into them (data/**/*.json) would read lm's own manifest as a document, and a second prepare
+    would read other input than the first."""
+    homes = [Path(os.path.realpath(out.with_name(out.name + suffix))) for suffix in ("", PARTIAL_SUFFIX,
+                                                                                     REPLACED_SUFFIX)]
+    kept = tuple(f for f in corpus.files if not any(home == f or home in f.parents for home in homes))
+    if len(kept) == len(corpus.files):
+        return corpus
+    if not kept:
+        raise DataError(f"data.source: every file it matches is inside data.dir {str(out)!r}, which lm.prepare "
+                        "writes; name the input elsewhere")
+    log.info("data.source: leaving out the %d file(s) it matches inside %s, which lm.prepare writes",
+             len(corpus.files) - len(kept), out)
+    return dataclasses.replace(corpus, files=kept, root=Path(os.path.commonpath([f.parent for f in kept])))
 
 
 def _reusable(out: Path, content_hash: str, check_hashes: bool) -> dict | None:

@@ -227,6 +227,17 @@ def test_refuses_to_replace_a_foreign_directory(tmp_path):
     assert (tmp_path / "data" / "notes.txt").read_text() == "mine"
 
 
+def test_a_source_glob_reaching_into_data_dir_leaves_lms_own_files_out(tmp_path):
+    # the second prepare read the first one's manifest.json as a row: its `source` became a training document
+    (tmp_path / "rows.jsonl").write_text('{"source": "row one"}\n{"source": "row two"}\n')
+    cfg = config(tmp_path, f"{tmp_path}/**/*.json*", text_column="source", val_fraction=0.0)
+    first = prepare(cfg)
+    assert prepare(cfg) == first  # up to date: the same input
+    assert prepare(cfg, force=True)["splits"]["train"]["documents"] == 2
+    with pytest.raises(DataError, match=r"every file it matches is inside data.dir"):
+        prepare(config(tmp_path, f"{tmp_path}/data/*.json", dir=str(tmp_path / "data")))
+
+
 def test_empty_and_blank_rows_are_no_documents_as_in_text_files(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["one", "", "   ", "two", "three", "\n"]))
