@@ -60,6 +60,8 @@ def late_problem(args: argparse.Namespace) -> str | None:
     for flag, path in (("--import-dir", args.import_dir), ("--corpus-work", args.corpus_work)):
         if path is not None and Path(path).exists() and not Path(path).is_dir():
             return f"{flag} {path}: is a file; name a directory to write in"
+        if path is not None and not Path(path).exists():
+            return f"{flag} {path}: no such directory; make it, or leave the flag out"
     return None
 
 

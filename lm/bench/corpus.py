@@ -85,6 +85,9 @@ def run_measured(argv: list[str], log: Path) -> dict:
         time.sleep(_SAMPLE_S)
     seconds = time.perf_counter() - start
     output = log.read_text()
+    if proc.returncode == 2:  # bad input (the corpus): the tool's own error line, as this tool's
+        errors = [line.removeprefix("error: ") for line in output.splitlines() if line.startswith("error: ")]
+        raise DataError(f"--corpus: {errors[-1] if errors else output[-2000:]}")
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited with {proc.returncode}:\n{output[-2000:]}")
     return {"wall s": seconds, "max RSS MiB": peak / 2**20, "tree MiB": tree / 2**20, "output": output}

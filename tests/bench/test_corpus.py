@@ -122,3 +122,17 @@ def test_a_corpus_that_matches_nothing_is_one_error_line(tmp_path, capsys):
     assert run(main, ["--sections", "corpus", "--corpus", str(tmp_path / "*.jsonl")]) == 2
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith("error: --corpus: [") and "matches no files" in line
+
+
+def test_a_corpus_lm_prepare_refuses_is_its_error_line_and_a_missing_work_dir_is_named(tmp_path, capsys):
+    from lm.bench.__main__ import main
+    from lm.cli import run
+
+    (tmp_path / "rows.jsonl").write_text('{"text": "one"}\n{"other": 1}\n{"text": "two"}\n')
+    args = ["--sections", "corpus", "--corpus", str(tmp_path / "rows.jsonl"), "--reps-corpus", "1"]
+    assert run(main, [*args, "--corpus-work", str(tmp_path)]) == 2  # was a RuntimeError traceback
+    assert capsys.readouterr().err.splitlines()[-1] == (f"error: --corpus: {tmp_path / 'rows.jsonl'}: row 1: column "
+                                                        "'text' holds None, expected a string")
+    with pytest.raises(SystemExit):
+        main([*args, "--corpus-work", str(tmp_path / "none")])
+    assert f"--corpus-work {tmp_path / 'none'}: no such directory" in capsys.readouterr().err
