@@ -270,6 +270,11 @@ def read_manifest(data_dir: str | Path, key: str = "data.dir") -> dict:
         raise DataError(f"{path}: unreadable manifest ({type(err).__name__}: {err}); {_PREPARE_HINT}") from None
     if version != FORMAT_VERSION:
         raise DataError(f"{path}: format_version {version}, expected {FORMAT_VERSION}; {_PREPARE_HINT}")
+    for split in ("train", "val"):  # a hand edit that lists another split's shard, one twice, or a file elsewhere
+        for i, entry in enumerate(manifest["splits"][split]["shards"]):
+            if entry["file"] != shard_name(split, i):
+                raise DataError(f"{path}: splits.{split}.shards[{i}] is {entry['file']!r}, where lm.prepare lists "
+                                f"{shard_name(split, i)!r}; {_PREPARE_HINT} with --force")
     for name, tokens in listed:
         shard = data_dir / name
         if not shard.is_file():

@@ -167,9 +167,22 @@ def test_manifest_shard_count_differs(tmp_path):
 
 def test_manifest_shard_entry_removed(tmp_path):
     data, manifest = _prepared_dir(tmp_path)
-    del manifest["splits"]["train"]["shards"][1]  # its file is still there; the run would skip its tokens
+    del manifest["splits"]["train"]["shards"][-1]  # its file is still there; the run would skip its tokens
     (data / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DataError, match=r"manifest.json: splits.train.tokens is \d+, but its shards list \d+ tokens"):
+        read_manifest(data)
+
+
+@pytest.mark.parametrize("edit", ["val shard in train", "outside", "twice"])
+def test_a_manifest_listing_shards_lm_prepare_would_not_is_refused(tmp_path, edit):
+    # --verify had passed each: a val shard trained on, a file outside data.dir, a shard read twice
+    data, manifest = _prepared_dir(tmp_path)
+    train = manifest["splits"]["train"]["shards"]
+    train[1] = {"val shard in train": {**train[1], "file": "val_00000.bin"},
+                "outside": {**train[1], "file": "../x/train_00001.bin"}, "twice": train[0]}[edit]
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"manifest.json: splits.train.shards\[1\] is '.*', where lm.prepare lists "
+                                        r"'train_00001.bin'"):
         read_manifest(data)
 
 
