@@ -97,6 +97,22 @@ class Corpus:
     hub: HubDataset | None = None
     """The Hub dataset this corpus reads (then `files` is empty)."""
 
+    def unread_key(self, text_column: str, separator: str) -> str | None:
+        """Why data.text_column or data.document_separator, set, does nothing for this corpus; None when it is read.
+        A built-in corpus is cut into documents by lm; a separator splits only .txt/.md files, a column only rows."""
+        rows = self.hub is not None or any(f.suffix in _ROW_FORMATS for f in self.files)
+        texts = any(f.suffix in _TEXT_SUFFIXES for f in self.files)
+        if self.builtin is not None and (separator or text_column != "text"):
+            key = "document_separator" if separator else "text_column"
+            return f"data.{key}: the built-in corpus {self.builtin!r} is cut into documents by lm; drop data.{key}"
+        if separator and not texts:
+            return ("data.document_separator: splits .txt and .md files, and data.source names none (a row is one "
+                    "document); drop data.document_separator")
+        if text_column != "text" and not rows:
+            return ("data.text_column: names the column of json, jsonl, parquet and arrow rows, and data.source "
+                    "names none; drop data.text_column")
+        return None
+
     @property
     def num_documents(self) -> int | None:
         """Document count when known without reading (one per text file); None when rows or separators must

@@ -129,6 +129,8 @@ def prepare(cfg: DataConfig, force: bool = False) -> dict:
     if restore_replaced_dir(out):
         log.warning("%s: a prepare was killed while replacing it; restored the data it replaced", out)
     corpus = _outside(find_corpus(cfg.source, cfg.document_separator), out)
+    if problem := corpus.unread_key(cfg.text_column, cfg.document_separator):
+        raise DataError(problem)
     enc = load_tokenizer(cfg.tokenizer)
     content_hash = output_hash(corpus.content_hash(cfg.text_column), cfg)
     if not force:

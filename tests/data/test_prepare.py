@@ -238,6 +238,24 @@ def test_a_source_glob_reaching_into_data_dir_leaves_lms_own_files_out(tmp_path)
         prepare(config(tmp_path, f"{tmp_path}/data/*.json", dir=str(tmp_path / "data")))
 
 
+@pytest.mark.parametrize("source, key, message", [
+    ("shakespeare", {"document_separator": "\n\n"}, "data.document_separator: the built-in corpus 'shakespeare' is "
+                                                    "cut into documents by lm"),
+    ("kjv", {"text_column": "body"}, "data.text_column: the built-in corpus 'kjv' is cut into documents by lm"),
+    ("{tmp}/rows.jsonl", {"document_separator": "\n\n"}, "data.document_separator: splits .txt and .md files, and "
+                                                         "data.source names none"),
+    ("{tmp}/in/*.txt", {"text_column": "body"}, "data.text_column: names the column of json, jsonl, parquet and "
+                                                "arrow rows, and data.source names none"),
+])
+def test_a_key_that_would_do_nothing_for_the_source_is_refused(tmp_path, source, key, message):
+    # each was accepted and did nothing (the separator still changed the content hash)
+    write_txt(tmp_path / "in", DOCS)
+    (tmp_path / "rows.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    with pytest.raises(DataError, match=re.escape(message)):
+        prepare(config(tmp_path, source.format(tmp=tmp_path), **key))
+    assert not (tmp_path / "data").exists()
+
+
 def test_empty_and_blank_rows_are_no_documents_as_in_text_files(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["one", "", "   ", "two", "three", "\n"]))
