@@ -114,6 +114,8 @@ def read_failure(path: Path, fmt: str, err: BaseException) -> str:
     column of mixed types, which pyarrow names with a row counted from the start of a block of the file (or not
     at all), the first row of each kind found again, with its value."""
     text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    if fmt == "json" and text.startswith("JSON parse error") and (where := _first_bad_json(path)) is not None:
+        return f"cannot read as json: {where}"  # pyarrow's row is counted from the start of a block of the file
     mixed = _MIXED.search(text)
     found = _first_two_kinds(path, mixed["column"] or mixed["converted"]) if fmt == "json" and mixed else None
     if found is None:
@@ -121,6 +123,30 @@ def read_failure(path: Path, fmt: str, err: BaseException) -> str:
     column, (row, value, kind), (other_row, other_value, other_kind) = found
     return (f"column {column!r} holds both {kind} values (row {row}: {value!r}) and {other_kind} values "
             f"(row {other_row}: {other_value!r}); a column holds values of one type")
+
+
+def _first_bad_json(path: Path) -> str | None:
+    """Where a JSON Lines file (or a JSON array) first fails to parse, as Python's json reads it: "line L: what";
+    None when it parses here."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            if f.read(_CHUNK).lstrip().startswith("["):
+                f.seek(0)
+                try:
+                    json.load(f)
+                except json.JSONDecodeError as err:
+                    return f"line {err.lineno}: {err.msg}"
+                return None
+            f.seek(0)
+            for number, line in enumerate(f, 1):
+                try:
+                    if line.strip():
+                        json.loads(line)
+                except json.JSONDecodeError as err:
+                    return f"line {number}: {err.msg}"
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def _first_two_kinds(path: Path, column: str | None) -> tuple[str, tuple, tuple] | None:

@@ -133,8 +133,13 @@ def test_non_string_text(tmp_path):
 
 def test_malformed_json(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": "ok"}\n{"text": oops\n')
-    with pytest.raises(DataError, match=r"a.jsonl: cannot read as json"):
+    with pytest.raises(DataError, match=r"a.jsonl: cannot read as json: line 2: Expecting value$"):
         list(iter_documents(str(tmp_path / "a.jsonl"), "text"))
+    # deep in a large file: pyarrow counts its row from the start of a block (it said row 9530 for line 30001)
+    lines = [json.dumps({"text": f"row {i} " + "x" * 80}) for i in range(30000)] + ['{"text": "broken"']
+    (tmp_path / "late.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"late.jsonl: cannot read as json: line 30001: "):
+        list(iter_documents(str(tmp_path / "late.jsonl"), "text"))
 
 
 def test_json_without_rows(tmp_path):
