@@ -194,7 +194,7 @@ def expected_documents(files: list[Path], held: dict, separator: str) -> list[st
         if content is None:
             return None
         if isinstance(content, list):
-            documents += content
+            documents += [row for row in content if row and not row.isspace()]  # a blank row is no document
         elif not separator:
             documents.append(content)  # a file's one document, even blank
         elif separator == "\n\n":
