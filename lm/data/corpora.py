@@ -8,20 +8,18 @@ few hundred), so a corpus, a file or a document larger than memory works, and `C
 fingerprints the input so unchanged data is not re-prepared.
 """
 
-import functools
 import glob
 import hashlib
 import importlib.util
 import json
 import os
 import re
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from lm.data.local_datasets import JSON_OPTIONS, check_json_rows, local_datasets, read_failure
 from lm.data.pieces import Piece, split_pieces
+from lm.data.rows import HUB_PREFIX, HubDataset, hub_texts, row_texts
 from lm.errors import DataError
 from lm.io import read_utf8, read_utf8_chunks
 
@@ -29,16 +27,10 @@ __all__ = ["BUILTIN_CORPORA", "HUB_PREFIX", "TEXT_CHUNK", "Corpus", "HubDataset"
            "iter_documents"]
 
 BUILTIN_CORPORA = ("shakespeare", "kjv")
-HUB_PREFIX = "hf:"
-"""Starts a data.source naming a dataset on the Hugging Face Hub: hf:NAME[:CONFIG[:SPLIT]]."""
 _TEXT_SUFFIXES = (".txt", ".md")
 # .arrow: the Arrow stream files `datasets` writes (save_to_disk, its cache)
 _ROW_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
 _SUFFIXES = ", ".join(_TEXT_SUFFIXES + tuple(_ROW_FORMATS))
-_JSON_CHUNK = 1 << 20
-_ROW_BATCH = 256
-"""Rows read from `datasets` at a time: a batch of strings costs far less Python per row than row dicts
-(the 115 MB Debian mix: 1.2 s in batches, 20 s row by row), and a few hundred rows keep memory small."""
 # Part of the content hash of the built-in corpus: bump it whenever clean_markdown's output changes,
 # so data prepared with the old cleaning is rebuilt.
 _CLEANING_VERSION = 1
@@ -70,17 +62,6 @@ def clean_markdown(text: str) -> str:
     text = _TRAILING_SPACE.sub("", text)
     text = _BLANK_RUN.sub("\n\n", text)
     return text.strip("\n") + "\n"
-
-
-@dataclass(frozen=True)
-class HubDataset:
-    """A split of a dataset on the Hugging Face Hub, pinned to the commit it was resolved to."""
-
-    name: str
-    config: str | None
-    split: str
-    revision: str
-    """The dataset repository's commit, so the content hash changes when the dataset does."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +139,7 @@ class Corpus:
         """The pieces of input `part` alone (file `part`, or the Hub dataset): `pieces` is all parts in order,
         so a reader can start again at any part without reading those before it."""
         if self.hub is not None:
-            yield from _row_pieces(_hub_texts(self.hub, text_column))
+            yield from _row_pieces(hub_texts(self.hub, text_column))
             return
         path = self.files[part]
         if self.builtin == "kjv":
@@ -166,7 +147,7 @@ class Corpus:
         elif self.builtin is not None:
             yield Piece(clean_markdown(read_utf8(path)), True)  # a play is small, and cleaned whole
         elif path.suffix in _ROW_FORMATS:
-            yield from _row_pieces(_row_texts(path, _ROW_FORMATS[path.suffix], text_column))
+            yield from _row_pieces(row_texts(path, _ROW_FORMATS[path.suffix], text_column))
         else:
             yield from split_pieces(read_utf8_chunks(path, TEXT_CHUNK), self.separator, TEXT_CHUNK)
 
@@ -334,74 +315,3 @@ def _row_pieces(texts: Iterator[str]) -> Iterator[Piece]:
         else:
             chunks = (text[i:i + TEXT_CHUNK] for i in range(0, len(text), TEXT_CHUNK))
             yield from split_pieces(chunks, "", TEXT_CHUNK)
-
-
-def _row_texts(path: Path, fmt: str, text_column: str) -> Iterator[str]:
-    """Stream `text_column` of each row of a json/jsonl/parquet/arrow file through Hugging Face datasets."""
-    # datasets parses the first `chunksize` bytes of a JSON file once more to learn its columns: its default
-    # 10 MB is the whole of most files, 1 MB reads the Debian mix in half the time and holds less
-    options = {"chunksize": _JSON_CHUNK, **JSON_OPTIONS} if fmt == "json" else {}
-
-    def open_rows(datasets, cache: str):
-        return datasets.load_dataset(fmt, data_files=[str(path)], split="train", streaming=True, cache_dir=cache,
-                                     **options)
-
-    if fmt == "json":
-        check_json_rows(path)
-    with local_datasets() as datasets:
-        import pyarrow  # loaded with datasets
-
-        # pyarrow's parse errors (ArrowInvalid) are ValueErrors; its ArrowTypeError (a value pandas could not
-        # convert, where datasets reads JSON through pandas) is not, and datasets does not wrap it when streaming
-        yield from _column_texts(datasets, open_rows, str(path), functools.partial(read_failure, path, fmt),
-                                 (ValueError, OSError, pyarrow.ArrowException), text_column)
-
-
-def _hub_texts(hub: HubDataset, text_column: str) -> Iterator[str]:
-    """Stream `text_column` of each row of a Hub dataset's split, at the resolved commit."""
-    def open_rows(datasets, cache: str):
-        return datasets.load_dataset(hub.name, hub.config, split=hub.split, revision=hub.revision, streaming=True,
-                                     cache_dir=cache)
-
-    origin = f"{HUB_PREFIX}{hub.name}" + (f":{hub.config}" if hub.config else "") + f":{hub.split}"
-    with local_datasets(offline=False) as datasets:
-        # the network's and the Hub's errors come from several libraries, none of them an LMError
-        yield from _column_texts(datasets, open_rows, origin,
-                                 lambda err: f"cannot read from the Hugging Face Hub: {err}", Exception, text_column)
-
-
-def _column_texts(
-    datasets, open_rows: Callable, origin: str, failure: Callable[[BaseException], str], errors: type | tuple,
-    text_column: str,
-) -> Iterator[str]:
-    """The strings in `text_column` of the rows that `open_rows(datasets, cache_dir)` streams, read a batch at
-    a time; DataError naming `origin` for a missing column, a value that is not a string, no rows at all, or
-    any of `errors` raised while reading (what `failure(err)` says of it)."""
-    # Streaming writes nothing but a lock file; keep even that out of the user's home.
-    with tempfile.TemporaryDirectory(prefix="lm-datasets-") as cache:
-        batches, columns, rows = None, None, 0
-        while True:
-            try:
-                if batches is None:
-                    stream = open_rows(datasets, cache)
-                    # known up front for the formats read here (empty for a file without rows), else None
-                    columns = stream.column_names
-                    if columns and text_column in columns:
-                        stream = stream.select_columns([text_column])
-                    batches = iter(stream.iter(batch_size=_ROW_BATCH))
-                batch = None if columns and text_column not in columns else next(batches)
-            except StopIteration:
-                break
-            except errors as err:
-                raise DataError(f"{origin}: {failure(err)}") from err
-            if batch is None or text_column not in batch:
-                found = columns if batch is None else list(batch)
-                raise DataError(f"{origin}: no column {text_column!r} (data.text_column); the columns are "
-                                f"{sorted(found)}")
-            for text in batch[text_column]:
-                if not isinstance(text, str):
-                    raise DataError(f"{origin}: row {rows}: column {text_column!r} holds {text!r}, expected a string")
-                rows += 1
-                yield text
-        if rows == 0:
-            raise DataError(f"{origin}: no rows; expected at least one document")
