@@ -46,7 +46,7 @@ def dry_run(cfg: JobConfig, world_size: int, device_gib: float, nodes: int | Non
     """Print what the config would train and how much memory each engine needs per device; with `nodes`, also
     the layouts of that many nodes of `gpus_per_node` GPUs and the one to pick."""
     from lm.plan.counts import num_params
-    from lm.plan.layouts import configured_table, layout_table
+    from lm.plan.layout_table import configured_table, layout_table
     from lm.plan.memory_table import plan_table
 
     if cfg.train.device == "cpu":  # planned for the CPU, as the config says: what a CPU run cannot do is refused

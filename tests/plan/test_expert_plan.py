@@ -6,7 +6,8 @@ import pytest
 from lm.config import load_config
 from lm.errors import ConfigError
 from lm.plan.counts import counts, num_params, root_params, unit_params
-from lm.plan.layouts import estimate_layout, layout_rows, layout_table, pick_layout
+from lm.plan.layout_table import layout_table
+from lm.plan.layouts import estimate_layout, layout_rows, pick_layout
 from lm.plan.memory import GIB, estimate_memory
 
 # 2 blocks of width 32 on rotary positions, each a mixture of 4 gelu experts 16 wide, 2 a token; windows of 16 tokens,

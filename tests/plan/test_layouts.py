@@ -12,7 +12,8 @@ import pytest
 from lm.cli import run
 from lm.config import load_config
 from lm.plan.counts import num_params
-from lm.plan.layouts import estimate_layout, layout_rows, layout_table, pick_layout
+from lm.plan.layout_table import layout_table
+from lm.plan.layouts import estimate_layout, layout_rows, pick_layout
 from lm.plan.memory import GIB, estimate_memory
 from lm.plan.memory_table import plan_table
 from lm.train import main as train_main

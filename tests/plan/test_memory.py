@@ -386,7 +386,7 @@ def test_bad_nproc_is_a_usage_error(args, message, tmp_path):
 
 def test_context_parallelism_of_a_family_without_its_estimate_is_named_not_guessed(plugin_dir, capsys):
     from lm.models.registry import get_family, register
-    from lm.plan.layouts import configured_table
+    from lm.plan.layout_table import configured_table
     from tests.models.test_registry import mine
 
     gpt = get_family("gpt")
