@@ -1,7 +1,8 @@
 """Which (tensor, pipeline, data)-parallel layout to train a config on: per-GPU memory and communication of every
 layout a cluster of `nodes` x `gpus_per_node` can run, and a pick. Arithmetic on the config, like
-`lm.plan.memory`, whose terms it reuses; it prints under `python -m lm.train --dry-run --nodes N --gpus-per-node G`,
-and for the layout a config sets (context parallelism and HSDP included) under `--dry-run` alone.
+`lm.plan.memory`, whose terms it reuses. `lm.plan.layout_table` prints it under `python -m lm.train --dry-run
+--nodes N --gpus-per-node G`, and for the layout a config sets (context parallelism and HSDP included) under
+`--dry-run` alone.
 
 Memory per GPU, under the fsdp engine (the one that takes layouts), at the peak of a step, for the rank that needs
 the most:
