@@ -233,12 +233,17 @@ def merge_dir(staging: Path, final: Path) -> None:
     staging.rmdir()
 
 
+UTF8_BOM = codecs.BOM_UTF8  # a byte-order mark some editors write first; no part of the text
+
+
 def decode_utf8(data: bytes, origin: str | Path) -> str:
-    """`data` decoded as UTF-8; DataError naming `origin` and the first bad byte otherwise."""
+    """`data` decoded as UTF-8, without a leading byte-order mark; DataError naming `origin` and the first
+    bad byte otherwise."""
+    start = len(UTF8_BOM) if data.startswith(UTF8_BOM) else 0
     try:
-        return data.decode("utf-8")
+        return data[start:].decode("utf-8")
     except UnicodeDecodeError as err:
-        raise _not_utf8(origin, err, 0) from None
+        raise _not_utf8(origin, err, start) from None
 
 
 def read_utf8(path: str | Path) -> str:
@@ -252,8 +257,8 @@ def read_utf8(path: str | Path) -> str:
 
 def read_utf8_chunks(path: str | Path, chunk_bytes: int) -> Iterator[str]:
     """The text of a UTF-8 file as consecutive non-empty strings decoded from about `chunk_bytes` bytes
-    each, so a file larger than memory can be read; DataError as `read_utf8` gives, with the bad byte's
-    offset in the file."""
+    each, so a file larger than memory can be read, without a leading byte-order mark; DataError as
+    `read_utf8` gives, with the bad byte's offset in the file."""
     try:
         f = open(path, "rb")
     except OSError as err:
@@ -267,6 +272,8 @@ def read_utf8_chunks(path: str | Path, chunk_bytes: int) -> Iterator[str]:
             except OSError as err:
                 raise DataError(f"{path}: cannot read: {err.strerror or err}") from None
             data = pending + chunk
+            if offset == 0 and data.startswith(UTF8_BOM):
+                data, offset = data[len(UTF8_BOM):], len(UTF8_BOM)
             try:
                 text, used = codecs.utf_8_decode(data, "strict", not chunk)
             except UnicodeDecodeError as err:

@@ -103,6 +103,19 @@ def test_read_utf8_chunks_decodes_characters_cut_by_chunks(tmp_path):
     assert len(list(read_utf8_chunks(tmp_path / "a.txt", 7))) > 100
 
 
+def test_a_byte_order_mark_opening_a_file_is_dropped(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbfh\xc3\xa9 \xef\xbb\xbf")  # a second mark is text: U+FEFF
+    assert read_utf8(tmp_path / "a.txt") == "hé \ufeff"
+    for size in (1, 2, 3, 4, 1 << 20):
+        assert "".join(read_utf8_chunks(tmp_path / "a.txt", size)) == "hé \ufeff"
+    (tmp_path / "bad.txt").write_bytes(b"\xef\xbb\xbfab\xff")
+    for size in (1, 2, 1 << 20):  # the offset still counts the mark's bytes
+        with pytest.raises(DataError, match=r"byte 0xff at offset 5"):
+            list(read_utf8_chunks(tmp_path / "bad.txt", size))
+    with pytest.raises(DataError, match=r"byte 0xff at offset 5"):
+        read_utf8(tmp_path / "bad.txt")
+
+
 @pytest.mark.parametrize("data, message", [
     (b"abc\xffdef", r"bad.txt: not UTF-8: byte 0xff at offset 3 cannot be decoded \(invalid start byte\)"),
     ("é".encode() * 40 + b"\xc3\x28" + b"x" * 40, r"bad.txt: not UTF-8: byte 0xc3 at offset 80 cannot be decoded"),

@@ -21,7 +21,7 @@ from pathlib import Path
 from lm.data.pieces import Piece, split_pieces
 from lm.data.rows import HUB_PREFIX, HubDataset, hub_texts, row_texts
 from lm.errors import DataError
-from lm.io import read_utf8, read_utf8_chunks
+from lm.io import UTF8_BOM, read_utf8, read_utf8_chunks
 
 __all__ = ["BUILTIN_CORPORA", "HUB_PREFIX", "TEXT_CHUNK", "Corpus", "HubDataset", "clean_markdown", "find_corpus",
            "iter_documents"]
@@ -123,6 +123,9 @@ class Corpus:
         for path in self.files:
             h.update(f"{path.relative_to(self.root).as_posix()}\0{path.stat().st_size}\0".encode())
             with open(path, "rb") as f:
+                if path.suffix in _TEXT_SUFFIXES and f.read(len(UTF8_BOM)) == UTF8_BOM:
+                    h.update(b"bom-dropped\0")  # such a file prepared while its mark was kept is prepared again
+                f.seek(0)
                 while chunk := f.read(_HASH_CHUNK):
                     h.update(chunk)
         return h.hexdigest()
