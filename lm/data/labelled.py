@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from lm.data.loader import rank_slice
-from lm.data.local_datasets import JSON_OPTIONS, check_json_rows, local_datasets, read_failure
+from lm.data.local_datasets import JSON_OPTIONS, check_json_rows, local_datasets, parquet_rows, read_failure
 from lm.data.mixture import sample_order
 from lm.data.prepare import is_val_document, smallest_val_fraction
 from lm.errors import DataError
@@ -95,7 +95,7 @@ def _read_columns(path: Path, text: str, others: Sequence[str] = (), optional: S
         else JSON_OPTIONS if fmt == "json" else {}
     if fmt == "json":
         check_json_rows(path)
-    if fmt == "parquet" and _parquet_rows(path) == 0:  # datasets fails on one with pyarrow's "BatchSize must be > 0"
+    if fmt == "parquet" and parquet_rows(path) == 0:
         raise DataError(f"{path}: no rows; expected labelled examples")
     with local_datasets() as datasets:
         try:
@@ -119,16 +119,6 @@ def _read_columns(path: Path, text: str, others: Sequence[str] = (), optional: S
         return {name: list(table[name]) for name in (*names, *optional) if name in table.column_names}
     except UnicodeDecodeError as err:
         raise DataError(f"{path}: holds text that is not UTF-8 ({err.reason}); convert the file to UTF-8") from None
-
-
-def _parquet_rows(path: Path) -> int | None:
-    """The rows a parquet file's footer counts, or None when it cannot be read (loading it then says why)."""
-    import pyarrow.parquet
-
-    try:
-        return pyarrow.parquet.ParquetFile(path).metadata.num_rows
-    except (OSError, ValueError):
-        return None
 
 
 def _check_csv(path: Path) -> None:

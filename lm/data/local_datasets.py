@@ -30,7 +30,7 @@ from types import ModuleType
 
 from lm.errors import DataError
 
-__all__ = ["JSON_OPTIONS", "check_json_rows", "local_datasets", "read_failure"]
+__all__ = ["JSON_OPTIONS", "check_json_rows", "local_datasets", "parquet_rows", "read_failure"]
 
 JSON_OPTIONS = {"on_mixed_types": None, "parse_agent_traces": False}
 """What both readers pass `datasets`' JSON loader: by default it keeps a column of mixed types (texts and a
@@ -171,3 +171,14 @@ def _first_two_kinds(path: Path, column: str | None) -> tuple[str, tuple, tuple]
     except (OSError, ValueError):
         return None
     return None
+
+
+def parquet_rows(path: Path) -> int | None:
+    """The rows a parquet file's footer counts, or None when it cannot be read (loading it then says why);
+    `datasets` fails on a file of none with pyarrow's "BatchSize must be greater than 0"."""
+    import pyarrow.parquet
+
+    try:
+        return pyarrow.parquet.ParquetFile(path).metadata.num_rows
+    except (OSError, ValueError):
+        return None

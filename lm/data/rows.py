@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from lm.data.local_datasets import JSON_OPTIONS, check_json_rows, local_datasets, read_failure
+from lm.data.local_datasets import JSON_OPTIONS, check_json_rows, local_datasets, parquet_rows, read_failure
 from lm.errors import DataError
 
 __all__ = ["HUB_PREFIX", "HubDataset", "hub_texts", "row_texts"]
@@ -44,6 +44,8 @@ def row_texts(path: Path, fmt: str, text_column: str) -> Iterator[str]:
 
     if fmt == "json":
         check_json_rows(path)
+    if fmt == "parquet" and parquet_rows(path) == 0:
+        raise DataError(_no_rows(str(path), text_column))
     with local_datasets() as datasets:
         import pyarrow  # loaded with datasets
 
@@ -95,9 +97,16 @@ def _column_texts(
                 raise DataError(f"{origin}: no column {text_column!r} (data.text_column); the columns are "
                                 f"{sorted(found)}")
             for text in batch[text_column]:
+                if text is None:  # a null, or a row without the key: datasets reads both as None
+                    raise DataError(f"{origin}: row {rows}: column {text_column!r} is missing or null, expected a "
+                                    f"string")
                 if not isinstance(text, str):
                     raise DataError(f"{origin}: row {rows}: column {text_column!r} holds {text!r}, expected a string")
                 rows += 1
                 yield text
         if rows == 0:
-            raise DataError(f"{origin}: no rows; expected at least one document")
+            raise DataError(_no_rows(origin, text_column))
+
+
+def _no_rows(origin: str, text_column: str) -> str:
+    return f"{origin}: no rows with a column {text_column!r} (data.text_column); expected at least one document"

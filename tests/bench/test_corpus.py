@@ -132,7 +132,7 @@ def test_a_corpus_lm_prepare_refuses_is_its_error_line_and_a_missing_work_dir_is
     args = ["--sections", "corpus", "--corpus", str(tmp_path / "rows.jsonl"), "--reps-corpus", "1"]
     assert run(main, [*args, "--corpus-work", str(tmp_path)]) == 2  # was a RuntimeError traceback
     assert capsys.readouterr().err.splitlines()[-1] == (f"error: --corpus: {tmp_path / 'rows.jsonl'}: row 1: column "
-                                                        "'text' holds None, expected a string")
+                                                        "'text' is missing or null, expected a string")
     with pytest.raises(SystemExit):
         main([*args, "--corpus-work", str(tmp_path / "none")])
     assert f"--corpus-work {tmp_path / 'none'}: no such directory" in capsys.readouterr().err

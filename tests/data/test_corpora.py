@@ -108,6 +108,20 @@ def test_document_separator_splits_text_files_only(tmp_path):
     assert shakespeare.num_documents == 38 and shakespeare == find_corpus("shakespeare")  # one document a play
 
 
+def test_a_byte_order_mark_is_no_part_of_a_document(tmp_path):
+    bom = "\ufeff".encode()
+    (tmp_path / "a.txt").write_bytes(bom + b"first\n\nsecond " + bom + b"\n")
+    (tmp_path / "b.jsonl").write_bytes(bom + json.dumps({"text": "third"}).encode() + b"\n")
+    source = f"{tmp_path}/a.txt,{tmp_path}/b.jsonl"
+    # only the mark that opens a file goes: one inside the text is a character of it
+    assert list(iter_documents(source, "text", "\n\n")) == ["first\n", "second \ufeff\n", "third"]
+    before = find_corpus(source).content_hash("text")
+    (tmp_path / "a.txt").write_bytes((tmp_path / "a.txt").read_bytes()[len(bom):])
+    assert list(iter_documents(source, "text", "\n\n")) == ["first\n", "second \ufeff\n", "third"]
+    # the same documents, but the data prepared while lm kept the mark must not pass for today's
+    assert find_corpus(source).content_hash("text") != before
+
+
 def test_row_files(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"body": "one", "id": 1}) + "\n" + json.dumps({"body": "two"}) + "\n")
     (tmp_path / "b.json").write_text(json.dumps([{"body": "three"}]))
@@ -142,10 +156,16 @@ def test_malformed_json(tmp_path):
         list(iter_documents(str(tmp_path / "late.jsonl"), "text"))
 
 
-def test_json_without_rows(tmp_path):
+def test_rows_without_text(tmp_path):
     (tmp_path / "a.jsonl").write_text("\n\n")
-    with pytest.raises(DataError, match=r"a.jsonl: no rows"):
-        list(iter_documents(str(tmp_path / "a.jsonl"), "text"))
+    (tmp_path / "b.jsonl").write_text("{}\n")  # a row, but none of its keys: datasets streams no row at all
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "c.parquet")  # was pyarrow's BatchSize
+    for name in ("a.jsonl", "b.jsonl", "c.parquet"):
+        with pytest.raises(DataError, match=rf"{name}: no rows with a column 'text' \(data.text_column\); expected"):
+            list(iter_documents(str(tmp_path / name), "text"))
+    (tmp_path / "d.jsonl").write_text('{"text": "one"}\n{"other": 1}\n')  # no key is no null the user wrote
+    with pytest.raises(DataError, match=r"d.jsonl: row 1: column 'text' is missing or null, expected a string$"):
+        list(iter_documents(str(tmp_path / "d.jsonl"), "text"))
 
 
 def test_non_utf8_names_file_and_offset(tmp_path):
