@@ -283,6 +283,10 @@ class Estimates:
     idle_params: "Callable[[Any], int] | None" = None
     """cfg -> the parameters a token does not go through, which its FLOPs leave out (a mixture of experts' experts
     its router does not choose); None: every parameter is active"""
+    kept_logits: "Callable[[Any, DataConfig, int], int] | None" = None
+    """(cfg, data, micro_batch) -> of activation_bytes' logits, the bytes the loss's forward keeps until its
+    backward (not the gradients backward makes): what a pipeline running every forward first (GPipe) holds for each
+    micro-batch; None: all of them"""
     context_kv: "Callable[[Any], int] | None" = None
     """cfg -> the key and value elements per token that each block gathers from the other context-parallel ranks
     (`lm.distributed.context_parallel`); None: the planner does not estimate the family under parallel.cp"""

@@ -172,4 +172,9 @@ def stack_bytes(n_layer: int, checkpointed: int, full: int, boundary: int) -> in
 def logits_bytes(positions: int, vocab: int) -> int:
     """The fp32 log-softmax of the logits of `positions` positions and both its gradients (see the module
     docstring)."""
-    return positions * vocab * 12
+    return kept_logits_bytes(positions, vocab) + positions * vocab * 8
+
+
+def kept_logits_bytes(positions: int, vocab: int) -> int:
+    """Of `logits_bytes`, the fp32 log-softmax output, which the loss keeps from its forward to its backward."""
+    return positions * vocab * 4

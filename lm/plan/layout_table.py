@@ -17,6 +17,9 @@ from lm.plan.memory import GIB
 
 __all__ = ["configured_table", "layout_table", "why_none"]
 
+_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B"}
+"""parallel.pp_schedule as a table's title names it."""
+
 
 def _examples(cases: list[RuledOut]) -> str:
     """The first few layouts of `cases`, and the reason of the first case of each key (parallel.tp, parallel.pp,
@@ -57,14 +60,15 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.1f}"
 
 
-def _rows_text(title: str, rows: list[LayoutEstimate], device_gib: float) -> list[str]:
-    """`rows` under `title` as the lines of a text table, and what its columns mean."""
+def _rows_text(title: str, rows: list[LayoutEstimate], device_gib: float, schedule: str = "1F1B") -> list[str]:
+    """`rows` under `title` as the lines of a text table, pipelines running `schedule`, and what its columns
+    mean."""
     cp = any(r.cp > 1 for r in rows)  # a column only for tables that have context parallelism
     width = max([30, *(len(r.label) for r in rows)])
     head = (f"{'layout':<{width}} {'ckpt':>4} {'offload':>7} {'micro':>5} {'state':>7} {'gather':>7} {'activ':>7} "
             f"{'GPU GiB':>8} {'tp GB':>7} {'fsdp GB':>7} {'pp GB':>6} {'ep GB':>6}" + f" {'cp GB':>6}" * cp +
             f"  fits {device_gib:g} GiB")
-    lines = [f"{title} (fsdp engine, 1F1B): per-GPU memory in GiB and data sent per GPU per step in GB", head,
+    lines = [f"{title} (fsdp engine, {schedule}): per-GPU memory in GiB and data sent per GPU per step in GB", head,
              "-" * len(head)]
     for r in rows:
         lines.append(f"{r.label:<{width}} {r.activation_checkpointing:>4} {'yes' if r.cpu_offload else 'no':>7} "
@@ -80,19 +84,18 @@ def _rows_text(title: str, rows: list[LayoutEstimate], device_gib: float) -> lis
 
 def configured_table(cfg: JobConfig, world_size: int, device_gib: float) -> str:
     """The layout the parallel section sets (tp, pp, cp, dp_replicate, ep) on `world_size` GPUs, estimated as
-    `layout_table` estimates each layout of a cluster; a pipeline schedule other than 1F1B, or context
-    parallelism of a family that gives no estimate of it, is named, not guessed at. The world size is the run's
+    `layout_table` estimates each layout of a cluster, under the configured pipeline schedule; context
+    parallelism of a family that gives no estimate of it is named, not guessed at. The world size is the run's
     (`check_world`)."""
     par, model = cfg.parallel, cfg.model
-    if par.pp > 1 and par.pp_schedule != "1f1b":
-        return (f"configured layout: not estimated: the planner models the 1F1B pipeline schedule, not "
-                f"parallel.pp_schedule={par.pp_schedule}")
     if par.cp > 1 and family_of(model).estimates.context_kv is None:
         return (f"configured layout: not estimated: {model.title} (model.arch={model.arch}) gives no "
                 "context-parallel estimate (Estimates.context_kv)")
     row = estimate_layout(cfg, par.tp, par.pp, world_size // (par.tp * par.pp * par.cp), par.activation_checkpointing,
-                          par.cpu_offload, par.ep, par.cp, par.dp_replicate)
-    return "\n".join(_rows_text(f"configured layout on {world_size} GPUs", [row], device_gib))
+                          par.cpu_offload, par.ep, par.cp, par.dp_replicate, par.pp_schedule, par.pp_stages_per_rank)
+    schedule = _SCHEDULES[par.pp_schedule] + (f", {par.pp_stages_per_rank} stages per rank"
+                                              if par.pp_stages_per_rank > 1 else "")
+    return "\n".join(_rows_text(f"configured layout on {world_size} GPUs", [row], device_gib, schedule))
 
 
 def layout_table(cfg: JobConfig, nodes: int, gpus_per_node: int, device_gib: float) -> str:

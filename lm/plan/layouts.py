@@ -13,10 +13,13 @@ the most:
   dp / dp_replicate ranks; with context parallelism over the cp ranks too);
 - gathered: FSDP2's unsharded units, the root and two blocks, divided by tp, as a 16-bit weight and gradient;
 - activations: what the family counts for the rank's blocks on one micro-batch (`Estimates.activation_bytes`),
-  divided by tp (sequence parallelism splits all of them), times the micro-batches in flight on that rank: 1
-  without a pipeline, pp - r on pipeline rank r under 1F1B (Narayanan et al. 2021); plus one micro-batch's
-  logits / tp on the last stage, with tp > 1 also the head's output slice, which torch's vocabulary-parallel
-  cross-entropy keeps for backward. Under context parallelism (cp ranks, tp = pp = 1) the blocks keep what they
+  divided by tp (sequence parallelism splits all of them), times the micro-batches in flight on that rank
+  (`in_flight`): 1 without a pipeline; pp - r on pipeline rank r under 1F1B (Narayanan et al. 2021); all the
+  step's under GPipe; under interleaved 1F1B (v smaller stages per rank, each forward one stage's) the warm-up
+  torch gives rank r, (v - 1) micro-batches of a round and 2 (pp - 1 - r) more, plus one. On the last stage, one
+  micro-batch's logits / tp, and with tp > 1 the head's output slice, which torch's vocabulary-parallel
+  cross-entropy keeps for backward; under GPipe what the loss keeps of each other micro-batch's too
+  (`Estimates.kept_logits`). Under context parallelism (cp ranks, tp = pp = 1) the blocks keep what they
   keep for seq_len / cp tokens, but each block that keeps its activations holds the whole window's keys and values
   (`Estimates.context_kv` per token), and the head and the logits cover the whole window, gathered back.
 
@@ -34,7 +37,8 @@ Communication per GPU per optimizer step (bytes sent; the bus carries about as m
   the replicas, 2 (r - 1) / r of it;
   (a rank's experts: an all-gather over the dp / ep ranks sharing them, (dp / ep - 1) / (dp / ep) of its ep rank's
   share);
-- pp: per micro-batch, the activations of one stage boundary forward and their gradient backward, / tp;
+- pp: per micro-batch and stage of the rank, the activations of its boundary forward and their gradient backward,
+  / tp;
 - ep: per mixture-of-experts layer and micro-batch, 4 x b x s x k x h x c x (ep - 1) / ep: each of the b x s tokens'
   hidden vectors (h x c bytes) goes to the ranks of its k experts and its output comes back (2 all-to-alls), and the
   backward sends their gradients the same two ways; with routing balanced a row stays on its own rank 1 time in ep;
@@ -114,11 +118,30 @@ def _stage_layers(n_layer: int, pp: int) -> list[int]:
     return sizes
 
 
+def in_flight(schedule: str, pp: int, rank: int, n_micro: int, stages_per_rank: int = 1) -> int:
+    """The most forwards of one stage that pipeline rank `rank` of `pp` holds for backward at once, under torch's
+    `schedule` of `n_micro` micro-batches: all of them under gpipe, pp - rank under 1f1b (its warm-up forwards and
+    the one before its first backward), and under interleaved_1f1b, whose ranks each hold `stages_per_rank`
+    smaller stages, the warm-up torch gives that rank (`_get_warmup_ops`: the other stages' share of a round,
+    2 more a rank away from the last) and one more."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return n_micro
+    if schedule == "1f1b":
+        return min(n_micro, pp - rank)
+    per_round = n_micro // max(1, n_micro // pp)
+    warmup = (stages_per_rank - 1) * per_round + 2 * (pp - 1 - rank)
+    return min(warmup + 1, n_micro * stages_per_rank)
+
+
 def estimate_layout(cfg: JobConfig, tp: int, pp: int, dp: int, activation_checkpointing: int,
-                    cpu_offload: bool = False, ep: int = 1, cp: int = 1, dp_replicate: int = 1) -> LayoutEstimate:
-    """Per-GPU memory and communication of training `cfg` (fsdp, 1F1B when pp > 1) on the layout
-    tp x pp x cp x dp, with `ep` of a replica's dp ranks splitting a mixture's experts and the dp ranks as
-    `dp_replicate` HSDP replicas; with `cpu_offload` the model state lives in host memory."""
+                    cpu_offload: bool = False, ep: int = 1, cp: int = 1, dp_replicate: int = 1,
+                    schedule: str = "1f1b", stages_per_rank: int = 1) -> LayoutEstimate:
+    """Per-GPU memory and communication of training `cfg` (fsdp) on the layout tp x pp x cp x dp, the pipeline's
+    `schedule` running `stages_per_rank` stages on each of its ranks, with `ep` of a replica's dp ranks splitting
+    a mixture's experts and the dp ranks as `dp_replicate` HSDP replicas; with `cpu_offload` the model state lives
+    in host memory."""
     model = cfg.model
     dp_shard = dp // dp_replicate  # one replica's data-parallel ranks: FSDP2 shards over them (and the cp ranks)
     check_ep(cfg, ep, dp_shard)
@@ -135,33 +158,39 @@ def estimate_layout(cfg: JobConfig, tp: int, pp: int, dp: int, activation_checkp
     b, s, h = cfg.train.micro_batch_size, cfg.data.seq_len, model.d_model
     n_micro = cfg.train.batch_size // (b * dp)
     root = root_params(model)
+    estimates = family_of(model).estimates
     ranks = []
-    for rank, layers in enumerate(_stage_layers(model.n_layer, pp)):
-        first, last = rank == 0, rank == pp - 1
+    stages = _stage_layers(model.n_layer, pp * stages_per_rank)  # rank r runs stages r, r + pp, r + 2 pp, ...
+    for rank in range(pp):
+        own = stages[rank::pp]
+        layers, first, last = sum(own), rank == 0, rank == pp - 1
         own_root = root if pp == 1 else root // 2 * (first + last)
         params = (layers * dense_unit + own_root) / tp
         # this ep rank's share of its blocks' experts (the blocks' share of them all: some blocks may be dense)
         experts = ceil_div(n.experts * layers, model.n_layer * ep)
         state = 16 * (ceil_div(int(params), dp_shard * cp) + ceil_div(experts, dp_shard // ep))
         gathered = (int(own_root / tp) + 2 * gathered_unit) * (2 * c)
-        stage = dataclasses.replace(model, n_layer=layers)
+        stage = dataclasses.replace(model, n_layer=max(own))  # a forward in flight: of the rank's largest stage
         acts, logits = activation_bytes(stage, cfg.data, b, c, c, activation_checkpointing, True)
         if cp > 1:
             acts, logits = _context_activations(stage, cfg.data, b, c, activation_checkpointing, cp)
-        in_flight = 1 if pp == 1 else min(n_micro, pp - rank)  # 1F1B: stage r holds pp - r forwards at most
         # torch's vocabulary-parallel cross-entropy also keeps its input, the head's output (its slice after / tp)
         kept_input = b * s * model.padded_vocab_size * c if tp > 1 else 0
-        acts = (acts - logits) * in_flight + (logits + kept_input if last else 0)
+        acts = (acts - logits) * in_flight(schedule, pp, rank, n_micro, stages_per_rank) + \
+            (logits + kept_input if last else 0)
+        if last and schedule == "gpipe" and pp > 1:  # the other micro-batches' losses await their backward too
+            kept = logits if estimates.kept_logits is None else estimates.kept_logits(model, cfg.data, b)
+            acts += (kept + kept_input) * (n_micro - 1)
         ranks.append((state + gathered + acts // tp, state, gathered, acts // tp))
     _, state, gathered, acts = max(ranks)
     boundary = b * s * h * c
-    tp_bytes = 8 * boundary * (tp - 1) // tp * max(_stage_layers(model.n_layer, pp)) * n_micro if tp > 1 else 0
-    most = max(_stage_layers(model.n_layer, pp))
+    most = max(sum(stages[rank::pp]) for rank in range(pp))
+    tp_bytes = 8 * boundary * (tp - 1) // tp * most * n_micro if tp > 1 else 0
     local = (most * dense_unit + (root if pp == 1 else root // 2)) / tp
     fsdp_bytes = _fsdp_bytes(local, n_micro, dp_shard * cp, dp_replicate)
     # the ranks FSDP2 shards one ep rank's experts over
     fsdp_bytes += _fsdp_bytes(n.experts * most / model.n_layer / ep, n_micro, dp_shard // ep, dp_replicate)
-    pp_bytes = 2 * boundary // tp * n_micro if pp > 1 else 0
+    pp_bytes = 2 * boundary // tp * n_micro * stages_per_rank if pp > 1 else 0  # a boundary after each stage
     # the experts of the largest stage's mixture layers (pp is 1 under ep: all of them)
     ep_bytes = int(4 * b * s * routed_per_token(model) * h * c * (ep - 1) / ep) * n.expert_layers * n_micro
     cp_bytes = _context_bytes(model, b * s, c, activation_checkpointing, cp) * n_micro

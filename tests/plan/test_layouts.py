@@ -83,6 +83,29 @@ def test_context_parallelism_and_hsdp_move_the_measured_heap_as_estimated(tiny_d
     assert grown > 0 and heap["hsdp2x2"]["start"] - heap["fsdp4"]["start"] == pytest.approx(grown * 12 / 16, rel=0.1)
 
 
+@pytest.mark.process
+def test_gpipe_and_interleaved_1f1b_hold_the_forwards_estimated(tiny_data_dir, tmp_path):
+    # pipeline 2 x FSDP2 2 with 4 micro-batches of 2 windows a step: rank 0 holds 4 forwards of its 2 blocks under
+    # GPipe (and rank 1 four micro-batches' log-softmax), and 5 of one block (2 of a round on its other stage, 2
+    # more a rank from the last, and one) under interleaved 1F1B, where 1F1B would hold 2 of 2 blocks
+    flags = [*MEASURED, "--train.micro_batch_size=2", "--train.batch_size=16", "--parallel.pp=2",
+             f"--data.dir={tiny_data_dir}"]
+    schedules = {"gpipe": ["--parallel.pp_schedule=gpipe"],
+                 "interleaved": ["--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_stages_per_rank=2"]}
+    heap, estimate = {}, {}
+    for name, extra in schedules.items():
+        heap[name] = _measure([*flags, *extra], tmp_path / name)
+        par = load_config(None, [*flags, *extra]).parallel
+        estimate[name] = estimate_layout(load_config(None, [*flags, *extra]), 1, 2, 2, 0,
+                                         schedule=par.pp_schedule, stages_per_rank=par.pp_stages_per_rank)
+    for name in schedules:
+        assert heap[name]["peak"] == pytest.approx(estimate[name].total, rel=0.2), (name, heap, estimate[name])
+    # GPipe's peak is far past what 1F1B would hold, which the estimate of 1F1B could not pass for (interleaved
+    # 1F1B holds about what 1F1B holds: its smaller stages make up for its longer warm-up)
+    one_f_one_b = estimate_layout(load_config(None, flags), 1, 2, 2, 0).total
+    assert heap["gpipe"]["peak"] > 1.3 * one_f_one_b, (heap, one_f_one_b)
+
+
 def test_hsdp_shards_over_one_replica_and_all_reduces_the_shards_across_replicas():
     cfg = load_config("configs/llama3-8b.yaml", [])
     params, hsdp = num_params(cfg.model), estimate_layout(cfg, 1, 1, 8, 0, dp_replicate=2)

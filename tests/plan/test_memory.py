@@ -303,12 +303,20 @@ def test_the_dry_run_checks_and_estimates_the_configured_layout(capsys):
     assert lines[at + 3].split()[:14] == ["tp", "1", "x", "pp", "1", "x", "cp", "2", "x", "dp", "4", "(hsdp", "2",
                                           "x"]
     assert lines[at + 3].split()[-2:] == [f"{row.cp_bytes / 1e9:.1f}", "yes"] and row.cp_bytes > 0
-    # a layout the estimate does not model is named, not guessed at
-    gpipe = load_config("configs/demo.yaml", ["--parallel.engine=fsdp", "--parallel.pp=2",
-                                               "--parallel.pp_schedule=gpipe", "--model.tie_embeddings=false"])
-    dry_run(gpipe, 2, 80.0)
-    assert ("configured layout: not estimated: the planner models the 1F1B pipeline schedule, not "
-            "parallel.pp_schedule=gpipe") in capsys.readouterr().out.splitlines()
+    # the configured pipeline schedule is the one estimated, and named
+    for schedule, title, extra in [("gpipe", "GPipe", []),
+                                   ("interleaved_1f1b", "interleaved 1F1B, 2 stages per rank",
+                                    ["--parallel.pp_stages_per_rank=2", "--model.n_layer=4"])]:
+        piped = load_config("configs/demo.yaml", ["--parallel.engine=fsdp", "--parallel.pp=2", "--train.batch_size=8",
+                                                  f"--parallel.pp_schedule={schedule}", "--model.tie_embeddings=false",
+                                                  *extra])
+        dry_run(piped, 2, 80.0)
+        lines = capsys.readouterr().out.splitlines()
+        at = lines.index(f"configured layout on 2 GPUs (fsdp engine, {title}): per-GPU memory in GiB and data sent "
+                         "per GPU per step in GB")
+        row = estimate_layout(piped, 1, 2, 1, 0, schedule=schedule, stages_per_rank=piped.parallel.pp_stages_per_rank)
+        assert lines[at + 3].split()[14] == f"{row.total / GIB:.2f}"  # GPU GiB
+        assert row.total != estimate_layout(piped, 1, 2, 1, 0).total  # not 1F1B's
 
 
 def test_plan_table_lists_every_engine_and_picks_one():

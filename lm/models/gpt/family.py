@@ -19,7 +19,7 @@ from lm.models.family import (
 )
 from lm.models.gpt import hf, hf_moe, hf_remote
 from lm.models.gpt.config import GPTConfig
-from lm.models.sizes import checkpointed_blocks, layer_activation_bytes, logits_bytes, stack_bytes
+from lm.models.sizes import checkpointed_blocks, kept_logits_bytes, layer_activation_bytes, logits_bytes, stack_bytes
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -217,6 +217,15 @@ def activation_bytes(cfg: GPTConfig, data: "DataConfig", micro_batch: int, act_b
     return stack + tail + logits, logits
 
 
+def kept_logits(cfg: GPTConfig, data: "DataConfig", micro_batch: int) -> int:
+    """The log-softmax (and a soft-cap's tanh) that the loss keeps for backward; with model.loss_chunk none,
+    since backward recomputes each chunk's."""
+    if cfg.loss_chunk:
+        return 0
+    t, vocab = micro_batch * data.seq_len, cfg.padded_vocab_size
+    return kept_logits_bytes(t, vocab) + (4 * t * vocab if cfg.logit_softcap else 0)
+
+
 FAMILY = Family(
     name="gpt",
     config_class=GPTConfig,
@@ -229,7 +238,7 @@ FAMILY = Family(
     sampler=next_token.SAMPLER,
     # the native classes first, lm's own code last
     hf=HFAdapter((*hf.TARGETS, *hf_moe.TARGETS, hf_remote.TARGET), {**hf.READERS, **hf_moe.READERS}),
-    estimates=Estimates(activation_bytes, flops_per_token, idle_params=idle_expert_params,
+    estimates=Estimates(activation_bytes, flops_per_token, idle_params=idle_expert_params, kept_logits=kept_logits,
                         context_kv=lambda cfg: 2 * cfg.kv_heads * cfg.head_dim),  # every block's k and v
     # a router's few scores decide which experts a token reaches: kept out of float8 like the head
     float8_linears=float8_except("lm_head", "router.gate"),
