@@ -1,7 +1,8 @@
 """The optimizer every engine steps: AdamW, with weight decay on weight matrices only; or, with optim.name
 muon, Muon for the hidden matrices and that same AdamW for the rest."""
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -30,7 +31,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, heads: Sequence[nn.Modul
             if cfg.name == "muon" and isinstance(module, nn.Linear) and module not in heads and name == "weight":
                 matrices.append(param)
                 continue
-            skip = isinstance(module, (nn.Embedding, nn.LayerNorm, nn.RMSNorm)) or name == "bias"
+            # nn.LSTM names its biases bias_ih_l0, bias_hh_l0, ...
+            skip = isinstance(module, (nn.Embedding, nn.LayerNorm, nn.RMSNorm)) or name.partition("_")[0] == "bias"
             (no_decay if skip else decay).append(param)
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
@@ -56,3 +58,15 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float, cfg: OptimConfig) -> Non
     for Muon's matrices. Read from the config, not the groups, which a resumed checkpoint overwrites."""
     for group in optimizer.param_groups:
         group["lr"] = lr * cfg.muon_lr / cfg.lr if group.get("muon") else lr
+
+
+@contextlib.contextmanager
+def settings_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Load a checkpoint's optimizer state inside the block, keeping each group's settings (weight decay, betas,
+    eps, Muon's momentum) as this run's config made them: loading puts the checkpoint's into the groups, so a
+    resumed run that changed optim.weight_decay would go on with the old value while saying it changed, and a
+    parameter that moved to another group since (nn.LSTM's biases, no longer decayed) would mix two groups'."""
+    kept = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    yield
+    for group, own in zip(optimizer.param_groups, kept, strict=True):
+        group.update(own)

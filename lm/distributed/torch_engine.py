@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from lm.config import OptimConfig, TrainConfig
 from lm.distributed.env import DistEnv, background_group
 from lm.distributed.host_copy import HostCopy
-from lm.distributed.optim import build_optimizer, set_lr
+from lm.distributed.optim import build_optimizer, set_lr, settings_kept
 from lm.distributed.tensor_parallel import parallel_loss, whole
 from lm.models.family import Family, Run
 from lm.models.loss import compiled_loss
@@ -141,7 +141,9 @@ class TorchEngine:
         """Load model and optimizer, resharded to this world size and engine (DCP is the same for both)."""
         state = self._state()
         dcp.load(state, checkpoint_id=directory)  # in place
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        with settings_kept(self.optimizer):
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
 
 
 def by_mesh(tensors: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:

@@ -21,7 +21,7 @@ from lm.config import OptimConfig, ParallelConfig, TrainConfig, use_bf16
 from lm.distributed.activation import checkpoint_blocks
 from lm.distributed.env import DistEnv
 from lm.distributed.materialize import WeightLoader, materialize
-from lm.distributed.optim import build_optimizer, set_lr
+from lm.distributed.optim import build_optimizer, set_lr, settings_kept
 from lm.errors import ConfigError
 from lm.io import held_output, publish_dir
 from lm.models.family import Family, Run
@@ -220,6 +220,7 @@ class DeepSpeedEngine:
         if self.load_universal:
             ensure_universal(directory, self.env)
             tag = UNIVERSAL_TAG
-        path, _ = self.engine.load_checkpoint(str(directory), tag=tag, load_lr_scheduler_states=False)
+        with settings_kept(self.optimizer):
+            path, _ = self.engine.load_checkpoint(str(directory), tag=tag, load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"{directory / tag}: DeepSpeed found no checkpoint to load")
