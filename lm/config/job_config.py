@@ -247,6 +247,9 @@ class JobConfig:
         if self.data.document_mask and not model.document_masking:
             raise ConfigError(f"data.document_mask: {model.title} (model.arch={model.arch}) cannot keep attention "
                               "inside each document of a window; set it to false")
+        if self.optim.name == "muon" and not model.muon_matrices:
+            raise ConfigError(f"optim.name: muon steps a model's hidden nn.Linear matrices, and {model.title} "
+                              f"(model.arch={model.arch}) has none; use optim.name=adamw")
         if self.optim.name == "muon" and self.parallel.engine == "deepspeed":
             raise ConfigError("optim.name: muon runs under parallel.engine ddp or fsdp; DeepSpeed steps its own "
                               "optimizer over flattened partitions, where no matrix is whole. Use "

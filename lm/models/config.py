@@ -64,6 +64,8 @@ class ModelConfig:
     """Whether the family keeps attention inside each document of a packed window (data.document_mask)."""
     z_loss: ClassVar[bool] = False
     """Whether the family's loss adds the z-loss term (optim.z_loss)."""
+    muon_matrices: ClassVar[bool] = True
+    """Whether the family's hidden matrices are nn.Linear weights, which optim.name=muon steps with Muon."""
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "block_size", "n_layer", "d_model", "vocab_multiple"):

@@ -17,8 +17,9 @@ from lm.cli import run
 from lm.config import load_config
 from lm.distributed.env import init_distributed
 from lm.distributed.optim import build_optimizer
-from lm.errors import CheckpointError
+from lm.errors import CheckpointError, ConfigError
 from lm.models.gpt.model import GPT
+from lm.models.registry import family_of
 from lm.report.metrics import read_metrics
 from lm.training.trainer import Trainer
 from tests.distributed.test_engines import heads_for, train
@@ -214,6 +215,32 @@ def test_tensorboard_receives_the_logged_scalars(two_step_run):
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
     rows = metrics_rows(out)
     assert events.Scalars("val/loss")[0].value == pytest.approx(rows[-1]["val/loss"], rel=1e-6)
+
+
+def test_an_lstms_biases_are_not_decayed_and_muon_is_refused_it():
+    cfg = load_config("configs/demo.yaml", ["--model.arch=lstm", "--model.n_layer=2", "--model.d_model=16"])
+    model = family_of(cfg.model).build(cfg.model)
+    decay, no_decay = build_optimizer(model, cfg.optim, [model.lm_head]).param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.dim() == 2 for p in decay["params"])  # nn.LSTM names its biases bias_ih_l0, bias_hh_l0
+    assert {names[id(p)] for p in no_decay["params"]} >= {"layers.0.bias_ih_l0", "layers.1.bias_hh_l0"}
+    # Muon steps nn.Linear matrices; an LSTM's are its own, so muon would have trained as plain AdamW
+    with pytest.raises(ConfigError, match=r"optim.name: muon steps a model's hidden nn.Linear matrices, and an LSTM "
+                                          r"\(model.arch=lstm\) has none; use optim.name=adamw"):
+        load_config("configs/demo.yaml", ["--model.arch=lstm", "--optim.name=muon"])
+
+
+def test_a_resumed_run_steps_with_the_optimizer_settings_it_is_given(tiny_data_dir, tmp_path, caplog):
+    env = init_distributed("cpu")
+    Trainer(tiny_config(tiny_data_dir, tmp_path / "run", "--train.steps=3"), env).fit()
+    caplog.set_level(logging.INFO, logger="lm")
+    changed = ["--train.steps=4", "--optim.weight_decay=0.5", "--optim.beta2=0.9", "--optim.eps=1e-6"]
+    trainer = Trainer(tiny_config(tiny_data_dir, tmp_path / "run", *changed), env)
+    assert trainer.step == 3 and any("optim.weight_decay 0.1 -> 0.5" in m for m in caplog.messages)
+    decay, no_decay = trainer.engine.optimizer.param_groups  # the checkpoint's state, not its settings
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.5, 0.0)
+    assert decay["betas"] == no_decay["betas"] == (0.9, 0.9) and decay["eps"] == no_decay["eps"] == 1e-6
+    assert all(trainer.engine.optimizer.state[p]["step"] == 3 for p in decay["params"])
 
 
 def test_another_seed_resumes_only_when_told_and_then_reads_in_the_new_order(tiny_data_dir, tmp_path, caplog):

@@ -16,6 +16,7 @@ class LSTMConfig(ModelConfig):
     arch: str = "lstm"
     title: ClassVar[str] = "an LSTM"
     z_loss: ClassVar[bool] = True
+    muon_matrices: ClassVar[bool] = False  # its gates' matrices are nn.LSTM's own, stacked four to a tensor
     loss_chunk: int = 0
     """Compute the output head and loss this many of the B*T positions at a time, recomputing each chunk's
     logits in backward, so the full (B*T, vocab) logits never exist. 0: off, the whole head at once."""
