@@ -40,7 +40,8 @@ def read_result(run_dir: Path, settings: dict[str, object], params: int, status:
     if not (run_dir / "metrics.jsonl").is_file():
         return result
     rows = load_run(run_dir)
-    last = {kind: [r for r in rows if row_kind(r) == kind][-1:] for kind in ("train", "val")}
+    # a train row without a loss: every step of its window was skipped
+    last = {kind: [r for r in rows if row_kind(r) == kind and f"{kind}/loss" in r][-1:] for kind in ("train", "val")}
     if last["train"]:
         result.train_loss = last["train"][0]["train/loss"]
     if last["val"]:

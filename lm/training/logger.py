@@ -118,7 +118,8 @@ class TrainWindow:
 
         A MEAN or SUM term is averaged over the applied steps; over ranks a MEAN term is weighted by each rank's
         weights, a SUM term added over the data-parallel ranks, a MAX term the largest. A term only some ranks
-        hold (a pipeline's last stage) is taken from them."""
+        hold (a pipeline's last stage) is taken from them. A window whose every step was skipped has no terms: a
+        loss of 0 would read as a perfect model."""
         names = self.reduces
         if env.is_distributed:  # every rank reduces the same terms in the same order
             names = {}
@@ -133,6 +134,8 @@ class TrainWindow:
                 local = self.sums[name] / self.applied.clamp(min=1) if held else torch.zeros((), device=self.device)
             values[name] = local
         values = across_ranks(values, names, {name: self.weights.get(name) for name in names}, env)
+        if not self.applied.item():  # the skip is the step's on every rank: so is this (after the collectives)
+            values = {}
         steps, seconds = self.steps, time.perf_counter() - self.start
         self.__init__(self.device)
         return values, steps, seconds

@@ -227,7 +227,8 @@ class Trainer:
                         f"data/{source.name}/epochs": n / windows.num_samples}
         perf = f"mfu {row['perf/mfu']:.1%}" if self.peak_flops else f"{flops_s / 1e12:.3f} TFLOP/s"
         skipped = f" | {self.skipped.total} skipped" if self.skipped.total else ""
-        shown = [f"{name} {value:.4f}" for name, value in terms.items()]  # "loss" first, then the family's others
+        # "loss" first, then the family's others; none when every step of the window was skipped
+        shown = [f"{name} {value:.4f}" for name, value in terms.items()] or ["loss n/a"]
         if ppl:
             shown.insert(1, f"ppl {ppl['train/ppl']:.1f}")
         self.metrics.log(self.step, self.tokens_seen, self.elapsed_s(), row, (

@@ -54,12 +54,16 @@ def faulty_trainer(cfg) -> Trainer:
     return trainer
 
 
-def test_a_nan_step_is_skipped_and_counted(tiny_data_dir, tmp_path, monkeypatch):
+def test_a_nan_step_is_skipped_and_counted(tiny_data_dir, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("LM_FAULT_NAN_STEPS", "2")
-    history = faulty_trainer(config(tiny_data_dir, tmp_path / "run", "--train.steps=4")).fit()
-    rows = {r["step"]: r for r in history if "train/loss" in r}
+    with caplog.at_level(logging.INFO, logger="lm"):
+        history = faulty_trainer(config(tiny_data_dir, tmp_path / "run", "--train.steps=4")).fit()
+    rows = {r["step"]: r for r in history if "train/skipped_steps" in r}
     assert [rows[s]["train/skipped_steps"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
-    assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in rows.values())
+    # step 2's line trained nothing: it has no loss (a 0, perplexity 1, would read as a perfect model)
+    assert [s for s in rows if "train/loss" in rows[s] or "train/ppl" in rows[s]] == [1, 3, 4]
+    assert any(m.startswith("step 2/4 | loss n/a | lr ") and m.endswith("| 1 skipped") for m in caplog.messages)
+    assert all(torch.isfinite(torch.tensor(rows[s]["train/loss"])) for s in (1, 3, 4))
     assert all(torch.isfinite(w).all() for w in final_weights(tmp_path / "run").values())
 
 
