@@ -284,7 +284,14 @@ CASES = [
          train("--model.n_experts=4", "--model.experts_per_token=5"),
          r"model.experts_per_token: 5 experts per token of model.n_experts=4; it must be 1 to 4"),
     Case("config: a balancing bias without experts", "train", train("--model.router_bias_rate=0.001"),
-         r"model.router_bias_rate: 0.001 balances the routers of a mixture of experts; it needs model.n_experts > 0"),
+         r"model.router_bias_rate: 0.001 shapes or trains a mixture of experts, and the model is dense; set "
+         r"model.n_experts > 0, or drop model.router_bias_rate"),
+    Case("config: shared experts of a dense model", "train", train("--model.n_shared_experts=1"),
+         r"model.n_shared_experts: 1 shapes or trains a mixture of experts, and the model is dense"),
+    Case("config: a sigmoid router told not to renormalise", "train",
+         train("--model.n_experts=4", "--model.router=sigmoid", "--model.router_renorm=false"),
+         r"model.router_renorm: false keeps the softmax router's own weights, and the sigmoid router always "
+         r"rescales its k scores to sum to 1; drop model.router_renorm"),
     # data: prepared shards, their manifest, and the corpus lm.prepare reads
     Case("data: no data directory", "train", train(data="{ws}/nowhere"),
          r"data.dir: no directory '{ws}/nowhere'; run `python -m lm.prepare` first"),

@@ -123,7 +123,7 @@ def test_which_blocks_are_mixtures():
 def test_the_flops_count_the_active_experts_only():
     cfg = dataclasses.replace(MOE, mlp="swiglu", n_experts=8, experts_per_token=2, bias=False)
     assert idle_expert_params(cfg) == 2 * 6 * 3 * 32 * 16
-    dense_width = dataclasses.replace(cfg, n_experts=0, d_ff=2 * 16)
+    dense_width = dataclasses.replace(cfg, n_experts=0, expert_d_ff=0, d_ff=2 * 16)
     # with 2 of 8 experts active, the active parameters are a dense model's of twice the expert width, plus routers
     routers = 2 * 32 * 8
     assert num_params(cfg) - idle_expert_params(cfg) == num_params(dense_width) + routers

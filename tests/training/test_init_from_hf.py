@@ -154,9 +154,13 @@ def test_a_mixture_of_experts_run_sets_its_own_loss_weights(tmp_path):
     # config.json's router_aux_loss_coef gives model.aux_loss_coef, but the losses' weights are the run's to choose
     save_hf(QWEN3_MOE, tmp_path)
     cfg = load_config(None, [f"--checkpoint.init_from={tmp_path}", "--data.seq_len=16",
-                             "--model.aux_loss_coef=0.05", "--model.router_z_loss_coef=0.001"])
+                             "--model.aux_loss_coef=0.05", "--model.router_z_loss_coef=0.001",
+                             "--model.router_bias_update=error"])  # as the balancing bias's rule
     assert (cfg.model.n_experts, cfg.model.aux_loss_coef, cfg.model.router_z_loss_coef) == (4, 0.05, 0.001)
-    assert model_diff(cfg.model, replace(cfg.model, aux_loss_coef=0.0)) == ""  # and a resume may change them
+    assert cfg.model.router_bias_update == "error"
+    # and a resume may change them, but not whether the routers keep a bias
+    assert model_diff(cfg.model, replace(cfg.model, aux_loss_coef=0.0, router_bias_update="sign")) == ""
+    assert model_diff(cfg.model, replace(cfg.model, router_bias_rate=0.001)) == "model.router_bias_rate: 0.0 -> 0.001"
 
 
 def test_a_model_key_that_disagrees_is_one_error(tmp_path):

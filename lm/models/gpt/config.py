@@ -15,6 +15,11 @@ def moe_block(layer: int, first_dense: int, every: int) -> bool:
     return after >= 0 and (after + 1) % every == 0
 
 
+_MIXTURE_KEYS = ("experts_per_token", "n_shared_experts", "expert_d_ff", "moe_every", "moe_first_dense", "router",
+                 "router_renorm", "aux_loss_coef", "router_z_loss_coef", "router_bias_rate", "router_bias_update")
+"""The keys only a mixture of experts (model.n_experts > 0) reads."""
+
+
 @dataclass
 class GPTConfig(TransformerConfig):
     """A decoder-only transformer: GPT-2 by default, Llama-style by options (see `TransformerConfig`)."""
@@ -26,8 +31,10 @@ class GPTConfig(TransformerConfig):
     norm_positions: ClassVar[tuple[str, ...]] = (*NORM_POSITIONS, "output")
     """`output` (OLMo 2): each sublayer's output is normed before it joins the residual, x + norm(f(x)), and the
     stack ends in a final norm."""
-    # the mixture-of-experts losses' weights: a run can set its own over an imported checkpoint's
-    training_keys: ClassVar[tuple[str, ...]] = (*TransformerConfig.training_keys, "aux_loss_coef", "router_z_loss_coef")
+    # the mixture-of-experts losses' weights and the balancing bias's update rule: a run can set its own over an
+    # imported or resumed checkpoint's (router_bias_rate cannot: at 0 the model has no bias at all)
+    training_keys: ClassVar[tuple[str, ...]] = (*TransformerConfig.training_keys, "aux_loss_coef", "router_z_loss_coef",
+                                                "router_bias_update")
     rope_theta: float = 10000.0
     """Base of the rotary frequencies (pos: rope)."""
     rope_scaling: str = "none"
@@ -163,9 +170,14 @@ class GPTConfig(TransformerConfig):
         for key in ("aux_loss_coef", "router_z_loss_coef", "router_bias_rate"):
             if not 0 <= getattr(self, key) < math.inf:
                 raise ConfigError(f"model.{key}: must be a finite number >= 0, got {getattr(self, key)}")
-        if self.router_bias_rate and not self.n_experts:
-            raise ConfigError(f"model.router_bias_rate: {self.router_bias_rate} balances the routers of a mixture of "
-                              "experts; it needs model.n_experts > 0 (or set it to 0)")
+        if not self.n_experts:  # a dense model: a mixture's key away from its default would do nothing
+            for key in _MIXTURE_KEYS:
+                if (value := getattr(self, key)) != self.__dataclass_fields__[key].default:
+                    raise ConfigError(f"model.{key}: {value!r} shapes or trains a mixture of experts, and the model "
+                                      f"is dense; set model.n_experts > 0, or drop model.{key}")
+        if self.router == "sigmoid" and not self.router_renorm:
+            raise ConfigError("model.router_renorm: false keeps the softmax router's own weights, and the sigmoid "
+                              "router always rescales its k scores to sum to 1; drop model.router_renorm")
         if self.moe_every < 1:
             raise ConfigError(f"model.moe_every: must be >= 1 (1: every block), got {self.moe_every}")
         if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
