@@ -78,6 +78,12 @@ class HFTokenizer:
 
     def __init__(self, path: Path, tokenizer: tokenizers.Tokenizer, eos: int, bos: int | None,
                  config_path: Path | None, digest: str) -> None:
+        # EOS and BOS stand where lm puts them only: an added token a file leaves unspecial is matched in text
+        added = tokenizer.get_added_tokens_decoder()
+        tokenizer.add_special_tokens([tokenizers.AddedToken(added[i].content, single_word=added[i].single_word,
+                                                            lstrip=added[i].lstrip, rstrip=added[i].rstrip,
+                                                            normalized=added[i].normalized, special=True)
+                                      for i in {eos, bos} if i in added and not added[i].special])
         tokenizer.encode_special_tokens = True
         tokenizer.no_truncation()
         tokenizer.no_padding()

@@ -67,6 +67,19 @@ def test_special_token_text_stays_text(tokenizer_jsons):
     assert 0 not in ids and 1 not in ids and tok.decode(ids) == text
 
 
+def test_an_eos_or_bos_the_file_leaves_unspecial_is_still_never_read_from_text(tokenizer_jsons, tmp_path):
+    definition = json.loads(tokenizer_jsons["bos"].read_text())
+    for token in definition["added_tokens"]:
+        token["special"] = False  # the tokenizers library then matches "</s>" in text, as any added word
+    (tmp_path / "tokenizer.json").write_text(json.dumps(definition))
+    assert Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode("a </s> b", add_special_tokens=False).ids \
+        .count(1) == 1
+    tok = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    text = "an end </s> and a start <s> as characters"
+    ids = tok.encode_ordinary(text)
+    assert (tok.bos_token, tok.eot_token) == (0, 1) and 0 not in ids and 1 not in ids and tok.decode(ids) == text
+
+
 def test_eos_from_a_well_known_token_and_no_bos(tokenizer_jsons):
     tok = load_tokenizer(str(tokenizer_jsons["eot"]))
     assert (tok.eot_token, tok.bos_token, tok.n_vocab) == (0, None, 400)
