@@ -22,6 +22,19 @@ def test_split_spans_and_source_ids():
     assert split_spans([9, 101, 7], 3, 100) == [[], [7], []]
 
 
+def test_the_space_before_a_mask_is_the_spans_as_in_span_corruption():
+    from lm.tokenizer import load_tokenizer
+
+    encode = load_tokenizer("gpt2").encode_ordinary
+    cfg = EncDecConfig(vocab_size=50257, block_size=64, n_sentinels=5)
+    # the words of a text carry their space: span corruption hides " discontent", so "our" meets the sentinel
+    assert encode("winter of our discontent, made") == encode("winter of our") + encode(" discontent, made")
+    ids, pieces = encdec_source("winter of our <mask>, made <mask>", encode, cfg)
+    assert ids == [*encode("winter of our"), 50257, *encode(", made"), 50258]  # not encode(" ") == [220] before each
+    assert pieces == ["winter of our", ", made", ""]
+    assert encdec_source("our <mask> ", encode, cfg)[1] == ["our", " "]  # text after the last mask keeps its own
+
+
 def test_long_prompt_keeps_its_tail(caplog):
     with caplog.at_level(logging.WARNING):
         assert fit_prompt(list(range(40)), max_new_tokens=8, block_size=32) == list(range(16, 40))

@@ -26,13 +26,16 @@ MASK = "<mask>"
 def encdec_source(text: str, encode, cfg: EncDecConfig) -> tuple[list[int], list[str]]:
     """Source ids for an encoder-decoder prompt and the text pieces around its masks.
 
-    Every `<mask>` becomes the next sentinel id; a prompt without one gets one at its end. Returns
-    (ids, pieces) with len(pieces) == number of masks + 1.
+    Every `<mask>` becomes the next sentinel id; a prompt without one gets one at its end. A space right before
+    a mask is the span's: GPT-2's and sentencepiece's tokens carry the space before a word, so span corruption hid
+    " discontent", never "discontent" after a lone " " token. Returns (ids, pieces) with len(pieces) == number of
+    masks + 1, the pieces without those spaces.
     """
     pieces = text.split(MASK)
     if len(pieces) == 1:
         pieces.append("")
     n_masks = len(pieces) - 1
+    pieces = [piece.removesuffix(" ") if i < n_masks else piece for i, piece in enumerate(pieces)]
     if n_masks + 1 > cfg.n_sentinels:  # the spans' sentinels plus the end marker
         raise PromptError(f"prompt has {n_masks} {MASK} markers; the model has {cfg.n_sentinels} sentinels, "
                          f"so at most {cfg.n_sentinels - 1} spans can be filled")
