@@ -1,8 +1,9 @@
 """Scoring downstream tasks (`lm.data.tasks`) with a next-token model: the log-likelihood of each choice's
 continuation after its context, batched and padded.
 
-Context and continuation are encoded apart and their ids joined, as lm-evaluation-harness does; the context
-starts as a document did in training (`lm.tokenizer.prompt_ids`: the tokenizer's BOS when it has one). A pair
+The continuation's ids are those of context + continuation after the context's own (the context's trailing spaces
+moved to the continuation first), as lm-evaluation-harness encodes a pair; the context starts as a document did
+in training (`lm.tokenizer.prompt_ids`: the tokenizer's BOS when it has one). A pair
 longer than the model's positions keeps its last block_size + 1 tokens. Only the continuation's positions go
 through the head, so a batch never holds (B, T, vocabulary) logits.
 
@@ -30,15 +31,19 @@ LogitsAt = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def encode_items(tokenizer: Tokenizer, items: list[Item]) -> list[list[Pair]]:
     """Each item's (context ids, continuation ids) per choice."""
-    cache: dict[str, list[int]] = {}  # the choices of an item mostly share their context
+    cache: dict[str, tuple[list[int], list[int]]] = {}  # the choices of an item mostly share their context
 
-    def context(text: str) -> list[int]:
-        if text not in cache:
-            cache[text] = prompt_ids(tokenizer, text)
-        return cache[text]
+    def pair(context: str, continuation: str) -> Pair:
+        # the context's trailing spaces start the continuation, whose ids are the whole text's after the context's
+        # own: a SentencePiece tokenizer encodes " yes" alone as a lone "▁" and "▁yes", in a text as "▁yes"
+        kept = context.rstrip()
+        context, continuation = kept, context[len(kept):] + continuation
+        if context not in cache:
+            cache[context] = (prompt_ids(tokenizer, context), tokenizer.encode_ordinary(context))
+        prompt, alone = cache[context]
+        return prompt, tokenizer.encode_ordinary(context + continuation)[len(alone):]
 
-    return [[(context(c), tokenizer.encode_ordinary(t)) for c, t in zip(item.contexts, item.continuations)]
-            for item in items]
+    return [[pair(c, t) for c, t in zip(item.contexts, item.continuations)] for item in items]
 
 
 def _window(pair: Pair, block_size: int) -> tuple[list[int], int]:

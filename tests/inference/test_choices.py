@@ -3,6 +3,7 @@ GPT-2 and Llama checkpoints made offline (400-id tokenizers trained on Macbeth: 
 short tokens, so contexts are long and BoolQ's are cut), the same accuracies, chance for random weights, and the
 same sums whichever way the items are split over ranks."""
 
+import json
 import shutil
 
 import pytest
@@ -163,3 +164,23 @@ def test_the_right_choice_of_an_item_with_a_clear_answer_wins():
 
     score = score_items(logits_at, encode_items(tokenizer, [item]), [item], 32, 50257, 8, CPU)
     assert (score.correct, score.correct_norm) == (1, 1)
+
+
+def test_a_continuation_is_encoded_inside_its_text_as_the_harness_does(tokenizer_jsons, tmp_path):
+    # Llama 2's SentencePiece form puts "▁" before every text: " yes" alone is a lone "▁" then "▁yes"
+    definition = json.loads(tokenizer_jsons["metaspace"].read_text())
+    definition["pre_tokenizer"]["prepend_scheme"] = "always"
+    (tmp_path / "tokenizer.json").write_text(json.dumps(definition))
+    shutil.copy(tokenizer_jsons["metaspace"].with_name("tokenizer_config.json"), tmp_path)
+    tokenizer = model_tokenizer(str(tmp_path / "tokenizer.json"), 400)
+    alone = tokenizer.encode_ordinary(" the king")
+    context, whole = tokenizer.encode_ordinary("Who is it? "), tokenizer.encode_ordinary("Who is it? the king")
+    assert alone != whole[len(context):]  # the case the harness's encoding exists for
+    item = Item(("Who is it? ", "Who is it?"), ("the king", " the king"), 0)  # a trailing space moves over
+    [[first, second]] = encode_items(tokenizer, [item])
+    prompt = tokenizer.encode_ordinary("Who is it?")
+    assert first == second == ([tokenizer.bos_token, *prompt], tokenizer.encode_ordinary("Who is it? the king")[
+        len(prompt):])
+    # GPT-2's tokens carry their space: either way gives the same ids
+    gpt2 = model_tokenizer("gpt2", 50257)
+    assert encode_items(gpt2, [item]) == [[(gpt2.encode_ordinary("Who is it?"), gpt2.encode_ordinary(" the king"))] * 2]
