@@ -10,18 +10,19 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 from lm.errors import LMError
 
 
-def setup_logging() -> None:
-    """INFO to stdout; `init_distributed` lowers other ranks to warnings, so a run prints one log."""
+def setup_logging(stream: TextIO | None = None) -> None:
+    """INFO to `stream` (stdout by default); `init_distributed` lowers other ranks to warnings, so a run prints
+    one log."""
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(message)s",
         datefmt="%H:%M:%S",
-        stream=sys.stdout,
+        stream=stream or sys.stdout,
     )
 
 
@@ -33,11 +34,12 @@ class Stopped(Exception):
         self.signum = signum
 
 
-def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:
-    """Run a tool's `main(argv)`; an error of bad input (`LMError`, or a file that is not there) exits 2
+def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None, logs: TextIO | None = None) -> int:
+    """Run a tool's `main(argv)`, its log lines on `logs` (stdout by default; stderr for a tool whose stdout is
+    what it makes, as lm.sample's text); an error of bad input (`LMError`, or a file that is not there) exits 2
     with one line on stderr; a Ctrl-C or a signal passed on to a tool's run (`Stopped`) ends it with one line
     too, exiting 128 + the signal's number as a shell does."""
-    setup_logging()
+    setup_logging(logs)
     try:
         return main(sys.argv[1:] if argv is None else argv) or 0
     except (LMError, FileNotFoundError) as err:

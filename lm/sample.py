@@ -80,4 +80,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(main))
+    sys.exit(run(main, logs=sys.stderr))  # stdout holds the samples alone

@@ -61,16 +61,16 @@ def filter_logits(
     logits: (..., V); returns a new tensor of the same shape, the input is left unchanged.
     top_k: keep the k largest logits (values tied with the k-th are kept too); None keeps all.
     top_p: in (0, 1]; keep the smallest set of most probable tokens whose cumulative probability reaches
-    top_p, which always holds at least the most probable token; None keeps all.
+    top_p, which always holds at least the most probable token; None or 1 keeps all.
     """
     if top_k is not None:
         if top_k < 1:
             raise ValueError(f"top_k must be at least 1, got {top_k}")
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]  # (..., 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_p is not None and top_p < 1.0:  # 1 keeps all: a float32 sum can reach 1 before the last tokens
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (..., V)
         cum_probs = sorted_logits.float().softmax(dim=-1).cumsum(dim=-1)
         # A token is outside the nucleus when the more probable tokens before it already reach top_p.

@@ -54,6 +54,10 @@ def test_top_p_keeps_smallest_set_reaching_p() -> None:
     assert torch.equal(filter_logits(logits, top_p=0.6), torch.tensor([-INF, logits[1], -INF, logits[3]]))
     assert torch.equal(filter_logits(logits, top_p=0.8), torch.cat([torch.tensor([-INF]), logits[1:]]))
     assert torch.equal(filter_logits(logits, top_p=0.95), logits)
+    # 1 keeps every token: a float32 sum of 50k probabilities reaches 1.0 before the last ones
+    wide = torch.randn(50257, generator=torch.Generator().manual_seed(0)) * 3
+    assert wide.softmax(-1).sort(descending=True).values.cumsum(-1)[:-1].ge(1.0).any()
+    assert torch.equal(filter_logits(wide, top_p=1.0), wide)
     assert torch.equal(filter_logits(logits, top_p=1.0), logits)
 
 
