@@ -255,12 +255,14 @@ def generate_batch(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     compiled: bool = False,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Continue every prompt of idx (B, T) by exactly `max_new_tokens` tokens; returns them (B, N).
 
     No stop token and no host sync per token: the fixed-length batched form that benchmarks and
-    batch sampling want. Sampling options and `compiled` are those of `generate`; only real vocabulary ids are
-    drawn. use_cache False runs the whole sequence again for every token (the baseline the cache is measured against).
+    batch sampling want. Sampling options, `compiled` and `vocab_size` are those of `generate`; only real
+    vocabulary ids are drawn. use_cache False runs the whole sequence again for every token (the baseline the cache
+    is measured against).
     """
     _check_length(model, idx.size(1), max_new_tokens, "generate_batch")
     if temperature < 0.0:
@@ -268,8 +270,9 @@ def generate_batch(
     was_training = model.training
     model.eval()
     try:
-        tokens = list(_decode(model, idx, max_new_tokens, model.cfg.vocab_size, use_cache, compiled, temperature, top_k,
-                              top_p, generator))
+        vocab_size = model.cfg.vocab_size if vocab_size is None else vocab_size
+        tokens = list(_decode(model, idx, max_new_tokens, vocab_size, use_cache, compiled, temperature, top_k, top_p,
+                              generator))
         return torch.stack(tokens, dim=1) if tokens else idx.new_empty(idx.size(0), 0)
     finally:
         model.train(was_training)

@@ -55,15 +55,19 @@ def sample(model: nn.Module, tokenizer, prompt: str, options: SampleOptions) -> 
     its start dropped if prompt and new tokens would not fit the context."""
     n = options.max_new_tokens
     ids = fit_prompt(prompt_ids(tokenizer, prompt), n, model.cfg.block_size)
+    # an imported model may hold more rows than its tokenizer has ids (Qwen's padded vocabulary): those decode to
+    # nothing, so they are never drawn
+    vocab = min(model.cfg.vocab_size, tokenizer.n_vocab)
     if options.stop_at_end:
         new = generate(model, ids, n, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p,
-                       eot_id=tokenizer.eot_token, seed=options.seed, compiled=options.compiled)
+                       eot_id=tokenizer.eot_token, seed=options.seed, compiled=options.compiled, vocab_size=vocab)
     else:
         device = options.device or next(model.parameters()).device
         generator = torch.Generator(device).manual_seed(options.seed)
         idx = torch.tensor([ids], device=device)  # (1, T)
         new = generate_batch(model, idx, n, temperature=options.temperature, top_k=options.top_k,
-                             top_p=options.top_p, generator=generator, compiled=options.compiled)[0].tolist()
+                             top_p=options.top_p, generator=generator, compiled=options.compiled,
+                             vocab_size=vocab)[0].tolist()
         if tokenizer.eot_token in new:  # a fixed-length batch runs past the end of the text; show up to it
             new = new[:new.index(tokenizer.eot_token)]
     return prompt + continuation_text(tokenizer, ids, new)

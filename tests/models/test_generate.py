@@ -295,3 +295,28 @@ def test_compiled_decoding_gives_eager_tokens_and_compiles_the_step_once() -> No
     assert torch.equal(*sampled)
     # 46 compiled steps over two calls, and one graph: no compile per token, nor per call
     assert counters["stats"]["unique_graphs"] - graphs == 1
+
+
+@pytest.mark.parametrize("stop_at_end", [True, False])  # lm.sample's path, and the trainer's periodic samples'
+def test_a_model_with_more_rows_than_its_tokenizer_has_ids_samples_only_the_tokenizers(tokenizer_jsons,
+                                                                                        monkeypatch, stop_at_end):
+    from lm.models.family import SampleOptions
+    from lm.models.next_token import sample
+    from lm.tokenizer import model_tokenizer
+
+    tokenizer = model_tokenizer(str(tokenizer_jsons["eot"]), 500)  # 400 ids, as Qwen's files hold fewer than rows
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, block_size=32, vocab_size=500))
+    real_logits = model.logits
+
+    def logits_favouring_rows_past_the_tokenizer(h):
+        logits = real_logits(h).clone()
+        logits[..., 400:] = 100.0  # each decodes to nothing: drawn, they would vanish from the text
+        return logits
+
+    monkeypatch.setattr(model, "logits", logits_favouring_rows_past_the_tokenizer)
+    drawn = []
+    monkeypatch.setattr(tokenizer, "decode", lambda ids, decode=tokenizer.decode: drawn.extend(ids) or decode(ids))
+    for temperature in (0.0, 1.0):
+        sample(model, tokenizer, "The", SampleOptions(8, temperature, None, None, 0, stop_at_end=stop_at_end))
+    assert drawn and max(drawn) < 400
