@@ -66,7 +66,7 @@ def bench_sampling(cfg: JobConfig, device: torch.device, batch: int, new_tokens:
         timed[COMPILED] = reps
     methods["transformers generate"], timed["transformers generate"] = theirs, reps
     # the compiled step compiles in its first call: warmed up at least once, whatever `warmup` says
-    seconds = median_seconds_interleaved(methods, device, max(min(warmup, 1), int(compiled)), timed)
+    seconds = median_seconds_interleaved(methods, device, max(warmup, int(compiled)), timed)
     return [{"method": method, "batch": batch, "tokens/s": batch * new_tokens / s, "ms/token": s * 1e3 / new_tokens,
              "same tokens": (out[method] == out["ours, KV cache"]).float().mean().item()}
             for method, s in seconds.items()]

@@ -78,6 +78,22 @@ def test_sampling_rows_decode_the_same_tokens(uncompiled_step):
     assert rows[3]["same tokens"] >= 0.9  # transformers runs the exported copy; a near-tie may flip
 
 
+def test_sampling_takes_the_warmup_it_is_given(uncompiled_step, monkeypatch):
+    from lm.bench import sampling_speed
+
+    calls, interleaved = [], sampling_speed.median_seconds_interleaved
+
+    def counting(fns, device, warmup, reps):
+        counted = {name: (lambda name=name, fn=fn: calls.append(name) or fn()) for name, fn in fns.items()}
+        return interleaved(counted, device, warmup, reps)
+
+    monkeypatch.setattr(sampling_speed, "median_seconds_interleaved", counting)
+    bench_sampling(tiny(), CPU, batch=1, new_tokens=2, warmup=3, reps=1, reps_no_cache=1, compiled=False)
+    # 3 untimed calls of each method (it was held to 1), then the timed one
+    assert {name: calls.count(name) for name in calls} == {"ours, KV cache": 4, "ours, no cache": 4,
+                                                           "transformers generate": 4}
+
+
 @pytest.mark.process
 def test_prepare_and_loader_rows():
     prep = bench_prepare(tiny(), reps=1, repeat=1)
