@@ -64,7 +64,7 @@ def test_a_mixture_of_experts_counts_its_active_parameters():
     assert active == 18_720
     assert counts.num_params(cfg, active=True) == counts.num_params(cfg, non_embedding=True, active=True) == active
     assert flops_per_token(cfg, 16) == 6 * 18_720 + 12 * 2 * 4 * 8 * 16
-    dense = GPTConfig(**{**cfg.__dict__, "n_experts": 0})
+    dense = GPTConfig(**{**cfg.__dict__, "n_experts": 0, "expert_d_ff": 0, "moe_first_dense": 0})
     assert counts.num_params(dense, active=True) == counts.num_params(dense)
 
 
