@@ -221,7 +221,9 @@ class Training:
     loss: FamilyLoss
     """(model, run, batch, optim) -> one micro-batch's loss as named terms (`lm.models.terms`), one of them the
     objective that backward differentiates; `run` is the model's forward through the engine, `model` the module
-    whose heads the loss applies, `optim` the job's loss options"""
+    whose heads the loss applies, `optim` the job's loss options. The step weights every micro-batch's objective
+    alike (the log weights the terms by their targets): a family's micro-batches should hold equally many targets,
+    as every built-in family's do, or another split of the same batch trains on another mean"""
     score: "Callable[[nn.Module, Run, list[torch.Tensor]], Scored]"
     """(model, run, batch) -> one validation batch's mean loss, targets and right predictions"""
     causal_lm: bool = False
