@@ -159,10 +159,10 @@ def family_mismatch(saved: ModelConfig, current: ModelConfig) -> str:
 
 def model_diff(saved: ModelConfig, current: ModelConfig) -> str:
     """The model keys whose values differ, `model.key: old -> new, ...` in key order; the training settings that
-    change no weight (`ModelConfig.training_keys`: dropout, loss_chunk, ...) left out. Empty when the models have
+    change no weight (`ModelConfig.free_keys`: dropout, loss_chunk, ...) left out. Empty when the models have
     the same shape."""
     diff = config_diff({"model": asdict(saved)}, {"model": asdict(current)},
-                       ignore=tuple(f"model.{key}" for key in current.training_keys))
+                       ignore=tuple(f"model.{key}" for key in current.free_keys(saved)))
     return ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in sorted(diff.items()))
 
 

@@ -67,6 +67,11 @@ class ModelConfig:
     muon_matrices: ClassVar[bool] = True
     """Whether the family's hidden matrices are nn.Linear weights, which optim.name=muon steps with Muon."""
 
+    def free_keys(self, saved: "ModelConfig") -> tuple[str, ...]:
+        """The keys whose values may differ between a checkpoint's model (`saved`) and this one, neither weights
+        nor buffers changing: `training_keys`."""
+        return self.training_keys
+
     def __post_init__(self) -> None:
         for key in ("vocab_size", "block_size", "n_layer", "d_model", "vocab_multiple"):
             if getattr(self, key) <= 0:

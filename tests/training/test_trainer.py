@@ -352,3 +352,16 @@ def test_the_routers_balancing_bias_moves_with_the_learning_rate_schedule(tiny_d
     assert biases.shape == (2, 4)
     steps = biases.abs().flatten()
     assert ((steps == 0) | torch.isclose(steps, torch.tensor(0.02))).all() and steps.max() > 0.019  # not 0.08
+    # a resume may move the bias at another rate above 0: the bias comes back and goes on from where it was
+    env = init_distributed("cpu")
+    Trainer(tiny_config(tiny_data_dir, tmp_path / "again", "--train.steps=3", "--checkpoint.every=2", *moe), env).fit()
+    slower = [*moe[:3], "--model.router_bias_rate=0.04", *moe[4:]]
+    resumed = Trainer(tiny_config(tiny_data_dir, tmp_path / "again", "--train.steps=4", *slower), env)
+    assert resumed.step == 3 and resumed.model.cfg.router_bias_rate == 0.04
+    saved = torch.stack([m.score_bias for name, m in resumed.engine.model.named_modules() if name.endswith("router")])
+    assert saved.abs().max() > 0.019  # the checkpoint's bias, not a fresh zero one
+    resumed.fit()
+    # but not to 0, which drops the bias the model routes by
+    with pytest.raises(ConfigError, match=r"different model shape \(model.router_bias_rate: 0.04 -> 0.0\)"):
+        Trainer(tiny_config(tiny_data_dir, tmp_path / "again", "--train.steps=5", *moe[:3],
+                            "--model.router_bias_rate=0", *moe[4:]), env)

@@ -32,7 +32,8 @@ class GPTConfig(TransformerConfig):
     """`output` (OLMo 2): each sublayer's output is normed before it joins the residual, x + norm(f(x)), and the
     stack ends in a final norm."""
     # the mixture-of-experts losses' weights and the balancing bias's update rule: a run can set its own over an
-    # imported or resumed checkpoint's (router_bias_rate cannot: at 0 the model has no bias at all)
+    # imported or resumed checkpoint's (router_bias_rate only between rates above 0: at 0 there is no bias; see
+    # free_keys)
     training_keys: ClassVar[tuple[str, ...]] = (*TransformerConfig.training_keys, "aux_loss_coef", "router_z_loss_coef",
                                                 "router_bias_update")
     rope_theta: float = 10000.0
@@ -160,6 +161,12 @@ class GPTConfig(TransformerConfig):
             raise ConfigError(f"model.logit_softcap: must be >= 0 (0 = off), got {self.logit_softcap}")
         if self.loss_chunk < 0:
             raise ConfigError(f"model.loss_chunk: must be >= 0 (0 turns chunking off), got {self.loss_chunk}")
+
+    def free_keys(self, saved: "GPTConfig") -> tuple[str, ...]:
+        """`training_keys`, and router_bias_rate where both it and the checkpoint's are above 0: both models keep
+        the bias, which only moves at another rate (at 0 there is none to load, or one to drop)."""
+        biased = self.router_bias_rate and saved.router_bias_rate
+        return (*self.training_keys, "router_bias_rate") if biased else self.training_keys
 
     def _check_experts(self) -> None:
         check_choice("router", self.router, ("softmax", "sigmoid"))
