@@ -25,7 +25,7 @@ import numpy as np
 
 from lm.errors import DataError
 from lm.io import atomic_path, atomic_write_text, commit, sha256_file, temp_sibling
-from lm.tokenizer import check_vocab_size, is_tokenizer_file, tokenizer_identity
+from lm.tokenizer import TOKENIZERS, canonical_identity, check_vocab_size, is_tokenizer_file, tokenizer_identity
 
 __all__ = [
     "FORMAT_VERSION", "HEADER_BYTES", "MANIFEST_NAME", "ShardWriter", "check_manifest", "check_token_ids",
@@ -329,11 +329,17 @@ def manifest_tokenizer(manifest: dict) -> str | None:
     ids; manifests from before hashes were recorded hold only such names), or a tokenizer.json's recorded
     `tokenizer_hash` (None if it is missing): `lm.tokenizer.tokenizer_identity` of the tokenizer that made them."""
     name = manifest["tokenizer"]
-    return manifest.get("tokenizer_hash") if is_tokenizer_file(name) else name
+    if not is_tokenizer_file(name):
+        return name
+    recorded = manifest.get("tokenizer_hash")
+    return None if recorded is None else canonical_identity(recorded)
 
 
 def _described(name: str, identity: str | None) -> str:
-    return f"{name!r} (tokenizer hash {str(identity)[:12]})" if is_tokenizer_file(name) else repr(name)
+    if not is_tokenizer_file(name):
+        return repr(name)
+    return f"{name!r} (lm's export of {identity})" if identity in TOKENIZERS else \
+        f"{name!r} (tokenizer hash {str(identity)[:12]})"
 
 
 def check_manifest(manifest: dict, tokenizer: str, vocab_size: int, data_dir: str | Path) -> None:

@@ -19,21 +19,14 @@ from typing import Any
 
 import tiktoken
 
-from lm.tokenizer import load_tokenizer
+from lm.tokenizer import EXPORTED_SHA256, load_tokenizer
 
 __all__ = [
-    "EXPORTED_SHA256", "byte_to_unicode", "exported_encoding", "hf_pattern", "recover_merges", "tokenizer_config",
+    "byte_to_unicode", "exported_encoding", "hf_pattern", "recover_merges", "tokenizer_config",
     "tokenizer_json", "write_hf_tokenizer",
 ]
 
 ENDOFTEXT = "<|endoftext|>"
-
-# sha256 of the tokenizer.json `write_hf_tokenizer` writes for each encoding (it is a function of the encoding's
-# rank file, whose own sha256 is pinned); a test builds them again
-EXPORTED_SHA256 = {
-    "gpt2": "5b5ac696aab0d7319d3d48bd51228a3b56bb08dc67f5a3abe46f75d135ef510c",
-    "cl100k_base": "7fa827f85c9d6f36c0f178106602ed3eed62afffb24d8150c36d90d3c8bb4922",
-}
 
 _NO_RANK = float("inf")
 

@@ -24,12 +24,12 @@ from pathlib import Path
 import tiktoken
 
 from lm.errors import ConfigError, TokenizerError
-from lm.tokenizer.hf_json import TOKENIZER_CONFIG, HFTokenizer, read_tokenizer_json
+from lm.tokenizer.hf_json import TOKENIZER_CONFIG, HFTokenizer, json_hash, read_tokenizer_json
 
 __all__ = [
-    "TOKENIZERS", "VOCAB_SIZES", "HFTokenizer", "check_vocab_size", "continuation_text", "document_prefix",
-    "forget_tokenizers", "is_tokenizer_file", "load_tokenizer", "model_tokenizer", "prompt_ids", "tokenizer_hash",
-    "tokenizer_identity",
+    "EXPORTED_SHA256", "TOKENIZERS", "VOCAB_SIZES", "HFTokenizer", "canonical_identity", "check_vocab_size",
+    "continuation_text", "document_prefix", "forget_tokenizers", "is_tokenizer_file", "load_tokenizer",
+    "model_tokenizer", "prompt_ids", "tokenizer_hash", "tokenizer_identity",
 ]
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,12 @@ _SPECS = {
     ),
 }
 TOKENIZERS = tuple(_SPECS)
+# sha256 of the tokenizer.json lm.export writes for each encoding (`lm.hf.tokenizer_files.write_hf_tokenizer`, a
+# function of the encoding's rank file, whose own sha256 is pinned); a test builds them again
+EXPORTED_SHA256 = {
+    "gpt2": "5b5ac696aab0d7319d3d48bd51228a3b56bb08dc67f5a3abe46f75d135ef510c",
+    "cl100k_base": "7fa827f85c9d6f36c0f178106602ed3eed62afffb24d8150c36d90d3c8bb4922",
+}
 VOCAB_SIZES = {"gpt2": 50257, "cl100k_base": 100277}
 """Ids each encoding can produce, its `n_vocab` (cl100k_base's top special id is 100276), known without
 loading the encoding: what a config's model.vocab_size must equal."""
@@ -212,8 +218,20 @@ def tokenizer_hash(spec: str) -> str:
 def tokenizer_identity(spec: str) -> str:
     """What tells the ids of two tokenizers apart where data records its tokenizer: a tiktoken encoding's name
     (it fixes the rank file, and data prepared before hashes were recorded holds only the name), or a
-    tokenizer.json's `tokenizer_hash` (its path says nothing: the file may move or change)."""
-    return tokenizer_hash(spec) if is_tokenizer_file(spec) else spec
+    tokenizer.json's `tokenizer_hash` (its path says nothing: the file may move or change), but the encoding's name
+    for lm.export's unedited files of an encoding (`canonical_identity`)."""
+    return canonical_identity(tokenizer_hash(spec)) if is_tokenizer_file(spec) else spec
+
+
+def canonical_identity(identity: str) -> str:
+    """A tokenizer.json's hash as `tokenizer_identity` gives it: the name of the tiktoken encoding whose export by
+    lm.export it is (that file makes the encoding's ids, with its end-of-text as EOS and no BOS), else itself."""
+    return _exported_hashes().get(identity, identity)
+
+
+@functools.cache
+def _exported_hashes() -> dict[str, str]:
+    return {json_hash(sha, None, _SPECS[name].special_tokens[ENDOFTEXT]): name for name, sha in EXPORTED_SHA256.items()}
 
 
 Tokenizer = tiktoken.Encoding | HFTokenizer

@@ -140,9 +140,14 @@ def read_tokenizer_json(path: Path) -> HFTokenizer:
     bos = _find_bos(tokenizer, definition, config, config_path, path)
     if bos == eos:  # GPT-2's checkpoints name <|endoftext|> both: the previous document's end starts the next
         bos = None
-    ids = {"tokenizer.json": hashlib.sha256(data).hexdigest(), "bos": bos, "eos": eos}
-    digest = hashlib.sha256(json.dumps(ids, sort_keys=True).encode()).hexdigest()
+    digest = json_hash(hashlib.sha256(data).hexdigest(), bos, eos)
     return HFTokenizer(path, tokenizer, eos, bos, config_path if has_config else None, digest)
+
+
+def json_hash(file_sha256: str, bos: int | None, eos: int) -> str:
+    """`HFTokenizer.hash` of a tokenizer.json of sha256 `file_sha256` whose BOS and EOS are `bos` and `eos`."""
+    ids = {"tokenizer.json": file_sha256, "bos": bos, "eos": eos}
+    return hashlib.sha256(json.dumps(ids, sort_keys=True).encode()).hexdigest()
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -9,15 +9,10 @@ import tiktoken
 from tokenizers import Regex, pre_tokenizers
 
 from lm.data.corpora import find_corpus
-from lm.hf.tokenizer_files import (
-    EXPORTED_SHA256,
-    byte_to_unicode,
-    exported_encoding,
-    hf_pattern,
-    recover_merges,
-    write_hf_tokenizer,
-)
-from lm.tokenizer import load_tokenizer
+from lm.data.shards import check_manifest
+from lm.errors import DataError
+from lm.hf.tokenizer_files import byte_to_unicode, exported_encoding, hf_pattern, recover_merges, write_hf_tokenizer
+from lm.tokenizer import EXPORTED_SHA256, VOCAB_SIZES, load_tokenizer, tokenizer_hash, tokenizer_identity
 
 # Each line aims at a place where a converted tokenizer can drift from tiktoken: contractions and the
 # case-insensitive cl100k contraction rule (including "ſ", which folds to "s"), digit runs (cl100k
@@ -97,6 +92,29 @@ def test_the_files_written_for_an_encoding_are_known_as_that_encoding(converted,
     assert exported_encoding(tmp_path) == name
     (tmp_path / "tokenizer.json").write_bytes((out / "tokenizer.json").read_bytes() + b" ")
     assert exported_encoding(tmp_path) is None
+
+
+def test_data_prepared_with_an_encoding_or_its_export_serves_either(converted, tmp_path):
+    # the documented round trip: lm.export a run, prepare new text with the export's tokenizer.json, then evaluate
+    # or train the export, whose data.tokenizer is the encoding's name (and the other way round)
+    name, _, paths, _ = converted
+    export = str(paths[0].parent / "tokenizer.json")
+    assert tokenizer_identity(export) == name
+    by_export = {"tokenizer": export, "tokenizer_hash": tokenizer_hash(export), "vocab_size": VOCAB_SIZES[name]}
+    by_name = {"tokenizer": name, "vocab_size": VOCAB_SIZES[name]}
+    for manifest, tokenizer in ((by_export, name), (by_name, export)):
+        check_manifest(manifest, tokenizer, VOCAB_SIZES[name], "data/x")
+    # an edited file makes other ids: its own hash, which neither matches
+    shutil.copytree(paths[0].parent, tmp_path / "edited")
+    edited = tmp_path / "edited" / "tokenizer.json"
+    edited.write_bytes(edited.read_bytes() + b" ")
+    assert tokenizer_identity(str(edited)) == tokenizer_hash(str(edited)) != name
+    with pytest.raises(DataError, match=rf"prepared with tokenizer '{name}', but data.tokenizer='{edited}' "
+                                        r"\(tokenizer hash [0-9a-f]{12}\), which makes other ids"):
+        check_manifest(by_name, str(edited), VOCAB_SIZES[name], "data/x")
+    with pytest.raises(DataError, match=rf"prepared with tokenizer '{export}' \(lm's export of {name}\), but "
+                                        rf"data.tokenizer='{edited}'"):
+        check_manifest(by_export, str(edited), VOCAB_SIZES[name], "data/x")
 
 
 def test_edge_cases_one_line_at_a_time(converted):
