@@ -80,9 +80,9 @@ def main(argv: list[str]) -> int:
     tokenizer = model_tokenizer(job.data.tokenizer, job.model.vocab_size) if target.tokenizer_files else None
     origin = find_origin(step_dir, job.checkpoint.init_from)
     written, kept = write_export(model, target, tokenizer, job.data.tokenizer, out, origin)
-    if kept:
-        log.warning("%s: kept files this export did not write: %s", out, ", ".join(kept))
-    log.info("exported %s (step dir %s) as %s to %s: %s", args.checkpoint, step_dir.name, target.hf_class, out,
+    if kept:  # the paths as given, as the other tools name theirs
+        log.warning("%s: kept files this export did not write: %s", args.out, ", ".join(kept))
+    log.info("exported %s (step dir %s) as %s to %s: %s", args.checkpoint, step_dir.name, target.hf_class, args.out,
              ", ".join(written))
     if target.note is not None:
         log.info("%s", target.note(job.model, job.data.tokenizer))

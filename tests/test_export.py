@@ -1,7 +1,9 @@
+
 """`python -m lm.export --to hf`: checkpoints written by the real trainer load in transformers with our logits
 and tokenizer, as a native class or as lm's own code; a family with no export and occupied output directories
 are refused without writing anything."""
 
+import logging
 import os
 import shutil
 import subprocess
@@ -80,10 +82,13 @@ def assert_same_model(run_dir: Path, out: Path, hf_class: str) -> None:
     assert tokenizer.eos_token_id == hf.config.eos_token_id == hf.generation_config.eos_token_id == encoding.eot_token
 
 
-def test_gpt2_run_exports_to_gpt2(trained_run, tmp_path):
+def test_gpt2_run_exports_to_gpt2(trained_run, tmp_path, monkeypatch, caplog):
     # in-process: the tool's own process, `python -m lm.export` and `lm export`, run in the two tests below
     out = tmp_path / "hf" / "gpt2"  # parents are created
-    assert run(main, ["--checkpoint", str(trained_run), "--to", "hf", str(out)]) == 0
+    with monkeypatch.context() as m, caplog.at_level(logging.INFO, logger="lm.export"):
+        m.chdir(tmp_path)
+        assert run(main, ["--checkpoint", str(trained_run), "--to", "hf", "hf/gpt2"]) == 0
+    assert "as GPT2LMHeadModel to hf/gpt2: config.json, " in caplog.text  # the path as given
     assert {p.name for p in out.iterdir()} == HF_FILES
     assert [p.name for p in out.parent.iterdir()] == ["gpt2"]  # no staging directory left behind
     assert_same_model(trained_run, out, "GPT2LMHeadModel")
