@@ -13,7 +13,7 @@ from lm.cli import run
 from lm.config import load_config
 from lm.plan.counts import num_params
 from lm.plan.layout_table import layout_table
-from lm.plan.layouts import estimate_layout, layout_rows, pick_layout
+from lm.plan.layouts import estimate_layout, in_flight, layout_rows, pick_layout
 from lm.plan.memory import GIB, estimate_memory
 from lm.plan.memory_table import plan_table
 from lm.train import main as train_main
@@ -104,6 +104,28 @@ def test_gpipe_and_interleaved_1f1b_hold_the_forwards_estimated(tiny_data_dir, t
     # 1F1B holds about what 1F1B holds: its smaller stages make up for its longer warm-up)
     one_f_one_b = estimate_layout(load_config(None, flags), 1, 2, 2, 0).total
     assert heap["gpipe"]["peak"] > 1.3 * one_f_one_b, (heap, one_f_one_b)
+
+
+@pytest.mark.parametrize("pp, stages_per_rank, n_micro", [(2, 2, 4), (2, 2, 2), (4, 2, 8), (4, 3, 4), (4, 2, 12),
+                                                          (3, 2, 3)])
+def test_interleaved_1f1b_holds_the_forwards_torchs_schedule_runs_before_their_backwards(pp, stages_per_rank,
+                                                                                        n_micro):
+    # the schedule's own list of actions per rank (torch builds it without a process group): the most forwards a
+    # rank has run whose backward it has not
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+    schedule.pp_group_size, schedule.n_local_stages, schedule._n_microbatches = pp, stages_per_rank, n_micro
+    schedule.number_of_rounds = max(1, n_micro // pp)
+    schedule.microbatches_per_round = n_micro // schedule.number_of_rounds
+    for rank in range(pp):
+        held = most = 0
+        for action in filter(None, schedule._calculate_single_rank_operations(rank)):
+            held += {_ComputationType.FORWARD: 1, _ComputationType.FULL_BACKWARD: -1}.get(action.computation_type, 0)
+            most = max(most, held)
+        assert in_flight("interleaved_1f1b", pp, rank, n_micro, stages_per_rank) == most, rank
+    assert [in_flight("1f1b", pp, r, n_micro) for r in range(pp)] == [min(n_micro, pp - r) for r in range(pp)]
+    assert in_flight("gpipe", pp, pp - 1, n_micro) == n_micro
 
 
 def test_hsdp_shards_over_one_replica_and_all_reduces_the_shards_across_replicas():
