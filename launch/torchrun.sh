@@ -6,7 +6,8 @@
 # workers and not torchrun: each worker trains on to its next log step, saves a checkpoint and exits 0,
 # and then so do torchrun and this script. torchrun starts with SIGTERM ignored and does not handle it
 # (its --signals-to-handle, here PET_SIGNALS_TO_HANDLE), because it would end with exit 1 and a traceback
-# and kill the workers after its shutdown timeout; this script forwards a SIGTERM sent to it to the workers. Signalling
+# and kill the workers after its shutdown timeout; this script forwards a SIGTERM sent to it to the workers,
+# every second until they end, so that one sent before they exist or while they import is not lost. Signalling
 # every process of the job at once, as Slurm's --signal does, is fine too: a worker takes several SIGTERMs
 # as one request. Ctrl-C (SIGINT) goes to torchrun, which forwards it: the workers save and exit, torchrun
 # exits 1; LM_STOP_GRACE (default 600) is how many seconds torchrun then gives them before SIGKILL.
@@ -17,9 +18,21 @@ trap '' TERM
 export PET_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT" PET_SHUTDOWN_TIMEOUT="${LM_STOP_GRACE:-600}"
 lm-torchrun "$@" &
 launcher=$!
-trap 'pkill -TERM -P "$launcher" || true' TERM  # torchrun's children are the workers
+stop=0
+trap 'stop=1' TERM
 while :; do
-  status=0
-  wait "$launcher" || status=$?
-  kill -0 "$launcher" 2>/dev/null || exit "$status"  # wait also returns when a trapped signal arrives
+  if [ "$stop" = 1 ]; then
+    # torchrun's children are the workers. Until lm has installed its handler a worker ignores SIGTERM (it is
+    # still importing), and torchrun may not have started them yet (rendezvous): repeat until the run ends
+    pkill -TERM -P "$launcher" || true
+    sleep 1
+    kill -0 "$launcher" 2>/dev/null || break
+  else
+    status=0
+    wait "$launcher" || status=$?
+    kill -0 "$launcher" 2>/dev/null || exit "$status"  # wait also returns when a trapped signal arrives
+  fi
 done
+status=0
+wait "$launcher" || status=$?
+exit "$status"

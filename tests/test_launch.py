@@ -203,6 +203,26 @@ def test_sigterm_to_a_launched_run_saves_and_every_process_exits_0(target, tiny_
     assert 3 <= saved < 400 and f"stopped at step {saved} by SIGTERM" in text
 
 
+def test_sigterm_before_the_workers_start_is_not_lost(tiny_data_dir, tmp_path):
+    """A SIGTERM the script takes while torchrun has not started the workers, or they still import (and ignore
+    it, until lm installs its handler), is sent again until they take it: they save at the first log step."""
+    out = tmp_path / "run"
+    log = tmp_path / "run.log"
+    proc = run_script(["launch/single_node.sh", *TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}",
+                       "--train.steps=400", "--train.eval_every=1000", "--checkpoint.every=1000"],
+                      script_env(tmp_path, NPROC_PER_NODE="2"), log)
+    deadline = time.monotonic() + 60
+    while not subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True).stdout:  # torchrun started
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGTERM)
+    code, = wait_all([proc], timeout=180)
+    text = log.read_text()
+    assert code == 0, text
+    saved = json.loads((sorted((out / "checkpoints").iterdir())[-1] / "state.json").read_text())["step"]
+    assert saved == 1 and "stopped at step 1 by SIGTERM" in text
+
+
 def test_single_node_uses_every_gpu_or_two_cpu_processes(tmp_path):
     import torch
 
