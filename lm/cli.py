@@ -85,10 +85,6 @@ def positive_int(text: str) -> int:
     return value
 
 
-MAX_SEED = 2**63 - 1
-"""The largest --seed a tool takes: torch's seeds are 64-bit (lm.sample's --num-samples adds the sample's index)."""
-
-
 def a_path(text: str) -> Path:
     """argparse type of a path flag: an empty one is refused, where Path("") would be the working directory."""
     if not text.strip():

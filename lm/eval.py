@@ -18,8 +18,9 @@ from tqdm import tqdm
 
 from lm.checkpoint.loading import load_for_inference
 from lm.checkpoint.run_dir import run_files
-from lm.cli import MAX_SEED, a_path, exit_without_teardown, in_range, positive_int, run
+from lm.cli import a_path, exit_without_teardown, in_range, positive_int, run
 from lm.config import JobConfig
+from lm.config.rules import MAX_SEED
 from lm.data.objectives import ScoredObjective
 from lm.data.tasks import CORE, TASKS, TaskScore, core_score, few_shot_items, load_items, parse_tasks, task_table
 from lm.distributed.env import init_device, init_distributed, launched_world_size

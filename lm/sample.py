@@ -8,7 +8,8 @@ import argparse
 import sys
 
 from lm.checkpoint.loading import load_for_inference
-from lm.cli import MAX_SEED, a_path, finite_float, in_range, positive_int, run
+from lm.cli import a_path, finite_float, in_range, positive_int, run
+from lm.config.rules import MAX_SEED
 from lm.distributed.env import init_device
 from lm.errors import ConfigError, PromptError
 from lm.io import read_utf8

@@ -9,7 +9,7 @@ import keyword
 from dataclasses import asdict, dataclass, field
 
 from lm.config.parallel import ParallelConfig
-from lm.config.rules import DEVICES, DTYPES, one_of
+from lm.config.rules import DEVICES, DTYPES, MAX_SEED, one_of
 from lm.data.config import DataConfig
 from lm.data.tasks import parse_tasks
 from lm.errors import ConfigError
@@ -133,6 +133,8 @@ class TrainConfig:
         for key in ("steps", "batch_size", "micro_batch_size", "eval_every", "eval_batches", "max_nonfinite_steps"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"train.{key}: must be positive, got {getattr(self, key)}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"train.seed: expected 0 to {MAX_SEED} (a 63-bit seed), got {self.seed}")
         if not self.out_dir.strip():  # "" is the working directory, whose config.yaml the run would replace
             raise ConfigError("train.out_dir: empty; name the run directory, e.g. runs/mine")
         if self.batch_size % self.micro_batch_size:

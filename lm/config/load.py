@@ -12,6 +12,7 @@ import difflib
 import functools
 import inspect
 import math
+import re
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -34,11 +35,14 @@ def _coerce(key: str, value: object, kind: object) -> object:
             return value
     elif kind is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            _check_written(key, value)
             return int(value)
     elif kind is float:
+        _check_written(key, value)
         number = _float(value)
         if number is not None and not math.isfinite(number):
-            raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+            shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:12]}... ({len(repr(value))} digits)"
+            raise ConfigError(f"{key}: must be a finite number, got {shown}")
         if number is not None:
             return number
     elif kind is str:
@@ -50,10 +54,28 @@ def _coerce(key: str, value: object, kind: object) -> object:
     raise ConfigError(f"{key}: expected {name}, got {type(value).__name__} {value!r}")
 
 
+_SURPRISING = {"octal": re.compile(r"[-+]?0[0-7_]+"),
+               "base 60": re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?")}
+"""Numbers YAML 1.1 reads in a base nobody writing a step count or a rate means: 010 is 8, 1:30 is 90."""
+
+
+def _check_written(key: str, value: object) -> None:
+    """Refuse a number YAML read as octal or base 60 (`value.text` is what was written)."""
+    text = getattr(value, "text", None)
+    for base, pattern in _SURPRISING.items():
+        if text is not None and pattern.fullmatch(text):
+            raise ConfigError(f"{key}: YAML reads {text!r} as {type(value).__base__(value)!r} ({base}); "
+                              "write the number in decimal, without leading zeros or colons")
+
+
 def _float(value: object) -> float | None:
-    """A number as a float; text too, since YAML 1.1 reads 1e-3 (no dot) and nan as strings."""
+    """A number as a float (inf for an int too large for one); text too, since YAML 1.1 reads 1e-3 (no dot)
+    and nan as strings."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            return math.inf
     if isinstance(value, str):
         try:
             return float(value)
@@ -62,7 +84,13 @@ def _float(value: object) -> float | None:
     return None
 
 
-def _build(cls: type, values: dict, prefix: str) -> object:
+QUOTES = ("'", '"')
+
+
+def _build(cls: type, values: dict, prefix: str, texts: dict[str, str]) -> object:
+    """`cls` from `values`; `texts`: the command line's text of each dotted key it set, which a text key keeps
+    as written (YAML would drop ` #...` as a comment and surrounding spaces, and read 2024-12-01 as a date),
+    unless it is quoted: YAML reads escapes in double quotes ('"\\n\\n')."""
     hints = typing.get_type_hints(cls)
     names = {config_key(f.name): f.name for f in dataclasses.fields(cls)}  # key -> field (`async` -> `async_`)
     known = set(names)
@@ -83,12 +111,14 @@ def _build(cls: type, values: dict, prefix: str) -> object:
                 raise ConfigError(f"{prefix}{key}: expected a mapping of keys, got {value!r}")
             if kind is ModelConfig:  # the family model.arch names has the config class
                 kind = config_class(value.get("arch", DEFAULT))
-            kwargs[name] = _build(kind, value, f"{prefix}{key}.")
+            kwargs[name] = _build(kind, value, f"{prefix}{key}.", texts)
         elif typing.get_origin(kind) is list:
             kwargs[name] = _build_list(typing.get_args(kind)[0], value, f"{prefix}{key}")
         else:
             if value is False and off_by_default(cls, name):  # YAML 1.1 reads `off` as False
                 value = "off"
+            elif kind is str and f"{prefix}{key}" in texts and not texts[f"{prefix}{key}"].lstrip().startswith(QUOTES):
+                value = texts[f"{prefix}{key}"]
             kwargs[name] = _coerce(f"{prefix}{key}", value, kind)
     return cls(**kwargs)
 
@@ -105,7 +135,7 @@ def _build_list(item: type, values: object, key: str) -> list:
     items = []
     for i, value in enumerate(values):
         try:
-            items.append(_build(item, value, f"{key}[{i}]."))
+            items.append(_build(item, value, f"{key}[{i}].", {}))
         except ConfigError as err:
             text = str(err)
             raise ConfigError(text if text.startswith(key) else f"{key}[{i}].{text}") from None
@@ -154,6 +184,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         lines: dict[object, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: the safe loader merges, keys given win
+                continue
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, (list, dict)):  # no dict takes it: `key in lines` raised a TypeError
                 raise yaml.constructor.ConstructorError(None, None, f"a {type(key).__name__} as a key",
@@ -176,6 +208,8 @@ def _keeping_text(number: type, construct: Callable) -> Callable:
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _keeping_text(_Int, yaml.SafeLoader.construct_yaml_int))
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float",
                                  _keeping_text(_Float, yaml.SafeLoader.construct_yaml_float))
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:timestamp",  # no key is a date: a run named 2024-12-01
+                                 yaml.SafeLoader.construct_yaml_str)
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
@@ -195,6 +229,8 @@ def _parse_yaml(text: str, origin: str | Path) -> dict:
                           "keep one") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{origin}: not valid YAML: {_yaml_problem(err)}") from None
+    except ValueError as err:  # Python's limit on an int's digits (4300)
+        raise ConfigError(f"{origin}: a number YAML cannot read: {str(err).split(';')[0]}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{origin}: expected a mapping of sections at the top level")
     return raw
@@ -240,12 +276,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             else:
                 raw[section] = keys
     given_arch = raw.get("model", {}).get("arch", DEFAULT) if isinstance(raw.get("model"), dict) else None
+    texts = {}
     for item in overrides or []:
         key, eq, text = item.removeprefix("--").partition("=")
         if not eq:
             raise ConfigError(f"{item}: overrides take the form --section.key=value")
+        texts[key] = text
         try:
             value = yaml.load(text, Loader=_UniqueKeyLoader) if text else ""
+        except ValueError as err:  # Python's limit on an int's digits (4300)
+            raise ConfigError(f"--{key}: a number YAML cannot read: {str(err).split(';')[0]}") from None
         except (yaml.YAMLError, _DuplicateKey) as err:
             if _is_list_key(key):
                 problem = (f"key {err.key!r} is given twice" if isinstance(err, _DuplicateKey)
@@ -258,7 +298,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             value = text
         _merge(raw, key, value)
     _switch_family(raw, given_arch, {item.removeprefix("--").partition("=")[0] for item in overrides or []})
-    return _build_job(model_from_checkpoint(raw, _coerce))
+    return _build_job(model_from_checkpoint(raw, _coerce), texts)
 
 
 def _switch_family(raw: dict, given_arch: object, overridden: set[str]) -> None:
@@ -271,9 +311,9 @@ def _switch_family(raw: dict, given_arch: object, overridden: set[str]) -> None:
     raw["model"] = {key: value for key, value in model.items() if key in taken or f"model.{key}" in overridden}
 
 
-def _build_job(raw: dict) -> JobConfig:
+def _build_job(raw: dict, texts: dict[str, str] | None = None) -> JobConfig:
     try:
-        return _build(JobConfig, raw, "")
+        return _build(JobConfig, raw, "", texts or {})
     except TypeError as err:  # a dataclass rejected its arguments in a way _build did not foresee
         raise ConfigError(str(err)) from None
 

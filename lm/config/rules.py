@@ -12,6 +12,9 @@ if TYPE_CHECKING:
     import torch
 
 DEVICES = ("auto", "cpu", "cuda")
+MAX_SEED = 2**63 - 1
+"""The largest seed (train.seed, a tool's --seed): torch's seeds are 64-bit, and lm.sample's --num-samples adds
+the sample's index."""
 DTYPES = ("auto", "bfloat16", "float32")
 
 

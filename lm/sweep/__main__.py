@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lm.checkpoint.store import checkpoint_root, complete_checkpoints
-from lm.cli import MAX_SEED, Stopped, a_path, in_range, positive_int, prepare_command, run, run_logged, train_command
+from lm.cli import Stopped, a_path, in_range, positive_int, prepare_command, run, run_logged, train_command
 from lm.config import JobConfig, OneConfig, config_diff, load_config
+from lm.config.rules import MAX_SEED
 from lm.distributed.layout import check_world
 from lm.errors import ConfigError, SweepError
 from lm.io import atomic_write_text, output_dir_problem

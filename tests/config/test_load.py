@@ -38,6 +38,54 @@ def test_a_text_key_given_a_number_keeps_it_as_written(tmp_path):
     assert load_config(tmp_path / "saved.yaml") == cfg
 
 
+def test_a_text_key_on_the_command_line_keeps_what_was_written_unless_quoted(tmp_path):
+    # YAML would cut ` #...` as a comment, strip the spaces a BPE prompt starts with and read a date
+    cfg = load_config(None, ["--log.sample_prompt= ROMEO #1: hi", "--train.out_dir=2024-12-01",
+                             "--data.document_separator='<|doc|>'"])
+    assert (cfg.log.sample_prompt, cfg.train.out_dir) == (" ROMEO #1: hi", "2024-12-01")
+    assert cfg.data.document_separator == "<|doc|>"  # in quotes: YAML's, as for escapes in double quotes
+    path = tmp_path / "job.yaml"
+    path.write_text("train:\n  out_dir: 2024-12-01\n")  # no key is a date: YAML's timestamp stays text
+    assert load_config(path).train.out_dir == "2024-12-01"
+
+
+@pytest.mark.parametrize("written, read, base", [("010", 8, "octal"), ("1:30", 90, "base 60"), ("-07", -7, "octal")])
+def test_a_number_yaml_reads_in_octal_or_base_60_is_refused(written, read, base, tmp_path):
+    message = rf"^train.steps: YAML reads '{written}' as {read} \({base}\); write the number in decimal"
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f"--train.steps={written}"])
+    path = tmp_path / "job.yaml"
+    path.write_text(f"train:\n  steps: {written}\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^optim.lr: YAML reads '1:2' as 62 \(base 60\)"):
+        load_config(None, ["--optim.lr=1:2"])
+    assert load_config(None, ["--train.steps=0x10", "--optim.lr=0.010"]).train.steps == 16  # meant as written
+
+
+def test_a_number_too_large_is_named_not_an_overflow(tmp_path):
+    with pytest.raises(ConfigError, match=r"^optim.weight_decay: must be a finite number, got 100000000000\.\.\. "
+                                          r"\(401 digits\)$"):
+        load_config(None, ["--optim.weight_decay=1" + "0" * 400])
+    with pytest.raises(ConfigError, match=r"^--train.steps: a number YAML cannot read: Exceeds the limit"):
+        load_config(None, ["--train.steps=1" + "0" * 5000])
+    path = tmp_path / "job.yaml"
+    path.write_text("train:\n  steps: 1" + "0" * 5000 + "\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: a number YAML cannot read: Exceeds the limit"):
+        load_config(path)
+
+
+def test_yaml_merge_keys_share_a_block_and_the_keys_given_win(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("train: &shared\n  steps: 7\n  seed: 3\nschedule:\n  warmup_steps: 2\n"
+                    "optim:\n  <<: {lr: 0.5, eps: 1.0e-6}\n  lr: 0.25\n")
+    cfg = load_config(path)
+    assert (cfg.optim.lr, cfg.optim.eps, cfg.train.steps) == (0.25, 1e-6, 7)
+    path.write_text("optim:\n  lr: 0.5\n  lr: 0.25\n")  # a key given twice by hand is still refused
+    with pytest.raises(ConfigError, match="key 'lr' is given twice"):
+        load_config(path)
+
+
 def test_a_number_as_a_key_is_named(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("train:\n  1: 2\n")  # was TypeError: 'int' object is not iterable
@@ -74,7 +122,7 @@ def test_a_number_as_a_key_is_named(tmp_path):
         ("--log.sample_tokens=0", "log.sample_tokens: must be positive"),
         ("--model.n_layer=a: b", "model.n_layer: expected int, got str 'a: b'"),
         ("--model=3", "model: overrides take the form"),
-        ("--train.float8=on", "train.float8: expected str, got bool True"),
+        ("--train.float8=on", "train.float8: expected off, tensorwise or rowwise, got 'on'"),
         ("--train.float8=fp8", "train.float8: expected off, tensorwise or rowwise, got 'fp8'"),
         ("--train.float8=tensorwise --parallel.engine=fsdp --parallel.tp=2",
          "train.float8=tensorwise: not yet under parallel.tp=2"),
@@ -82,6 +130,8 @@ def test_a_number_as_a_key_is_named(tmp_path):
          "train.float8=rowwise: float8 speeds up GPU matmuls, and an offloaded run waits on host copies"),
         ("--model.n_layer", "overrides take the form --section.key=value"),
         ("--train.out_dir=", "train.out_dir: empty; name the run directory"),  # not the working directory
+        ("--train.seed=-1", "train.seed: expected 0 to 9223372036854775807 (a 63-bit seed), got -1"),
+        ("--train.seed=18446744073709551616", "train.seed: expected 0 to 9223372036854775807"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
