@@ -278,8 +278,8 @@ class Estimates:
     `residual_bytes` wide residual stream (`lm.plan.memory`)"""
     flops_per_token: "Callable[[Any, int, DataConfig, int], float] | None" = None
     """(cfg, seq_len, data, params) -> training FLOPs per token of windows of seq_len tokens, given the model's
-    active `params` outside position tables (`lm.plan.counts`); None: 6 per active parameter (forward and backward),
-    which a family with attention raises by its scores"""
+    active `params` that a matmul reads (every one but those of embedding tables only looked up; `lm.plan.counts`);
+    None: 6 per such parameter (forward and backward), which a family with attention raises by its scores"""
     memory_note: str = ""
     """A caveat the memory plan prints under its table"""
     idle_params: "Callable[[Any], int] | None" = None

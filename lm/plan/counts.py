@@ -32,6 +32,9 @@ class Counts:
     """In learned position tables"""
     embeddings: int
     """In every embedding table (tokens, positions, token types)"""
+    lookups: int
+    """In the embedding tables that only a lookup reads, no matmul: all of them but a token embedding tied to the
+    output layer"""
     unit: int
     """In the largest repeated unit (`Family.blocks`): what FSDP gathers as one"""
     root: int
@@ -66,7 +69,7 @@ def counts(cfg: ModelConfig) -> Counts:
                  for keys, n in steps]
         built = [base, *(one for one, _ in grown)]
         more = {f: getattr(base, f) + sum(n * (getattr(one, f) - getattr(base, f)) for one, n in grown)
-                for f in ("total", "positions", "embeddings", "root", "experts", "expert_layers")}
+                for f in ("total", "positions", "embeddings", "lookups", "root", "experts", "expert_layers")}
         _counted[key] = dataclasses.replace(base, **more, unit=max(c.unit for c in built),
                                             units=tuple(dict.fromkeys(u for c in built for u in c.units)))
     return _counted[key]
@@ -80,6 +83,7 @@ def _built(cfg: ModelConfig, whole: ModelConfig) -> Counts:
     sizes = {id(p): p.numel() for p in model.parameters()}
     tables = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     positions = {id(m.weight) for m in tables if isinstance(m, PositionTable)}
+    multiplied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}  # a tied head's is a table
     units = family.blocks(model)
     in_units = {id(p) for unit in units for p in unit.parameters()}
     routed = family.parallel.experts(model) if family.parallel.experts else []
@@ -88,6 +92,7 @@ def _built(cfg: ModelConfig, whole: ModelConfig) -> Counts:
         total=sum(sizes.values()),
         positions=sum(sizes[i] for i in positions),
         embeddings=sum(sizes[i] for i in {id(p) for m in tables for p in m.parameters()}),
+        lookups=sum(sizes[i] for i in {id(p) for m in tables for p in m.parameters()} - multiplied),
         unit=max(sum(p.numel() for p in unit.parameters()) for unit in units),
         root=sum(n for i, n in sizes.items() if i not in in_units),
         idle=0 if family.estimates.idle_params is None else family.estimates.idle_params(whole),
@@ -133,9 +138,11 @@ def routed_per_token(cfg: ModelConfig) -> float:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, data: DataConfig) -> float:
-    """Training FLOPs per token of windows of `seq_len` tokens: 6 per active parameter outside position tables
-    (forward and backward), or the family's own estimate from that count (`Estimates.flops_per_token`)."""
-    params = num_params(cfg, non_embedding=True, active=True)
+    """Training FLOPs per token of windows of `seq_len` tokens: 6 per active parameter that a matmul reads (forward
+    and backward; an embedding table that is only looked up does none, a token embedding tied to the head does),
+    or the family's own estimate from that count (`Estimates.flops_per_token`)."""
+    n = counts(cfg)
+    params = n.total - n.lookups - n.idle
     estimate = family_of(cfg).estimates.flops_per_token
     return 6 * params if estimate is None else estimate(cfg, seq_len, data, params)
 

@@ -1,4 +1,10 @@
+import dataclasses
+
+import numpy as np
+import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 from lm.config import load_config
 from lm.data.config import DataConfig
@@ -7,8 +13,9 @@ from lm.models.encdec.config import EncDecConfig
 from lm.models.encdec.model import EncoderDecoder
 from lm.models.gpt.config import GPTConfig
 from lm.models.lstm.config import LSTMConfig
+from lm.models.registry import family_of
 from lm.plan import counts
-from lm.plan.flops import peak_flops
+from lm.plan.flops import peak_flops, peak_of
 from lm.train import dry_run
 
 
@@ -30,6 +37,8 @@ def test_flops_per_token_gpt2_small():
 def test_an_lstm_does_no_attention():
     cfg = LSTMConfig(vocab_size=100, n_layer=2, d_model=16)
     assert flops_per_token(cfg, 64) == 6 * num_params(cfg)
+    untied = LSTMConfig(vocab_size=100, n_layer=2, d_model=16, tie_embeddings=False)  # a second table, looked up
+    assert num_params(untied) == num_params(cfg) + 128 * 16 and flops_per_token(untied, 64) == 6 * num_params(cfg)
 
 
 def test_encdec_flops_count_encoder_on_source_and_decoder_on_target_tokens():
@@ -39,7 +48,8 @@ def test_encdec_flops_count_encoder_on_source_and_decoder_on_target_tokens():
     per_block_enc = sum(p.numel() for p in model.encoder[0].parameters())
     per_block_dec = sum(p.numel() for p in model.decoder[0].parameters())
     norm = 2 * 16  # LayerNorm weight and bias
-    enc, dec = 2 * per_block_enc + norm, 2 * per_block_dec + norm + 128 * 16
+    memory_kv = 2 * (16 * 32 + 32)  # each decoder block's cross-attention keys and values, on the source tokens
+    enc, dec = 2 * per_block_enc + norm + memory_kv, 2 * per_block_dec + norm + 128 * 16 - memory_kv
     S, T = corrupted_lengths(13)
     expected = (6 * (enc * S + dec * T) + 12 * 2 * 16 * (S * S + T * T + T * S)) / 12
     assert flops_per_token(cfg, 12) == expected
@@ -78,3 +88,42 @@ def test_the_dry_run_states_total_and_active_parameters(capsys):
     assert "parameters: 10,773,888 (7,161,216 active per token)\n" in out
     assert "10,773,888 parameters (all held; 7,161,216 active per token), world size 2" in out
     assert counts.num_params(load_config("configs/demo-modern.yaml").model) == 10_773_888 - idle == 7_161_216
+
+
+@pytest.mark.parametrize("config, overrides", [
+    ("configs/demo.yaml", []),
+    ("configs/demo.yaml", ["--model.tie_embeddings=false"]),  # the input table is looked up, not multiplied
+    ("configs/moe-tiny.yaml", []),
+    ("configs/demo-encoder.yaml", []),
+    ("configs/demo-encdec.yaml", []),  # the cross-attention's keys and values run on the source tokens
+])
+def test_flops_per_token_is_what_a_training_step_multiplies(config, overrides):
+    """The estimate against torch's own count of one forward and backward of the family's loss (attention by
+    the math kernel, experts one matmul each, so that every matmul is counted), at a small vocabulary where an
+    embedding table counted wrongly shows."""
+    cfg = load_config(config, overrides)
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=512)
+    family = family_of(model_cfg)
+    torch.manual_seed(0)
+    model = family.build(model_cfg)
+    for module in model.modules():
+        if hasattr(module, "grouped"):
+            module.grouped = False
+    seq_len, batch = cfg.data.seq_len, 2
+    objective = family.training.objective(model_cfg, cfg.data, seq_len, 0, None)
+    rows = np.random.default_rng(0).integers(1, 500, size=(batch, seq_len + 1))
+    tensors = [torch.as_tensor(a) for a in objective(rows, np.arange(batch))]
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        family.training.loss(model, model, tensors).optimized.backward()
+    measured = counter.get_total_flops() / (batch * seq_len)
+    assert counts.flops_per_token(model_cfg, seq_len, cfg.data) == pytest.approx(measured, rel=0.02)
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("NVIDIA L40", 181e12), ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12), ("NVIDIA GH200 480GB", 989e12),
+    ("NVIDIA RTX A1000 Laptop GPU", None), ("NVIDIA A10G", None), ("NVIDIA A10", 125e12),
+])
+def test_a_gpu_gets_its_own_peak_or_none(name, peak):
+    # matched as words: an L40 took the L4's peak, so its MFU read 1.5x too high
+    assert peak_of(name) == peak

@@ -30,6 +30,7 @@ from lm.models.sizes import (
     checkpointed_blocks,
     embedding_params,
     layer_activation_bytes,
+    linear_params,
     logits_bytes,
     stack_bytes,
     stack_params,
@@ -100,14 +101,16 @@ def flops_per_token(cfg: EncDecConfig, seq_len: int, data: "DataConfig", params:
     and a target of T tokens (`corrupted_lengths`). The stacks run on different tokens, so it counts each one's
     parameters itself and leaves `params` aside.
 
-    Per sample: 6 per parameter per token it touches (encoder blocks on the source tokens; decoder blocks and the
-    output head on the target tokens) plus the attention scores, 12 * n_layer * d_model times (S^2 encoder + T^2
-    decoder + T*S cross). Divided by the seq_len tokens the sample was cut from, so tokens/s and MFU compare
-    with the GPT's at the same data rate.
+    Per sample: 6 per parameter per token it touches (encoder blocks, and the cross-attention's key and value
+    projections of the encoder output, on the source tokens; the rest of the decoder blocks and the output head on
+    the target tokens) plus the attention scores, 12 * n_layer * d_model times (S^2 encoder + T^2 decoder + T*S
+    cross). Divided by the seq_len tokens the sample was cut from, so tokens/s and MFU compare with the GPT's at
+    the same data rate.
     """
     S, T = corrupted_lengths(seq_len + 1)
-    encoder = stack_params(cfg)
-    decoder = stack_params(cfg, cross=True) + embedding_params(cfg)  # and the output head
+    memory_kv = cfg.n_layer * linear_params(cfg.d_model, 2 * cfg.kv_heads * cfg.head_dim, cfg.bias)
+    encoder = stack_params(cfg) + memory_kv
+    decoder = stack_params(cfg, cross=True) - memory_kv + embedding_params(cfg)  # and the output head
     per_sample = 6 * (encoder * S + decoder * T) + 12 * cfg.n_layer * cfg.d_model * (S * S + T * T + T * S)
     return per_sample / seq_len
 

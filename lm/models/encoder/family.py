@@ -121,11 +121,11 @@ def flops_per_token(cfg: EncoderConfig, seq_len: int, data: "DataConfig", params
     """The trunk (blocks, norms) runs on every token: 6 per parameter plus the attention scores (full, as the
     encoder's attention is). The head runs on fewer: head mlm on the k targets of each window
     (`lm.data.masking.target_count` of data.mlm_rate: the loss runs the head on those alone), a classify or
-    regress head once per sequence on the pooled vector. The output layer's weight counts whether tied or not:
-    the embedding lookup does no matmul, the head does."""
+    regress head once per sequence on the pooled vector. The output layer's weight counts whether tied or not
+    (`params` holds it only when tied): the embedding lookup does no matmul, the head does."""
     vocab_weight = embedding_params(cfg) if cfg.head == "mlm" and cfg.tie_embeddings else 0
     head = head_params(cfg) + vocab_weight
-    trunk = params - embedding_params(cfg) - head_params(cfg)
+    trunk = params - head
     per_sequence = 1 if cfg.head != "mlm" else target_count(seq_len, data.mlm_rate)
     attention = 12 * cfg.n_layer * cfg.d_model * seq_len
     return 6 * trunk + attention + 6 * head * per_sequence / seq_len

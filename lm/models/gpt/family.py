@@ -186,9 +186,10 @@ def idle_expert_params(cfg: GPTConfig) -> int:
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int, data: "DataConfig", params: int) -> float:
-    """6 per active parameter (forward + backward; `params` leaves a mixture of experts' idle experts out,
-    `idle_expert_params`) plus the attention scores: 12 * n_layer * n_head * head_dim * seq_len for QK^T and AV in
-    forward and backward (the PaLM appendix B estimate), counted for full rather than causal attention."""
+    """6 per active parameter (forward + backward; `params` leaves out a mixture of experts' idle experts,
+    `idle_expert_params`, and an untied token embedding, which is only looked up) plus the attention scores:
+    12 * n_layer * n_head * head_dim * seq_len for QK^T and AV in forward and backward (the PaLM appendix B
+    estimate), counted for full rather than causal attention."""
     return 6 * params + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
 
 
