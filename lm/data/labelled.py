@@ -263,6 +263,9 @@ class ExampleLoader:
         self.batch_size, self.micro_batch_size, self.pad_id = batch_size, micro_batch_size, pad_id
         self.position = 0
         self._orders: dict[int, np.ndarray] = {}  # the epochs' permutations in use, at most two
+        self.step_tokens = 0
+        """Token positions the last step read over every rank, padding included (throughput, `tokens` in the
+        metrics): each micro-batch is as long as its longest example, not data.seq_len"""
 
     @property
     def num_examples(self) -> int:
@@ -290,6 +293,9 @@ class ExampleLoader:
         """This rank's micro-batches of one optimizer step, each (ids (B, L) int64, labels (B,) int64 or
         float32, keep (B, L) bool), L the longest example of the micro-batch."""
         ids = self.example_ids(rank_slice(self.position, self.batch_size, self.rank, self.world))
+        self.step_tokens = sum(self._padded_tokens(self.example_ids(rank_slice(self.position, self.batch_size, r,
+                                                                                self.world)))
+                               for r in range(self.world))  # every rank holds every example's length
         self.position += self.batch_size
         batches = []
         for start in range(0, len(ids), self.micro_batch_size):
@@ -297,6 +303,11 @@ class ExampleLoader:
             tokens, keep = pad_examples([self.examples[i] for i in chunk.tolist()], self.pad_id)
             batches.append((tokens, _label_batch(self.labels, chunk), keep))
         return batches
+
+    def _padded_tokens(self, ids: np.ndarray) -> int:
+        """Token positions of one rank's micro-batches of the examples `ids`, each padded to its longest."""
+        chunks = [ids[start:start + self.micro_batch_size] for start in range(0, len(ids), self.micro_batch_size)]
+        return sum(len(chunk) * max(len(self.examples[i]) for i in chunk.tolist()) for chunk in chunks)
 
 
 def example_batches(

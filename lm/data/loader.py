@@ -126,6 +126,8 @@ class TokenLoader:
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.grad_accum = global_batch // (world_size * micro_batch)
         self.position = 0
+        self.step_tokens = global_batch * seq_len
+        """Token positions one step reads over every rank (throughput, `tokens` in the metrics)"""
 
     @property
     def windows(self) -> SplitWindows:

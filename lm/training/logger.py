@@ -79,7 +79,8 @@ class MetricLogger:
 
 class TrainWindow:
     """The steps since the last log line: each loss term over the applied steps, kept on the device (read once
-    per line: one host sync), and their wall time spent training (`paused` leaves the rest out)."""
+    per line: one host sync), the token positions they read and their wall time spent training (`paused` leaves
+    the rest out)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -89,10 +90,10 @@ class TrainWindow:
         self.weights: dict[str, torch.Tensor] = {}
         """MEAN terms: their weights (targets) added over the applied steps"""
         self.applied = torch.zeros((), device=device)
-        self.steps = 0
+        self.tokens = 0
         self.start = time.perf_counter()
 
-    def add(self, terms: dict[str, Term], applied: torch.Tensor) -> None:
+    def add(self, terms: dict[str, Term], applied: torch.Tensor, tokens: int) -> None:
         for name, term in terms.items():
             if name not in self.reduces:
                 self.reduces[name] = term.reduce
@@ -104,7 +105,7 @@ class TrainWindow:
                 self.sums[name] += torch.where(applied, term.value, 0.0)
                 self.weights[name] += torch.where(applied, term.weight, 0.0)
         self.applied += applied
-        self.steps += 1
+        self.tokens += tokens
 
     @contextlib.contextmanager
     def paused(self):
@@ -114,7 +115,8 @@ class TrainWindow:
         self.start += time.perf_counter() - paused
 
     def read(self, env: DistEnv) -> tuple[dict[str, float], int, float]:
-        """(each term over the window's applied steps and over ranks, steps, seconds); starts a new window.
+        """(each term over the window's applied steps and over ranks, token positions, seconds); starts a new
+        window.
 
         A MEAN or SUM term is averaged over the applied steps; over ranks a MEAN term is weighted by each rank's
         weights, a SUM term added over the data-parallel ranks, a MAX term the largest. A term only some ranks
@@ -136,9 +138,9 @@ class TrainWindow:
         values = across_ranks(values, names, {name: self.weights.get(name) for name in names}, env)
         if not self.applied.item():  # the skip is the step's on every rank: so is this (after the collectives)
             values = {}
-        steps, seconds = self.steps, time.perf_counter() - self.start
+        tokens, seconds = self.tokens, time.perf_counter() - self.start
         self.__init__(self.device)
-        return values, steps, seconds
+        return values, tokens, seconds
 
 
 def across_ranks(values: dict[str, torch.Tensor], reduces: dict[str, Reduce],

@@ -153,9 +153,9 @@ class Trainer:
             lr = lr_at(self.step, cfg.optim.lr, cfg.schedule, cfg.train.steps)
             step = self._train_step(lr)
             self.step += 1
-            self.tokens_seen += cfg.train.batch_size * cfg.data.seq_len
+            self.tokens_seen += self.loader.step_tokens
             self.skipped.add(step.applied)
-            window.add(step.terms, step.applied)
+            window.add(step.terms, step.applied, self.loader.step_tokens)
             last = self.step == cfg.train.steps
             log_step = self.step % cfg.log.every == 0 or last
             # read at log steps when the engine skips a non-finite step on the device, so it can wait; one that
@@ -209,8 +209,8 @@ class Trainer:
 
     def _log_train(self, window: TrainWindow, lr: float, grad_norm: torch.Tensor) -> dict:
         """One train line: the window's mean of each loss term, its throughput and MFU; returns the row logged."""
-        terms, steps, seconds = window.read(self.env)
-        tok_s = steps * self.cfg.train.batch_size * self.cfg.data.seq_len / seconds
+        terms, tokens, seconds = window.read(self.env)
+        tok_s = tokens / seconds
         flops_s = self.flops_per_token * tok_s / self.env.world_size
         # a head's loss is a cross-entropy over classes or an MSE: no perplexity
         ppl = {} if self.cfg.task.file or "loss" not in terms else {"train/ppl": perplexity(terms["loss"])}

@@ -197,9 +197,14 @@ def test_example_loader_at_two_world_sizes():
     ranks = [ExampleLoader(examples, labels, 5, r, 2, 6, 1, PAD) for r in range(2)]
     seen = []
     for _ in range(7):  # 42 positions: over 3 epochs of 13
-        one = [i for b in alone.next_batch() for i in check_batch(b, examples, labels)]
-        two = [i for loader in ranks for b in loader.next_batch() for i in check_batch(b, examples, labels)]
+        batches = alone.next_batch()
+        one = [i for b in batches for i in check_batch(b, examples, labels)]
+        per_rank = [loader.next_batch() for loader in ranks]
+        two = [i for rank in per_rank for b in rank for i in check_batch(b, examples, labels)]
         assert one == two
+        # the step's token positions over every rank, each micro-batch as long as its longest example
+        assert alone.step_tokens == sum(b[0].size for b in batches)
+        assert [loader.step_tokens for loader in ranks] == [sum(b[0].size for rank in per_rank for b in rank)] * 2
         seen += one
     expected = np.concatenate([sample_order(5, e, 13) for e in range(4)])[:42]
     assert seen == expected.tolist()

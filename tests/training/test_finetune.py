@@ -42,6 +42,9 @@ def test_a_classifier_learns_a_separable_task_and_predicts_it(encoder_run, separ
                         "--train.steps=30") == 0
     val = [r for r in logged(out) if "val/accuracy" in r]
     assert [r["step"] for r in val] == [10, 20, 30]
+    # tokens are the padded batches' positions: a row is at most 10 tokens, not data.seq_len (16)
+    cfg = load_config(out / "config.yaml")
+    assert 0 < val[-1]["tokens"] < 30 * cfg.train.batch_size * cfg.data.seq_len * 3 / 4
     assert val[-1]["val/accuracy"] > 0.95 and val[-1]["val/f1"] > 0.95
     assert val[-1]["val/loss"] < val[0]["val/loss"]
 
