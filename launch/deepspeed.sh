@@ -9,9 +9,12 @@
 # `hostname -I`, 127.0.0.1 locally) and MASTER_PORT (29500) are where the process group meets.
 # --no_local_rank: lm.train takes RANK, LOCAL_RANK and WORLD_SIZE from the environment the launcher sets.
 set -euo pipefail
+. "$(dirname "$0")/checks.sh"
+port MASTER_PORT "${MASTER_PORT:-29500}"
+[ -z "${NPROC_PER_NODE+set}" ] || count NPROC_PER_NODE "$NPROC_PER_NODE"  # DeepSpeed reads 0 or less as "all"
 if [ -n "${HOSTFILE:-}" ]; then
   # DeepSpeed would fall back to this machine alone, with only a warning, if the file were missing
-  [ -f "$HOSTFILE" ] || { echo "error: HOSTFILE: no file '$HOSTFILE'" >&2; exit 2; }
+  [ -f "$HOSTFILE" ] || die "HOSTFILE: no file '$HOSTFILE'"
   where=(--hostfile="$(realpath "$HOSTFILE")" ${MASTER_ADDR:+--master_addr="$MASTER_ADDR"})
 fi
 cd "$(dirname "$0")/.."

@@ -12,11 +12,12 @@
 # WORLD_SIZE      optional check: the total number of processes you expect (NNODES x NPROC_PER_NODE)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-die() { echo "error: $*" >&2; exit 2; }
-count() { [[ "$2" =~ ^[1-9][0-9]*$ ]] || die "$1 must be a positive integer, got '$2'"; }
+. launch/checks.sh
 
 count NNODES "${NNODES:-}"
 [ -n "${MASTER_ADDR:-}" ] || die "MASTER_ADDR: set it to the host name or address of one node"
+port MASTER_PORT "${MASTER_PORT:-29500}"
+natural MAX_RESTARTS "${MAX_RESTARTS:-0}"
 . launch/activate.sh
 nproc="${NPROC_PER_NODE:-$(python -c 'import torch; print(torch.cuda.device_count() or 1)')}"
 count NPROC_PER_NODE "$nproc"

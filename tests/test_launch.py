@@ -106,7 +106,11 @@ def test_two_nodes_rendezvous_and_train(tiny_data_dir, tmp_path):
     ({"NNODES": "2", "NPROC_PER_NODE": "-1"}, "error: NPROC_PER_NODE must be a positive integer, got '-1'"),
     ({"NNODES": "2", "NODE_RANK": "2"}, "error: NODE_RANK must be in 0..1, got '2'"),
     ({"NNODES": "2", "MASTER_ADDR": ""}, "error: MASTER_ADDR: set it to the host name or address of one node"),
-], ids=["world-size", "zero-nodes", "word-nodes", "no-nodes", "bad-nproc", "node-rank", "no-master"])
+    ({"NNODES": "2", "MASTER_PORT": "abc"}, "error: MASTER_PORT must be a port number, 1 to 65535, got 'abc'"),
+    ({"NNODES": "2", "MASTER_PORT": "99999"}, "error: MASTER_PORT must be a port number, 1 to 65535, got '99999'"),
+    ({"NNODES": "2", "MAX_RESTARTS": "-1"}, "error: MAX_RESTARTS must be 0 or a positive integer, got '-1'"),
+], ids=["world-size", "zero-nodes", "word-nodes", "no-nodes", "bad-nproc", "node-rank", "no-master", "word-port",
+        "big-port", "restarts"])
 def test_multi_node_rejects_bad_input_before_torchrun(tmp_path, variables, message):
     torchrun = stub(tmp_path, "lm-torchrun")
     env = script_env(tmp_path, **{"MASTER_ADDR": "127.0.0.1", "NPROC_PER_NODE": "1", **variables})
@@ -316,12 +320,25 @@ def test_deepspeed_hostfile_launch(tmp_path):
     assert f"cd {REPO};" in pdsh.read_text()  # every node starts in this checkout
 
 
-def test_deepspeed_missing_hostfile(tmp_path):
+@pytest.mark.parametrize("variables, message", [
+    ({"HOSTFILE": "hosts"}, "error: HOSTFILE: no file 'hosts'"),
+    ({"NPROC_PER_NODE": "0"}, "error: NPROC_PER_NODE must be a positive integer, got '0'"),  # DeepSpeed's "all"
+    ({"MASTER_PORT": "29500x"}, "error: MASTER_PORT must be a port number, 1 to 65535, got '29500x'"),
+])
+def test_deepspeed_refuses_bad_variables_before_its_launcher(variables, message, tmp_path):
     deepspeed = stub(tmp_path, "deepspeed")
     result = subprocess.run(["bash", str(REPO / "launch/deepspeed.sh")], cwd=tmp_path, capture_output=True, text=True,
-                            env=script_env(tmp_path, HOSTFILE="hosts"), timeout=60)
-    assert result.returncode == 2 and result.stderr.splitlines() == ["error: HOSTFILE: no file 'hosts'"]
+                            env=script_env(tmp_path, **variables), timeout=60)
+    assert result.returncode == 2 and result.stderr.splitlines() == [message]
     assert calls(deepspeed) == []
+
+
+def test_slurm_script_refuses_a_bad_port_before_srun(tmp_path):
+    script, env = slurm_job(tmp_path, ["gpu07"], MASTER_PORT="port")
+    result = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["error: MASTER_PORT must be a port number, 1 to 65535, got 'port'"]
+    assert calls(tmp_path / "srun.calls") == []
 
 
 def test_deepspeed_local_zero2_run(tiny_data_dir, tmp_path):
