@@ -174,17 +174,33 @@ def test_a_crashed_worker_ends_on_a_line_naming_its_rank_after_torchruns_log(tin
     assert "exitcode: -9" in result.stderr and "ChildFailedError" not in result.stderr
 
 
+def preemptible_run(tiny_data_dir, tmp_path) -> tuple[subprocess.Popen, Path, Path]:
+    """single_node.sh on 2 processes, 400 steps unless stopped: (process, run directory, log file)."""
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    proc = run_script(["launch/single_node.sh", *TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}",
+                       "--train.steps=400", "--train.eval_every=1000", "--checkpoint.every=1000"],
+                      script_env(tmp_path, NPROC_PER_NODE="2"), log)
+    return proc, out, log
+
+
+def stopped_at(proc: subprocess.Popen, out: Path, log: Path) -> int:
+    """The step the run saved when it stopped for SIGTERM, after it and every process exited 0."""
+    code, = wait_all([proc], timeout=180)
+    text = log.read_text()
+    assert code == 0, text
+    assert "Traceback" not in text and "SignalException" not in text
+    saved = json.loads((sorted((out / "checkpoints").iterdir())[-1] / "state.json").read_text())["step"]
+    assert f"stopped at step {saved} by SIGTERM" in text
+    return saved
+
+
 @pytest.mark.parametrize("target", ["script", "every process"])
 def test_sigterm_to_a_launched_run_saves_and_every_process_exits_0(target, tiny_data_dir, tmp_path):
     """Preemption: SIGTERM to the launch script alone (it forwards it to the workers), or as Slurm's --signal
     does it, to every process of the job (script, torchrun and workers). The workers train to the next log
     step, save and exit 0; torchrun, which does not handle SIGTERM under launch/torchrun.sh, exits 0 after
     them, and so does the script."""
-    out = tmp_path / "run"
-    log = tmp_path / "run.log"
-    proc = run_script(["launch/single_node.sh", *TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}",
-                       "--train.steps=400", "--train.eval_every=1000", "--checkpoint.every=1000"],
-                      script_env(tmp_path, NPROC_PER_NODE="2"), log)
+    proc, out, log = preemptible_run(tiny_data_dir, tmp_path)
     deadline = time.monotonic() + 180
     while not ((out / "metrics.jsonl").exists() and len(train_steps(out)) >= 3):
         assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
@@ -199,32 +215,19 @@ def test_sigterm_to_a_launched_run_saves_and_every_process_exits_0(target, tiny_
         os.killpg(proc.pid, signal.SIGTERM)
         for pid in workers:
             os.kill(int(pid), signal.SIGTERM)
-    code, = wait_all([proc], timeout=180)
-    text = log.read_text()
-    assert code == 0, text
-    assert "Traceback" not in text and "SignalException" not in text
-    saved = json.loads((sorted((out / "checkpoints").iterdir())[-1] / "state.json").read_text())["step"]
-    assert 3 <= saved < 400 and f"stopped at step {saved} by SIGTERM" in text
+    assert 3 <= stopped_at(proc, out, log) < 400
 
 
 def test_sigterm_before_the_workers_start_is_not_lost(tiny_data_dir, tmp_path):
     """A SIGTERM the script takes while torchrun has not started the workers, or they still import (and ignore
     it, until lm installs its handler), is sent again until they take it: they save at the first log step."""
-    out = tmp_path / "run"
-    log = tmp_path / "run.log"
-    proc = run_script(["launch/single_node.sh", *TINY, f"--data.dir={tiny_data_dir}", f"--train.out_dir={out}",
-                       "--train.steps=400", "--train.eval_every=1000", "--checkpoint.every=1000"],
-                      script_env(tmp_path, NPROC_PER_NODE="2"), log)
+    proc, out, log = preemptible_run(tiny_data_dir, tmp_path)
     deadline = time.monotonic() + 60
     while not subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True).stdout:  # torchrun started
         assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGTERM)
-    code, = wait_all([proc], timeout=180)
-    text = log.read_text()
-    assert code == 0, text
-    saved = json.loads((sorted((out / "checkpoints").iterdir())[-1] / "state.json").read_text())["step"]
-    assert saved == 1 and "stopped at step 1 by SIGTERM" in text
+    assert stopped_at(proc, out, log) == 1
 
 
 def test_single_node_uses_every_gpu_or_two_cpu_processes(tmp_path):
