@@ -21,12 +21,21 @@
 #             write's time, which the end of the run waits for)
 # The runs of train, muon and float8 save no checkpoint (checkpoint.every=0), which at gpt-1.3b would take a minute.
 # Usage: bash launch/bench_gpu.sh [OUT] [PART ...]   (all parts by default; exits 1 if any part failed)
+# A first argument that names a part is a part, not OUT; a name that is no part is refused before any part runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-runs/bench-gpu}"
-shift || true
+all=(tests training engines sampling docmask losschunk profile train muon float8 ckpt)
+is_part() { local p; for p in "${all[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
+out=runs/bench-gpu
+if [ $# -gt 0 ] && ! is_part "$1"; then
+    out="$1"
+    shift
+fi
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(tests training engines sampling docmask losschunk profile train muon float8 ckpt)
+[ ${#parts[@]} -gt 0 ] || parts=("${all[@]}")
+for p in "${parts[@]}"; do
+    is_part "$p" || { echo "bench_gpu.sh: unknown part '$p' (${all[*]})" >&2; exit 2; }
+done
 mkdir -p "$out"
 py="${PYTHON:-python}"  # PYTHON=python3 where that is the interpreter holding torch
 export PYTHONUNBUFFERED=1
@@ -74,7 +83,6 @@ part() {
               lm_train gpt-1.3b "$out/ckpt-async" "${ckpt[@]}" --checkpoint.async=true &&
               grep -h "saved checkpoint\|copied to host memory\|allocated the host copy" "$out/ckpt-sync.log" \
                   "$out/ckpt-async.log" ;;
-        *) echo "bench_gpu.sh: unknown part '$1' (tests, training, engines, sampling, docmask, losschunk, profile, train, muon, float8, ckpt)" >&2; return 2 ;;
     esac
 }
 

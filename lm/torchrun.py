@@ -18,6 +18,7 @@ from logging.handlers import MemoryHandler
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.run import parse_args
 from torch.distributed.run import run as torchrun
 
@@ -87,6 +88,14 @@ def main(argv: list[str]) -> int:
     except SignalException as err:  # Ctrl-C or another signal torchrun handles: the workers were told to stop
         _show(held, shown)
         print(f"error: stopped by {err.sigval.name}", file=sys.stderr)
+        return 1
+    except RendezvousError as err:  # a node that never came (not started, another address, port or run id)
+        _show(held, shown)
+        why = f" ({err})" if str(err) else ""
+        where = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
+        print(f"error: the rendezvous at {where} ended with {type(err).__name__}{why}: --nnodes="
+              f"{args.nnodes} nodes did not all join; start the script on every node with the same NNODES, "
+              "MASTER_ADDR, MASTER_PORT and RUN_ID", file=sys.stderr)
         return 1
     _show(held, shown)
     return 0

@@ -137,6 +137,19 @@ def test_lm_torchrun_refuses_bad_counts_in_one_line(counts, message, capsys):
     assert len(err.splitlines()) == 1 and err.startswith(f"error: {message}")
 
 
+def test_a_node_that_never_joins_ends_on_one_line(capsys):
+    """torchrun's RendezvousTimeoutError was a bare 41-line traceback: no word of the nodes or the endpoint."""
+    from lm.torchrun import main
+
+    port = free_port()
+    assert main(["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                 "--rdzv_conf=join_timeout=1", "-m", "lm.train"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[-1] == (
+        f"error: the rendezvous at 127.0.0.1:{port} ended with RendezvousTimeoutError: --nnodes=2 nodes did not all "
+        "join; start the script on every node with the same NNODES, MASTER_ADDR, MASTER_PORT and RUN_ID")
+
+
 def test_multi_node_command_lines(tmp_path):
     torchrun = stub(tmp_path, "lm-torchrun")
     base = {"NNODES": "4", "NPROC_PER_NODE": "8", "MASTER_ADDR": "node0", "WORLD_SIZE": "32"}
@@ -183,14 +196,23 @@ def preemptible_run(tiny_data_dir, tmp_path) -> tuple[subprocess.Popen, Path, Pa
     return proc, out, log
 
 
-def stopped_at(proc: subprocess.Popen, out: Path, log: Path) -> int:
-    """The step the run saved when it stopped for SIGTERM, after it and every process exited 0."""
-    code, = wait_all([proc], timeout=180)
+def trained_steps(proc: subprocess.Popen, out: Path, log: Path, steps: int) -> None:
+    """Wait until the run has logged `steps` steps."""
+    deadline = time.monotonic() + 180
+    while not ((out / "metrics.jsonl").exists() and len(train_steps(out)) >= steps):
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+        time.sleep(0.05)
+
+
+def stopped_at(proc: subprocess.Popen, out: Path, log: Path, by: str = "SIGTERM", code: int = 0) -> int:
+    """The step the run saved when it stopped for signal `by`, after the script exited `code` (torchrun and the
+    workers before it)."""
+    assert wait_all([proc], timeout=180) == [code], log.read_text()
+    assert not subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).stdout  # none left running
     text = log.read_text()
-    assert code == 0, text
     assert "Traceback" not in text and "SignalException" not in text
     saved = json.loads((sorted((out / "checkpoints").iterdir())[-1] / "state.json").read_text())["step"]
-    assert f"stopped at step {saved} by SIGTERM" in text
+    assert f"stopped at step {saved} by {by}" in text
     return saved
 
 
@@ -201,10 +223,7 @@ def test_sigterm_to_a_launched_run_saves_and_every_process_exits_0(target, tiny_
     step, save and exit 0; torchrun, which does not handle SIGTERM under launch/torchrun.sh, exits 0 after
     them, and so does the script."""
     proc, out, log = preemptible_run(tiny_data_dir, tmp_path)
-    deadline = time.monotonic() + 180
-    while not ((out / "metrics.jsonl").exists() and len(train_steps(out)) >= 3):
-        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
-        time.sleep(0.05)
+    trained_steps(proc, out, log, 3)
     # single_node.sh became launch/torchrun.sh (exec), whose one child is torchrun
     torchrun = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     workers = subprocess.run(["pgrep", "-P", torchrun[0]], capture_output=True, text=True).stdout.split()
@@ -216,6 +235,15 @@ def test_sigterm_to_a_launched_run_saves_and_every_process_exits_0(target, tiny_
         for pid in workers:
             os.kill(int(pid), signal.SIGTERM)
     assert 3 <= stopped_at(proc, out, log) < 400
+
+
+def test_ctrl_c_waits_for_the_workers_to_save(tiny_data_dir, tmp_path):
+    """Ctrl-C, a SIGINT to the terminal's whole process group: the script returned at once with 130 while
+    torchrun and the workers trained on to their next log step and saved behind the prompt."""
+    proc, out, log = preemptible_run(tiny_data_dir, tmp_path)
+    trained_steps(proc, out, log, 3)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert 3 <= stopped_at(proc, out, log, by="SIGINT", code=1) < 400
 
 
 def test_sigterm_before_the_workers_start_is_not_lost(tiny_data_dir, tmp_path):
@@ -305,6 +333,34 @@ def test_slurm_script_outside_the_checkout(tmp_path):
     assert calls(tmp_path / "srun.calls") == []
 
 
+def test_demo_prepares_evaluates_and_samples_what_its_arguments_name(tmp_path):
+    """The data keys go to lm.prepare too, and lm.eval and lm.sample read the run --train.out_dir names: they
+    read runs/demo-modern whatever the run, and so scored another model than the one just trained."""
+    python, torchrun = stub(tmp_path, "python"), stub(tmp_path, "lm-torchrun")
+    subprocess.run(["bash", "launch/demo.sh", "--train.out_dir=runs/mine", "--data.dir=data/mine", "--train.steps=6"],
+                   cwd=REPO, env=script_env(tmp_path), check=True, timeout=60)
+    prepare, scored, sampled = calls(python)
+    assert prepare == ["-m", "lm.prepare", "--config", "configs/demo-modern.yaml", "--data.dir=data/mine"]
+    assert scored[:4] == ["-m", "lm.eval", "--checkpoint", "runs/mine"]
+    assert sampled[:4] == ["-m", "lm.sample", "--checkpoint", "runs/mine"]
+    (train,) = calls(torchrun)
+    assert train[-3:] == ["--train.out_dir=runs/mine", "--data.dir=data/mine", "--train.steps=6"]
+
+
+def test_setup_refuses_a_torch_older_than_lm_needs_before_pip_runs(tmp_path):
+    """pip would replace it with PyPI's default build, CUDA wheels and all, where setup.sh said it kept it."""
+    (tmp_path / "old" / "torch").mkdir(parents=True)
+    (tmp_path / "old" / "torch" / "__init__.py").write_text('__version__ = "2.5.0+cu121"\n')
+    pip = tmp_path / "pip.calls"  # a python whose torch is the old one, and whose pip only records its calls
+    stub(tmp_path, "python", f'[ "$1 $2" = "-m pip" ] && {{ echo "$*" >> {pip}; exit 0; }}\n'
+                             f'PYTHONPATH={tmp_path / "old"} exec {sys.executable} "$@"')
+    result = subprocess.run(["bash", "launch/setup.sh", "--dev"], cwd=REPO, env=script_env(tmp_path),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("setup: error: torch 2.5.0+cu121 is installed, and lm needs 2.11 or newer;")
+    assert not pip.exists()
+
+
 def test_deepspeed_hostfile_launch(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node0 slots=8\nnode1 slots=8\n")
@@ -367,9 +423,13 @@ def test_gpu_bench_script_saves_each_part_and_reports_a_failed_one(tmp_path):
     # the tests part's pytest needs no plugin of another package (tests/conftest.py names its own): not importing
     # them (hypothesis's alone is ~2 s of CPU) changes nothing the script does
     env = script_env(tmp_path, PYTHON=sys.executable, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
-    # a failed part first: the parts after it still run and are saved, and the script exits 1 at the end
-    run = subprocess.run([*script, "nosuch", "tests"], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 1 and "failed: nosuch (see" in run.stderr, run.stdout + run.stderr
-    assert "unknown part 'nosuch'" in (out / "nosuch.txt").read_text()
+    # a name that is no part is refused before any part runs (a typo after an hour of parts was found last)
+    run = subprocess.run([*script, "tests", "tets"], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stderr.startswith("bench_gpu.sh: unknown part 'tets' (tests training")
+    assert not out.exists()
+    # a failed part first (no GPU here): the parts after it still run and are saved, and the script exits 1 at the end
+    run = subprocess.run([*script, "training", "tests"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "failed: training (see" in run.stderr, run.stdout + run.stderr
+    assert "error: --device: cuda asked for, but torch sees no CUDA device" in (out / "training.txt").read_text()
     saved = (out / "tests.txt").read_text()
     assert saved.startswith("== tests: ") and ("15 skipped" in saved or "15 passed" in saved)  # no GPU: skipped
