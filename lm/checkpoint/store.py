@@ -207,10 +207,18 @@ class BackgroundSaves:
 
     def _write(self, engine: Engine, staged: dict, tmp: Path, final: Path, state: dict, cfg: JobConfig, keep: int,
                start: float) -> None:
-        """The thread's part: this rank's DCP files, then, on rank 0, the files and the publishing of `_finish`."""
-        engine.write_staged(staged, tmp)  # collective over the engine's background group
+        """The thread's part: this rank's DCP files, then, on rank 0, the files and the publishing of `_finish`.
+        A write that fails removes its `.tmp` at once: training goes on until the next save, and a full disk must
+        not stay full under it."""
+        try:
+            engine.write_staged(staged, tmp)  # collective over the engine's background group
+            if self.env.is_main:
+                _finish(tmp, final, state, cfg, self.env)
+        except BaseException:
+            if self.env.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if self.env.is_main:
-            _finish(tmp, final, state, cfg, self.env)
             _prune(self.root, final, keep)
             log.info("saved checkpoint %s in %.1f s, in the background", final, time.perf_counter() - start)
 
@@ -238,15 +246,17 @@ class BackgroundSaves:
 
 def _open(root: Path, step: int, env: DistEnv) -> tuple[Path, Path]:
     """The final and `.tmp` directories of the checkpoint of `step`, the latter made by rank 0 once what killed
-    saves left is removed (a collective)."""
+    saves left is removed (a collective; a failure, say a full disk or a read-only directory, is the save's)."""
     final = root / f"step_{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
-    if env.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        _clean_leftovers(root)
-        tmp.mkdir()
-    env.barrier()
+    _agree(_attempt(_make_tmp, root, tmp) if env.is_main else None, tmp, root, step, env)
     return final, tmp
+
+
+def _make_tmp(root: Path, tmp: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    _clean_leftovers(root)
+    tmp.mkdir()
 
 
 def _write_rank_files(tmp: Path, engine: Engine, env: DistEnv) -> None:
@@ -292,9 +302,10 @@ def _agree(error: BaseException | None, tmp: Path, root: Path, step: int, env: D
     found = complete_checkpoints(root)
     reason = describe_failure(error) if error is not None else "on another rank"
     # a full disk often shows only as a writer's odd error (torch.save's "unexpected pos"): say what is free
-    free = shutil.disk_usage(root).free / 2**20
-    raise CheckpointError(f"{root}: saving step {step} failed ({reason}; {free:,.0f} MiB free there); the "
-                          f"previous checkpoint {found[-1] if found else '(none)'} is intact") from error
+    free = shutil.disk_usage(next(p for p in (root, *root.parents) if p.exists())).free / 2**20
+    kept = f"the previous checkpoint {found[-1]} is intact" if found else "no earlier checkpoint was lost"
+    raise CheckpointError(f"{root}: saving step {step} failed ({reason}; {free:,.0f} MiB free there); "
+                          f"{kept}") from error
 
 
 @contextlib.contextmanager
@@ -321,10 +332,14 @@ def describe_failure(err: BaseException) -> str:
 
 
 def _remove(path: Path) -> None:
-    """Delete a checkpoint; renamed first, so a kill half-way never leaves a dir that looks complete."""
+    """Delete an old checkpoint; renamed first, so a kill half-way never leaves a dir that looks complete. One
+    that cannot be deleted is a warning, not a failed save: the new checkpoint is complete."""
     doomed = path.with_name(path.name + ".deleting")
-    path.rename(doomed)
-    shutil.rmtree(doomed)
+    try:
+        path.rename(doomed)
+        shutil.rmtree(doomed)
+    except OSError as err:
+        log.warning("%s: could not delete this old checkpoint (%s); delete it by hand", path, describe_failure(err))
 
 
 def _step(path: Path) -> int:
@@ -358,4 +373,4 @@ def _clean_leftovers(root: Path) -> None:
     restore_replaced(root)
     for path in root.iterdir():
         if _LEFTOVER.match(path.name):
-            shutil.rmtree(path)
+            shutil.rmtree(path, ignore_errors=path.name.endswith(".deleting"))  # what _remove could not delete

@@ -55,7 +55,8 @@ class Trainer:
         check_run_paths(cfg)
         self.out_dir = Path(cfg.train.out_dir)
         self.ckpt_root = checkpoint_root(self.out_dir)
-        self.background = BackgroundSaves(self.ckpt_root, env) if cfg.checkpoint.async_ else None
+        saves_async = cfg.checkpoint.async_ and cfg.checkpoint.every > 0  # no host copy for a run that never saves
+        self.background = BackgroundSaves(self.ckpt_root, env) if saves_async else None
         self.save_seconds: list[float] = []
         """How long each save held training up (checkpoint.async: the copy to host memory, and any wait for the
         previous write)"""
@@ -203,6 +204,8 @@ class Trainer:
             return True
         if not saved:
             self.save()
+        if self.background is not None:  # saved means written: the background write ends first
+            self.background.wait()
         log.warning("stopped at step %d by %s; checkpoint saved, the same command resumes",
                     self.step, signals.requested or "a signal to another rank")
         return True

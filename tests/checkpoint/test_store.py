@@ -1,9 +1,11 @@
 import threading
+import time
 from functools import partial
 
 import pytest
 import torch
 
+from lm.checkpoint import store
 from lm.checkpoint.resume import check_compatible, load_checkpoint
 from lm.checkpoint.store import (
     BackgroundSaves,
@@ -162,3 +164,73 @@ def test_a_failed_background_write_is_raised_at_the_next_wait_naming_the_intact_
         saves.wait()
     saves.close()
     assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]
+
+
+def test_a_failed_background_write_removes_its_tmp_at_once(tmp_path):
+    """Training goes on until the next save: a full disk must not stay full under it (TensorBoard died of it)."""
+    cfg, engine = setup()
+    root = checkpoint_root(tmp_path)
+    saves = BackgroundSaves(root, init_distributed("cpu"))
+    write = engine.write_staged
+
+    def write_half_then_fail(staged, directory):
+        write(staged, directory)
+        raise OSError(28, "No space left on device")
+
+    engine.write_staged = write_half_then_fail
+    saves.save(1, engine, {"step": 1, "tokens_seen": 0, "position": 1}, cfg, keep=2)
+    deadline = time.monotonic() + 30
+    while (root / "step_00000001.tmp").exists():  # before any wait
+        assert time.monotonic() < deadline, "the failed write's .tmp is still there"
+        time.sleep(0.05)
+    with pytest.raises(CheckpointError, match=r"saving step 1 failed \(No space left on device; [\d,]+ MiB free "
+                                              r"there\); no earlier checkpoint was lost"):
+        saves.wait()
+    saves.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_old_checkpoint_that_cannot_be_deleted_is_a_warning_not_a_failed_save(mode, tmp_path, monkeypatch,
+                                                                                 caplog):
+    cfg, engine = setup()
+    env = init_distributed("cpu")
+    root = checkpoint_root(tmp_path)
+    rmtree = store.shutil.rmtree
+
+    def stuck(path, ignore_errors=False):  # an old checkpoint holding a file this user may not delete
+        if str(path).endswith(".deleting") and not ignore_errors:
+            raise PermissionError(1, "Operation not permitted", "config.yaml")
+        rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(store.shutil, "rmtree", stuck)
+    saves = BackgroundSaves(root, env)
+    for step in (1, 2, 3):
+        state = {"step": step, "tokens_seen": 0, "position": step}
+        if mode == "sync":
+            save_checkpoint(root, step, engine, state, cfg, env, keep=1)
+        else:
+            saves.save(step, engine, state, cfg, keep=1)
+            saves.wait()
+    saves.close()
+    assert [p.name for p in complete_checkpoints(root)] == ["step_00000003"]
+    assert caplog.text.count("could not delete this old checkpoint (Operation not permitted); delete it by hand") == 2
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_save_that_cannot_make_its_directory_names_the_intact_checkpoint(mode, tmp_path, monkeypatch):
+    cfg, engine = setup()
+    env = init_distributed("cpu")
+    root = checkpoint_root(tmp_path)
+    save_checkpoint(root, 1, engine, {"step": 1, "tokens_seen": 0, "position": 1}, cfg, env, keep=2)
+
+    def read_only(root):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(store, "_clean_leftovers", read_only)
+    state = {"step": 2, "tokens_seen": 0, "position": 2}
+    with pytest.raises(CheckpointError, match=rf"saving step 2 failed \(Read-only file system; [\d,]+ MiB free "
+                                              rf"there\); the previous checkpoint {root}/step_00000001 is intact"):
+        if mode == "sync":
+            save_checkpoint(root, 2, engine, state, cfg, env, keep=2)
+        else:
+            BackgroundSaves(root, env).save(2, engine, state, cfg, keep=2)

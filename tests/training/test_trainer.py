@@ -3,6 +3,7 @@ import json
 import logging
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -126,17 +127,47 @@ def test_run_directory_contents(tiny_data_dir, tmp_path):
     assert history[-1]["val/loss"] == rows[-1]["val/loss"]
 
 
-def test_a_run_that_never_saves_writes_no_checkpoint_and_a_signal_stops_it_unsaved(tiny_data_dir, tmp_path, caplog):
-    trainer = Trainer(tiny_config(tiny_data_dir, tmp_path / "run", "--train.steps=400", "--checkpoint.every=0"),
-                      init_distributed("cpu"))
+@pytest.mark.parametrize("saves", ["sync", "async"])
+def test_a_run_that_never_saves_writes_no_checkpoint_and_a_signal_stops_it_unsaved(saves, tiny_data_dir, tmp_path,
+                                                                                   caplog):
+    trainer = Trainer(tiny_config(tiny_data_dir, tmp_path / "run", "--train.steps=400", "--checkpoint.every=0",
+                                  f"--checkpoint.async={saves == 'async'}"), init_distributed("cpu"))
     trainer.after_step.append(lambda step: step == 2 and signal.raise_signal(signal.SIGTERM))
-    with caplog.at_level(logging.WARNING, logger="lm"):
+    with caplog.at_level(logging.INFO, logger="lm"):
         trainer.fit()
     assert trainer.step == 2 and not (tmp_path / "run/checkpoints").exists()
     assert "stopped at step 2 by SIGTERM; nothing saved (checkpoint.every=0)" in caplog.text
+    assert trainer.background is None and "host copy" not in caplog.text  # none allocated (pinned on a GPU) for no save
     finished = tiny_config(tiny_data_dir, tmp_path / "finished", "--train.steps=2", "--checkpoint.every=0")
     assert Trainer(finished, init_distributed("cpu")).fit()[-1]["step"] == 2
     assert not (tmp_path / "finished/checkpoints").exists()  # nor at the end of the run
+
+
+def test_a_stop_under_checkpoint_async_says_saved_once_the_checkpoint_is_published(tiny_data_dir, tmp_path, caplog):
+    out = tmp_path / "run"
+    trainer = Trainer(tiny_config(tiny_data_dir, out, "--train.steps=400", "--log.every=2", "--checkpoint.every=1000",
+                                  "--checkpoint.async=true"), init_distributed("cpu"))
+    write = trainer.engine.write_staged
+
+    def slow_write(staged, directory):
+        time.sleep(1)
+        write(staged, directory)
+
+    trainer.engine.write_staged = slow_write
+    published = []
+
+    class AtTheStopLine(logging.Handler):
+        def emit(self, record):
+            if "stopped at step" in record.getMessage():
+                published.append([p.name for p in complete_checkpoints(out / "checkpoints")])
+
+    trainer.after_step.append(lambda step: step == 1 and signal.raise_signal(signal.SIGTERM))
+    logging.getLogger("lm").addHandler(handler := AtTheStopLine())
+    try:
+        trainer.fit()
+    finally:
+        logging.getLogger("lm").removeHandler(handler)
+    assert published == [["step_00000002"]]  # the line came while the background write still ran
 
 
 def test_resume_modes(tiny_data_dir, tmp_path):
