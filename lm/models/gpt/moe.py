@@ -129,18 +129,26 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (N, C): rows sorted by expert, `counts` (n,) of them for each -> (N, C), each row through its expert."""
         grouped = grouped_mm_fits(x, self.w_in, self.w_out) if self.grouped is None else self.grouped
-        if grouped:
-            ends = counts.cumsum(0).to(torch.int32)
+        if not grouped:
+            return per_expert(self.kind, x, counts, self.w_in, getattr(self, "w_gate", None), self.w_out)
+        ends = counts.cumsum(0).to(torch.int32)
 
-            def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-                return torch._grouped_mm(a, w.to(a.dtype), offs=ends)
-        else:
-            sizes = counts.tolist()
-
-            def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-                return torch.cat([part @ w[e] for e, part in enumerate(a.split(sizes))])
+        def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return torch._grouped_mm(a, w.to(a.dtype), offs=ends)
         gate = mm(x, self.w_gate) if self.kind == "swiglu" else None
         return mm(activate(self.kind, mm(x, self.w_in), gate), self.w_out)  # hidden: (N, hidden)
+
+
+@torch.compiler.disable  # the experts' row counts are data: traced, every new routing would compile again
+def per_expert(kind: str, x: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_gate: torch.Tensor | None,
+               w_out: torch.Tensor) -> torch.Tensor:
+    """`Experts.forward` one product per expert, eager under torch.compile: x (N, C) sorted by expert -> (N, C)."""
+    sizes = counts.tolist()
+
+    def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part @ w[e] for e, part in enumerate(a.split(sizes))])
+    gate = mm(x, w_gate) if kind == "swiglu" else None
+    return mm(activate(kind, mm(x, w_in), gate), w_out)  # hidden: (N, hidden)
 
 
 def grouped_mm_fits(x: torch.Tensor, *weights: torch.Tensor) -> bool:
