@@ -84,7 +84,7 @@ def _float(value: object) -> float | None:
     return None
 
 
-QUOTES = ("'", '"')
+_QUOTES = ("'", '"')
 
 
 def _build(cls: type, values: dict, prefix: str, texts: dict[str, str]) -> object:
@@ -117,7 +117,7 @@ def _build(cls: type, values: dict, prefix: str, texts: dict[str, str]) -> objec
         else:
             if value is False and off_by_default(cls, name):  # YAML 1.1 reads `off` as False
                 value = "off"
-            elif kind is str and f"{prefix}{key}" in texts and not texts[f"{prefix}{key}"].lstrip().startswith(QUOTES):
+            elif kind is str and f"{prefix}{key}" in texts and not texts[f"{prefix}{key}"].lstrip().startswith(_QUOTES):
                 value = texts[f"{prefix}{key}"]
             kwargs[name] = _coerce(f"{prefix}{key}", value, kind)
     return cls(**kwargs)

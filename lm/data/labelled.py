@@ -292,10 +292,10 @@ class ExampleLoader:
     def next_batch(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """This rank's micro-batches of one optimizer step, each (ids (B, L) int64, labels (B,) int64 or
         float32, keep (B, L) bool), L the longest example of the micro-batch."""
-        ids = self.example_ids(rank_slice(self.position, self.batch_size, self.rank, self.world))
-        self.step_tokens = sum(self._padded_tokens(self.example_ids(rank_slice(self.position, self.batch_size, r,
-                                                                                self.world)))
-                               for r in range(self.world))  # every rank holds every example's length
+        per_rank = [self.example_ids(rank_slice(self.position, self.batch_size, r, self.world))
+                    for r in range(self.world)]
+        ids = per_rank[self.rank]
+        self.step_tokens = sum(self._padded_tokens(one) for one in per_rank)  # every rank has every example's length
         self.position += self.batch_size
         batches = []
         for start in range(0, len(ids), self.micro_batch_size):
