@@ -80,7 +80,13 @@ def _windows(args: argparse.Namespace, cfg: JobConfig, family: Family, parser: a
                          "non-overlapping windows")
         if not 0 < seq_len <= cfg.model.block_size:
             parser.error(f"--seq-len: must be in [1, {cfg.model.block_size}] (the model's block_size), got {seq_len}")
-        objective = family.training.objective(cfg.model, cfg.data, seq_len, cfg.train.seed, _document_eot(cfg))
+        try:
+            objective = family.training.objective(cfg.model, cfg.data, seq_len, cfg.train.seed, _document_eot(cfg))
+            objective.describe(seq_len)  # refuses windows it cannot make
+        except ConfigError as err:
+            if args.seq_len is None:
+                raise
+            parser.error(f"--seq-len: {seq_len} does not fit {cfg.model.title}'s objective ({err})")
         return seq_len, None, objective
     if not 0 < seq_len <= cfg.model.block_size:
         parser.error(f"--seq-len: must be in [1, {cfg.model.block_size}] (the model's block_size), got {seq_len}")

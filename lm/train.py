@@ -45,6 +45,7 @@ def dry_run(cfg: JobConfig, world_size: int, device_gib: float, nodes: int | Non
             gpus_per_node: int | None = None) -> None:
     """Print what the config would train and how much memory each engine needs per device; with `nodes`, also
     the layouts of that many nodes of `gpus_per_node` GPUs and the one to pick."""
+    from lm.models.registry import family_of
     from lm.plan.counts import num_params
     from lm.plan.layout_table import configured_table, layout_table
     from lm.plan.memory_table import plan_table
@@ -59,6 +60,7 @@ def dry_run(cfg: JobConfig, world_size: int, device_gib: float, nodes: int | Non
             check_offload(cfg.parallel, "cpu")
         check_float8(cfg.train.float8, torch.device("cpu"))
     m = cfg.model
+    family_of(m).training.objective(m, cfg.data, cfg.data.seq_len, cfg.train.seed)  # refuses what the run's would
     print(f"model: {m.summary}, vocabulary {m.padded_vocab_size:,} (padded)")
     total, active = num_params(m), num_params(m, active=True)
     print(f"parameters: {total:,}" + (f" ({active:,} active per token)" if active != total else ""))

@@ -65,6 +65,14 @@ def test_cli_bad_window_flags(trained_run, capsys, flags, message):
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_window_the_encoders_objective_cannot_mask_names_the_flag(encoder_run, capsys):
+    with pytest.raises(SystemExit) as exit_:  # it named data.seq_len, which the run had right
+        run(main, ["--checkpoint", str(encoder_run), "--seq-len", "1"])
+    assert exit_.value.code == 2
+    assert ("--seq-len: 1 does not fit an encoder's objective (data.seq_len: masked LM needs windows of at least 2 "
+            "tokens ([CLS] and one target), got 1)") in capsys.readouterr().err
+
+
 def test_shards_of_another_tokenizer_are_named_as_such_not_as_damaged(trained_run, tiny_data_config, tmp_path,
                                                                       capsys):
     other = tmp_path / "cl100k"

@@ -22,6 +22,7 @@ FLOAT8_MODES = ("off", "tensorwise", "rowwise")
 """train.float8's values: torchao's recipes, one scale per tensor or one per row (of the input, weight and
 gradient matrices)"""
 MUON_KEYS = ("muon_lr", "muon_momentum", "muon_ns_steps")
+MLM_KEYS = ("mlm_rate", "mlm_mask_fraction", "mlm_random_fraction")
 
 
 @dataclass
@@ -263,6 +264,10 @@ class JobConfig:
         if self.optim.z_loss and not model.z_loss:
             raise ConfigError(f"optim.z_loss: {model.title} (model.arch={model.arch}) adds no z-loss term to its "
                               "loss; set it to 0")
+        for key in () if model.masked_lm else MLM_KEYS:
+            if getattr(self.data, key) != getattr(DataConfig, key):
+                raise ConfigError(f"data.{key}: sets the masked LM of an encoder, and {model.title} "
+                                  f"(model.arch={model.arch}) trains no masked LM; drop it")
         self._check_tensor_parallel()
         self._check_pipeline()
         self._check_context_parallel()

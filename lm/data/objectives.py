@@ -152,8 +152,9 @@ class MaskedLM:
         self.document_eot = document_eot
 
     def describe(self, seq_len: int) -> str:
-        return (f"windows of {seq_len} tokens, {self.rate:.0%} of each masked ({self.mask_fraction:.0%} [MASK], "
-                f"{self.random_fraction:.0%} random)")
+        """What the windows of `seq_len` tokens hold; ConfigError for windows too short to mask."""
+        return (f"windows of {seq_len} tokens, {target_count(seq_len, self.rate)} of each masked ({self.rate:.0%}; "
+                f"{self.mask_fraction:.0%} [MASK], {self.random_fraction:.0%} random)")
 
     def __call__(self, rows: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, ...]:
         rows = np.asarray(rows, dtype=np.int64)

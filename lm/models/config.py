@@ -66,6 +66,9 @@ class ModelConfig:
     """Whether the family's loss adds the z-loss term (optim.z_loss)."""
     muon_matrices: ClassVar[bool] = True
     """Whether the family's hidden matrices are nn.Linear weights, which optim.name=muon steps with Muon."""
+    masked_lm: ClassVar[bool] = False
+    """Whether the family's objective is the masked LM that data.mlm_rate, mlm_mask_fraction and
+    mlm_random_fraction set."""
 
     def free_keys(self, saved: "ModelConfig") -> tuple[str, ...]:
         """The keys whose values may differ between a checkpoint's model (`saved`) and this one, neither weights

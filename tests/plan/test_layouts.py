@@ -261,3 +261,11 @@ def test_the_dry_runs_numbers_out_of_range_are_one_error_line(args, message, cap
         code = exit_.code
     err = capsys.readouterr().err
     assert code == 2 and message in err.strip().splitlines()[-1], err
+
+
+def test_the_dry_run_refuses_an_objective_the_run_would_refuse(capsys):
+    # it planned an encoder-decoder whose windows need more sentinels than the model has; the run refused it
+    assert run(train_main, ["--config", "configs/demo-encdec.yaml", "--model.n_sentinels=5", "--dry-run"]) == 2
+    assert capsys.readouterr().err == ("error: model.n_sentinels: 5 sentinels do not fit data.seq_len=128: its windows "
+                                       "of 129 tokens have 6 noise spans and need 7 sentinels (6 spans + 1 end "
+                                       "marker)\n")

@@ -23,6 +23,7 @@ class EncoderConfig(TransformerConfig):
     arch: str = "encoder"
     title: ClassVar[str] = "an encoder"
     document_masking: ClassVar[bool] = True
+    masked_lm: ClassVar[bool] = True
     rope_theta: float = 10000.0
     """Base of the rotary frequencies (pos: rope)."""
     head: str = "mlm"
