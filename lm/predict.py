@@ -90,6 +90,7 @@ def main(argv: list[str]) -> int:
     examples = encode_examples(texts, tokenizer.encode_ordinary, cfg.model.cls_id, cfg.data.seq_len)
 
     outputs, sums = [], np.zeros(task_sums_size(head, cfg.model.num_classes))
+    center = float(labels[0])  # every batch's sums about one target (`regression_sums`)
     with torch.no_grad(), tqdm(total=len(examples), unit="row", desc="predict", disable=None) as bar:
         # one process: no batch is padded past the rows to keep ranks in step
         batch_size = min(args.batch_size, len(examples))
@@ -98,7 +99,7 @@ def main(argv: list[str]) -> int:
             out = family.training.head.outputs(model, model, ids_t, keep_t).float().cpu()
             real = int(weight.sum())
             outputs.append(out[:real])
-            sums += task_sums(head, cfg.model.num_classes, out, batch_labels, weight)
+            sums += task_sums(head, cfg.model.num_classes, out, batch_labels, weight, center)
             bar.update(real)
     outputs = torch.cat(outputs)
     print(f"checkpoint: {source}")

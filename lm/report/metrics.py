@@ -97,14 +97,18 @@ def classification_metrics(confusion: np.ndarray) -> dict[str, float]:
 
 REGRESSION_SUMS = ("n", "sum_y", "sum_p", "sum_yy", "sum_pp", "sum_yp", "sum_sq_err")
 """The layout of `regression_sums`: the count, then sums of y, p, y^2, p^2, y*p and (p - y)^2 for targets y
-and predictions p. The squared error is summed itself, not derived from the others, so the MSE of a good
-model does not lose its digits to cancellation."""
+and predictions p, each less a common `center`. The squared error is summed itself, not derived from the
+others, so the MSE of a good model does not lose its digits to cancellation."""
 
 
-def regression_sums(labels: np.ndarray, predictions: np.ndarray, weight: np.ndarray | None = None) -> np.ndarray:
+def regression_sums(labels: np.ndarray, predictions: np.ndarray, weight: np.ndarray | None = None,
+                    center: float = 0.0) -> np.ndarray:
     """The sufficient statistics (7,) float64 (layout `REGRESSION_SUMS`) of targets and predictions (N,),
-    each example counted with its weight (N,) (default 1)."""
-    y, p = np.asarray(labels, dtype=np.float64), np.asarray(predictions, dtype=np.float64)
+    each example counted with its weight (N,) (default 1), both less `center`, the same for every batch summed (a
+    target, say the first): the sums then hold the spread and not the offset, whose square would cancel the
+    variances' digits away (targets near 1e8 lost their correlation), and constant targets sum to exactly 0."""
+    y = np.asarray(labels, dtype=np.float64) - center
+    p = np.asarray(predictions, dtype=np.float64) - center
     w = np.ones_like(y) if weight is None else np.asarray(weight, dtype=np.float64)
     return np.array([w.sum(), (w * y).sum(), (w * p).sum(), (w * y * y).sum(), (w * p * p).sum(),
                      (w * y * p).sum(), (w * (p - y) ** 2).sum()])
@@ -119,6 +123,8 @@ def regression_metrics(sums: np.ndarray) -> dict[str, float | None]:
         raise ValueError(f"regression sums need a positive count, got n = {n}")
     cov = sum_yp - sum_y * sum_p / n
     var_y, var_p = sum_yy - sum_y * sum_y / n, sum_pp - sum_p * sum_p / n
+    # a column whose variance is at the rounding of its squares is constant (a constant off the center leaves one)
+    spread = var_y > 1e-12 * sum_yy and var_p > 1e-12 * sum_pp
     # clipped: rounding can carry |r| of identical columns a hair past 1
-    pearson = min(1.0, max(-1.0, cov / math.sqrt(var_y * var_p))) if var_y > 0 and var_p > 0 else None
+    pearson = min(1.0, max(-1.0, cov / math.sqrt(var_y * var_p))) if spread else None
     return {"mse": sum_sq_err / n, "pearson": pearson}

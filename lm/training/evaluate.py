@@ -84,12 +84,13 @@ def _evaluate_windows(engine: Engine, family: Family, data: TrainingData, cfg: J
 def _evaluate_task(engine: Engine, family: Family, data: TaskData, cfg: JobConfig, env: DistEnv) -> dict[str, float]:
     """Every val row once over the ranks; the losses and metrics from sums (`task_sums`)."""
     sums = np.zeros(task_sums_size(data.kind, data.num_classes))
+    center = float(data.val_labels[0])
     for ids, labels, keep, weight in example_batches(data.val_examples, data.val_labels, cfg.train.micro_batch_size,
                                                      env.dp_rank, env.dp_size, cfg.model.pad_id):
         ids_t, keep_t = to_device((ids, keep), env.device)
         outputs = engine.evaluate(lambda model, run, ids_t=ids_t, keep_t=keep_t:
                                   family.training.head.outputs(model, run, ids_t, keep_t))
-        sums += task_sums(data.kind, data.num_classes, outputs, labels, weight)
+        sums += task_sums(data.kind, data.num_classes, outputs, labels, weight, center)
     if env.is_distributed:
         total = torch.from_numpy(sums).to(env.device)
         torch.distributed.all_reduce(total)
@@ -103,13 +104,14 @@ def task_sums_size(kind: str, num_classes: int) -> int:
 
 
 def task_sums(kind: str, num_classes: int, outputs: torch.Tensor, labels: np.ndarray,
-              weight: np.ndarray) -> np.ndarray:
+              weight: np.ndarray, center: float = 0.0) -> np.ndarray:
     """What one batch adds to the val sums, (task_sums_size,) float64, each row counted with its weight (1 for
     real rows, 0 for `example_batches`' fillers). classify (outputs (B, n) logits): the summed cross-entropy,
-    then `confusion_matrix`'s counts; regress (outputs (B,)): `regression_sums`, whose squared error is the loss."""
+    then `confusion_matrix`'s counts; regress (outputs (B,)): `regression_sums` about `center` (the same for every
+    batch), whose squared error is the loss."""
     outputs = outputs.detach().float().cpu()
     if kind == "regress":
-        return regression_sums(labels, outputs.numpy(), weight)
+        return regression_sums(labels, outputs.numpy(), weight, center)
     cross_entropy = F.cross_entropy(outputs, torch.from_numpy(labels), reduction="none").double().numpy()  # (B,)
     confusion = confusion_matrix(labels, outputs.argmax(-1).numpy(), num_classes, weight)
     return np.concatenate([[cross_entropy @ weight], confusion.ravel()])

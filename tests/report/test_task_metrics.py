@@ -79,3 +79,19 @@ def test_regression_metrics_edges():
     assert constant["mse"] == pytest.approx(2 / 3) and constant["pearson"] is None
     with pytest.raises(ValueError, match="positive count"):
         regression_metrics(np.zeros(7))
+
+
+def test_regression_metrics_about_a_common_center_keep_their_digits():
+    rng = np.random.default_rng(0)
+    parts = np.array_split(np.arange(3000), 375)  # batches of 8, as lm.predict --batch-size 8 sums them
+    constant = np.full(3000, 0.123)  # constant labels: no correlation, whatever the batches (it read -0.0000)
+    p = rng.normal(0.1, 0.01, 3000)
+    sums = sum(regression_sums(constant[i], p[i], center=constant[0]) for i in parts)
+    assert regression_metrics(sums)["pearson"] is None
+    assert regression_metrics(sum(regression_sums(p[i], np.full(len(i), 0.7), center=p[0]) for i in parts)
+                              )["pearson"] is None  # nor constant predictions
+    y = 1e8 + rng.normal(0, 1, 3000)  # a large offset: its square cancelled the variance away (None)
+    q = y + rng.normal(0, 1, 3000)
+    sums = sum(regression_sums(y[i], q[i], center=y[0]) for i in parts)
+    assert regression_metrics(sums)["pearson"] == pytest.approx(np.corrcoef(y, q)[0, 1], rel=1e-9)
+    assert regression_metrics(sums)["mse"] == pytest.approx(np.mean((q - y) ** 2), rel=1e-9)
