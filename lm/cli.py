@@ -124,7 +124,7 @@ def in_range(kind: type[int] | type[float], low: float, high: float) -> Callable
 
 
 PREPARE_READS = ("data", "model.vocab_size")
-"""What lm.prepare and lm.train_tokenizer read of a config; they refuse an override of anything else. The data,
+"""What lm.prepare reads of a config; it refuses an override of anything else. The data,
 and model.vocab_size, which the config checks against a tiktoken data.tokenizer (--data.tokenizer=cl100k_base
 needs --model.vocab_size=100277)."""
 

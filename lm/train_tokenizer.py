@@ -16,7 +16,7 @@ from pathlib import Path
 import tokenizers
 
 from lm.checkpoint.store import enclosing_checkpoint
-from lm.cli import PREPARE_READS, a_path, positive_int, run
+from lm.cli import a_path, positive_int, run
 from lm.config import parse_cli
 from lm.data.corpora import find_corpus
 from lm.data.tokenizer_training import (
@@ -34,6 +34,9 @@ from lm.tokenizer import load_tokenizer
 from lm.tokenizer.hf_json import TOKENIZER_CONFIG
 
 log = logging.getLogger("lm.train_tokenizer")
+READS = ("data.source", "data.text_column", "data.document_separator", "data.val_fraction")
+"""The keys the tool reads: the corpus as lm.prepare reads it, and its held-out share; any other override (a data.dir,
+a data.tokenizer) would change nothing, and is refused."""
 
 BASELINE = "gpt2"
 """The tokenizer the new one is compared with."""
@@ -70,8 +73,8 @@ def output_problem(out: Path, inputs: tuple[Path, ...], force: bool) -> str | No
 def main(argv: list[str]) -> int:
     """Train the tokenizer, write it atomically to --out and print its compression beside GPT-2's."""
     cfg, args = parse_cli(argv, "Train a byte-level BPE tokenizer.json on data.source, read as lm.prepare reads it "
-                          "(of the config, only the data section applies).", extra=_add_flags,
-                          prog="python -m lm.train_tokenizer", reads=PREPARE_READS)
+                          f"(of the config, only {', '.join(READS)} apply).", extra=_add_flags,
+                          prog="python -m lm.train_tokenizer", reads=READS)
     data = cfg.data
     specials = special_tokens(args.special_token)
     check_vocab_size(args.vocab_size, specials)

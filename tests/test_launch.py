@@ -337,14 +337,17 @@ def test_demo_prepares_evaluates_and_samples_what_its_arguments_name(tmp_path):
     """The data keys go to lm.prepare too, and lm.eval and lm.sample read the run --train.out_dir names: they
     read runs/demo-modern whatever the run, and so scored another model than the one just trained."""
     python, torchrun = stub(tmp_path, "python"), stub(tmp_path, "lm-torchrun")
-    subprocess.run(["bash", "launch/demo.sh", "--train.out_dir=runs/mine", "--data.dir=data/mine", "--train.steps=6"],
+    subprocess.run(["bash", "launch/demo.sh", "--train.out_dir=runs/mine", "--data.dir=data/mine", "--train.steps=6",
+                    "--data.tokenizer=cl100k_base", "--model.vocab_size=100277"],
                    cwd=REPO, env=script_env(tmp_path), check=True, timeout=60)
     prepare, scored, sampled = calls(python)
-    assert prepare == ["-m", "lm.prepare", "--config", "configs/demo-modern.yaml", "--data.dir=data/mine"]
+    assert prepare == ["-m", "lm.prepare", "--config", "configs/demo-modern.yaml", "--data.dir=data/mine",
+                       "--data.tokenizer=cl100k_base", "--model.vocab_size=100277"]
     assert scored[:4] == ["-m", "lm.eval", "--checkpoint", "runs/mine"]
     assert sampled[:4] == ["-m", "lm.sample", "--checkpoint", "runs/mine"]
     (train,) = calls(torchrun)
-    assert train[-3:] == ["--train.out_dir=runs/mine", "--data.dir=data/mine", "--train.steps=6"]
+    assert train[-5:] == ["--train.out_dir=runs/mine", "--data.dir=data/mine", "--train.steps=6",
+                          "--data.tokenizer=cl100k_base", "--model.vocab_size=100277"]
 
 
 def test_setup_refuses_a_torch_older_than_lm_needs_before_pip_runs(tmp_path):

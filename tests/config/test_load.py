@@ -217,7 +217,12 @@ def test_cli_refuses_a_second_config_file(capsys):
     ("lm.prepare", ["--train.steps=3"], "--train.steps: this tool does not read it (it reads data, "
      "model.vocab_size), so it would change nothing"),
     ("lm.train_tokenizer", ["--out", "t.json", "--vocab-size", "300", "--model.n_layer=3"],
-     "--model.n_layer: this tool does not read it (it reads data, model.vocab_size)"),
+     "--model.n_layer: this tool does not read it (it reads data.source, data.text_column, data.document_separator, "
+     "data.val_fraction)"),
+    ("lm.train_tokenizer", ["--out", "t.json", "--vocab-size", "300", "--model.vocab_size=300"],  # its own tokenizer's
+     "--model.vocab_size: this tool does not read it"),  # was refused as not matching GPT-2's 50257
+    ("lm.train_tokenizer", ["--out", "t.json", "--vocab-size", "300", "--data.tokenizer=cl100k_base"],
+     "--data.tokenizer: this tool does not read it"),
     ("lm.finetune", ["--encoder", "run", "--data.val_fraction=0.5"], "--data.val_fraction: this tool does not read "
      "it (it reads model, optim, schedule, train, parallel, checkpoint, log, task, data.seq_len), so it would change "
      "nothing; did you mean --task.val_fraction?"),
