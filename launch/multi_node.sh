@@ -19,6 +19,8 @@ count NNODES "${NNODES:-}"
 port MASTER_PORT "${MASTER_PORT:-29500}"
 natural MAX_RESTARTS "${MAX_RESTARTS:-0}"
 . launch/activate.sh
+python -c 'import socket, sys; socket.getaddrinfo(sys.argv[1], None)' "$MASTER_ADDR" 2>/dev/null \
+  || die "MASTER_ADDR: '$MASTER_ADDR' does not resolve to an address on this node"
 nproc="${NPROC_PER_NODE:-$(python -c 'import torch; print(torch.cuda.device_count() or 1)')}"
 count NPROC_PER_NODE "$nproc"
 if [ -n "${WORLD_SIZE:-}" ] && [ "$WORLD_SIZE" != "$((NNODES * nproc))" ]; then

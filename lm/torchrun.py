@@ -18,7 +18,7 @@ from logging.handlers import MemoryHandler
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
 from torch.distributed.run import parse_args
 from torch.distributed.run import run as torchrun
 
@@ -93,6 +93,10 @@ def main(argv: list[str]) -> int:
         _show(held, shown)
         why = f" ({err})" if str(err) else ""
         where = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
+        if isinstance(err, RendezvousConnectionError):
+            print(f"error: cannot reach the rendezvous at {where}: check that MASTER_ADDR names a node this one "
+                  "reaches and that MASTER_PORT is open there", file=sys.stderr)
+            return 1
         print(f"error: the rendezvous at {where} ended with {type(err).__name__}{why}: --nnodes="
               f"{args.nnodes} nodes did not all join; start the script on every node with the same NNODES, "
               "MASTER_ADDR, MASTER_PORT and RUN_ID", file=sys.stderr)

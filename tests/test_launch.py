@@ -109,8 +109,10 @@ def test_two_nodes_rendezvous_and_train(tiny_data_dir, tmp_path):
     ({"NNODES": "2", "MASTER_PORT": "abc"}, "error: MASTER_PORT must be a port number, 1 to 65535, got 'abc'"),
     ({"NNODES": "2", "MASTER_PORT": "99999"}, "error: MASTER_PORT must be a port number, 1 to 65535, got '99999'"),
     ({"NNODES": "2", "MAX_RESTARTS": "-1"}, "error: MAX_RESTARTS must be 0 or a positive integer, got '-1'"),
+    ({"NNODES": "2", "MASTER_ADDR": "no-such-host.invalid"},
+     "error: MASTER_ADDR: 'no-such-host.invalid' does not resolve to an address on this node"),
 ], ids=["world-size", "zero-nodes", "word-nodes", "no-nodes", "bad-nproc", "node-rank", "no-master", "word-port",
-        "big-port", "restarts"])
+        "big-port", "restarts", "unresolved"])
 def test_multi_node_rejects_bad_input_before_torchrun(tmp_path, variables, message):
     torchrun = stub(tmp_path, "lm-torchrun")
     env = script_env(tmp_path, **{"MASTER_ADDR": "127.0.0.1", "NPROC_PER_NODE": "1", **variables})
@@ -150,17 +152,27 @@ def test_a_node_that_never_joins_ends_on_one_line(capsys):
         "join; start the script on every node with the same NNODES, MASTER_ADDR, MASTER_PORT and RUN_ID")
 
 
+def test_a_rendezvous_this_node_cannot_reach_is_named_as_such(capsys):
+    from lm.torchrun import main
+
+    assert main(["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", "--rdzv_endpoint=10.255.255.1:29717",
+                 "--rdzv_conf=join_timeout=2,read_timeout=2,timeout=2", "-m", "lm.train"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (  # it said the nodes did not all join
+        "error: cannot reach the rendezvous at 10.255.255.1:29717: check that MASTER_ADDR names a node this one "
+        "reaches and that MASTER_PORT is open there")
+
+
 def test_multi_node_command_lines(tmp_path):
     torchrun = stub(tmp_path, "lm-torchrun")
-    base = {"NNODES": "4", "NPROC_PER_NODE": "8", "MASTER_ADDR": "node0", "WORLD_SIZE": "32"}
+    base = {"NNODES": "4", "NPROC_PER_NODE": "8", "MASTER_ADDR": "localhost", "WORLD_SIZE": "32"}
     for variables in ({"RUN_ID": "r1", "MAX_RESTARTS": "3"}, {"NODE_RANK": "3", "MASTER_PORT": "1234"}):
         subprocess.run(["bash", "launch/multi_node.sh", "--config", "c.yaml"], cwd=REPO, check=True,
                        env=script_env(tmp_path, **base, **variables), timeout=60)
     elastic, static = calls(torchrun)
-    assert elastic == ["--nnodes=4", "--nproc_per_node=8", "--rdzv_backend=c10d", "--rdzv_endpoint=node0:29500",
+    assert elastic == ["--nnodes=4", "--nproc_per_node=8", "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:29500",
                        "--rdzv_id=r1", "--max-restarts=3", "-m", "lm.train", "--config", "c.yaml"]
     assert static == ["--nnodes=4", "--nproc_per_node=8", "--rdzv_backend=static", "--node_rank=3",
-                      "--master_addr=node0", "--master_port=1234", "--rdzv_id=lm", "--max-restarts=0",
+                      "--master_addr=localhost", "--master_port=1234", "--rdzv_id=lm", "--max-restarts=0",
                       "-m", "lm.train", "--config", "c.yaml"]
 
 
