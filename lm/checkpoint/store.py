@@ -339,7 +339,9 @@ def _remove(path: Path) -> None:
         path.rename(doomed)
         shutil.rmtree(doomed)
     except OSError as err:
-        log.warning("%s: could not delete this old checkpoint (%s); delete it by hand", path, describe_failure(err))
+        left = doomed if doomed.exists() else path  # renamed aside already, or not even that
+        log.warning("%s: could not delete this old checkpoint (%s); the next save tries again", left,
+                    describe_failure(err))
 
 
 def _step(path: Path) -> int:
