@@ -7,6 +7,7 @@ a job, and a launcher that also forwards the signal it got must not turn the sto
 """
 
 import logging
+import os
 import signal
 import threading
 from types import FrameType
@@ -32,8 +33,10 @@ class StopSignals:
             signal.raise_signal(signum)
             return
         self.requested = name
-        log.warning("%s received: training to the next log step, saving a checkpoint (unless checkpoint.every=0), "
-                    "then exiting (Ctrl-C or SIGINT to exit at once)", name)
+        # said once, by rank 0 (torchrun's RANK: the signal may come before the group forms); the others keep it quiet
+        level = logging.WARNING if os.environ.get("RANK", "0") == "0" else logging.INFO
+        log.log(level, "%s received: training to the next log step, saving a checkpoint (unless checkpoint.every=0), "
+                "then exiting (Ctrl-C or SIGINT to exit at once)", name)
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():  # Python only lets the main thread handle signals

@@ -199,15 +199,17 @@ class Trainer:
         if last or self.step % cfg.log.every or not self._stop_agreed(signals):
             return False
         if every == 0:
-            log.warning("stopped at step %d by %s; nothing saved (checkpoint.every=0)", self.step,
-                        signals.requested or "a signal to another rank")
+            if self.env.is_main:
+                log.warning("stopped at step %d by %s; nothing saved (checkpoint.every=0)", self.step,
+                            signals.requested or "a signal to another rank")
             return True
         if not saved:
             self.save()
         if self.background is not None:  # saved means written: the background write ends first
             self.background.wait()
-        log.warning("stopped at step %d by %s; checkpoint saved, the same command resumes",
-                    self.step, signals.requested or "a signal to another rank")
+        if self.env.is_main:
+            log.warning("stopped at step %d by %s; checkpoint saved, the same command resumes",
+                        self.step, signals.requested or "a signal to another rank")
         return True
 
     def _log_train(self, window: TrainWindow, lr: float, grad_norm: torch.Tensor) -> dict:
