@@ -194,7 +194,8 @@ class LogConfig:
     sample_prompt: str = ""
     """The periodic samples' prompt (empty: start from end-of-text); fixed, so the samples show the model learning."""
     sample_tokens: int = 64
-    """New tokens per periodic sample, at most model.block_size - 1 (temperature 0.8, top-k 200, seed train.seed)."""
+    """New tokens per periodic sample (temperature 0.8, top-k 200, seed train.seed); more than model.block_size - 1
+    are cut to that, so the default suits a model of any context."""
 
     def __post_init__(self) -> None:
         if self.every <= 0:

@@ -36,13 +36,14 @@ def _coerce(key: str, value: object, kind: object) -> object:
     elif kind is int:
         if isinstance(value, int) and not isinstance(value, bool):
             _check_written(key, value)
+            if not -2**63 <= value < 2**63:  # what numpy and torch hold; a count past it is no count anyone means
+                raise ConfigError(f"{key}: {_shown(value)} does not fit a 64-bit integer")
             return int(value)
     elif kind is float:
         _check_written(key, value)
         number = _float(value)
         if number is not None and not math.isfinite(number):
-            shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:12]}... ({len(repr(value))} digits)"
-            raise ConfigError(f"{key}: must be a finite number, got {shown}")
+            raise ConfigError(f"{key}: must be a finite number, got {_shown(value)}")
         if number is not None:
             return number
     elif kind is str:
@@ -57,6 +58,12 @@ def _coerce(key: str, value: object, kind: object) -> object:
 _SURPRISING = {"octal": re.compile(r"[-+]?0[0-7_]+"),
                "base 60": re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?")}
 """Numbers YAML 1.1 reads in a base nobody writing a step count or a rate means: 010 is 8, 1:30 is 90."""
+
+
+def _shown(value: object) -> str:
+    """A value for a message: a number of hundreds of digits by its first ones and its length."""
+    text = repr(int(value) if isinstance(value, int) else value)
+    return text if len(text) <= 40 else f"{text[:12]}... ({len(text)} digits)"
 
 
 def _check_written(key: str, value: object) -> None:

@@ -131,6 +131,7 @@ def test_a_number_as_a_key_is_named(tmp_path):
         ("--model.n_layer", "overrides take the form --section.key=value"),
         ("--train.out_dir=", "train.out_dir: empty; name the run directory"),  # not the working directory
         ("--train.seed=-1", "train.seed: expected 0 to 9223372036854775807 (a 63-bit seed), got -1"),
+        ("--train.steps=100000000000000000000", "train.steps: 100000000000000000000 does not fit a 64-bit integer"),
         ("--model.arch=lstm --data.mlm_rate=0.5", "data.mlm_rate: sets the masked LM of an encoder, and an LSTM "
          "(model.arch=lstm) trains no masked LM; drop it"),
         ("--train.seed=18446744073709551616", "train.seed: expected 0 to 9223372036854775807"),
