@@ -261,14 +261,14 @@ def test_ctrl_c_waits_for_the_workers_to_save(tiny_data_dir, tmp_path):
 
 def test_sigterm_before_the_workers_start_is_not_lost(tiny_data_dir, tmp_path):
     """A SIGTERM the script takes while torchrun has not started the workers, or they still import (and ignore
-    it, until lm installs its handler), is sent again until they take it: they save at the first log step."""
+    it, until lm installs its handler), is sent again until they take it: they save at a log step soon after."""
     proc, out, log = preemptible_run(tiny_data_dir, tmp_path)
     deadline = time.monotonic() + 60
     while not subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True).stdout:  # torchrun started
         assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGTERM)
-    assert stopped_at(proc, out, log) == 1
+    assert stopped_at(proc, out, log) < 50  # lost, it trained all 400 steps
 
 
 def test_single_node_uses_every_gpu_or_two_cpu_processes(tmp_path):
