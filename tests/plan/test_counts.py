@@ -49,17 +49,17 @@ def test_a_plan_of_a_hundred_million_blocks_takes_seconds():
     assert f"parameters: {built(5, 2) + (100_000_003 - 5) * dense_block:,}" in done.stdout
 
 
-@pytest.mark.parametrize("d_model, overflow", [(2 ** 40, "Storage size calculation overflowed"),
-                                               (2 ** 64, "Overflow when unpacking long long")])
 @pytest.mark.parametrize("dry", [True, False])
-def test_a_weight_past_torchs_limit_is_one_error_line(d_model, overflow, dry, tiny_data_dir, tmp_path, capsys):
+def test_a_weight_past_torchs_limit_is_one_error_line(dry, tiny_data_dir, tmp_path, capsys):
     # A real run reaches the model only with prepared data, so it gets the shared fixture's, not the demo's.
     out = tmp_path / "run"
-    args = ["--config", "configs/demo.yaml", f"--model.d_model={d_model}", "--model.n_head=1",
-            f"--data.dir={tiny_data_dir}", "--data.seq_len=16", f"--train.out_dir={out}",
-            *(["--dry-run"] if dry else [])]
-    assert run(train_main, args) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: model: a decoder-only GPT (model.arch=gpt) of this size has a weight larger than "
-                          "torch can hold (2^63 bytes): ") and overflow in err and "Traceback" not in err
-    assert not out.exists()
+    for d_model, error in ((2 ** 40, "error: model: a decoder-only GPT (model.arch=gpt) of this size has a weight "
+                                     "larger than torch can hold (2^63 bytes): Storage size calculation overflowed"),
+                           (2 ** 64, "error: model.d_model: 18446744073709551616 does not fit a 64-bit integer")):
+        args = ["--config", "configs/demo.yaml", f"--model.d_model={d_model}", "--model.n_head=1",
+                f"--data.dir={tiny_data_dir}", "--data.seq_len=16", f"--train.out_dir={out}",
+                *(["--dry-run"] if dry else [])]
+        assert run(train_main, args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(error) and "Traceback" not in err
+        assert not out.exists()
