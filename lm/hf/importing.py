@@ -64,12 +64,17 @@ def read_config_json(directory: str | Path) -> tuple[dict[str, Any], Path]:
 def named_class(hf: dict[str, Any], origin: Path, model_types: dict[str, str]) -> str:
     """Which of the transformers classes of `model_types` (class -> its model_type) the settings `hf` read from
     `origin` describe: the one class they name in `architectures`, else the class of their `model_type`.
-    CheckpointError naming the file and the supported classes otherwise."""
+    CheckpointError naming the file and the supported classes otherwise, and where the two disagree: transformers'
+    Auto classes build the model_type's class, whose defaults and checks differ."""
     archs = hf.get("architectures") or []
     supported = ", ".join(model_types)
     if archs:
         if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in model_types:
             raise CheckpointError(f"{origin}: architectures={archs} is not one lm imports; supported: {supported}")
+        if "model_type" in hf and hf["model_type"] != model_types[archs[0]]:
+            raise CheckpointError(f"{origin}: architectures={archs} with model_type={hf['model_type']!r}, which "
+                                  f"transformers builds as another class; {archs[0]} has model_type="
+                                  f"{model_types[archs[0]]!r}")
         return archs[0]
     model_type = hf.get("model_type")
     by_type = {kind: hf_class for hf_class, kind in model_types.items()}

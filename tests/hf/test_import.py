@@ -112,6 +112,8 @@ def test_a_key_a_config_json_leaves_out_has_the_classs_default_as_in_transformer
     # OLMo 2's rms_norm_eps is 1e-5 and SmolLM3 ties its embeddings by default; one default for every class had
     # imported other logits, or refused the weights
     given = {"model_type": model_type} | ({"num_attention_heads": n_head} if n_head else {})
+    if model_type == "mistral":  # its default window, 4096, binds below its default context: refused (below)
+        given["sliding_window"] = None
     (tmp_path / "config.json").write_text(json.dumps(given))
     fields, hf = read_hf_model(tmp_path).fields, AutoConfig.for_model(**given)
     assert {ours: fields[ours] for ours in FIELDS} == {ours: getattr(hf, theirs) for ours, theirs in FIELDS.items()}
@@ -209,6 +211,8 @@ REFUSALS = [
     ("llama", dict(pretraining_tp=2), "pretraining_tp=2"),
     ("llama", dict(quantization_config={"quant_method": "gptq"}), "quantization_config"),
     ("llama", dict(architectures=["Gemma2ForCausalLM"]), "architectures=['Gemma2ForCausalLM'] is not one lm"),
+    ("llama", dict(model_type="mistral"), "architectures=['LlamaForCausalLM'] with model_type='mistral', which "
+     "transformers builds as another class"),
     ("smollm3", dict(no_rope_layers=[0, 1, 1, 1]), "no_rope_layers=[0, 1, 1, 1] with no_rope_layer_interval=2"),
     ("mistral", dict(sliding_window=16), "sliding_window=16 below max_position_embeddings=32"),
     ("qwen2", dict(use_sliding_window=True), "use_sliding_window=true"),
@@ -233,6 +237,29 @@ def test_settings_we_cannot_reproduce_are_refused_by_name(kind, edit, fragment, 
     with pytest.raises(CheckpointError, match="config.json: ") as err:
         read_hf_model(refused_checkpoint(kind, edit, tmp_path))
     assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_mistral_config_without_a_window_has_mistrals_default_one(tmp_path):
+    """MistralConfig's sliding_window is 4096: past it, transformers' logits differ from full attention's."""
+    config_path = refused_checkpoint("mistral", dict(max_position_embeddings=8192), tmp_path) / "config.json"
+    config = json.loads(config_path.read_text())
+    del config["sliding_window"]
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="sliding_window=4096 below max_position_embeddings=8192"):
+        read_hf_model(tmp_path)
+
+
+def test_an_export_of_a_rotary_model_trained_with_dropout_reads_back():
+    """Dropout changes training, not the weights: the export wrote it as attention_dropout, which lm's import
+    refuses (lm's dropout drops residuals too), so an export of such a run could not be read back."""
+    from lm.models.gpt.config import GPTConfig
+    from lm.models.gpt.hf import _llama_config, rotary_fields
+
+    cfg = GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=32, vocab_size=96, pos="rope", norm="rmsnorm",
+                    mlp="swiglu", bias=False, dropout=0.1)
+    problems: list[str] = []
+    rotary_fields(_llama_config(cfg, None, torch.float32), "llama", problems)
+    assert problems == []
 
 
 def test_a_llama3_config_of_transformers_4_imports_alike(tmp_path):

@@ -111,8 +111,9 @@ def rotary_config(cfg: GPTConfig, model_type: str, hf_class: str, eos_token_id: 
         "rope_parameters": _rope_parameters(cfg),
         "rope_theta": cfg.rope_theta,
         "rope_scaling": None if cfg.rope_scaling == "none" else _rope_parameters(cfg),
-        # Llama has dropout on attention weights only; ours also drops residuals and embeddings in training.
-        "attention_dropout": cfg.dropout,
+        # none: these classes drop attention weights only, lm's model.dropout residuals and embeddings too, so no
+        # value reproduces its training (and lm refuses to import one it cannot)
+        "attention_dropout": 0.0,
     }
 
 
@@ -270,7 +271,8 @@ def _gpt2_fields(hf: dict, problems: list[str]) -> dict[str, Any]:
 
 
 CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
-    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "intermediate_size": 14336},
+    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "intermediate_size": 14336,
+                "sliding_window": 4096},
     "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "intermediate_size": 22016,
               "vocab_size": 151936},
     "qwen3": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "intermediate_size": 22016,
