@@ -43,14 +43,16 @@ def model_from_checkpoint(raw: dict[str, Any], coerce: typing.Callable[[str, obj
     if not isinstance(given, dict):
         return raw  # the config's own check names the section
     hints = typing.get_type_hints(family)
+    keys = {f.name for f in dataclasses.fields(family)}  # a ClassVar (z_loss) is no key
     for key, value in given.items():
-        if key in family.training_keys or key not in hints:  # an unknown key is named by the config's own check
+        if key in family.training_keys or key not in keys:
             continue
         if coerce(f"model.{key}", value, hints[key]) != getattr(derived, key):
             raise ConfigError(f"model.{key}: {value!r} disagrees with checkpoint.init_from={init_from}, whose "
                               f"config.json gives {getattr(derived, key)!r}; the model comes from the checkpoint, "
                               f"so drop model.{key}")
-    model = dataclasses.asdict(derived) | {key: given[key] for key in family.training_keys if key in given}
+    unknown = {key: value for key, value in given.items() if key not in keys}  # named by the config's own check
+    model = dataclasses.asdict(derived) | {key: given[key] for key in family.training_keys if key in given} | unknown
     data = raw.get("data") or {}
     tokenizer = Path(init_from) / TOKENIZER_FILE
     if isinstance(data, dict) and tokenizer.is_file():

@@ -168,6 +168,10 @@ def test_a_model_key_that_disagrees_is_one_error(tmp_path):
     with pytest.raises(ConfigError, match=rf"model.n_layer: 3 disagrees with checkpoint.init_from={tmp_path}, "
                                           r"whose config.json gives 2; the model comes from the checkpoint"):
         load_config(None, [f"--checkpoint.init_from={tmp_path}", "--model.n_layer=3"])
+    # a key the family does not take is named, as without init_from (a misspelt one vanished)
+    for key in ("n_layers", "z_loss"):
+        with pytest.raises(ConfigError, match=rf"^model.{key}: not a key of a decoder-only GPT"):
+            load_config(None, [f"--checkpoint.init_from={tmp_path}", f"--model.{key}=2"])
 
 
 @pytest.mark.slow
