@@ -132,7 +132,7 @@ needs --model.vocab_size=100277)."""
 def prepare_command(config: list[str], overrides: list[str]) -> list[str]:
     """`lm.prepare` of the data a job trains on: the job's `--config FILE` (`config`, or none) and, of its
     `overrides`, those lm.prepare reads."""
-    keys = [o.removeprefix("--").split("=", 1)[0] for o in overrides]  # read as `lm.config.unread_override` reads
+    keys = [o.removeprefix("--").split("=", 1)[0] for o in overrides]  # as `command_line.unread_override` reads them
     read = [o for o, key in zip(overrides, keys) if key in PREPARE_READS or key.split(".", 1)[0] in PREPARE_READS]
     return [sys.executable, "-m", "lm.prepare", *config, *read]
 

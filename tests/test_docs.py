@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-import lm.config.load
+import lm.config.command_line
 import lm.errors
 import lm.finetune
 import lm.layouts
@@ -124,7 +124,7 @@ def check_lm(tool: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> Non
 def check_main(module_name: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Run the module's main(argv) up to its parsed arguments and built config; an error fails the test."""
     tool = module_name.removeprefix("lm.").removesuffix(".__main__")
-    real_parse_args, real_load_config = argparse.ArgumentParser.parse_args, lm.config.load.load_config
+    real_parse_args, real_load_config = argparse.ArgumentParser.parse_args, lm.config.command_line.load_config
 
     def parse_args(self, args=None, namespace=None):
         raise Parsed(real_parse_args(self, args, namespace))
@@ -140,7 +140,7 @@ def check_main(module_name: str, argv: list[str], monkeypatch: pytest.MonkeyPatc
 
     with monkeypatch.context() as patch:
         patch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
-        patch.setattr(lm.config.load, "load_config", built_config)
+        patch.setattr(lm.config.command_line, "load_config", built_config)
         # lm.finetune reads its base config from the encoder checkpoint a page can only name
         patch.setattr(lm.finetune, "encoder_config", lambda path: load_config(None, ["--model.arch=encoder"]))
         # lm.sweep parses its own way (the base overrides are its unknown arguments): it has checked every
