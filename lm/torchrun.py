@@ -91,12 +91,12 @@ def main(argv: list[str]) -> int:
         return 1
     except RendezvousError as err:  # a node that never came (not started, another address, port or run id)
         _show(held, shown)
-        why = f" ({err})" if str(err) else ""
         where = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
         if isinstance(err, RendezvousConnectionError):
             print(f"error: cannot reach the rendezvous at {where}: check that MASTER_ADDR names a node this one "
                   "reaches and that MASTER_PORT is open there", file=sys.stderr)
             return 1
+        why = f" ({err})" if str(err) else ""
         print(f"error: the rendezvous at {where} ended with {type(err).__name__}{why}: --nnodes="
               f"{args.nnodes} nodes did not all join; start the script on every node with the same NNODES, "
               "MASTER_ADDR, MASTER_PORT and RUN_ID", file=sys.stderr)

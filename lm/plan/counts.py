@@ -83,6 +83,7 @@ def _built(cfg: ModelConfig, whole: ModelConfig) -> Counts:
     sizes = {id(p): p.numel() for p in model.parameters()}
     tables = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     positions = {id(m.weight) for m in tables if isinstance(m, PositionTable)}
+    in_tables = {id(p) for m in tables for p in m.parameters()}
     multiplied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}  # a tied head's is a table
     units = family.blocks(model)
     in_units = {id(p) for unit in units for p in unit.parameters()}
@@ -91,8 +92,8 @@ def _built(cfg: ModelConfig, whole: ModelConfig) -> Counts:
     return Counts(
         total=sum(sizes.values()),
         positions=sum(sizes[i] for i in positions),
-        embeddings=sum(sizes[i] for i in {id(p) for m in tables for p in m.parameters()}),
-        lookups=sum(sizes[i] for i in {id(p) for m in tables for p in m.parameters()} - multiplied),
+        embeddings=sum(sizes[i] for i in in_tables),
+        lookups=sum(sizes[i] for i in in_tables - multiplied),
         unit=max(sum(p.numel() for p in unit.parameters()) for unit in units),
         root=sum(n for i, n in sizes.items() if i not in in_units),
         idle=0 if family.estimates.idle_params is None else family.estimates.idle_params(whole),
