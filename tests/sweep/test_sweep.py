@@ -1,5 +1,6 @@
 """lm.sweep end to end: real lm.train processes on the tiny corpus, a sweep killed and continued, bad input."""
 
+import contextlib
 import csv
 import hashlib
 import logging
@@ -71,7 +72,13 @@ def test_a_killed_sweep_continues_where_it_stopped_and_a_finished_one_trains_not
         if any(not p.name.endswith(".tmp") and (p / "manifest.json").is_file() for p in second):
             break
         time.sleep(0.01)
-    os.killpg(first.pid, signal.SIGKILL)
+    # the run has a session of its own (lm.cli.run_logged, so that a Ctrl-C reaches it once): a lost machine takes
+    # it too, so its session goes as well; left alive, it held the run directory the resumed sweep then wanted
+    os.kill(first.pid, signal.SIGSTOP)  # it starts no other run while its run is looked up
+    runs = subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True, text=True).stdout.split()
+    for pid in [first.pid, *map(int, runs)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
     first.wait()
     run_a, run_b = sorted(out.glob("runs/*lr=0.003-*"))[0], sorted(out.glob("runs/*lr=0.01-*"))[0]
     steps_b = [int(p.name.split("_")[1]) for p in (run_b / "checkpoints").glob("step_*") if p.name[5:].isdigit()]
