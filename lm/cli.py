@@ -1,6 +1,7 @@
 """What every command-line tool shares: logging setup and turning bad input into one clear line."""
 
 import argparse
+import ctypes
 import logging
 import math
 import os
@@ -145,6 +146,25 @@ def train_command(nproc: int, args: list[str]) -> list[str]:
     return [sys.executable, "-m", "lm.train", *args]
 
 
+PR_SET_PDEATHSIG = 1
+"""prctl(2)'s option for the signal a process gets when the thread that started it exits."""
+
+
+def _term_when_parent_dies(parent: int) -> Callable[[], None] | None:
+    """What a child runs before it execs so that it gets a SIGTERM when `parent` dies (Linux's prctl; None where
+    there is none). libc is looked up here, in the parent: the child between fork and exec calls only prctl."""
+    if sys.platform != "linux":
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the signal was armed: start no run
+            os._exit(128 + signal.SIGTERM)
+
+    return arm
+
+
 def run_logged(command: list[str], log_path: Path) -> str:
     """Run `command` with its output appended to `log_path` (its directory made); "finished", or why not:
     the exit status and the run's last `error:` line. A SIGINT (Ctrl-C) or SIGTERM that reaches this process
@@ -152,13 +172,16 @@ def run_logged(command: list[str], log_path: Path) -> str:
 
     The run has a session (and process group) of its own, so that a Ctrl-C in the terminal reaches it once, through this
     process: lm.train then trains to its next log step, saves and exits, where a second SIGINT would stop it at
-    once, and subprocess.run would have killed it 0.25 s after the first."""
+    once, and subprocess.run would have killed it 0.25 s after the first. Being in a session of its own, it would
+    outlive this process killed (`kill -9`, the kernel's out-of-memory killer) and hold its run directory, training
+    for nobody; on Linux it gets a SIGTERM then instead, so it saves and exits as on a preemption."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     received: list[int] = []
     with open(log_path, "a") as out:
         out.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
         out.flush()
-        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                 preexec_fn=_term_when_parent_dies(os.getpid()))
 
         def pass_on(signum: int, frame: object) -> None:
             received.append(signum)
