@@ -16,6 +16,7 @@ import signal
 import sys
 from logging.handlers import MemoryHandler
 
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
@@ -43,6 +44,21 @@ def _show(held: MemoryHandler, shown: list[logging.Handler]) -> None:
             if record.levelno >= handler.level:
                 handler.handle(record)
     held.buffer.clear()
+
+
+def _no_restart_after_an_input_error() -> None:
+    """torchrun restarts the whole group after any failure, up to --max-restarts (MAX_RESTARTS in the launch
+    scripts); a worker that refused its input would refuse it again each time, a start-up and one more `error:`
+    line per restart. The agent is told it has no restarts left once a worker exits 2."""
+    monitor = LocalElasticAgent._monitor_workers
+
+    def watch(agent: LocalElasticAgent, worker_group):
+        result = monitor(agent, worker_group)
+        if any(failure.exitcode == INPUT_ERROR for failure in result.failures.values()):
+            agent._remaining_restarts = 0
+        return result
+
+    LocalElasticAgent._monitor_workers = watch
 
 
 def _describe(exitcode: int) -> str:
@@ -75,6 +91,7 @@ def main(argv: list[str]) -> int:
         # what torchrun would set, without the banner it prints to say so on every run
         os.environ["OMP_NUM_THREADS"] = "1"
     held, shown = _hold_launcher_log()
+    _no_restart_after_an_input_error()
     try:
         torchrun(args)
     except ChildFailedError as err:

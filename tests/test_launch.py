@@ -139,6 +139,19 @@ def test_lm_torchrun_refuses_bad_counts_in_one_line(counts, message, capsys):
     assert len(err.splitlines()) == 1 and err.startswith(f"error: {message}")
 
 
+@pytest.mark.parametrize("exit_code, launches", [(2, 1), (1, 2)])
+def test_a_worker_that_refused_its_input_is_not_restarted(exit_code, launches, tmp_path, capfd):
+    """An input error (exit 2) would come back on every restart; a crash (exit 1) is what restarts are for."""
+    from lm.torchrun import main
+
+    count, worker = tmp_path / "launches", tmp_path / "worker.py"
+    worker.write_text(f"import sys\nwith open({str(count)!r}, 'a') as f:\n    f.write('x')\n"
+                      f"print('error: bad input', file=sys.stderr)\nsys.exit({exit_code})\n")
+    code = main(["--standalone", "--nproc_per_node=1", "--max-restarts=1", "--monitor-interval=0.05", str(worker)])
+    assert code == exit_code and len(count.read_text()) == launches
+    assert capfd.readouterr().err.count("error: bad input") == launches
+
+
 def test_a_node_that_never_joins_ends_on_one_line(capsys):
     """torchrun's RendezvousTimeoutError was a bare 41-line traceback: no word of the nodes or the endpoint."""
     from lm.torchrun import main
