@@ -178,6 +178,7 @@ def run_logged(command: list[str], log_path: Path) -> str:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     received: list[int] = []
     with open(log_path, "a") as out:
+        start = out.tell()  # the log holds every launch of the run: this one's lines start here
         out.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
         out.flush()
         child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -198,5 +199,17 @@ def run_logged(command: list[str], log_path: Path) -> str:
         raise Stopped(received[0], f"{name} passed on to the run, which exited {code} (log: {log_path})")
     if code == 0:
         return "finished"
-    errors = [line for line in log_path.read_text().splitlines() if line.startswith("error:")]
-    return f"failed (exit {code}{': ' + errors[-1].removeprefix('error: ') if errors else ''}; see {log_path})"
+    with open(log_path, "rb") as f:
+        f.seek(start)
+        lines = f.read().decode(errors="replace").splitlines()
+    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error:")]
+    why = f"killed by {signal_name(-code)}" if code < 0 else f"exit {code}"
+    return f"failed ({why}{': ' + errors[-1] if errors else ''}; see {log_path})"
+
+
+def signal_name(signum: int) -> str:
+    """SIGKILL, say, for 9; "signal N" for a number that names none."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

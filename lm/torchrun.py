@@ -12,7 +12,6 @@ through this command (launch/torchrun.sh).
 
 import logging
 import os
-import signal
 import sys
 from logging.handlers import MemoryHandler
 
@@ -22,6 +21,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
 from torch.distributed.run import parse_args
 from torch.distributed.run import run as torchrun
+
+from lm.cli import signal_name
 
 INPUT_ERROR = 2
 """The exit status of a tool that refused its input with one `error:` line (`lm.cli.run`)."""
@@ -62,12 +63,7 @@ def _no_restart_after_an_input_error() -> None:
 
 
 def _describe(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            return f"was killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"was killed by signal {-exitcode}"
-    return f"exited with status {exitcode}"
+    return f"was killed by {signal_name(-exitcode)}" if exitcode < 0 else f"exited with status {exitcode}"
 
 
 def _count_problem(args) -> str | None:

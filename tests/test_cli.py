@@ -7,7 +7,7 @@ from lm import eval as eval_tool
 from lm import finetune, plot, predict, prepare, sample
 from lm import train as train_tool
 from lm.bench import __main__ as bench
-from lm.cli import run
+from lm.cli import run, run_logged
 from lm.sweep import __main__ as sweep
 
 
@@ -101,3 +101,13 @@ def test_console_entry_point_runs_as_a_process():
     unknown = subprocess.run([sys.executable, "-m", "lm", "trian"], capture_output=True, text=True, timeout=60)
     assert unknown.returncode == 2 and unknown.stdout == ""
     assert unknown.stderr.splitlines()[-1] == "error: unknown tool 'trian'; expected one of the tools above"
+
+
+def test_a_failed_run_is_told_by_its_own_launch_not_by_an_earlier_ones_error(tmp_path):
+    """A run's log holds each launch: a run killed without an `error:` line is not blamed on the last launch's."""
+    log_path = tmp_path / "run" / "train.log"
+    refused = run_logged([sys.executable, "-c", "print('error: bad value'); raise SystemExit(2)"], log_path)
+    assert refused == f"failed (exit 2: bad value; see {log_path})"
+    killed = run_logged([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], log_path)
+    assert killed == f"failed (killed by SIGKILL; see {log_path})"
+    assert log_path.read_text().splitlines().count("error: bad value") == 1

@@ -144,8 +144,8 @@ def check_main(module_name: str, argv: list[str], monkeypatch: pytest.MonkeyPatc
         # lm.finetune reads its base config from the encoder checkpoint a page can only name
         patch.setattr(lm.finetune, "encoder_config", lambda path: load_config(None, ["--model.arch=encoder"]))
         # lm.sweep parses its own way (the base overrides are its unknown arguments): it has checked every
-        # combination's config when it first writes its directory
-        patch.setattr(lm.sweep.__main__, "claim_sweep_dir", parsed)
+        # combination's config when it first reads its directory
+        patch.setattr(lm.sweep.__main__, "refuse_another_sweep", parsed)
         # lm.layouts too: it has checked every layout's config and world size before it picks its directory
         patch.setattr(lm.layouts, "runs_dir", parsed)
         patch.setattr(subprocess, "run", no_process)

@@ -20,8 +20,8 @@ from lm.io import read_utf8
 
 
 def perplexity(loss: float) -> float:
-    """exp(loss), saturating instead of overflowing for a diverged run."""
-    return math.exp(loss) if loss < 700 else math.inf
+    """exp(loss), saturating instead of overflowing for a diverged run (and NaN for a NaN loss)."""
+    return math.exp(loss) if loss < 700 or math.isnan(loss) else math.inf
 
 
 METRICS_FILE = "metrics.jsonl"
@@ -37,12 +37,16 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     if not path.is_file():
         raise MetricsError(f"{path}: no metrics log; is {run_dir} a training run directory (train.out_dir)?")
     rows: list[dict] = []
-    for number, line in enumerate(read_utf8(path).splitlines(), 1):  # not UTF-8: one error naming the file
+    text = read_utf8(path)  # not UTF-8: one error naming the file
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
+            if number == len(lines) and not text.endswith("\n"):
+                break  # a row cut short by a killed run or a full disk: the rows before it stand
             raise MetricsError(f"{path}:{number}: not a JSON object ({err.msg})") from None
         if not isinstance(row, dict) or not _is_number(row.get("step"), int):
             raise MetricsError(f"{path}:{number}: expected a JSON object with an integer 'step'")

@@ -20,6 +20,7 @@ from lm.checkpoint.store import checkpoint_root, complete_checkpoints
 from lm.cli import Stopped, a_path, in_range, positive_int, prepare_command, run, run_logged, train_command
 from lm.config import JobConfig, OneConfig, config_diff, load_config
 from lm.config.rules import MAX_SEED
+from lm.data.shards import read_manifest
 from lm.distributed.layout import check_world
 from lm.errors import ConfigError, SweepError
 from lm.io import atomic_write_text, output_dir_problem
@@ -67,6 +68,10 @@ def plan_runs(config: str, fixed: list[str], combos: list[dict], out: Path, npro
             check_world(cfg, nproc)
         except ConfigError as err:
             raise SweepError(f"--nproc {nproc} (--grid combination {' '.join(overrides(combo))}): {err}") from None
+        if cfg.checkpoint.every == 0:
+            raise SweepError("checkpoint.every=0: a sweep tells a finished run by its final checkpoint and resumes an "
+                             "unfinished one from its newest; give checkpoint.every > 0 (checkpoint.keep=1 keeps one "
+                             "per run)")
         settings = resolved(cfg)
         same = planned.setdefault(json.dumps(settings, sort_keys=True), combo)
         if same is not combo:
@@ -119,10 +124,35 @@ def refuse_another_sweep(out: Path, base: dict, force: bool) -> None:
                          "--force to add these runs beside the others (no run directory is reused)")
 
 
-def claim_sweep_dir(out: Path, base: dict, config: str, grid: dict) -> None:
-    """Record the base config in OUT/sweep.json (once `refuse_another_sweep` has let the directory be used)."""
+def prepared_data(base: JobConfig) -> dict[str, str]:
+    """Each data directory of the base config and the content hash of what lm.prepare made there."""
+    return {source.dir: read_manifest(source.dir)["content_hash"] for source in base.data.sources}
+
+
+def refuse_other_data(out: Path, data: dict[str, str]) -> None:
+    """Refuse a directory whose runs trained on other data than the base config's is now: lm.prepare rebuilds a
+    data directory whose sources changed, and the finished runs, skipped, would be ranked against new ones
+    trained and validated on other tokens. Reads only."""
+    record = out / "sweep.json"
+    if not record.is_file():
+        return
+    recorded = json.loads(record.read_text()).get("data", {})  # read as a sweep record by refuse_another_sweep
+    if not isinstance(recorded, dict):
+        raise SweepError(f"{record}: 'data' is {recorded!r}; expected an object of data directories and content "
+                         "hashes")
+    for where, content in data.items():
+        if recorded.get(where, content) != content:
+            raise SweepError(f"{out}: its runs trained on other data: {where} held content hash "
+                             f"{str(recorded[where])[:12]} and holds {content[:12]} now (lm.prepare rebuilt it from "
+                             "changed sources); use another --out")
+
+
+def claim_sweep_dir(out: Path, base: dict, config: str, grid: dict, data: dict[str, str]) -> None:
+    """Record the base config and its data in OUT/sweep.json (once `refuse_another_sweep` and `refuse_other_data`
+    have let the directory be used)."""
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "sweep.json", json.dumps({"config": config, "base": base, "grid": grid}, indent=1) + "\n")
+    atomic_write_text(out / "sweep.json", json.dumps({"config": config, "base": base, "grid": grid, "data": data},
+                                                     indent=1) + "\n")
 
 
 def saved_step(run: Run) -> int:
@@ -159,6 +189,10 @@ def main(argv: list[str]) -> int:
         if not item.startswith("--") or "." not in item.split("=", 1)[0]:
             parser.error(f"unrecognized argument {item!r}; base-config overrides look like --section.key=value")
     grid = parse_grid(args.grid)
+    for item in fixed:
+        if (key := item.removeprefix("--").split("=", 1)[0]) in grid:
+            raise SweepError(f"--{key}: also a --grid key, whose values would replace it in every run; give its "
+                             "values in --grid only")
     base = load_config(args.config, fixed)
     out = Path(args.out or f"runs/sweep_{Path(args.config).stem}")
     if problem := output_dir_problem(out):
@@ -170,12 +204,14 @@ def main(argv: list[str]) -> int:
             print(f"[{i}/{len(runs)}] {r.dir}  {' '.join(overrides(r.settings))}"
                   + ("  (finished)" if finished(r) else ""))
         return 0
-    claim_sweep_dir(out, resolved(base), args.config, grid)
 
     # every run reads the same shards: prepare them once (lm.prepare reuses data that is already there)
     code = subprocess.run(prepare_command(["--config", args.config], fixed)).returncode
     if code:
         raise SweepError(f"lm.prepare failed for the base config {args.config} (exit {code}; its error is above)")
+    data = prepared_data(base)
+    refuse_other_data(out, data)
+    claim_sweep_dir(out, resolved(base), args.config, grid, data)
     statuses = {}
     for i, r in enumerate(runs, 1):
         if finished(r):

@@ -6,8 +6,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from lm.errors import MetricsError, PlotError
 from lm.report.figures import load_run
-from lm.report.metrics import perplexity, row_kind
+from lm.report.metrics import METRICS_FILE, perplexity, row_kind
 
 
 @dataclass
@@ -29,17 +30,25 @@ class RunResult:
         return self.tokens / self.wall_s if self.tokens and self.wall_s else None
 
     @property
-    def sort_key(self) -> tuple[bool, float]:
-        """Finished runs by val loss, then the rest."""
-        return self.val_loss is None, self.val_loss if self.val_loss is not None else math.inf
+    def sort_key(self) -> tuple[bool, bool, float]:
+        """Finished runs by val loss, then the rest by theirs; in each, a run without one (or with a non-finite
+        one, which compares with nothing) last."""
+        known = self.val_loss is not None and math.isfinite(self.val_loss)
+        return self.status != "finished", not known, self.val_loss if known else math.inf
 
 
 def read_result(run_dir: Path, settings: dict[str, object], params: int, status: str) -> RunResult:
-    """The last train and val rows of a run's metrics log (what it trained to)."""
+    """The last train and val rows of a run's metrics log (what it trained to). A run with no rows (one that
+    failed before its first log step) has no numbers; a log that cannot be read is named in the status, and the
+    other runs are still compared."""
     result = RunResult(run_dir.name, settings, params, status)
-    if not (run_dir / "metrics.jsonl").is_file():
+    if not (run_dir / METRICS_FILE).is_file() or not (run_dir / METRICS_FILE).read_bytes().strip():
         return result
-    rows = load_run(run_dir)
+    try:
+        rows = load_run(run_dir)
+    except (MetricsError, PlotError) as err:
+        result.status = f"{status}; its metrics are unreadable: {err}"
+        return result
     # a train row without a loss: every step of its window was skipped
     last = {kind: [r for r in rows if row_kind(r) == kind and f"{kind}/loss" in r][-1:] for kind in ("train", "val")}
     if last["train"]:

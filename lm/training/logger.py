@@ -7,6 +7,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,17 @@ from lm.report.metrics import METRICS_FILE
 log = logging.getLogger("lm.train")
 
 
+def _open_rows(path: Path) -> TextIO:
+    """`path` to append rows to; a last row an earlier process left cut short (killed mid-write, a full disk) is
+    cut off first, or the next row would be written onto its end, leaving both unreadable."""
+    if path.is_file():
+        with open(path, "rb+") as f:
+            text = f.read()
+            if text and not text.endswith(b"\n"):
+                f.truncate(text.rfind(b"\n") + 1)
+    return open(path, "a")
+
+
 class MetricLogger:
     """Writes scalars to stdout, <out_dir>/metrics.jsonl (its rows: `lm.report.metrics`) and optionally
     TensorBoard; only rank 0 writes."""
@@ -29,20 +41,24 @@ class MetricLogger:
         metrics.jsonl drops the old rows)."""
         self.enabled = enabled
         self.writer = None
-        self.jsonl = open(Path(out_dir) / METRICS_FILE, "a") if enabled else None
+        self.jsonl = _open_rows(Path(out_dir) / METRICS_FILE) if enabled else None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(Path(out_dir) / "tb"),
-                                        purge_step=resumed_step + 1 if resumed_step else None)
+            # from step 1 on a fresh start too: a run that starts over (killed before its first checkpoint, or
+            # checkpoint.every=0) drops the earlier process's events, as the metrics reader drops its rows
+            self.writer = SummaryWriter(log_dir=str(Path(out_dir) / "tb"), purge_step=resumed_step + 1)
 
     def log(self, step: int, tokens: int, elapsed_s: float, metrics: dict[str, float], fmt: str) -> None:
         """`metrics` keys are namespaced (`train/loss`); `fmt` is the stdout line's format string."""
         if not self.enabled:
             return
         log.info(fmt.format(step=step, **{k.replace("/", "_"): v for k, v in metrics.items()}))
-        row = {"step": step, "tokens": tokens, "elapsed_s": round(elapsed_s, 3), **metrics}
-        self.jsonl.write(json.dumps(row) + "\n")
+        # a non-finite value (a diverged loss) as null: NaN and Infinity are not JSON, which jq and other
+        # strict readers refuse
+        finite = {k: v if v is None or math.isfinite(v) else None for k, v in metrics.items()}
+        row = {"step": step, "tokens": tokens, "elapsed_s": round(elapsed_s, 3), **finite}
+        self.jsonl.write(json.dumps(row, allow_nan=False) + "\n")
         self.jsonl.flush()
         if self.writer is not None:
             for key, value in metrics.items():

@@ -2,6 +2,7 @@
 
 import csv
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -202,6 +203,11 @@ def tree_digest(root: Path) -> dict[str, str]:
     (["--grid", "optim.lr=1e-3,3e-3", "--random", "3"], r"--random: 3 runs asked for, but the grid has 2"),
     (["--grid", "optim.lr=1,1.0"], r"--grid: --optim.lr=1 and --optim.lr=1.0 train the same config; list each value "
                                    r"once"),
+    (["--grid", "optim.lr=1e-3,3e-3", "--optim.lr=7e-3"],
+     r"^error: --optim.lr: also a --grid key, whose values would replace it in every run; give its values in --grid "
+     r"only$"),
+    (["--grid", "optim.lr=1e-3", "--checkpoint.every=0"],
+     r"^error: checkpoint.every=0: a sweep tells a finished run by its final checkpoint"),
     (["--grid", "optim.lr=1e-3,3e-3", "--nproc", "3"],
      r"^error: --nproc 3 \(--grid combination --optim.lr=0.001\): train.batch_size: 4 is not a multiple of "
      r"train.micro_batch_size \(4\) x 3 data-parallel replica"),
@@ -239,6 +245,25 @@ def test_a_directory_of_another_base_config_is_refused_unless_forced(torchrun_sw
     assert all(after[path] == digest for path, digest in before.items() if path.startswith("runs/"))  # untouched
     # the table compares this sweep's run only (rewritten: the copied sweep's table had one row too)
     assert (out / "results.md").read_text().count("| finished |") == 1 and after["results.md"] != before["results.md"]
+
+
+@pytest.mark.process
+def test_a_directory_whose_runs_trained_on_other_data_is_refused(torchrun_sweep, tmp_path, capsys):
+    """lm.prepare rebuilds a data directory whose sources changed; the sweep's finished runs, skipped, would then
+    be ranked against new ones validated on other tokens. Here the record says the runs saw other data."""
+    base_config, sweep = torchrun_sweep
+    out = tmp_path / "sweep"
+    shutil.copytree(sweep, out)
+    record = json.loads((out / "sweep.json").read_text())
+    (data_dir, content), = record["data"].items()
+    record["data"][data_dir] = "0" * 64
+    (out / "sweep.json").write_text(json.dumps(record))
+    before = tree_digest(out)
+    assert run(main, ["--config", str(base_config), "--out", str(out), *TORCHRUN_SWEEP]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {out}: its runs trained on other data: {data_dir} held content hash 000000000000 and holds "
+        f"{content[:12]} now (lm.prepare rebuilt it from changed sources); use another --out")
+    assert tree_digest(out) == before
 
 
 @pytest.mark.parametrize("record, message", [
