@@ -81,8 +81,10 @@ def resumable_state(path: Path) -> dict:
     """state.json of a checkpoint to resume, with what resuming reads from it: with no manifest to tell that
     it was edited (checkpoint.allow_unverified), a missing or mistyped key is refused by name."""
     state = read_state(path)
-    for key, least in (("world_size", 1), ("tokens_seen", 0), ("position", 0)):
-        if not isinstance(state.get(key), int) or isinstance(state[key], bool) or state[key] < least:
+    optional = {"skipped_steps": 0, "skipped_in_a_row": 0}  # absent in checkpoints from before they were kept
+    for key, least in (("world_size", 1), ("tokens_seen", 0), ("position", 0), *optional.items()):
+        value = state.get(key, optional.get(key))
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise CheckpointError(f"{path / 'state.json'}: {key} must be an integer >= {least}, got "
                                   f"{state.get(key)!r}")
     if not isinstance(state.get("elapsed_s", 0.0), (int, float)) or not isinstance(state["engine"], str):

@@ -75,8 +75,9 @@ class ScheduleConfig:
     """Final learning rate as a fraction of optim.lr."""
 
     def __post_init__(self) -> None:
-        if self.warmup_steps < 0 or self.decay_steps < 0:
-            raise ConfigError("schedule.warmup_steps and schedule.decay_steps must be >= 0")
+        for key in ("warmup_steps", "decay_steps"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"schedule.{key}: must be >= 0, got {getattr(self, key)}")
         if 0 < self.decay_steps < self.warmup_steps:  # the rate would fall from its peak to the floor in one step
             raise ConfigError(f"schedule.decay_steps: {self.decay_steps} ends the decay before warmup ends "
                               f"(schedule.warmup_steps={self.warmup_steps}); expected at least {self.warmup_steps}, "

@@ -26,6 +26,19 @@ class SkippedSteps:
         self._run.mul_(skipped).add_(skipped)  # run + 1 after a skip, 0 after an applied step
         torch.maximum(self._longest, self._run, out=self._longest)
 
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint keeps (one host sync, as a save makes anyway): the steps skipped in all and in a row,
+        so that a resumed run counts on from them and a run of non-finite steps across a restart stays one."""
+        new, run = (int(v) for v in torch.stack([self._new, self._run]).tolist())
+        return {"skipped_steps": self.total + new, "skipped_in_a_row": run}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The counts `state_dict` saved (0 for a checkpoint from before they were kept)."""
+        self.total = state.get("skipped_steps", 0)
+        self._new.zero_()
+        self._run.fill_(state.get("skipped_in_a_row", 0))
+        self._longest.copy_(self._run)
+
     def read(self) -> tuple[int, int]:
         """Fold the steps since the last read into `total` (one host sync); returns how many of them were
         skipped and the longest run of skipped steps in a row among them (counting a run that went on

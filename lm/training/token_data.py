@@ -79,7 +79,11 @@ def open_training_data(cfg: JobConfig, env: DistEnv) -> TrainingData:
                          cfg.train.batch_size, cfg.train.micro_batch_size, objective, [s.weight for s in sources])
     val = [SplitWindows(d, "val", cfg.data.seq_len) for d in dirs]
     for windows in val:  # every run validates (at the end at least): a split too small for it is refused now
-        val_batches_per_rank(windows, cfg.train.micro_batch_size, env.dp_size, cfg.train.eval_batches)
+        scored = val_batches_per_rank(windows, cfg.train.micro_batch_size, env.dp_size, cfg.train.eval_batches)
+        if scored < cfg.train.eval_batches and env.is_main:
+            log.info("%s: the val split holds %d micro-batches of %d windows per rank (of %d data-parallel): an "
+                     "evaluation scores these, not train.eval_batches=%d", windows.data_dir, scored,
+                     cfg.train.micro_batch_size, env.dp_size, cfg.train.eval_batches)
     return TrainingData(sources, bool(cfg.data.mixture), manifests, objective, loader, val)
 
 

@@ -80,6 +80,7 @@ class Trainer:
         self.step, self.tokens_seen = 0, 0
         self.elapsed_before = 0.0  # wall seconds trained by earlier processes of this run (before a resume)
         self.fit_started: float | None = None
+        self.skipped = SkippedSteps(env.device)
         if start.resume_from is not None:
             self._resume(start.resume_from)
         if env.is_main and self.step < cfg.train.steps:  # a finished run is left as it is
@@ -87,7 +88,6 @@ class Trainer:
             save_config(cfg, self.out_dir / "config.yaml")
             if start.resume_from is None and cfg.checkpoint.init_from and is_hf_checkpoint(cfg.checkpoint.init_from):
                 keep_origin(cfg.checkpoint.init_from, self.out_dir)
-        self.skipped = SkippedSteps(env.device)
         self.n_params = num_params(cfg.model, non_embedding=True)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, cfg.data)
         self.peak_flops = peak_flops(env.device)
@@ -119,6 +119,7 @@ class Trainer:
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.elapsed_before = state.get("elapsed_s", 0.0)  # absent in checkpoints from before it was kept
         self.loader.load_state_dict({"position": state["position"]})
+        self.skipped.load_state_dict(state)
         log.info("resumed from %s at step %d", path, self.step)
         for key, (old, new) in changed_settings(path, self.cfg).items():
             log.info("config changed since the checkpoint: %s %r -> %r", key, old, new)
@@ -295,7 +296,7 @@ class Trainer:
     def save(self) -> Path:
         """Checkpoint the run (a collective; see `save_run`)."""
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed_s(),
-                 **self.loader.state_dict(), "data": self.data.identity()}
+                 **self.skipped.state_dict(), **self.loader.state_dict(), "data": self.data.identity()}
         start = time.perf_counter()
         path = save_run(self.engine, self.ckpt_root, state, self.cfg, self.env, self.background)
         self.save_seconds.append(time.perf_counter() - start)

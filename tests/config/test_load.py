@@ -116,6 +116,8 @@ def test_a_number_as_a_key_is_named(tmp_path):
         ("--schedule.decay_steps=50", "schedule.decay_steps: 50 ends the decay before warmup ends "
          "(schedule.warmup_steps=100); expected at least 100, or 0 for train.steps"),
         ("--data.document_separator=\\n\\n", "data.document_separator: '\\\\n\\\\n' holds a backslash escape"),
+        ("--schedule.warmup_steps=-3", "schedule.warmup_steps: must be >= 0, got -3"),
+        ("--schedule.decay_steps=-5", "schedule.decay_steps: must be >= 0, got -5"),
         ("--log.sample_every=-1", "log.sample_every: must be >= 0"),
         ("--checkpoint.every=-1", "checkpoint.every: must be >= 0"),
         ("--checkpoint.keep=0", "checkpoint.keep: must be positive"),

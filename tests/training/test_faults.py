@@ -87,6 +87,20 @@ def test_a_limit_reached_between_log_steps_stops_the_run_at_the_next_one(tiny_da
     assert "step 4: 2 optimizer steps skipped since the last check" in caplog.text
 
 
+def test_skipped_steps_are_counted_on_across_a_resume(tiny_data_dir, tmp_path, monkeypatch):
+    """A run stopped after step 3 (skipped) and resumed: its skips stay in the count, and the non-finite steps
+    3-5 are one run in a row that reaches the limit at step 5, as without the stop."""
+    monkeypatch.setenv("LM_FAULT_NAN_STEPS", "1,3,4,5")
+    flags = ["--checkpoint.every=3", "--train.max_nonfinite_steps=3"]
+    first = faulty_trainer(config(tiny_data_dir, tmp_path / "run", "--train.steps=3", *flags)).fit()
+    assert [r["train/skipped_steps"] for r in first if "train/skipped_steps" in r] == [1, 1, 2]
+    resumed = faulty_trainer(config(tiny_data_dir, tmp_path / "run", "--train.steps=8", *flags))
+    with pytest.raises(TrainingError, match=r"step 5: 3 steps in a row with a non-finite loss"):
+        resumed.fit()
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["train/skipped_steps"] for r in rows if "train/skipped_steps" in r][3:] == [3]  # then the limit
+
+
 def test_weights_that_are_not_finite_are_never_saved(tiny_data_dir, tmp_path):
     trainer = Trainer(config(tiny_data_dir, tmp_path / "run", "--train.steps=2"), init_distributed("cpu"))
     trainer.fit()

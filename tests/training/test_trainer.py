@@ -396,3 +396,12 @@ def test_the_routers_balancing_bias_moves_with_the_learning_rate_schedule(tiny_d
     with pytest.raises(ConfigError, match=r"different model shape \(model.router_bias_rate: 0.04 -> 0.0\)"):
         Trainer(tiny_config(tiny_data_dir, tmp_path / "again", "--train.steps=5", *moe[:3],
                             "--model.router_bias_rate=0", *moe[4:]), env)
+
+
+def test_a_val_split_smaller_than_train_eval_batches_is_said_at_the_start(tiny_data_dir, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="lm.train")
+    trainer = Trainer(tiny_config(tiny_data_dir, tmp_path / "run", "--train.eval_batches=100000"),
+                      init_distributed("cpu"))
+    scored = trainer.data.val_windows[0].num_samples // 2
+    assert f"the val split holds {scored} micro-batches of 2 windows per rank (of 1 data-parallel): an evaluation " \
+           "scores these, not train.eval_batches=100000" in caplog.text
