@@ -94,7 +94,7 @@ def resumable_state(path: Path) -> dict:
 
 def check_engine(path: Path, cfg: JobConfig, world_size: int) -> bool:
     """Refuse a checkpoint another engine family wrote; True when a DeepSpeed checkpoint must first be
-    converted to DeepSpeed's universal format (another world size or ZeRO stage)."""
+    converted to DeepSpeed's universal format (another world size, or between ZeRO stages 1 and 2)."""
     state = read_state(path)
     saved, wanted = state["engine"], cfg.parallel.engine
     if (saved == "deepspeed") != (wanted == "deepspeed"):
@@ -104,8 +104,18 @@ def check_engine(path: Path, cfg: JobConfig, world_size: int) -> bool:
             f"--checkpoint {path} OUT.safetensors) and start a new run from its weights with "
             f"checkpoint.init_from=OUT.safetensors, or resume with parallel.engine={saved}"
         )
-    resharded = state["world_size"] != world_size or state.get("zero_stage") != cfg.parallel.zero_stage
-    return saved == "deepspeed" and resharded
+    if saved != "deepspeed":
+        return False
+    stage, wanted_stage = state.get("zero_stage"), cfg.parallel.zero_stage
+    if stage is not None and (stage == 3) != (wanted_stage == 3):
+        # the universal form keeps the writing stage's file names, which the other kind of stage does not look for
+        raise CheckpointError(
+            f"{path}: written under ZeRO stage {stage}, and parallel.zero_stage is {wanted_stage}; DeepSpeed "
+            f"resumes between stages 1 and 2 but not between either and stage 3. Resume with "
+            f"parallel.zero_stage={stage}, or consolidate it (python -m lm.consolidate --checkpoint {path} "
+            f"OUT.safetensors) and start a new run from its weights with checkpoint.init_from=OUT.safetensors"
+        )
+    return state["world_size"] != world_size or stage != wanted_stage
 
 
 def load_checkpoint(path: Path, engine: Engine, env: DistEnv) -> dict:

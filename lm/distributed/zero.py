@@ -140,7 +140,8 @@ def convert_to_universal(step_dir: Path, tag: str, out_tag: str) -> None:
 
 def ensure_universal(path: Path, env: DistEnv) -> None:
     """Give a DeepSpeed checkpoint a universal twin (`deepspeed_universal/`), which loads at any world
-    size and ZeRO stage; rank 0 converts once, into a temporary directory renamed when complete."""
+    size, and under stage 1 or 2 where stage 1 or 2 wrote it (`check_engine` refuses a move to or from stage 3);
+    rank 0 converts once, into a temporary directory renamed when complete."""
     if env.is_main and not (path / UNIVERSAL_TAG).is_dir():
         log.info("%s: converting the DeepSpeed checkpoint to a universal one for another world size or stage", path)
         tmp_tag = UNIVERSAL_TAG + ".tmp"
@@ -224,3 +225,13 @@ class DeepSpeedEngine:
             path, _ = self.engine.load_checkpoint(str(directory), tag=tag, load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"{directory / tag}: DeepSpeed found no checkpoint to load")
+        # ZeRO-3's universal load gives the parameter groups one shared `step` tensor: AdamW then counts it up once
+        # per group and step, and the second group's bias correction ran ahead (its updates 0.93x a step later)
+        base = getattr(self.optimizer, "optimizer", self.optimizer)
+        steps: set[int] = set()
+        for state in base.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                if id(step) in steps:
+                    state["step"] = step.clone()
+                steps.add(id(state["step"]))

@@ -270,17 +270,25 @@ class Trainer:
     def _check_nonfinite(self) -> None:
         """Read the skipped-step counters (one host sync) and stop after too many non-finite steps in a row."""
         new, longest = self.skipped.read()
+
+        def advice() -> str:
+            return (f"the last good checkpoint is {last_good(self.ckpt_root)}. Lower optim.lr or raise "
+                    "optim.grad_clip, then resume from it")
+
+        if not self.engine.skips_nonfinite:
+            # DeepSpeed applies its step before the norm is known: the weights may no longer be finite, so stop
+            if longest:
+                raise TrainingError(f"step {self.step}: a step with a non-finite loss or gradient norm, which "
+                                    f"{self.cfg.parallel.engine} applied (it cannot skip one, so "
+                                    f"train.max_nonfinite_steps does not apply); {advice()}")
+            return
         if new:
             log.warning("step %d: %d optimizer steps skipped since the last check for a NaN/inf loss or gradient "
                         "norm (%d in all)", self.step, new, self.skipped.total)
-        # an engine that cannot skip has already applied the step, so its weights may no longer be finite: stop
-        limit = self.cfg.train.max_nonfinite_steps if self.engine.skips_nonfinite else 1
-        if longest >= limit:
+        if longest >= self.cfg.train.max_nonfinite_steps:
             raise TrainingError(
                 f"step {self.step}: {longest} steps in a row with a non-finite loss or gradient "
-                f"norm (train.max_nonfinite_steps={self.cfg.train.max_nonfinite_steps}); the last good "
-                f"checkpoint is {last_good(self.ckpt_root)}. Lower optim.lr or raise optim.grad_clip, then "
-                "resume from it"
+                f"norm (train.max_nonfinite_steps={self.cfg.train.max_nonfinite_steps}); {advice()}"
             )
 
     def _train_step(self, lr: float) -> Step:

@@ -125,3 +125,20 @@ def test_the_schedule_scales_muon_lr_as_it_scales_lr():
     opt = build_optimizer(model, cfg, [model.lm_head])
     set_lr(opt, 5e-4, cfg)  # half the peak
     assert [group["lr"] for group in opt.param_groups] == [5e-4, pytest.approx(0.01)]
+
+
+@pytest.mark.parametrize("head", ["classify", "regress", "mlm"])
+def test_an_encoders_output_head_stays_with_adamw(head):
+    from lm.models.encoder.config import EncoderConfig
+    from lm.models.registry import family_of
+
+    cfg = EncoderConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=64, head=head,
+                        num_classes=3 if head == "classify" else 0)
+    family = family_of(cfg)
+    model = family.build(cfg)
+    names = {id(p): name for name, p in model.named_parameters()}
+    opt = build_optimizer(model, OptimConfig(name="muon"), family.output_layers(model))
+    muon = {names[id(p)] for group in opt.param_groups if group["muon"] for p in group["params"]}
+    head_weight = "wte.weight" if head == "mlm" else "score.weight"  # the masked-token head is the embedding
+    assert muon and all(name.startswith("blocks.") or name == "mlm_dense.weight" for name in muon)
+    assert head_weight not in muon and head_weight in names.values()

@@ -115,6 +115,12 @@ def is_head_param(name: str) -> bool:
     return name.startswith("score.")
 
 
+def output_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers whose rows score one token or class: the masked-token head, or a fine-tuning head (`score`),
+    which Muon leaves to AdamW."""
+    return [layer for layer in (getattr(model, "lm_head", None), getattr(model, "score", None)) if layer is not None]
+
+
 # ---- sizes ---------------------------------------------------------------------------------------
 
 def flops_per_token(cfg: EncoderConfig, seq_len: int, data: "DataConfig", params: int) -> float:
@@ -157,6 +163,7 @@ FAMILY = Family(
     config_class=EncoderConfig,
     build=build,
     blocks=blocks,
+    output_layers=output_layers,
     training=Training(objective, loss, score,
                       head=TaskHead(("head", "num_classes", "pooling"), is_head_param, task_outputs)),
     parallel=Parallel(
