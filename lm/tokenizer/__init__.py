@@ -254,9 +254,12 @@ def continuation_text(tokenizer: Tokenizer, prompt: list[int], new: list[int]) -
     """The text the ids `new` add after the ids `prompt`.
 
     Decoded after the prompt rather than alone, since a tokenizer may decode a token differently at the start
-    of a text (a SentencePiece decoder drops the space that a leading "▁" stands for); alone only when the
-    prompt's text is not a prefix of the whole.
+    of a text (a SentencePiece decoder drops the space that a leading "▁" stands for); alone when the prompt is
+    an empty one's ids (a BOS: the new ids start the text, where the decoder would keep that space after it), or
+    when the prompt's text is not a prefix of the whole.
     """
+    if prompt == prompt_ids(tokenizer, ""):
+        return tokenizer.decode(new)
     whole, head = tokenizer.decode(prompt + new), tokenizer.decode(prompt)
     return whole[len(head):] if whole.startswith(head) else tokenizer.decode(new)
 

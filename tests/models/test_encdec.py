@@ -155,6 +155,16 @@ def test_generate_seq2seq_greedy_equals_recomputing_everything_each_step() -> No
     assert all(t < CFG.pad_id for t in sampled)
 
 
+def test_ids_past_the_tokenizers_are_never_sampled() -> None:
+    # model.vocab_size above a tokenizer.json's id count: the rows between decode to nothing
+    model = randomised(EncoderDecoder(CFG), seed=4)
+    source = torch.randint(0, 50, (10,)).tolist()
+    sampled = [t for seed in range(4) for t in generate_seq2seq(model, source, 24, temperature=3.0, seed=seed,
+                                                                text_ids=50)]
+    assert all(t < 50 or CFG.sentinel_start <= t < CFG.pad_id for t in sampled)
+    assert any(t >= CFG.sentinel_start for t in sampled)  # the sentinels stay drawable
+
+
 def test_source_longer_than_the_encoder_positions_is_refused() -> None:
     model = EncoderDecoder(CFG)
     with pytest.raises(ValueError,

@@ -265,6 +265,9 @@ def test_continuation_keeps_the_space_a_sentencepiece_decoder_drops_at_the_start
     assert continuation_text(tok, prompt, new) == " foul"
     gpt2 = load_tokenizer("gpt2")
     assert continuation_text(gpt2, [15496], [995]) == " world"
+    # after an empty prompt (its BOS, or GPT-2's end-of-text) the new ids start the text: no space before them
+    assert continuation_text(tok, prompt_ids(tok, ""), tok.encode_ordinary("Fair is")) == "Fair is"
+    assert continuation_text(gpt2, prompt_ids(gpt2, ""), [15496, 995]) == "Hello world"
 
 
 def test_config_checks_the_form_and_never_reads_the_file(tmp_path):

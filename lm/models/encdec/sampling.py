@@ -74,8 +74,10 @@ def fill_masks(model: "EncoderDecoder", tokenizer, text: str, options: SampleOpt
     n_spans = len(pieces) - 1
     # the end marker, and any sentinel after it, end the output
     stop = set(range(cfg.sentinel_start + n_spans, cfg.sentinel_start + cfg.n_sentinels))
+    # model.vocab_size may exceed the tokenizer's ids: the rows between decode to nothing, so they are never drawn
     out = generate_seq2seq(model, ids, options.max_new_tokens, temperature=options.temperature, top_k=options.top_k,
-                           top_p=options.top_p, stop_ids=stop, seed=options.seed)
+                           top_p=options.top_p, stop_ids=stop, seed=options.seed,
+                           text_ids=min(cfg.vocab_size, tokenizer.n_vocab))
     spans = split_spans(out, n_spans, cfg.sentinel_start)
     filled = [pieces[0]]
     for span, piece in zip(spans, pieces[1:]):
@@ -93,11 +95,13 @@ def generate_seq2seq(
     top_p: float | None = None,
     stop_ids: set[int] | None = None,
     seed: int | None = None,
+    text_ids: int | None = None,
 ) -> list[int]:
     """Decode up to `max_new_tokens` target tokens for one source sequence and return them.
 
-    Any id below model.cfg.pad_id can be sampled (the tokenizer's ids and the sentinels); decoding stops
-    before a token in `stop_ids` (not returned). Sampling options and seeding are those of `generate`.
+    The ids below `text_ids` (default model.cfg.vocab_size: the tokenizer's) and the sentinels can be sampled;
+    decoding stops before a token in `stop_ids` (not returned). Sampling options and seeding are those of
+    `generate`.
     """
     cfg = model.cfg
     if not source:
@@ -113,6 +117,7 @@ def generate_seq2seq(
         raise ValueError(f"generate_seq2seq: temperature must be >= 0, got {temperature}")
     weight = model.tgt_embed.weight
     generator = None if seed is None else torch.Generator(weight.device).manual_seed(seed)
+    text_ids = cfg.vocab_size if text_ids is None else text_ids
     stop_ids = stop_ids or set()
 
     was_training = model.training
@@ -124,8 +129,9 @@ def generate_seq2seq(
         idx = torch.full((1, 1), cfg.pad_id, dtype=torch.long, device=weight.device)  # the start id
         new_tokens: list[int] = []
         for _ in range(max_new_tokens):
-            logits = model.logits(model.decode(idx, memory_kv, cache=cache))  # (1, 1, padded_vocab_size)
-            token = pick_token(logits[:, -1, :cfg.pad_id], temperature, top_k, top_p, generator)  # (1,)
+            logits = model.logits(model.decode(idx, memory_kv, cache=cache))[:, -1, :cfg.pad_id]  # (1, pad_id)
+            logits[:, text_ids:cfg.sentinel_start] = float("-inf")  # ids no tokenizer decodes
+            token = pick_token(logits, temperature, top_k, top_p, generator)  # (1,)
             token_id = int(token.item())
             if token_id in stop_ids:
                 break
