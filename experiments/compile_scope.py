@@ -18,7 +18,16 @@ import time
 
 import torch
 
-from lm.bench.common import fmt, median_seconds, peak_memory_gib, preset_config, print_table, reset_peak_memory
+from lm.bench.common import (
+    CONFIGS,
+    fmt,
+    median_seconds,
+    non_negative_int,
+    peak_memory_gib,
+    preset_config,
+    print_table,
+    reset_peak_memory,
+)
 from lm.bench.training import random_batch
 from lm.cli import positive_int, run
 from lm.distributed.activation import compile_blocks
@@ -83,14 +92,15 @@ def measure(device: torch.device, scope: str, micro: int, warmup: int, reps: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m experiments.compile_scope", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--micro", nargs="+", type=positive_int, default=[16, 32], help="micro-batches to time")
     parser.add_argument("--scopes", nargs="+", default=SCOPES, choices=SCOPES)
     parser.add_argument("--modes", nargs="+", default=["default"], choices=MODES, help="torch.compile modes to time")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps first")
     parser.add_argument("--reps", type=positive_int, default=10)
-    parser.add_argument("--preset", default="gpt2-124m", help="a config of configs/ by name (default gpt2-124m)")
+    parser.add_argument("--preset", default="gpt2-124m", choices=sorted(p.stem for p in CONFIGS.glob("*.yaml")),
+                        metavar="NAME", help="a config of configs/ by name (default gpt2-124m)")
     args = parser.parse_args(argv)
     device = init_device(args.device, "--device")
     rows = [measure(device, scope, micro, args.warmup, args.reps, args.preset, mode)

@@ -22,12 +22,18 @@
 # The runs of train, muon and float8 save no checkpoint (checkpoint.every=0), which at gpt-1.3b would take a minute.
 # Usage: bash launch/bench_gpu.sh [OUT] [PART ...]   (all parts by default; exits 1 if any part failed)
 # A first argument that names a part is a part, not OUT; a name that is no part is refused before any part runs.
+# OUT (relative to the checkout) is a path with a / in it (runs/bench-gpu, ./out) or a directory that exists:
+# a bare new word is taken for a misspelt part, which as OUT would have run every part, hours of a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 all=(tests training engines sampling docmask losschunk profile train muon float8 ckpt)
 is_part() { local p; for p in "${all[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
 out=runs/bench-gpu
 if [ $# -gt 0 ] && ! is_part "$1"; then
+    if [[ "$1" != */* ]] && [ ! -d "$1" ]; then
+        echo "bench_gpu.sh: '$1' is no part (${all[*]}) and not OUT (a path with a /, or a directory that exists)" >&2
+        exit 2
+    fi
     out="$1"
     shift
 fi

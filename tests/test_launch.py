@@ -446,6 +446,22 @@ def test_deepspeed_local_zero2_run(tiny_data_dir, tmp_path):
     assert train_steps(out) == [1, 2], text
 
 
+def test_gpu_bench_script_refuses_a_misspelt_first_part(tmp_path):
+    # taken as OUT, a misspelt part ran every part, hours of a lent GPU; a copy of the script, so that OUT
+    # (relative to the script's checkout) would land in tmp_path
+    (tmp_path / "launch").mkdir()
+    shutil.copy(REPO / "launch/bench_gpu.sh", tmp_path / "launch")
+    python = stub(tmp_path, "python")
+    run = subprocess.run(["bash", str(tmp_path / "launch/bench_gpu.sh"), "trainn"], cwd=tmp_path,
+                         env=script_env(tmp_path, PYTHON=str(tmp_path / "bin/python")), capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.splitlines() == ["bench_gpu.sh: 'trainn' is no part (tests training engines sampling docmask "
+                                       "losschunk profile train muon float8 ckpt) and not OUT (a path with a /, or a "
+                                       "directory that exists)"]
+    assert calls(python) == [] and not (tmp_path / "trainn").exists()
+
+
 def test_gpu_bench_script_saves_each_part_and_reports_a_failed_one(tmp_path):
     out = tmp_path / "out"
     script = ["bash", str(REPO / "launch/bench_gpu.sh"), str(out)]

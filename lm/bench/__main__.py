@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from lm.bench.common import PRESETS, device_name, fmt, preset_config, print_table
+from lm.bench.common import PRESETS, device_name, fmt, non_negative_int, preset_config, print_table
 from lm.cli import positive_int, run
 from lm.config import JobConfig
 from lm.data.prepare import num_threads
@@ -45,7 +45,7 @@ SECTION_FLAGS = {
     "reps_import": (3, ("hfimport",)),
     "corpus": ([], ("corpus",)),
     "corpus_work": (None, ("corpus",)),
-    "num_proc": (os.cpu_count() or 1, ("corpus",)),
+    "num_proc": (num_threads(0), ("corpus",)),  # the cores this process may run on, as lm.prepare counts them
     "reps_corpus": (1, ("corpus",)),
 }
 
@@ -86,26 +86,22 @@ def _train_cells(preset: str, mode: str, micro: int, cfg: JobConfig, row: dict, 
 
 
 def training(args, device, results: dict) -> None:
-    from lm.bench.training import bench_model, sdpa_kernel
+    from lm.bench.training import bench_training, sdpa_kernel
 
     rows = []
     for preset in args.presets:
         cfg, micro = preset_config(preset, device)
         print(f"  {preset}: scaled_dot_product_attention runs {sdpa_kernel(cfg, device, micro)}", file=sys.stderr)
-        timing = dict(warmup=args.warmup, reps=args.reps)
-        hf = bench_model(cfg, device, micro, hf=True, **timing)
-        eager = bench_model(cfg, device, micro, **timing)
-        results[f"training tokens/s vs transformers, {preset}, eager"] = eager["tokens/s"] / hf["tokens/s"]
-        if eager["MFU"] is not None:
-            results[f"MFU share, {preset}, eager"] = eager["MFU"]
-        rows.append(_train_cells(preset, "transformers", micro, cfg, hf, hf))
-        rows.append(_train_cells(preset, "ours eager", micro, cfg, eager, hf))
-        if args.compile:
-            compiled = bench_model(cfg, device, micro, compiled=True, **timing)
-            results[f"training tokens/s vs transformers, {preset}, compiled"] = compiled["tokens/s"] / hf["tokens/s"]
-            if compiled["MFU"] is not None:
-                results[f"MFU share, {preset}, compiled"] = compiled["MFU"]
-            rows.append(_train_cells(preset, "ours compiled", micro, cfg, compiled, hf))
+        found = bench_training(cfg, device, micro, args.warmup, args.reps, compiled=args.compile)
+        hf = found["transformers"]
+        for name, row in found.items():
+            rows.append(_train_cells(preset, name, micro, cfg, row, hf))
+            if name == "transformers":
+                continue
+            mode = name.removeprefix("ours ")
+            results[f"training tokens/s vs transformers, {preset}, {mode}"] = row["tokens/s"] / hf["tokens/s"]
+            if row["MFU"] is not None:
+                results[f"MFU share, {preset}, {mode}"] = row["MFU"]
         print(f"  {preset}: max |logit diff| ours vs transformers at the same weights {hf['max |logit diff|']:.1e}",
               file=sys.stderr)
     print_table("training: forward + backward + clip + AdamW, one process (x transformers = tokens/s ratio)",
@@ -147,7 +143,7 @@ def sampling(args, device, results: dict) -> None:
         ours = speed["ours, KV cache"]
         for row in found:
             rows.append([args.sampling_preset, row["method"], str(batch), f"{row['tokens/s']:,.0f}",
-                         f"{row['ms/token']:.2f}", f"{ours / row['tokens/s']:.2f}", f"{row['same tokens']:.0%}"])
+                         f"{row['ms/step']:.2f}", f"{ours / row['tokens/s']:.2f}", f"{row['same tokens']:.0%}"])
         results[f"sampling tokens/s vs transformers generate, batch {batch}, KV cache"] = (
             ours / speed["transformers generate"])
         if COMPILED in speed:
@@ -156,7 +152,7 @@ def sampling(args, device, results: dict) -> None:
             results[f"sampling tokens/s compiled vs no cache, batch {batch}"] = (
                 speed[COMPILED] / speed["ours, no cache"])
     print_table(f"sampling: {args.new_tokens} new tokens per sequence, greedy, from one token",
-                ["preset", "sampler", "batch", "tokens/s", "ms/token", "ours KV cache x", "same tokens"], rows)
+                ["preset", "sampler", "batch", "tokens/s", "ms/step", "ours KV cache x", "same tokens"], rows)
 
 
 def data(args, device, results: dict) -> None:
@@ -215,7 +211,7 @@ def corpus(args, device, results: dict) -> None:
         ours, theirs = sides["ours"], sides["datasets"]
         speedup = theirs["wall s"] / ours["wall s"]  # the same tokens on both sides
         results[f"prepare tokens/s vs datasets map num_proc={args.num_proc}, {name}"] = speedup
-        for how, row in ((f"lm.prepare, {num_threads(0)} threads", ours),
+        for how, row in ((f"lm.prepare, {args.num_proc} threads", ours),
                          (f"load_dataset + map, num_proc={args.num_proc}", theirs)):
             steps = f"load {row['load s']:.1f} + map {row['map s']:.1f}" if "load s" in row else ""
             rows.append([name, how, f"{row['tokens']:,}", f"{row['wall s']:.1f}", steps,
@@ -259,7 +255,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--presets", nargs="+", choices=PRESETS)
     parser.add_argument("--engines", nargs="+", choices=ENGINES)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--warmup", type=int, help="untimed repetitions first (default 2)")
+    parser.add_argument("--warmup", type=non_negative_int, help="untimed repetitions first (default 2)")
     parser.add_argument("--reps", type=positive_int, help="timed repetitions, the median reported (default 5)")
     parser.add_argument("--reps-no-cache", type=positive_int,
                         help="timed repetitions of sampling without cache")
@@ -278,7 +274,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--corpus-work",
                         help="corpus: where to write shards and datasets' cache (default: the temp dir)")
     parser.add_argument("--num-proc", type=positive_int,
-                        help="corpus: datasets.map's num_proc (default: the cores)")
+                        help="corpus: workers of each side, datasets.map's num_proc and lm.prepare's "
+                             "data.num_workers threads (default: the cores)")
     parser.add_argument("--reps-corpus", type=positive_int, help="corpus: runs of each side, in turns")
     parser.add_argument("--profile", action="store_true",
                         help="instead: torch.profiler's top ops of a training step, ours and transformers', per preset")
@@ -289,8 +286,6 @@ def main(argv: list[str]) -> int:
     for name, (default, _) in SECTION_FLAGS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
-    if args.warmup < 0:
-        parser.error(f"--warmup: must be >= 0, got {args.warmup}")
     if problem := late_problem(args):  # found now, not after minutes of the sections before the one that reads it
         parser.error(problem)
     if "corpus" in args.sections and not args.corpus:

@@ -33,7 +33,8 @@ _SAMPLE_S = 0.05
 def bench_corpus(patterns: list[str], num_proc: int, reps: int, work_root: str | None = None) -> dict:
     """Measure lm.prepare and datasets on the JSON-lines files `patterns` match, with GPT-2 through tiktoken and
     through a tokenizer.json, `reps` runs of each side in turns (the median run is kept); then lm.prepare with
-    each tokenizer at each of SCALES. Intermediate files go to a temporary directory in `work_root`."""
+    each tokenizer at each of SCALES. Both sides run `num_proc` workers (lm.prepare's threads, datasets'
+    processes). Intermediate files go to a temporary directory in `work_root`."""
     files = sorted(dict.fromkeys(f for pattern in patterns for f in glob.glob(os.path.expanduser(pattern))))
     if not files:
         raise DataError(f"--corpus: {patterns} matches no files; expected JSON-lines files, e.g. those "
@@ -47,7 +48,7 @@ def bench_corpus(patterns: list[str], num_proc: int, reps: int, work_root: str |
         runs: dict[str, dict[str, list[dict]]] = {name: {"ours": [], "datasets": []} for name in names}
         for _ in range(reps):  # in turns, so a slow spell of a shared machine touches each side alike
             for name, tokenizer in names.items():
-                runs[name]["ours"].append(prepare_row(files, tokenizer, work))
+                runs[name]["ours"].append(prepare_row(files, tokenizer, num_proc, work))
                 runs[name]["datasets"].append(datasets_row(files, tokenizer, num_proc, work))
         for name, sides in runs.items():
             found["tokenizers"][name] = {side: _median_run(rows) for side, rows in sides.items()}
@@ -59,7 +60,8 @@ def bench_corpus(patterns: list[str], num_proc: int, reps: int, work_root: str |
             found["scales"][name] = {}
             for label, scale in SCALES:
                 scaled = scaled_files(files, scale, work)
-                found["scales"][name][label] = {"files": len(scaled), **prepare_row(scaled, tokenizer, work)}
+                found["scales"][name][label] = {"files": len(scaled), **prepare_row(scaled, tokenizer, num_proc,
+                                                                                     work)}
     found["documents"] = found["tokenizers"]["gpt2"]["ours"]["documents"]
     found["same shards"] = found["tokenizers"]["gpt2"]["ours"]["shards"] == found["tokenizers"]["tokenizer.json"][
         "ours"]["shards"]
@@ -118,13 +120,13 @@ def _tree_rss(root: int) -> int:
     return total
 
 
-def prepare_row(files: list[str], tokenizer: str, work: Path) -> dict:
-    """`python -m lm.prepare` on `files` into a fresh directory under `work`: run_measured's figures plus
-    the documents and tokens it wrote and its shards' sha256."""
+def prepare_row(files: list[str], tokenizer: str, num_workers: int, work: Path) -> dict:
+    """`python -m lm.prepare` on `files` with `num_workers` tokenizer threads into a fresh directory under `work`:
+    run_measured's figures plus the documents and tokens it wrote and its shards' sha256."""
     out = work / "prepared"
     shutil.rmtree(out, ignore_errors=True)
     row = run_measured([sys.executable, "-m", "lm.prepare", f"--data.source={','.join(files)}", f"--data.dir={out}",
-                        f"--data.tokenizer={tokenizer}"], work / "prepare.log")
+                        f"--data.tokenizer={tokenizer}", f"--data.num_workers={num_workers}"], work / "prepare.log")
     manifest = json.loads((out / "manifest.json").read_text())
     splits = manifest["splits"].values()
     row.update(documents=sum(s["documents"] for s in splits), tokens=sum(s["tokens"] for s in splits),

@@ -38,8 +38,9 @@ def exported_hf_model(model: torch.nn.Module, cfg: JobConfig, device: torch.devi
 
 def bench_sampling(cfg: JobConfig, device: torch.device, batch: int, new_tokens: int, warmup: int,
                    reps: int, reps_no_cache: int, compiled: bool = False) -> list[dict]:
-    """Rows {"method", "batch", "tokens/s", "ms/token", "same tokens"} for one batch size: ours with the KV cache,
-    ours without, ours compiled (with `compiled`), then transformers'."""
+    """Rows {"method", "batch", "tokens/s", "ms/step", "same tokens"} for one batch size: ours with the KV cache,
+    ours without, ours compiled (with `compiled`), then transformers'. A step decodes one token of every sequence
+    of the batch, so ms/step is `batch` tokens' time."""
     torch.manual_seed(0)
     model = family_of(cfg.model).build(cfg.model).to(device).eval()
     eot = load_tokenizer(cfg.data.tokenizer).eot_token
@@ -67,6 +68,6 @@ def bench_sampling(cfg: JobConfig, device: torch.device, batch: int, new_tokens:
     methods["transformers generate"], timed["transformers generate"] = theirs, reps
     # the compiled step compiles in its first call: warmed up at least once, whatever `warmup` says
     seconds = median_seconds_interleaved(methods, device, max(warmup, int(compiled)), timed)
-    return [{"method": method, "batch": batch, "tokens/s": batch * new_tokens / s, "ms/token": s * 1e3 / new_tokens,
+    return [{"method": method, "batch": batch, "tokens/s": batch * new_tokens / s, "ms/step": s * 1e3 / new_tokens,
              "same tokens": (out[method] == out["ours, KV cache"]).float().mean().item()}
             for method, s in seconds.items()]

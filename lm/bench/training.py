@@ -2,15 +2,17 @@
 (GPT2LMHeadModel for the GPT-2 presets) with the same weights, batch, optimizer (our AdamW groups) and precision,
 timed step by step on random tokens."""
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 
-from lm.bench.common import median_seconds, peak_memory_gib, reset_peak_memory
+from lm.bench.common import median_seconds, median_seconds_interleaved, peak_memory_gib, reset_peak_memory
 from lm.config import JobConfig
 from lm.distributed.activation import compile_blocks
+from lm.distributed.engine import Engine
 from lm.distributed.env import DistEnv
 from lm.distributed.optim import build_optimizer
 from lm.distributed.precision import autocast_for
@@ -43,12 +45,13 @@ def hf_twin(model: nn.Module) -> nn.Module:
     return hf
 
 
-def _row(cfg: JobConfig, device: torch.device, step_s: float, micro_batch: int, extra: dict) -> dict:
+def _row(cfg: JobConfig, device: torch.device, step_s: float, micro_batch: int, peak_gib: float | None,
+         extra: dict) -> dict:
     tok_s = micro_batch * cfg.data.seq_len / step_s
     flops = flops_per_token(cfg.model, cfg.data.seq_len, cfg.data) * tok_s
     peak = peak_flops(device)
     return {"ms/step": step_s * 1e3, "tokens/s": tok_s, "TFLOP/s": flops / 1e12,
-            "MFU": flops / peak if peak else None, "peak GiB": peak_memory_gib(device), **extra}
+            "MFU": flops / peak if peak else None, "peak GiB": peak_gib, **extra}
 
 
 def training_step(cfg: JobConfig, device: torch.device, micro_batch: int, compiled: bool = False,
@@ -94,13 +97,41 @@ def training_step(cfg: JobConfig, device: torch.device, micro_batch: int, compil
     return step, diff
 
 
-def bench_model(cfg: JobConfig, device: torch.device, micro_batch: int, warmup: int, reps: int,
-                compiled: bool = False, hf: bool = False) -> dict:
-    """`training_step` timed: median of `reps` after `warmup`. Returns a row of numbers."""
-    step, diff = training_step(cfg, device, micro_batch, compiled, hf)
+def bench_model(cfg: JobConfig, device: torch.device, micro_batch: int, warmup: int, reps: int) -> dict:
+    """Our model's eager `training_step` timed alone: median of `reps` after `warmup`. Returns a row of numbers."""
+    step, _ = training_step(cfg, device, micro_batch)
     reset_peak_memory(device)
     step_s = median_seconds(step, device, warmup, reps)
-    return _row(cfg, device, step_s, micro_batch, {"max |logit diff|": diff})
+    return _row(cfg, device, step_s, micro_batch, peak_memory_gib(device), {})
+
+
+def bench_training(cfg: JobConfig, device: torch.device, micro_batch: int, warmup: int, reps: int,
+                   compiled: bool = True) -> dict[str, dict]:
+    """Rows of numbers by name: "transformers" (with the twins' "max |logit diff|"), "ours eager" and, with
+    `compiled`, "ours compiled".
+
+    Their steps are timed in turns (`median_seconds_interleaved`), so that a slow spell of a shared machine
+    touches each alike and their ratio compares like with like; timed one after the other, the ratio followed the
+    machine's drift. Each row's peak memory comes from a pass of its own first, with its model alone in memory,
+    over its `warmup` steps and one more: in the timed pass all of them are alive at once."""
+    kinds: dict[str, dict] = {"transformers": {"hf": True}, "ours eager": {}}
+    if compiled:
+        kinds["ours compiled"] = {"compiled": True}
+    peaks, diff = {}, None
+    for name, kind in kinds.items():
+        step, found = training_step(cfg, device, micro_batch, **kind)
+        if found is not None:  # the transformers twin's
+            diff = found
+        reset_peak_memory(device)
+        for _ in range(warmup + 1):
+            step()
+        peaks[name] = peak_memory_gib(device)
+        del step  # its model and optimizer state, before the next row's peak
+    steps = {name: training_step(cfg, device, micro_batch, **kind)[0] for name, kind in kinds.items()}
+    # the compiled step compiles in its first call: warmed up at least once, whatever `warmup` says
+    seconds = median_seconds_interleaved(steps, device, max(warmup, int(compiled)), {name: reps for name in steps})
+    return {name: _row(cfg, device, seconds[name], micro_batch, peaks[name],
+                       {"max |logit diff|": diff} if name == "transformers" else {}) for name in kinds}
 
 
 def profile_step(cfg: JobConfig, device: torch.device, micro_batch: int, warmup: int, reps: int,
@@ -136,9 +167,13 @@ def sdpa_kernel(cfg: JobConfig, device: torch.device, micro_batch: int) -> str:
     return "math" if any(name.startswith("attention_math") for name in names) else names[0]
 
 
-def bench_engine(cfg: JobConfig, device: torch.device, micro_batch: int, warmup: int, reps: int) -> dict:
-    """One optimizer step as the trainer takes it (`lm.training.step.train_step`) on a one-process group: the
-    engine's own costs (wrappers, sharding, DeepSpeed's step) at world size 1."""
+def engine_step(cfg: JobConfig, device: torch.device, micro_batch: int) -> tuple[Callable[[], None], Engine]:
+    """A closure running one optimizer step as the trainer takes it (`lm.training.step.train_step`) on one
+    micro-batch of `micro_batch` sequences, under cfg.parallel's engine on a one-process group; and the engine."""
+    # a step of one micro-batch: with the preset's batch (gpt2-124m's 512 of 32) DeepSpeed would accumulate
+    # over several calls and step its optimizer in none or some of them, while ddp and fsdp step in each
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=micro_batch,
+                                                             micro_batch_size=micro_batch))
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=device)
     family = family_of(cfg.model)
     engine = build_run_engine(cfg, family, env)
@@ -149,6 +184,12 @@ def bench_engine(cfg: JobConfig, device: torch.device, micro_batch: int, warmup:
     def step() -> None:
         train_step(engine, loss, [batch], cfg.optim.lr, cfg.optim.grad_clip)
 
+    return step, engine
+
+
+def bench_engine(cfg: JobConfig, device: torch.device, micro_batch: int, warmup: int, reps: int) -> dict:
+    """`engine_step` timed: the engine's own costs (wrappers, sharding, DeepSpeed's step) at world size 1."""
+    step, _ = engine_step(cfg, device, micro_batch)
     reset_peak_memory(device)
     step_s = median_seconds(step, device, warmup, reps)
-    return _row(cfg, device, step_s, micro_batch, {})
+    return _row(cfg, device, step_s, micro_batch, peak_memory_gib(device), {})

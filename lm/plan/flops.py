@@ -9,6 +9,9 @@ import torch
 # torch.cuda.get_device_name() ("NVIDIA A100-SXM4-80GB"); the first that matches wins, so a longer name comes first.
 PEAK_FLOPS = [
     ("GH200", 989e12),
+    # the NVL cards: 1,671 TFLOP/s with sparsity on the datasheet, half of it dense; not the SXM's 989
+    ("H200 NVL", 835e12),
+    ("H100 NVL", 835e12),
     ("H200", 989e12),
     ("H100 PCIe", 756e12),
     ("H100", 989e12),

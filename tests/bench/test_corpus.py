@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from lm.bench import debian_corpus
+from lm.bench import corpus, debian_corpus
 from lm.bench.corpus import datasets_row, prepare_row, run_measured, scaled_files, write_gpt2_tokenizer_json
 from lm.data.corpora import find_corpus
 from lm.tokenizer import load_tokenizer
@@ -28,13 +28,28 @@ def test_the_gpt2_tokenizer_json_makes_tiktokens_ids(tmp_path):
 @pytest.mark.process
 def test_both_sides_write_the_same_tokens(tmp_path):
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d, "source": "x"}) + "\n" for d in DOCS * 5))
-    ours = prepare_row([str(tmp_path / "a.jsonl")], "gpt2", tmp_path)
+    ours = prepare_row([str(tmp_path / "a.jsonl")], "gpt2", 2, tmp_path)
     theirs = datasets_row([str(tmp_path / "a.jsonl")], "gpt2", 2, tmp_path)
     gpt2 = load_tokenizer("gpt2")
     tokens = 5 * sum(len(gpt2.encode_ordinary(d)) + 1 for d in DOCS)  # each document with its end-of-text token
     assert (ours["documents"], ours["tokens"]) == (theirs["documents"], theirs["tokens"]) == (20, tokens)
     assert theirs["load s"] > 0 and theirs["map s"] > 0 and ours["wall s"] > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "datasets.log", "prepare.log"]  # outputs gone
+
+
+def test_prepare_runs_as_many_workers_as_datasets(tmp_path, monkeypatch):
+    # --num-proc 1 set datasets' num_proc alone: lm.prepare tokenized on every core, and the ratio was not fair
+    ran = []
+
+    def measured(argv, log):  # lm.prepare's run itself is tested above; here only what it is asked to do
+        ran.append(argv)
+        (tmp_path / "prepared").mkdir()  # what it wrote: a manifest of no splits
+        (tmp_path / "prepared" / "manifest.json").write_text(json.dumps({"splits": {}}))
+        return {}
+
+    monkeypatch.setattr(corpus, "run_measured", measured)
+    prepare_row(["a.jsonl"], "gpt2", 3, tmp_path)
+    assert ran[0][1:3] == ["-m", "lm.prepare"] and "--data.num_workers=3" in ran[0]
 
 
 @pytest.mark.process

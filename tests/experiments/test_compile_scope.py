@@ -8,10 +8,8 @@ import pytest
 
 from experiments import compile_scope
 
-# torch.compile of a model on the CPU, two scopes: the full tier only
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow  # torch.compile of a model on the CPU, two scopes: the full tier only
 def test_each_scope_and_mode_gets_a_timed_row(capsys, monkeypatch):
     # compile time grows with the blocks; one shows the rows as well as four. The blocks-and-loss scope is what
     # train.compile runs (tests/training/test_trainer.py, tests/models/test_compiled_loss.py)
@@ -31,3 +29,16 @@ def test_each_scope_and_mode_gets_a_timed_row(capsys, monkeypatch):
                          for mode in ("default", "max-autotune-no-cudagraphs")}
     for cells in rows.values():
         assert cells[2:5] == ["1", "x", "128"] and float(cells[5]) > 0  # ms/step
+
+
+@pytest.mark.parametrize("argv, message", [
+    # the preset's config file was reported as --config, a flag the tool does not have
+    (["--preset", "nosuch"], "argument --preset: invalid choice: 'nosuch' (choose from 'demo', 'demo-encdec'"),
+    # -3 meant no warm-up: the compile landed in the timed median without a word
+    (["--warmup", "-3"], "argument --warmup: expected an integer >= 0, got -3"),
+])
+def test_bad_flags_are_named(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(compile_scope, "init_device", lambda *args: pytest.fail("the flags were taken"))
+    with pytest.raises(SystemExit) as stop:
+        compile_scope.main(["--device", "cpu", *argv])
+    assert stop.value.code == 2 and message in capsys.readouterr().err

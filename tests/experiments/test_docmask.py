@@ -4,6 +4,7 @@ flex_attention checked against SDPA with the same document mask."""
 import pytest
 import torch
 
+from experiments import docmask
 from experiments.docmask import bench_attention, bench_model_paths, packed_positions
 from lm.config import load_config
 
@@ -39,3 +40,11 @@ def test_attention_rows_and_flex_attention_matches_sdpa_with_the_mask():
     assert set(row["forward + backward"]) == {"is_causal", "mask"}  # torch has no CPU backward for flex
     assert row["mask build"] > 0 and row["block mask build"] > 0
     assert "flex" not in bench_attention(tiny(), CPU, 2, 64, warmup=0, reps=1, flex=False)["forward"]
+
+
+def test_a_negative_warmup_is_refused(capsys, monkeypatch):
+    # it meant no warm-up, and a compile or a cold cache in the timed median without a word
+    monkeypatch.setattr(docmask, "init_device", lambda *args: pytest.fail("the flags were taken"))
+    with pytest.raises(SystemExit) as stop:
+        docmask.main(["--device", "cpu", "--warmup", "-1"])
+    assert stop.value.code == 2 and "argument --warmup: expected an integer >= 0, got -1" in capsys.readouterr().err

@@ -28,3 +28,11 @@ def test_the_table_lists_every_shape_and_chunk(monkeypatch, capsys):
     table = capsys.readouterr().out
     assert len(seen) == len(losschunk.SHAPES) * len(losschunk.SIZES) * losschunk.ROUNDS
     assert "0 (off)" in table and "peak / off" in table
+
+
+def test_a_negative_warmup_is_refused(capsys, monkeypatch):
+    # it meant no warm-up, and a compile or a cold cache in the timed median without a word
+    monkeypatch.setattr(losschunk, "init_device", lambda *args: pytest.fail("the flags were taken"))
+    with pytest.raises(SystemExit) as stop:
+        losschunk.main(["--device", "cpu", "--warmup", "-1"])
+    assert stop.value.code == 2 and "argument --warmup: expected an integer >= 0, got -1" in capsys.readouterr().err

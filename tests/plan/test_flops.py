@@ -120,7 +120,8 @@ def test_flops_per_token_is_what_a_training_step_multiplies(config, overrides):
 
 
 @pytest.mark.parametrize("name, peak", [
-    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12),
     ("NVIDIA L40", 181e12), ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12), ("NVIDIA GH200 480GB", 989e12),
     ("NVIDIA RTX A1000 Laptop GPU", None), ("NVIDIA A10G", None), ("NVIDIA A10", 125e12),
 ])
