@@ -20,9 +20,9 @@ import torch
 
 from lm.bench.common import (
     CONFIGS,
+    WARMUP,
     fmt,
     median_seconds,
-    non_negative_int,
     peak_memory_gib,
     preset_config,
     print_table,
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro", nargs="+", type=positive_int, default=[16, 32], help="micro-batches to time")
     parser.add_argument("--scopes", nargs="+", default=SCOPES, choices=SCOPES)
     parser.add_argument("--modes", nargs="+", default=["default"], choices=MODES, help="torch.compile modes to time")
-    parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps first")
+    parser.add_argument("--warmup", type=WARMUP, default=3, help="untimed steps first")
     parser.add_argument("--reps", type=positive_int, default=10)
     parser.add_argument("--preset", default="gpt2-124m", choices=sorted(p.stem for p in CONFIGS.glob("*.yaml")),
                         metavar="NAME", help="a config of configs/ by name (default gpt2-124m)")

@@ -13,14 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from lm.bench.common import (
-    fmt,
-    median_seconds,
-    median_seconds_interleaved,
-    non_negative_int,
-    preset_config,
-    print_table,
-)
+from lm.bench.common import WARMUP, fmt, median_seconds, median_seconds_interleaved, preset_config, print_table
 from lm.cli import positive_int, run
 from lm.config import JobConfig
 from lm.distributed.env import init_device
@@ -168,7 +161,7 @@ def _max_difference(fn: Callable[..., torch.Tensor], reference: Callable[..., to
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.docmask", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--warmup", type=non_negative_int, default=2, help="untimed repetitions first")
+    parser.add_argument("--warmup", type=WARMUP, default=2, help="untimed repetitions first")
     parser.add_argument("--reps", type=positive_int, default=5, help="timed repetitions (the median is reported)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip flex_attention")
     args = parser.parse_args(argv)

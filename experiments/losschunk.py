@@ -15,15 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from lm.bench.common import (
-    fmt,
-    median_seconds,
-    non_negative_int,
-    peak_memory_gib,
-    preset_config,
-    print_table,
-    reset_peak_memory,
-)
+from lm.bench.common import WARMUP, fmt, median_seconds, peak_memory_gib, preset_config, print_table, reset_peak_memory
 from lm.cli import positive_int, run
 from lm.config import JobConfig
 from lm.distributed.env import init_device
@@ -72,7 +64,7 @@ def measure_fresh(*args) -> dict:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.losschunk", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--warmup", type=non_negative_int, default=2, help="untimed repetitions first")
+    parser.add_argument("--warmup", type=WARMUP, default=2, help="untimed repetitions first")
     parser.add_argument("--reps", type=positive_int, default=5, help="timed repetitions (the median is reported)")
     args = parser.parse_args(argv)
     device = init_device(args.device, "--device")

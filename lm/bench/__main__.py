@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from lm.bench.common import PRESETS, device_name, fmt, non_negative_int, preset_config, print_table
+from lm.bench.common import PRESETS, WARMUP, device_name, fmt, preset_config, print_table
 from lm.cli import positive_int, run
 from lm.config import JobConfig
 from lm.data.prepare import num_threads
@@ -255,7 +255,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--presets", nargs="+", choices=PRESETS)
     parser.add_argument("--engines", nargs="+", choices=ENGINES)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--warmup", type=non_negative_int, help="untimed repetitions first (default 2)")
+    parser.add_argument("--warmup", type=WARMUP, help="untimed repetitions first (default 2)")
     parser.add_argument("--reps", type=positive_int, help="timed repetitions, the median reported (default 5)")
     parser.add_argument("--reps-no-cache", type=positive_int,
                         help="timed repetitions of sampling without cache")

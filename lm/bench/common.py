@@ -1,6 +1,5 @@
 """What every benchmark section shares: timing with warm-up and median, peak memory, and table printing."""
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -8,22 +7,16 @@ from pathlib import Path
 
 import torch
 
+from lm.cli import in_range
 from lm.config import JobConfig, load_config
 
 PRESETS = ["demo", "gpt2-124m"]
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type of --warmup, the untimed calls before the timed ones: 0 is none, and a negative count is
-    refused, where it would also mean none and leave a compile or a cold cache in the timed median unsaid."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+WARMUP = in_range(int, 0, 10_000)
+"""argparse type of --warmup, the untimed calls before the timed ones: 0 is none, and a negative count is
+refused, where it would also mean none and leave a compile or a cold cache in the timed median unsaid."""
 
 
 def sync(device: torch.device) -> None:

@@ -193,7 +193,7 @@ def test_bad_flags():
     (["--sections", "training", "sampling", "--new-tokens", "257"], "--new-tokens: 257 do not fit --sampling-preset "
      "demo's context of 256 tokens after a one-token prompt; give at most 256"),
     (["--sections", "hfimport", "--import-dir", "README.md"], "--import-dir README.md: is a file"),
-    (["--warmup", "-1"], "argument --warmup: expected an integer >= 0, got -1"),
+    (["--warmup", "-1"], "argument --warmup: expected an integer in [0, 10000], got '-1'"),
 ])
 def test_flags_no_chosen_section_reads_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
