@@ -47,6 +47,17 @@ def test_one_source_reads_exactly_the_single_directory_order():
     assert window.tolist() == [int(i) for e in range(3) for i in sample_order(3, e, 7)]
 
 
+def test_each_source_reads_its_own_order_of_its_seed():
+    # two sources of one size: the same order for both would read them in lockstep, and a resumed run's sources
+    # after the first would read another order than the one it started with
+    draws = MixtureDraws([1, 1], [40, 40], seed=3)
+    source, window = draws.locate(range(0, 160))
+    for s in (0, 1):
+        mine = window[source == s]
+        assert mine.tolist() == [int(i) for e in range(2) for i in sample_order(3, e, 40, source=s)][:len(mine)]
+    assert not np.array_equal(sample_order(3, 0, 40, source=0), sample_order(3, 0, 40, source=1))
+
+
 def test_no_window_repeats_within_an_epoch_of_its_source_and_sources_cycle_on_their_own():
     draws = MixtureDraws([1, 1], [5, 50], seed=0)  # the small source runs out ten times as often
     source, window = draws.locate(range(0, 200))

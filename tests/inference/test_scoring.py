@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lm.inference.scoring import eval_windows, score_stream, unigram_entropy
+from lm.inference.scoring import eval_windows, first_tokens, score_stream, unigram_entropy
 from lm.models.gpt.config import GPTConfig
 from lm.models.gpt.model import GPT
 
@@ -78,3 +78,9 @@ def test_a_document_masked_stream_scores_as_its_documents_one_by_one():
     assert packed == pytest.approx(sum(nll for nll, _ in alone), rel=1e-5)
     unmasked, _ = score_stream(model, stream, seq_len=20, stride=20, batch_size=1, device=cpu)
     assert abs(unmasked - packed) > 1e-3  # without the mask, later documents see earlier ones
+
+
+def test_first_tokens_cuts_the_streams_and_drops_a_stream_left_with_one_token():
+    a, b, c = np.arange(5), np.arange(5, 10), np.arange(10, 15)
+    assert [s.tolist() for s in first_tokens([a, b, c], 7)] == [a.tolist(), [5, 6]]
+    assert [s.tolist() for s in first_tokens([a, b, c], 6)] == [a.tolist()]  # b's 1 token has nothing to score

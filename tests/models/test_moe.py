@@ -113,6 +113,21 @@ def test_the_balance_loss_is_one_for_an_even_load_and_the_terms_join_the_objecti
     assert losses.optimized.item() == pytest.approx(3.0 + 0.01 * 1.25 + 0.001 * 3.0)
 
 
+def test_a_forwards_balance_loss_is_n_sum_f_p():
+    # measured by a real forward, not built by hand: f_e the share of the (token, choice) pairs expert e took,
+    # p_e its mean probability; a gate of zeros gives every p_e = 1/n, so the loss is sum_e f_e = 1 whatever the load
+    moe = built(MOE).blocks[0].mlp
+    x = torch.randn(2, 8, MOE.d_model)
+    with torch.no_grad():
+        moe(x)
+        _, chosen, _, probs = moe.router(x.reshape(-1, MOE.d_model))
+        f = torch.bincount(chosen.reshape(-1), minlength=MOE.n_experts).float() / chosen.numel()
+        assert moe.stats.balance.item() == pytest.approx(MOE.n_experts * (f * probs.mean(0)).sum().item())
+        moe.router.gate.weight.zero_()
+        moe(x)
+    assert moe.stats.balance.item() == pytest.approx(1.0)
+
+
 def test_a_moe_model_logs_its_router_terms_and_they_change_the_gradients():
     cfg = dataclasses.replace(MOE, moe_first_dense=1)  # block 0 dense, block 1 a mixture
     model = built(cfg)

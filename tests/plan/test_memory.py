@@ -75,6 +75,16 @@ def test_a_llama_block_has_the_published_size():
     assert block_params(cfg) == 4 * 4096 ** 2 + 3 * 4096 * 11008 + 2 * 4096
 
 
+@pytest.mark.parametrize("scope", ["head", "all"])
+def test_a_qk_norm_blocks_size_is_the_built_blocks(scope):
+    # one RMSNorm for q and one for k: over a head's channels, or over every head's (GQA: fewer k heads)
+    cfg = load_config(None, ["--model.n_layer=1", "--model.d_model=64", "--model.n_head=4", "--model.n_kv_head=2",
+                             "--model.norm=rmsnorm", "--model.mlp=swiglu", "--model.bias=false", "--model.qk_norm=true",
+                             f"--model.qk_norm_scope={scope}", "--model.pos=rope"]).model
+    block = family_of(cfg).build(cfg).blocks[0]
+    assert block_params(cfg) == sum(p.numel() for p in block.parameters())
+
+
 @pytest.mark.parametrize("world", [1, 3, 8, 64])
 def test_sharding_arithmetic(world):
     cfg = _cfg(*LLAMA)
