@@ -1,7 +1,8 @@
 """Per-block wrappers applied from outside the model: activation checkpointing (recompute a block's
 activations in backward) and torch.compile. The blocks are the model family's (`Family.blocks`)."""
 
-import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -24,6 +25,17 @@ def checkpoint_blocks(blocks: list[nn.Module], every: int) -> int:
     """
     chosen = blocks[::every] if every else []
     for block in chosen:
-        # non-reentrant checkpointing composes with FSDP2's hooks, autocast and keyword arguments
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        block.forward = _checkpointed(block.forward)
     return len(chosen)
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """`forward` recomputed in backward. A function of lm's own rather than a partial of `checkpoint`: a compiled
+    block (`compile_blocks`) traces into this frame and turns the call into its checkpoint operator, where the
+    frame of `checkpoint` itself, which torch keeps dynamo out of, left every checkpointed block eager."""
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        # non-reentrant checkpointing composes with FSDP2's hooks, autocast and keyword arguments
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed

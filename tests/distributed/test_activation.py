@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lm.distributed.activation import checkpoint_blocks
+from lm.distributed.activation import checkpoint_blocks, compile_blocks
 from lm.models.registry import config_class, family_of
 
 KEYS = {"gpt": dict(n_head=2), "encdec": dict(n_head=2, n_sentinels=3, pos="sinusoidal"), "lstm": {}}
@@ -25,3 +25,25 @@ def test_activation_checkpointing_gives_the_same_gradients_as_none(arch, every):
     assert grads[0].keys() == grads[1].keys()  # same names: checkpoints do not notice
     for name in grads[0]:
         assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_checkpointed_block_is_compiled_too(every):
+    """train.compile with activation checkpointing: torch keeps dynamo out of `checkpoint`'s own frame, so a
+    block whose forward was that frame ran eager, without a word."""
+    from torch._dynamo.utils import counters
+
+    cfg = config_class("gpt")(vocab_size=100, block_size=16, n_layer=2, d_model=16, **KEYS["gpt"])
+    family = family_of(cfg)
+    torch.manual_seed(0)
+    model = family.build(cfg)
+    blocks = family.blocks(model)
+    checkpoint_blocks(blocks, every)  # as the engines do: checkpointed first, then compiled
+    compile_blocks(blocks)
+    torch._dynamo.reset()
+    counters.clear()
+    family.training.loss(model, model, [torch.randint(0, 100, (2, 8)) for _ in range(2)]).optimized.backward()
+    # identical blocks share a graph: every block checkpointed, one; only the first, one for each kind
+    assert counters["stats"]["unique_graphs"] == (1 if every == 1 else 2), dict(counters["stats"])
+    assert all(p.grad is not None for p in model.parameters())

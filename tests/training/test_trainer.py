@@ -116,7 +116,7 @@ def test_run_directory_contents(tiny_data_dir, tmp_path):
     data = {"content_hash": manifest["content_hash"], "source": manifest["source"], "train_tokens": 25_450}
     elapsed = state.pop("elapsed_s")
     assert state == {"step": 4, "tokens_seen": 4 * 4 * 16, "position": 16, "data": data, "world_size": 1,
-                     "engine": "ddp"}
+                     "engine": "ddp", "skipped_steps": 0, "skipped_in_a_row": 0}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4]
     assert [r["tokens"] for r in rows if "train/loss" in r] == [64, 128, 192, 256]
