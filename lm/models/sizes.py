@@ -169,6 +169,19 @@ def stack_bytes(n_layer: int, checkpointed: int, full: int, boundary: int) -> in
     return checkpointed * boundary + (n_layer - checkpointed) * full
 
 
+def stack_peak_bytes(n_layer: int, every: int, full: int, boundary: int, start: int = 0) -> int:
+    """The most a stack's blocks hold in a step with every `every`-th block checkpointed (`checkpointed_blocks`;
+    `start`: the stack's first block in model order): what they keep when backward starts (`stack_bytes`), or,
+    if more, what the blocks before the last checkpointed one keep while backward recomputes it (`full` beside
+    its input), the blocks after it freed by then. With a block after it not checkpointed, the first is more."""
+    kept = stack_bytes(n_layer, checkpointed_blocks(n_layer, every, start), full, boundary)
+    if not checkpointed_blocks(n_layer, every, start):
+        return kept
+    last = (start + n_layer - 1) // every * every - start  # the last checkpointed block, from the stack's first
+    before = stack_bytes(last, checkpointed_blocks(last, every, start), full, boundary)
+    return max(kept, before + boundary + full)
+
+
 def logits_bytes(positions: int, vocab: int) -> int:
     """The fp32 log-softmax of the logits of `positions` positions and both its gradients (see the module
     docstring)."""

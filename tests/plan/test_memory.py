@@ -131,7 +131,7 @@ def test_cpu_offload_moves_state_to_the_host():
         estimate_memory(cfg, world, "ddp", cpu_offload=True)
 
 
-def test_activation_checkpointing_keeps_block_inputs_and_one_block():
+def test_activation_checkpointing_keeps_block_inputs_and_recomputes_one_block():
     layers, b, s, h = 6, 3, 40, 64
     cfg = _cfg(f"--model.n_layer={layers}", engine="fsdp")  # bf16 weights: a 2-byte residual stream
     full = layer_activation_bytes(cfg.model, b, s, act_bytes=2, residual_bytes=2)
@@ -145,9 +145,13 @@ def test_activation_checkpointing_keeps_block_inputs_and_one_block():
     assert every.activations - outside == layers * 2 * t * h + full
     blocks_none, blocks_every = none.activations - outside, every.activations - outside
     assert blocks_none / blocks_every == pytest.approx(6 * 32 / (6 * 2 + 32), rel=0.01)  # 4.4x fewer bytes
-    # every 4th of 6 blocks: blocks 0 and 4 keep their inputs, the other 4 everything
+    # every 4th of 6 blocks: blocks 0 and 4 keep their inputs, the other 4 everything; by the time backward
+    # recomputes block 4, block 5's are freed, so what backward starts with is the most
     fourth = estimate_memory(cfg, 8, activation_checkpointing=4)
-    assert fourth.activations - outside == 2 * 2 * b * s * h + 4 * full + full
+    assert fourth.activations - outside == 2 * 2 * b * s * h + 4 * full
+    # block 0 alone: never more than none (it was one recomputed block more)
+    first = estimate_memory(cfg, 8, activation_checkpointing=layers)
+    assert first.activations - outside == 2 * b * s * h + 5 * full < blocks_none
     # under ddp's autocast the weights, and so the residual stream and its checkpoints, are fp32
     ddp = estimate_memory(_cfg(f"--model.n_layer={layers}"), 8, activation_checkpointing=1)
     ddp_full = layer_activation_bytes(cfg.model, b, s, act_bytes=2, residual_bytes=4)
@@ -424,3 +428,10 @@ def test_a_dry_run_on_the_cpu_refuses_what_the_run_on_the_cpu_refuses(flags, mes
 
     assert run(train_main, ["--config", "configs/demo.yaml", "--train.device=cpu", *flags, "--dry-run"]) == 2
     assert capsys.readouterr().err.startswith(f"error: {message}")
+
+
+@pytest.mark.parametrize("arch", ["gpt", "encoder", "encdec", "lstm"])
+def test_checkpointing_more_blocks_never_raises_the_activation_estimate(arch):
+    cfg = _cfg("--model.n_layer=4", f"--model.arch={arch}", *(["--model.n_head=4"] if arch != "lstm" else []))
+    estimates = [estimate_memory(cfg, 8, activation_checkpointing=every).activations for every in (0, 4, 2, 1)]
+    assert estimates == sorted(estimates, reverse=True) and estimates[-1] < estimates[0], estimates

@@ -34,6 +34,7 @@ from lm.models.sizes import (
     logits_bytes,
     stack_bytes,
     stack_params,
+    stack_peak_bytes,
 )
 from lm.models.terms import Losses
 
@@ -124,10 +125,11 @@ def activation_bytes(cfg: EncDecConfig, data: "DataConfig", micro_batch: int, ac
     src, tgt = corrupted_lengths(data.seq_len + 1)  # the span-corruption objective's source and target lengths
     enc = layer_activation_bytes(cfg, b, src, c, r, fused_attention)
     dec = layer_activation_bytes(cfg, b, tgt, c, r, fused_attention, memory_len=src)
-    k_enc, k_dec = checkpointed_blocks(cfg.n_layer, every), checkpointed_blocks(cfg.n_layer, every, start=cfg.n_layer)
-    stacks = (stack_bytes(cfg.n_layer, k_enc, enc, r * b * src * h)
-              + stack_bytes(cfg.n_layer, k_dec, dec, r * b * tgt * h)
-              + (max(enc, dec) if k_enc + k_dec else 0))
+    k_enc = checkpointed_blocks(cfg.n_layer, every)
+    # backward goes through the decoder first, the encoder's blocks all kept meanwhile, then the encoder
+    stacks = max(stack_bytes(cfg.n_layer, k_enc, enc, r * b * src * h)
+                 + stack_peak_bytes(cfg.n_layer, every, dec, r * b * tgt * h, start=cfg.n_layer),
+                 stack_peak_bytes(cfg.n_layer, every, enc, r * b * src * h))
     memory = cross_memory_bytes(cfg, b, src, c, r)
     final_norm = r if cfg.final_norm else 0
     drop = 1 if cfg.dropout > 0 else 0

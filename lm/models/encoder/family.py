@@ -27,13 +27,12 @@ from lm.models.family import (
 )
 from lm.models.loss import cross_entropy_terms
 from lm.models.sizes import (
-    checkpointed_blocks,
     embedding_params,
     layer_activation_bytes,
     linear_params,
     logits_bytes,
     norm_params,
-    stack_bytes,
+    stack_peak_bytes,
 )
 from lm.models.terms import Losses
 
@@ -147,8 +146,7 @@ def activation_bytes(cfg: EncoderConfig, data: "DataConfig", micro_batch: int, a
     b, s, h, c, r = micro_batch, data.seq_len, cfg.d_model, act_bytes, residual_bytes
     t = b * s
     full = layer_activation_bytes(cfg, b, s, c, r, fused_attention)
-    k = checkpointed_blocks(cfg.n_layer, every)
-    stack = stack_bytes(cfg.n_layer, k, full, r * t * h) + (full if k else 0)  # + one recomputed block
+    stack = stack_peak_bytes(cfg.n_layer, every, full, r * t * h)
     final_norm = r if cfg.final_norm else 0
     trunk = (r + final_norm + (1 if cfg.dropout > 0 else 0)) * t * h  # embedding norm, final norm, mask
     if cfg.head != "mlm":

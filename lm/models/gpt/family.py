@@ -19,7 +19,7 @@ from lm.models.family import (
 )
 from lm.models.gpt import hf, hf_moe, hf_remote
 from lm.models.gpt.config import GPTConfig
-from lm.models.sizes import checkpointed_blocks, kept_logits_bytes, layer_activation_bytes, logits_bytes, stack_bytes
+from lm.models.sizes import kept_logits_bytes, layer_activation_bytes, logits_bytes, stack_peak_bytes
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -195,7 +195,7 @@ def flops_per_token(cfg: GPTConfig, seq_len: int, data: "DataConfig", params: in
 
 def activation_bytes(cfg: GPTConfig, data: "DataConfig", micro_batch: int, act_bytes: int, residual_bytes: int,
                      every: int, fused_attention: bool) -> tuple[int, int]:
-    """The blocks (`lm.models.sizes`), one of them recomputed when any is checkpointed; then the final norm's
+    """The blocks (`lm.models.sizes.stack_peak_bytes`: checkpointed ones recomputed in backward); then the final norm's
     and the head's inputs and the embedding's dropout mask; then the logits (with model.loss_chunk, one
     chunk's: forward keeps none and backward recomputes one chunk at a time)."""
     b, s, h = micro_batch, data.seq_len, cfg.d_model
@@ -207,8 +207,7 @@ def activation_bytes(cfg: GPTConfig, data: "DataConfig", micro_batch: int, act_b
         experts = dataclasses.replace(cfg, d_ff=(cfg.experts_per_token + cfg.n_shared_experts) * cfg.expert_ff)
         routed = layer_activation_bytes(experts, b, s, act_bytes, residual_bytes, fused_attention)
         full = max(full, routed + (cfg.experts_per_token * act_bytes * h + 4 * cfg.n_experts) * t)
-    k = checkpointed_blocks(cfg.n_layer, every)
-    stack = stack_bytes(cfg.n_layer, k, full, residual_bytes * t * h) + (full if k else 0)
+    stack = stack_peak_bytes(cfg.n_layer, every, full, residual_bytes * t * h)
     final_norm = residual_bytes if cfg.final_norm else 0
     tail = (final_norm + act_bytes + (1 if cfg.dropout > 0 else 0)) * t * h
     positions = min(t, cfg.loss_chunk or t)

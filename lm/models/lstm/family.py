@@ -9,7 +9,7 @@ from lm.errors import ConfigError
 from lm.models import next_token
 from lm.models.family import Estimates, Family, Parallel, Refusal
 from lm.models.lstm.config import LSTMConfig
-from lm.models.sizes import checkpointed_blocks, logits_bytes, stack_bytes
+from lm.models.sizes import logits_bytes, stack_peak_bytes
 
 if TYPE_CHECKING:
     from lm.data.config import DataConfig
@@ -65,10 +65,9 @@ def activation_bytes(cfg: LSTMConfig, data: "DataConfig", micro_batch: int, act_
     b, s, h, c = micro_batch, data.seq_len, cfg.d_model, act_bytes
     t = b * s
     full = layer_activation_bytes(cfg, b, s, c)
-    k = checkpointed_blocks(cfg.n_layer, every)
-    layers = stack_bytes(cfg.n_layer, k, full, c * t * h)
-    if k:  # one layer recomputed; the first checkpoint holds the embedding output, as wide as the residual
-        layers += full + (residual_bytes - c) * t * h
+    layers = stack_peak_bytes(cfg.n_layer, every, full, c * t * h)
+    if every:  # the first checkpoint (layer 0 is always one) holds the embedding output, as wide as the residual
+        layers += (residual_bytes - c) * t * h
     logits = logits_bytes(min(t, cfg.loss_chunk or t), cfg.padded_vocab_size)
     drop = 1 if cfg.dropout > 0 else 0
     return layers + (c + drop * (cfg.n_layer + 1)) * t * h + logits, logits
