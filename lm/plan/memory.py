@@ -146,18 +146,23 @@ class MemoryEstimate:
     logits: int
     """the logits' share of the activations"""
     host: int
-    """state moved to CPU memory by cpu_offload"""
+    """CPU memory per process: the state cpu_offload moves there, or, where more, the whole fp32 model that ddp
+    and DeepSpeed build there first (`lm.distributed.materialize`; fsdp draws each rank's shard)"""
     ep: int = 1
     """expert-parallel ranks (fsdp only)"""
+    startup: int = 0
+    """bytes on the device while the run starts, before the state above exists: ZeRO-3's whole fp32 model, which
+    every rank holds until DeepSpeed partitions it"""
 
     @property
     def total(self) -> int:
         """Bytes on the device at the peak, with the configured activation checkpointing."""
-        return self.parameters + self.gradients + self.optimizer + self.gathered + self.activations
+        return max(self.parameters + self.gradients + self.optimizer + self.gathered + self.activations, self.startup)
 
     @property
     def total_no_checkpointing(self) -> int:
-        return self.total - self.activations + self.activations_no_checkpointing
+        steady = self.parameters + self.gradients + self.optimizer + self.gathered + self.activations_no_checkpointing
+        return max(steady, self.startup)
 
     @property
     def label(self) -> str:
@@ -220,6 +225,8 @@ def estimate_memory(
         sums["host" if cpu_offload and state.offloadable else state.kind] += size
     if cpu_offload and engine == "deepspeed":  # ZeRO-Offload's CPU Adam steps on an fp32 gradient partition
         sums["host"] += ceil_div(n, world_size) * 4
+    whole = 4 * n if engine != "fsdp" else 0  # the fp32 model ddp and DeepSpeed build whole on the host first
+    sums["host"] = max(sums["host"], whole)  # moved to the device before any offloaded state is made
     sharded_params = engine == "fsdp" or zero_stage == 3
     gathered = _gathered_units(cfg.model, ep) * (2 + 2 if mixed else 4 + 4) if sharded_params else 0
 
@@ -234,5 +241,5 @@ def estimate_memory(
         activation_checkpointing=activation_checkpointing, mixed_precision=mixed, num_params=n,
         parameters=sums["parameters"], gradients=sums["gradients"], optimizer=sums["optimizer"],
         gathered=gathered, activations=acts, activations_no_checkpointing=acts_none, logits=logits,
-        host=sums["host"], ep=ep,
+        host=sums["host"], ep=ep, startup=whole if zero_stage == 3 else 0,
     )

@@ -31,8 +31,9 @@ def fits(estimate: MemoryEstimate, device_gib: float) -> bool:
 def pick(rows: list[MemoryEstimate], device_gib: float) -> MemoryEstimate | None:
     """The fastest setup of `rows` that fits, by a rule of thumb: no recomputation before recomputation,
     replicated (ddp) before sharded (fsdp, whose all-gathers cost bandwidth), anything before offloading
-    to the CPU (whose transfers and CPU optimizer step are slowest). ZeRO-3 needs what fsdp needs and
-    ZeRO-1/2 more, so fsdp stands for the sharded engines. None when nothing fits."""
+    to the CPU (whose transfers and CPU optimizer step are slowest). ZeRO-3 needs at least what fsdp needs
+    (the whole model on every device while it starts) and ZeRO-1/2 more, so fsdp stands for the sharded
+    engines. None when nothing fits."""
     order = [("ddp", False, False), ("fsdp", False, False), ("ddp", True, False), ("fsdp", True, False),
              ("fsdp", False, True), ("fsdp", True, True)]
     for engine, recompute, offload in order:

@@ -435,3 +435,17 @@ def test_checkpointing_more_blocks_never_raises_the_activation_estimate(arch):
     cfg = _cfg("--model.n_layer=4", f"--model.arch={arch}", *(["--model.n_head=4"] if arch != "lstm" else []))
     estimates = [estimate_memory(cfg, 8, activation_checkpointing=every).activations for every in (0, 4, 2, 1)]
     assert estimates == sorted(estimates, reverse=True) and estimates[-1] < estimates[0], estimates
+
+
+def test_zero3_counts_the_whole_model_every_rank_holds_while_it_starts():
+    # DeepSpeed partitions a model lm built whole (lm.distributed.materialize): 4 bytes a parameter on every
+    # device first, and on every process's host before that; fsdp draws each rank's shard alone
+    cfg = load_config("configs/llama-7b.yaml")
+    whole = 4 * counts.num_params(cfg.model)
+    zero3 = estimate_memory(cfg, 64, "deepspeed", 3, activation_checkpointing=1)
+    steady = zero3.parameters + zero3.gradients + zero3.optimizer + zero3.gathered + zero3.activations
+    assert steady < whole and zero3.startup == zero3.total == whole and zero3.host == whole
+    fsdp = estimate_memory(cfg, 64, "fsdp", activation_checkpointing=1)
+    assert fsdp.startup == fsdp.host == 0 and fsdp.total < whole
+    ddp = estimate_memory(cfg, 64, "ddp")
+    assert ddp.host == whole and ddp.startup == 0
