@@ -107,7 +107,7 @@ def build_engine(model: nn.Module, family: Family, parallel: ParallelConfig, tra
     apply_float8(model, family, train, parallel.engine == "fsdp", env.device, env.is_main)
     if parallel.engine == "ddp":
         return DDPEngine(model, family, parallel, train, optim, env, load_weights)
-    ensure_process_group(env)  # FSDP2 and DeepSpeed shard over a group even when it has one rank
+    ensure_process_group(env, parallel.cpu_offload)  # FSDP2 and DeepSpeed shard over a group even of one rank
     if parallel.engine == "fsdp":
         if env.pp > 1:
             # imported here: torch's pipelining schedules import dynamo, ~0.7 s of every process's start

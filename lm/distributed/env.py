@@ -139,10 +139,19 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def group_backend(device: torch.device, cpu_offload: bool = False) -> str:
+    """The process group's backend: gloo on a CPU, NCCL on CUDA, and beside it gloo for the collectives on host
+    tensors that CPU offload makes (FSDP2's offloaded gradients are host DTensors: their norm is all-reduced where
+    they are, and a group of NCCL alone has no backend for the CPU)."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+
+
 def init_distributed(device: str = "auto", timeout_s: int = 1800, tp: int = 1, pp: int = 1, cp: int = 1,
-                     dp_replicate: int = 1) -> DistEnv:
-    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU), or run alone; `tp`, `pp` and `cp`
-    are the layout's tensor-, pipeline- and context-parallel sizes and `dp_replicate` its HSDP groups
+                     dp_replicate: int = 1, cpu_offload: bool = False) -> DistEnv:
+    """Join the process group torchrun describes (`group_backend`), or run alone; `tp`, `pp` and `cp` are the
+    layout's tensor-, pipeline- and context-parallel sizes and `dp_replicate` its HSDP groups
     (`lm.distributed.layout.check_world` checked that they divide the world).
 
     Started without torchrun (no WORLD_SIZE in the environment), this is a one-process run and no
@@ -155,7 +164,7 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800, tp: int = 1, p
     if rank != 0:  # one log for the whole run: other ranks report only warnings and errors
         logging.getLogger().setLevel(logging.WARNING)
     if world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if dev.type == "cuda" else "gloo"
+        backend = group_backend(dev, cpu_offload)
         timeout = datetime.timedelta(seconds=timeout_s)
         store = {}
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -185,10 +194,10 @@ def background_group(env: DistEnv) -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo") if env.is_distributed else None
 
 
-def ensure_process_group(env: DistEnv) -> None:
+def ensure_process_group(env: DistEnv, cpu_offload: bool = False) -> None:
     """Give a one-process run a process group of its own (in memory, no ports): FSDP2 and DeepSpeed shard
     over a group even when it has one rank. Under torchrun the group already exists."""
     if not dist.is_initialized():
-        backend = "nccl" if env.device.type == "cuda" else "gloo"
+        backend = group_backend(env.device, cpu_offload)
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
                                 device_id=env.device if env.device.type == "cuda" else None)

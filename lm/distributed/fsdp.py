@@ -130,6 +130,11 @@ def parallelize(roots: list[nn.Module], blocks: list[nn.Module], family: Family,
     for root in roots:
         fully_shard(root, **options)  # the embeddings, final norm and head: gathered once per forward
         root.to_empty(device="cpu" if parallel.cpu_offload else env.device)
+        if parallel.cpu_offload:  # FSDP2 offloads parameters only: a buffer (a router's bias) is read on the device
+            for module in root.modules():
+                for name, buffer in list(module._buffers.items()):
+                    if buffer is not None:
+                        module._buffers[name] = buffer.to(env.device)
 
 
 def shard_experts(modules: list[nn.Module], options: dict, dp_size: int) -> None:

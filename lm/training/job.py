@@ -26,7 +26,8 @@ def run_job(cfg: JobConfig) -> None:
     check_float8_launch(cfg.train)  # float8 on a device that has none: refused as early
     with StopSignals() as signals:
         par = cfg.parallel
-        env = init_distributed(cfg.train.device, tp=par.tp, pp=par.pp, cp=par.cp, dp_replicate=par.dp_replicate)
+        env = init_distributed(cfg.train.device, tp=par.tp, pp=par.pp, cp=par.cp, dp_replicate=par.dp_replicate,
+                               cpu_offload=par.cpu_offload)
         trainer = Trainer(cfg, env)
         install_faults(trainer)  # the fault-tolerance tests' LM_FAULT_* variables; nothing in a real run
         trainer.fit(signals)
