@@ -43,6 +43,10 @@ def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-100])
 
 
+def append(path: Path) -> None:
+    path.write_bytes(path.read_bytes() + b"\0" * 10)
+
+
 def flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -64,6 +68,7 @@ def test_manifest_lists_every_file_with_size_and_sha256(tmp_path):
 
 @pytest.mark.parametrize("damage, problem", [
     (truncate, r"[\d,]+ bytes, manifest says [\d,]+ \(truncated\)"),
+    (append, r"[\d,]+ bytes, manifest says [\d,]+ \(longer than written\)"),
     (flip_byte, r"sha256 differs from the manifest \(corrupt\)"),
 ])
 def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, caplog, damage, problem):

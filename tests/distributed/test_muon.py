@@ -44,23 +44,25 @@ def test_newton_schulz_of_a_zero_matrix_is_zero():
     assert torch.equal(newton_schulz(torch.zeros(4, 6), 5), torch.zeros(4, 6))
 
 
-def two_groups() -> tuple[nn.Parameter, nn.Parameter, Muon]:
-    """A (6, 4) matrix under Muon and a vector under AdamW, with gradients."""
+def two_groups(shape: tuple[int, int] = (6, 4)) -> tuple[nn.Parameter, nn.Parameter, Muon]:
+    """A matrix (6, 4 by default) under Muon and a vector under AdamW, with gradients."""
     torch.manual_seed(0)
-    matrix, vector = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(5))
+    matrix, vector = nn.Parameter(torch.randn(*shape)), nn.Parameter(torch.randn(5))
     opt = Muon([{"params": [matrix], "muon": True, "weight_decay": 0.1}, {"params": [vector], "weight_decay": 0.0}],
                momentum=0.9, ns_steps=5, lr=0.05, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    matrix.grad, vector.grad = torch.randn(6, 4), torch.randn(5)
+    matrix.grad, vector.grad = torch.randn(*shape), torch.randn(5)
     return matrix, vector, opt
 
 
-def test_a_muon_step_follows_the_documented_rule():
-    matrix, _, opt = two_groups()
+@pytest.mark.parametrize("shape", [(6, 4), (4, 6)], ids=["tall", "wide"])
+def test_a_muon_step_follows_the_documented_rule(shape):
+    matrix, _, opt = two_groups(shape)
     p0, g = matrix.detach().clone(), matrix.grad.clone()
     opt.step()
     buf = 0.1 * g  # from a zero buffer: momentum * 0 + (1 - momentum) * g
     u = 0.1 * g + 0.9 * buf  # Nesterov
-    expected = p0 * (1 - 0.05 * 0.1) - 0.05 * (6 / 4) ** 0.5 * newton_schulz(u, 5)
+    scale = max(1.0, shape[0] / shape[1]) ** 0.5  # sqrt(max(1, rows / cols)): a wide matrix is not scaled down
+    expected = p0 * (1 - 0.05 * 0.1) - 0.05 * scale * newton_schulz(u, 5)
     torch.testing.assert_close(matrix.detach(), expected, rtol=0, atol=1e-6)
     torch.testing.assert_close(opt.state[matrix]["momentum_buffer"], buf, rtol=0, atol=0)
     assert opt.state[matrix]["step"].item() == 1

@@ -101,6 +101,21 @@ def test_skipped_steps_are_counted_on_across_a_resume(tiny_data_dir, tmp_path, m
     assert [r["train/skipped_steps"] for r in rows if "train/skipped_steps" in r][3:] == [3]  # then the limit
 
 
+def test_a_checkpoint_between_log_steps_counts_the_skips_since_the_last_one(tiny_data_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LM_FAULT_NAN_STEPS", "1")
+    faulty_trainer(config(tiny_data_dir, tmp_path / "run", "--train.steps=4", "--log.every=4",
+                          "--checkpoint.every=2", "--checkpoint.keep=2")).fit()
+    state = json.loads((tmp_path / "run/checkpoints/step_00000002/state.json").read_text())
+    assert (state["skipped_steps"], state["skipped_in_a_row"]) == (1, 0)
+
+
+def test_a_skipped_steps_loss_stays_out_of_its_windows_mean(tiny_data_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LM_FAULT_NAN_STEPS", "2")
+    history = faulty_trainer(config(tiny_data_dir, tmp_path / "run", "--train.steps=4", "--log.every=2")).fit()
+    rows = {r["step"]: r for r in history if "train/skipped_steps" in r}
+    assert rows[2]["train/skipped_steps"] == 1 and torch.isfinite(torch.tensor(rows[2]["train/loss"]))
+
+
 def test_weights_that_are_not_finite_are_never_saved(tiny_data_dir, tmp_path):
     trainer = Trainer(config(tiny_data_dir, tmp_path / "run", "--train.steps=2"), init_distributed("cpu"))
     trainer.fit()

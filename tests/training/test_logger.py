@@ -49,3 +49,9 @@ def test_a_run_that_starts_over_replaces_tensorboards_points_as_the_metrics_read
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(5, 3.5), (10, 2.5)]
     assert [(row["step"], row["train/loss"]) for row in read_metrics(tmp_path)] == [(5, 3.5), (10, 2.5)]
+
+
+def test_a_resume_drops_every_later_row_of_its_kind_not_only_those_logged_again(tmp_path):
+    log(tmp_path, {10: 3.0, 20: 2.5, 30: 2.0})
+    log(tmp_path, {20: 2.75}, resumed_step=10)  # resumed from step 10 and stopped again after step 20
+    assert [(row["step"], row["train/loss"]) for row in read_metrics(tmp_path)] == [(10, 3.0), (20, 2.75)]

@@ -77,6 +77,7 @@ def test_a_mixture_resumed_2_1_2_ranks_reads_the_uninterrupted_stream(tiny_data_
     for r in val:
         assert r["val/loss"] == pytest.approx(0.75 * r["val/macbeth/loss"] + 0.25 * r["val/data/loss"], rel=1e-12)
         assert r["val/macbeth/ppl"] == pytest.approx(math.exp(r["val/macbeth/loss"]))
+        assert r["val/ppl"] == pytest.approx(math.exp(r["val/loss"]))
         assert r["val/macbeth/loss"] != r["val/data/loss"]
     assert val[-1]["val/macbeth/loss"] < val[0]["val/macbeth/loss"]
     state = json.loads((tmp_path / "parts/checkpoints/step_00000006/state.json").read_text())

@@ -183,14 +183,18 @@ def test_resume_modes(tiny_data_dir, tmp_path):
     assert before == {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
 
 
-def test_no_weight_decay_on_biases_norms_embeddings():
-    cfg = load_config(None, ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=32"])
+@pytest.mark.parametrize("norm", [["--model.norm=layernorm"], ["--model.norm=rmsnorm", "--model.qk_norm=true",
+                                                                 "--model.pos=rope"]], ids=["layernorm", "rmsnorm"])
+def test_no_weight_decay_on_biases_norms_embeddings(norm):
+    cfg = load_config(None, ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=32", *norm])
     model = GPT(cfg.model)
     decay, no_decay = build_optimizer(model, cfg.optim, [model.lm_head]).param_groups
     names = {id(p): n for n, p in model.named_parameters()}
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(names[id(p)].endswith("weight") and p.dim() == 2 for p in decay["params"])
-    assert {names[id(p)] for p in no_decay["params"]} >= {"wte.weight", "wpe.weight", "ln_f.weight"}
+    norms = {n for n, m in model.named_modules() if type(m).__name__ in ("LayerNorm", "RMSNorm")}
+    assert norms and {f"{n}.weight" for n in norms} <= {names[id(p)] for p in no_decay["params"]}
+    assert "wte.weight" in {names[id(p)] for p in no_decay["params"]}
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
