@@ -147,7 +147,14 @@ def test_a_worker_that_refused_its_input_is_not_restarted(exit_code, launches, t
     count, worker = tmp_path / "launches", tmp_path / "worker.py"
     worker.write_text(f"import sys\nwith open({str(count)!r}, 'a') as f:\n    f.write('x')\n"
                       f"print('error: bad input', file=sys.stderr)\nsys.exit({exit_code})\n")
-    code = main(["--standalone", "--nproc_per_node=1", "--max-restarts=1", "--monitor-interval=0.05", str(worker)])
+    # torchrun's agent takes over the process's signals for its workers and leaves them so: this test's process
+    # goes on to run other tests, whose SIGTERM must be their own
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        code = main(["--standalone", "--nproc_per_node=1", "--max-restarts=1", "--monitor-interval=0.05", str(worker)])
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     assert code == exit_code and len(count.read_text()) == launches
     assert capfd.readouterr().err.count("error: bad input") == launches
 
@@ -477,4 +484,5 @@ def test_gpu_bench_script_saves_each_part_and_reports_a_failed_one(tmp_path):
     assert run.returncode == 1 and "failed: training (see" in run.stderr, run.stdout + run.stderr
     assert "error: --device: cuda asked for, but torch sees no CUDA device" in (out / "training.txt").read_text()
     saved = (out / "tests.txt").read_text()
-    assert saved.startswith("== tests: ") and ("15 skipped" in saved or "15 passed" in saved)  # no GPU: skipped
+    # no GPU: every test of tests/gpu skipped, none failed
+    assert saved.startswith("== tests: ") and re.search(r"\n\d+ skipped in ", saved) and "failed" not in saved
