@@ -3,6 +3,7 @@ it refuses."""
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -16,14 +17,28 @@ from lm.tokenizer import load_tokenizer
 def test_cli_on_val_shards_and_text(trained_run, tmp_path, capsys):
     assert run(main, ["--checkpoint", str(trained_run), "--max-tokens", "200"]) == 0
     out = capsys.readouterr().out
-    assert "tokens scored: 199" in out and "perplexity:" in out and "unigram" in out
+    assert "tokens scored: 199" in out and "unigram" in out
+    assert "window 16, stride 8" in out  # the default stride: half the window
+    loss = number(out, "loss")
+    assert number(out, "perplexity") == pytest.approx(math.exp(loss), rel=1e-3)
+    assert run(main, ["--checkpoint", str(trained_run), "--max-tokens", "200", "--stride", "16"]) == 0
+    assert number(capsys.readouterr().out, "loss") != loss  # windows without overlap: less context, another loss
     text = tmp_path / "t.txt"
     text.write_text("To be, or not to be, that is the question.\n")
     assert run(main, ["--checkpoint", str(trained_run), "--text", str(text)]) == 0
     out = capsys.readouterr().out
     # an end-of-text token goes in front, so every token of the file is scored
     n_tokens = len(load_tokenizer("gpt2").encode_ordinary(text.read_text()))
-    assert "bits per byte:" in out and f"tokens scored: {n_tokens}\n" in out
+    assert f"tokens scored: {n_tokens}\n" in out
+    # the text's whole loss in bits over its bytes
+    bits = number(out, "loss") * n_tokens / math.log(2)
+    assert number(out, "bits per byte") == pytest.approx(bits / len(text.read_bytes()), abs=1e-3)
+
+
+def number(out: str, name: str) -> float:
+    """The value on the `name: ...` line of lm.eval's output."""
+    line = next(line for line in out.splitlines() if line.startswith(f"{name}: "))
+    return float(line.split()[len(name.split())].replace(",", ""))
 
 
 def test_bits_per_byte_only_for_a_whole_text(trained_run, tmp_path, capsys):

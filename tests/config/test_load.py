@@ -137,6 +137,11 @@ def test_a_number_as_a_key_is_named(tmp_path):
         ("--model.arch=lstm --data.mlm_rate=0.5", "data.mlm_rate: sets the masked LM of an encoder, and an LSTM "
          "(model.arch=lstm) trains no masked LM; drop it"),
         ("--train.seed=18446744073709551616", "train.seed: 18446744073709551616 does not fit a 64-bit integer"),
+        ("--model.n_layer=true", "model.n_layer: expected int, got bool"),  # True would be 1 layer
+        ("--data.seq_len=1025", "data.seq_len: 1025 exceeds model.block_size=1024"),  # one past the positions
+        ("--task.file=x.csv", "task.file: only a fine-tuning head"),
+        ("--model.arch=encoder --model.head=classify --model.num_classes=2",
+         "task.file: model.head=classify trains on a labelled file"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
@@ -318,3 +323,15 @@ def test_a_key_that_is_a_python_keyword_is_read_and_written_as_the_keyword(tmp_p
     with pytest.raises(ConfigError, match=r"checkpoint.async_: unknown key; did you mean 'async'\?"):
         load_config(None, ["--checkpoint.async_=true"])
 
+
+
+def test_a_window_as_long_as_the_positions_loads():
+    assert load_config(None, ["--data.seq_len=1024"]).data.seq_len == 1024
+
+
+def test_the_yaml_file_wins_over_the_base_and_keeps_what_it_does_not_set(tmp_path):
+    # lm.finetune's base is the encoder checkpoint's config: a fine-tuning YAML's keys must win over it
+    path = tmp_path / "ft.yaml"
+    path.write_text("train:\n  steps: 10\ndata:\n  seq_len: 64\n")
+    cfg = load_config(path, [], base={"train": {"steps": 1, "batch_size": 64}, "data": {"seq_len": 32}})
+    assert (cfg.train.steps, cfg.data.seq_len, cfg.train.batch_size) == (10, 64, 64)

@@ -124,9 +124,12 @@ def test_scores_count_acc_acc_norm_and_chance():
     score = TaskScore()
     # per character the long gold continuation wins (-6/12 > -2/2): right for acc_norm only
     score.add(Item(("c", "c"), (" " + "x" * 12, " y"), 0), [-6.0, -2.0])
-    # ties go to the first choice, as numpy's argmax
+    # ties go to the first choice, as numpy's argmax: right with the gold first, wrong with it second
     score.add(Item(("c",) * 4, (" a", " b", " c", " d"), 0), [-1.0, -1.0, -3.0, -4.0])
     assert (score.items, score.correct, score.correct_norm) == (2, 1, 2)
+    second = TaskScore()
+    second.add(Item(("c",) * 2, (" a", " b"), 1), [-1.0, -1.0])
+    assert (second.correct, second.correct_norm) == (0, 0)
     assert score.chance == pytest.approx(0.5 + 0.25)
     metrics = score.metrics()
     assert metrics["acc"] == 0.5 and metrics["acc_norm"] == 1.0

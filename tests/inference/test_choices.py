@@ -141,7 +141,9 @@ def test_a_pair_longer_than_the_context_keeps_its_end():
 
     def logits_at(x, index):
         seen.append((x.tolist(), index.tolist()))
-        return torch.zeros(len(index), 10)  # uniform: each scored id costs log 10
+        logits = torch.zeros(len(index), 12)  # uniform over the 10 ids: each scored id costs log 10
+        logits[:, 10:] = 20.0  # the head's padding rows, past vocab_size: never in the softmax
+        return logits
 
     lls = loglikelihoods(logits_at, [([1, 2, 3], [4, 5]), ([1], [2, 3, 4, 5, 6])], block_size=4, vocab_size=10,
                          batch_size=2, device=CPU)

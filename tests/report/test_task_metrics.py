@@ -95,3 +95,16 @@ def test_regression_metrics_about_a_common_center_keep_their_digits():
     sums = sum(regression_sums(y[i], q[i], center=y[0]) for i in parts)
     assert regression_metrics(sums)["pearson"] == pytest.approx(np.corrcoef(y, q)[0, 1], rel=1e-9)
     assert regression_metrics(sums)["mse"] == pytest.approx(np.mean((q - y) ** 2), rel=1e-9)
+
+
+def test_a_filler_row_of_weight_0_counts_in_no_sum():
+    # example_batches fills a last short batch with rows of weight 0: they must change neither loss nor counts
+    import torch
+    import torch.nn.functional as F
+
+    from lm.training.evaluate import task_sums
+
+    logits = torch.tensor([[5.0, 0.0], [0.0, 5.0]])
+    sums = task_sums("classify", 2, logits, np.array([0, 0]), np.array([1.0, 0.0]))
+    assert sums[1:].sum() == 1 and sums[1:].tolist() == [1, 0, 0, 0]  # row 0 right; the filler (wrong) unseen
+    assert sums[0] == pytest.approx(F.cross_entropy(logits[:1], torch.tensor([0])).item())

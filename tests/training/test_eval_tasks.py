@@ -43,3 +43,15 @@ def test_tasks_the_loop_cannot_score_are_refused_by_the_config(flags, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["--model.block_size=32", "--data.seq_len=16", *flags])
     assert message in str(err.value)
+
+
+def test_tasks_are_scored_every_eval_tasks_every_steps_and_at_the_end():
+    from lm.training.task_eval import TaskEvaluator
+
+    def evaluator(*every: str) -> TaskEvaluator:
+        return TaskEvaluator(load_config(None, ["--model.block_size=32", "--data.seq_len=16", "--train.eval_tasks=piqa",
+                                                "--train.eval_tasks_limit=1", "--train.eval_every=2", *every]))
+
+    own = evaluator("--train.eval_tasks_every=5")
+    assert [step for step in range(1, 11) if own.due(step, last=step == 11)] == [5, 10] and own.due(11, last=True)
+    assert [step for step in range(1, 7) if evaluator().due(step, last=False)] == [2, 4, 6]  # at every validation

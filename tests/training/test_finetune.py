@@ -89,6 +89,17 @@ def test_a_classifier_learns_a_separable_task_and_predicts_it(encoder_run, separ
     assert run(predict.main, ["--checkpoint", str(out), "--file", str(unlabelled), "--out", str(again), "--force",
                               "--batch-size", "1000000"]) == 0
     assert again.read_text() == preds.read_text()
+    # batches of 7 leave the last one short: its filler rows are neither written nor scored
+    capsys.readouterr()
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(task), "--out", str(again), "--force",
+                              "--batch-size", "7"]) == 0
+    sevens = [json.loads(line) for line in again.read_text().splitlines()]
+    assert [(s["row"], s["prediction"]) for s in sevens] == [(line["row"], line["prediction"]) for line in lines]
+    assert f"accuracy: {accuracy:.4f}" in capsys.readouterr().out
+    # a labelled file of one class is scored all the same
+    ships = write_rows(tmp_path / "ships.csv", [row for row in separable_rows if row["label"] == 0][:5])
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(ships)]) == 0
+    assert "accuracy: 1.0000" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # an empty column name is no default
         run(predict.main, ["--checkpoint", str(out), "--file", str(unlabelled), "--text-column", ""])
     assert "--text-column: empty" in capsys.readouterr().err
@@ -333,3 +344,14 @@ def test_predictions_are_never_written_over_the_checkpoint_they_come_from(encode
         assert capsys.readouterr().err.startswith(f"error: --out {dest}: {why}")
     assert digest(tmp_path) == before
     assert run(predict.main, ["--checkpoint", str(out), "--file", str(task), "--out", str(out / "p.jsonl")]) == 0
+
+
+def test_task_val_fraction_holds_out_its_share_of_the_rows(separable_rows, tmp_path):
+    from lm.distributed.env import DistEnv
+    from lm.training.task_data import open_task_data
+
+    task = write_rows(tmp_path / "lines.csv", separable_rows)
+    cfg = load_config(None, ["--model.arch=encoder", "--model.head=classify", "--model.num_classes=2",
+                             "--model.n_head=2", f"--task.file={task}", "--task.val_fraction=0.25", *FT])
+    data = open_task_data(cfg, DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    assert (data.train_examples, len(data.val_examples), len(data.val_labels)) == (120, 40, 40)
