@@ -27,17 +27,14 @@ from lm.distributed.tensor_parallel import parallel_loss, whole
 from lm.distributed.torch_engine import TorchEngine
 from lm.models.family import Family, LossFn
 from lm.models.terms import Term
+from lm.plan.layouts import stage_sizes
 
 __all__ = ["PipelineEngine", "stage_layers"]
 
 
 def stage_layers(n_layer: int, stages: int) -> list[range]:
-    """The blocks of each of `stages` stages: n_layer // stages each, the rest one more each for the middle stages
-    first, then the last, then the first (which also embeds)."""
-    sizes = [n_layer // stages] * stages
-    favoured = [*range(1, stages - 1), stages - 1, 0][:n_layer % stages]
-    for s in favoured:
-        sizes[s] += 1
+    """The blocks of each of `stages` stages, as many as the memory plan counts (`stage_sizes`)."""
+    sizes = stage_sizes(n_layer, stages)
     starts = [sum(sizes[:s]) for s in range(stages)]
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 

@@ -110,10 +110,12 @@ class LayoutEstimate:
                 + hsdp + (f" (ep {self.ep})" if self.ep > 1 else ""))
 
 
-def _stage_layers(n_layer: int, pp: int) -> list[int]:
-    """Blocks per pipeline rank, as `lm.distributed.pipeline.stage_layers` splits them (its favoured order)."""
-    sizes = [n_layer // pp] * pp
-    for s in [*range(1, pp - 1), pp - 1, 0][:n_layer % pp]:
+def stage_sizes(n_layer: int, stages: int) -> list[int]:
+    """The blocks of each of `stages` pipeline stages (`lm.distributed.pipeline.stage_layers` builds them): n_layer
+    // stages each, the rest one more each for the middle stages first, then the last, then the first (which also
+    embeds)."""
+    sizes = [n_layer // stages] * stages
+    for s in [*range(1, stages - 1), stages - 1, 0][:n_layer % stages]:
         sizes[s] += 1
     return sizes
 
@@ -160,7 +162,7 @@ def estimate_layout(cfg: JobConfig, tp: int, pp: int, dp: int, activation_checkp
     root = root_params(model)
     estimates = family_of(model).estimates
     ranks = []
-    stages = _stage_layers(model.n_layer, pp * stages_per_rank)  # rank r runs stages r, r + pp, r + 2 pp, ...
+    stages = stage_sizes(model.n_layer, pp * stages_per_rank)  # rank r runs stages r, r + pp, r + 2 pp, ...
     for rank in range(pp):
         own = stages[rank::pp]
         layers, first, last = sum(own), rank == 0, rank == pp - 1

@@ -85,20 +85,37 @@ def resume_copy(src: Path, dst: Path, step: int = 3) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one_process(tiny_data_dir, tmp_path_factory) -> dict[int, float]:
-    """The losses of TINY on one process under ddp: every engine's 2 processes compute the same steps (the
-    engines' own single-process runs are the 2-to-1 resumes of `check_resumes`)."""
-    return train(1, tmp_path_factory.mktemp("one") / "ddp", tiny_data_dir, *ENGINES["ddp"])
+def one_process_run(tiny_data_dir, tmp_path_factory) -> Path:
+    """TINY trained on one process under ddp: every engine's 2 processes compute the same steps (the engines' own
+    single-process runs are the 2-to-1 resumes of `check_resumes`)."""
+    out = tmp_path_factory.mktemp("one") / "ddp"
+    train(1, out, tiny_data_dir, *ENGINES["ddp"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process(one_process_run) -> dict[int, float]:
+    """The losses of `one_process_run` by step."""
+    rows = [json.loads(line) for line in (one_process_run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def first_grad_norm(out: Path) -> float:
+    """Step 1's gradient norm as the run logged it: the whole model's, whatever each rank holds of it."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return next(r["train/grad_norm"] for r in rows if r["step"] == 1 and "train/grad_norm" in r)
 
 
 @pytest.mark.process
 @pytest.mark.parametrize("engine", ENGINES)
-def test_two_processes_match_one_and_resume(engine, tiny_data_dir, tmp_path, one_process):
+def test_two_processes_match_one_and_resume(engine, tiny_data_dir, tmp_path, one_process, one_process_run):
     flags = ENGINES[engine]
     two = train(2, tmp_path / "two", tiny_data_dir, *flags)
     assert sorted(one_process) == sorted(two) == [1, 2, 3, 4, 5, 6]
     for step in one_process:
         assert two[step] == pytest.approx(one_process[step], rel=SAME_BATCH_REL), step
+    # the norm clipping acts on: a sharded engine's is over every rank's shard (AdamW hides a wrong one in the loss)
+    assert first_grad_norm(tmp_path / "two") == pytest.approx(first_grad_norm(one_process_run), rel=SAME_BATCH_REL)
     assert two[6] < two[1]
     state = json.loads((tmp_path / "two/checkpoints/step_00000006/state.json").read_text())
     assert state["world_size"] == 2 and state["engine"] == flags[0].split("=")[1]
@@ -196,6 +213,15 @@ def test_deepspeed_config_comes_from_ours_and_a_user_json_may_not_contradict_it(
     cfg.parallel.deepspeed_config = str(user)
     merged = deepspeed_config(cfg.parallel, cfg.train, cfg.optim, 2, torch.device("cpu"))
     assert merged["zero_optimization"] == {"stage": 2, "overlap_comm": True} and merged["wall_clock_breakdown"]
+    user.write_text(json.dumps({"bf16": {"enabled": True}}))  # a key of ours the user's JSON sets: theirs wins
+    assert deepspeed_config(cfg.parallel, cfg.train, cfg.optim, 2, torch.device("cpu"))["bf16"] == {"enabled": True}
+    cfg.parallel.deepspeed_config = ""
+    cfg.parallel.cpu_offload = True  # the optimizer state on the host, stepped by our AdamW
+    offloaded = deepspeed_config(cfg.parallel, cfg.train, cfg.optim, 2, torch.device("cpu"))
+    assert offloaded["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    assert offloaded["zero_force_ds_cpu_optimizer"] is False
+    cfg.parallel.cpu_offload = False
+    cfg.parallel.deepspeed_config = str(user)
     user.write_text(json.dumps({"train_batch_size": 64}))
     with pytest.raises(ConfigError, match=r"sets train_batch_size=64, but this job has 32 \(train.batch_size\)"):
         deepspeed_config(cfg.parallel, cfg.train, cfg.optim, 2, torch.device("cpu"))

@@ -1,8 +1,10 @@
 """The process group a run joins (`lm.distributed.env`)."""
 
+import pytest
 import torch
 
-from lm.distributed.env import group_backend
+from lm.distributed.env import DistEnv, group_backend
+from tests.workers import pool
 
 
 def test_cpu_offload_on_cuda_adds_a_cpu_backend_beside_nccl():
@@ -12,3 +14,21 @@ def test_cpu_offload_on_cuda_adds_a_cpu_backend_beside_nccl():
     assert group_backend(cuda, cpu_offload=True) == "cuda:nccl,cpu:gloo"
     assert group_backend(cuda) == "nccl"
     assert group_backend(torch.device("cpu")) == group_backend(torch.device("cpu"), cpu_offload=True) == "gloo"
+
+
+def reduce_on_two_ranks(tp: int) -> tuple[float, bool, bool]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    env = DistEnv(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), tp=tp)
+    mean = env.all_reduce_mean(torch.tensor(float(rank))).item()
+    return mean, env.any_rank(rank == 1), env.any_rank(False)
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_mean_is_over_every_rank_and_a_flag_of_one_rank_reaches_all(tp):
+    # under tensor parallelism too (one data-parallel replica of 2 ranks): the validation loss is each rank's sum
+    # over the world, whatever the layout; a stop signal or a failed write on one rank is every rank's
+    for rank, reply in enumerate(pool(2).run(reduce_on_two_ranks, tp)):
+        assert reply["value"] == (0.5, True, False), rank

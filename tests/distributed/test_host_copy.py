@@ -42,10 +42,14 @@ def copy_a_sharded_tensor() -> tuple[list[int], list[float], str, bool]:
 
     mesh = init_device_mesh("cpu", (2,))
     sharded = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
-    copied = HostCopy(pin_memory=False).copy({"w": sharded})["w"]
-    local = copied.to_local()
+    # 5 rows over 2 ranks (FSDP2's shards of a dimension the ranks do not divide): 3 and 2
+    uneven = distribute_tensor(torch.arange(10.0).reshape(5, 2), mesh, [Shard(0)])
+    copies = HostCopy(pin_memory=False).copy({"w": sharded, "u": uneven})
+    copied, local = copies["w"], copies["w"].to_local()
+    same = copies["u"].shape == uneven.shape and copies["u"].stride() == uneven.stride()
     return (list(copied.shape), local.flatten().tolist(), str(copied.placements),
-            local.data_ptr() != sharded.to_local().data_ptr() and dist.get_world_size() == 2)
+            local.data_ptr() != sharded.to_local().data_ptr() and dist.get_world_size() == 2 and same
+            and torch.equal(copies["u"].full_tensor(), torch.arange(10.0).reshape(5, 2)))
 
 
 @pytest.mark.process

@@ -269,3 +269,15 @@ def test_the_dry_run_refuses_an_objective_the_run_would_refuse(capsys):
     assert capsys.readouterr().err == ("error: model.n_sentinels: 5 sentinels do not fit data.seq_len=128: its windows "
                                        "of 129 tokens have 6 noise spans and need 7 sentinels (6 spans + 1 end "
                                        "marker)\n")
+
+
+def test_tensor_parallel_traffic_is_megatrons_four_collectives_a_block():
+    # each block runs 2 all-reduces forward and 2 backward of its (b, s, h) activations in bf16; a ring all-reduce
+    # sends 2 (tp - 1) / tp of it, so 8 * b*s*h*2 * (tp - 1) / tp bytes a block and micro-batch
+    cfg = load_config("configs/llama3-8b.yaml", [])
+    b, s, h = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.d_model
+    for tp in (2, 4, 8):
+        row = estimate_layout(cfg, tp, 1, 8 // tp if tp < 8 else 1, 0)
+        assert row.tp_bytes == 8 * b * s * h * 2 * (tp - 1) // tp * cfg.model.n_layer * row.micro_batches, tp
+    assert estimate_layout(cfg, 1, 1, 8, 0).tp_bytes == 0
+
