@@ -161,6 +161,19 @@ def test_bad_inputs_fail_with_one_error_naming_the_path(trained_run, tmp_path):
     with pytest.raises(CheckpointError, match=f"{tmp_path / 'missing.safetensors'}: no such file"):
         load_consolidated(tmp_path / "missing.safetensors", torch.device("cpu"))
 
+    # a file that lacks one of the model's tensors (pruned by hand, or of an older model) is refused: loaded, the
+    # tensor would stay at its random initial values
+    whole = tmp_path / "whole.safetensors"
+    consolidate(trained_run, whole)
+    with safe_open(str(whole), "pt") as f:
+        metadata = f.metadata()
+    weights = load_file(str(whole))
+    missing = next(name for name in weights if name.startswith("blocks.0.") and name.endswith(".weight"))
+    pruned = tmp_path / "pruned.safetensors"
+    save_file({k: v for k, v in weights.items() if k != missing}, pruned, metadata=metadata)
+    with pytest.raises(CheckpointError, match=f"{pruned}: its weights do not fit the model: .*{missing}"):
+        load_consolidated(pruned, torch.device("cpu"))
+
 
 # DeepSpeed: real ZeRO 1, 2 and 3 checkpoints (fp32, and bf16 with fp32 master weights) from a 2-process
 # gloo group, consolidated on one process.

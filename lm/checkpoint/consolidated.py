@@ -118,7 +118,8 @@ def load_consolidated_weights(path: str | Path, model: nn.Module) -> None:
         else:
             model.load_state_dict(weights, strict=True)
     except (SafetensorError, RuntimeError) as err:
-        raise CheckpointError(f"{path}: its weights do not fit the model: {str(err).strip()}") from None
+        # torch's message spans lines (a header, then the keys): one line, as every error of a tool is
+        raise CheckpointError(f"{path}: its weights do not fit the model: {' '.join(str(err).split())}") from None
 
 
 def load_consolidated(path: Path, device: torch.device) -> tuple[nn.Module, JobConfig]:

@@ -47,6 +47,25 @@ def test_tokenizer_and_its_config_are_copied(tokenizer_jsons, tmp_path):
     assert (hf.bos_token_id, hf.eos_token_id) == (ours.bos_token, ours.eot_token) == (0, 1)
     config = json.loads((tmp_path / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)
+    # generate() pads finished rows with end-of-text, not with the start token
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1}
+
+
+def test_an_imported_models_token_ids_and_generation_config_are_written_back(tokenizer_jsons, tmp_path):
+    # a chat model's pad and end ids, and its generation settings, are its own, not what lm reads off the tokenizer
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    (origin / "config.json").write_text(json.dumps({"model_type": "gpt2", "bos_token_id": 2, "eos_token_id": 3,
+                                                     "pad_token_id": 4}))
+    (origin / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "eos_token_id": [3, 5]}))
+    path = tokenizer_jsons["metaspace"]
+    model = tiny_model()
+    target = pick_target(model.cfg, get_family("gpt").hf.targets, "a GPT")
+    export_hf(model, target, load_tokenizer(str(path)), str(path), tmp_path / "out", origin=origin)
+    config = json.loads((tmp_path / "out/config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (2, 3, 4)
+    assert (tmp_path / "out/generation_config.json").read_bytes() == (origin / "generation_config.json").read_bytes()
 
 
 def test_a_config_is_written_when_the_tokenizer_has_none(tokenizer_jsons, tmp_path):

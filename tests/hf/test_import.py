@@ -117,6 +117,19 @@ def test_a_key_a_config_json_leaves_out_has_the_classs_default_as_in_transformer
     (tmp_path / "config.json").write_text(json.dumps(given))
     fields, hf = read_hf_model(tmp_path).fields, AutoConfig.for_model(**given)
     assert {ours: fields[ours] for ours in FIELDS} == {ours: getattr(hf, theirs) for ours, theirs in FIELDS.items()}
+    # the head width: Qwen3's default is 128 whatever the heads, the others' d_model / n_head
+    width = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert (fields.get("d_head") or fields["d_model"] // fields["n_head"]) == width
+
+
+def test_an_original_gpt2_config_without_newer_keys_imports_with_the_classs_defaults(tmp_path):
+    # OpenAI's GPT-2 config.json names no tie_word_embeddings (tied) and its dropouts are 0.1
+    given = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 50257}
+    (tmp_path / "config.json").write_text(json.dumps(given))
+    fields, hf = read_hf_model(tmp_path).fields, AutoConfig.for_model(**given)
+    assert fields["tie_embeddings"] is hf.tie_word_embeddings is True
+    assert fields["dropout"] == hf.resid_pdrop == 0.1
+    assert (fields["block_size"], fields["norm_eps"]) == (hf.n_positions, hf.layer_norm_epsilon)
 
 
 def test_a_directory_holding_one_file_and_a_sharded_save_is_read_as_transformers_reads_it(tmp_path):
@@ -310,6 +323,18 @@ def test_an_older_gpt2_file_without_the_prefix_and_with_mask_buffers_imports(tmp
                if name != "lm_head.weight"}
     weights.update({f"h.{i}.attn.bias": torch.ones(1, 1, 32, 32, dtype=torch.bool).tril() for i in range(2)})
     (tmp_path / "model.safetensors").unlink()
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = imported(tmp_path)
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert_same_logits(model.logits(model(idx)), hf(idx).logits)
+
+
+def test_an_older_llama_file_with_rotary_buffers_imports(tmp_path):
+    # transformers up to 4.30 saved each layer's rotary inv_freq beside the weights: computed, not learned
+    hf = hf_checkpoint("llama", tmp_path)
+    weights = {name: t.contiguous() for name, t in hf.state_dict().items()}
+    weights.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8) for i in range(2)})
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     model = imported(tmp_path)
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))

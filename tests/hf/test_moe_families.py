@@ -133,6 +133,38 @@ def test_our_mixtures_export_as_each_class_and_load_with_our_logits(hf_class, tm
     assert [getattr(again.cfg, key) for key in MOE_KEYS] == pytest.approx([getattr(cfg, key) for key in MOE_KEYS])
 
 
+EXPERT_NAMES = {"MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2"),
+                "OlmoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                "Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj")}
+
+
+@pytest.mark.parametrize("hf_class", EXPORTS)
+def test_each_expert_and_router_setting_lands_under_its_transformers_name(hf_class):
+    """The export's tensors and config.json keys by name, without a transformers run (the slow test above runs
+    one): each expert's gate, up and down projections as Linear weights (out, in), the router's gate, and the
+    coefficients in transformers' terms."""
+    cfg = GPTConfig(**{**OURS, **EXPORTS[hf_class]})
+    torch.manual_seed(3)
+    ours = GPT(cfg)
+    weights, config = hf_state_dict(ours, target(cfg)), target(cfg).config(cfg, None, torch.float32)
+    block, gate, up, down = EXPERT_NAMES[hf_class]
+    layer = next(i for i, b in enumerate(ours.blocks) if hasattr(b.mlp, "experts"))
+    experts = ours.blocks[layer].mlp.experts
+    for e in range(cfg.n_experts):
+        prefix = f"model.layers.{layer}.{block}.experts.{e}."
+        assert torch.equal(weights[prefix + f"{gate}.weight"], experts.w_gate[e].T)
+        assert torch.equal(weights[prefix + f"{up}.weight"], experts.w_in[e].T)
+        assert torch.equal(weights[prefix + f"{down}.weight"], experts.w_out[e].T)
+    assert torch.equal(weights[f"model.layers.{layer}.{block}.gate.weight"], ours.blocks[layer].mlp.router.gate.weight)
+    # transformers divides its balance loss by k where lm's does not; its z-loss coefficient is lm's
+    assert config["router_aux_loss_coef"] == pytest.approx(cfg.aux_loss_coef / cfg.experts_per_token)
+    assert config["num_experts_per_tok"] == cfg.experts_per_token
+    if hf_class != "MixtralForCausalLM":  # Mixtral always renormalises its top k
+        assert config["norm_topk_prob"] == cfg.router_renorm
+    if hf_class == "Qwen3MoeForCausalLM":  # every dense block listed by index
+        assert config["decoder_sparse_step"] == 1 and config["mlp_only_layers"] == [0, 2]
+
+
 @pytest.mark.parametrize("sparse, keys", [
     ([True, True], (0, 1)), ([False, True, True], (1, 1)), ([False, True, False, True], (0, 2)),
     ([False, False, True, False, True], (1, 2)), ([False, False, False, True], (3, 1)),

@@ -77,16 +77,19 @@ DECODERS = {
     # the options of the imported families, with what no transformers class has beside them
     "relu2-olmo2-norms-d-head": dict(pos="rope", norm="rmsnorm", mlp="relu2", bias=False, n_kv_head=2,
                                      norm_position="output", qk_norm=True, qk_norm_scope="all", d_head=24),
+    # and settings away from their defaults, which an export that left them out would load as the defaults
     "relu2-llama3-scaling-nope": dict(pos="rope", norm="rmsnorm", mlp="relu2", bias=False, rope_scaling="llama3",
-                                      rope_factor=8.0, rope_original_context=8, nope_interval=2),
+                                      rope_factor=8.0, rope_original_context=8, nope_interval=2, rope_theta=500.0,
+                                      rope_low_freq_factor=2.0, rope_high_freq_factor=8.0),
     "softcap-linear-scaling-qk-norm": dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, qk_norm=True,
-                                           logit_softcap=30.0, rope_scaling="linear", rope_factor=4.0),
+                                           logit_softcap=30.0, rope_scaling="linear", rope_factor=4.0,
+                                           rope_theta=300.0, norm_eps=0.1),
 }
 
 
 @pytest.mark.parametrize("overrides", DECODERS.values(), ids=DECODERS.keys())
 def test_decoder_logits_and_greedy_tokens_are_ours(overrides, tmp_path):
-    model = random_model(GPTConfig(**TINY, **overrides))
+    model = random_model(GPTConfig(**{**TINY, **overrides}))
     hf = exported(model, tmp_path / "out")
     idx = ids(VOCAB, (2, 32), seed=1)
     with torch.no_grad():

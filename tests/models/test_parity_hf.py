@@ -169,6 +169,16 @@ def test_vocabulary_is_the_tokenizers_and_tied_heads_are_written_once():
     config = target(tiny_config(**LLAMA)).config(tiny_config(**LLAMA), None, torch.float32)
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 500.0}
     assert config["rope_theta"] == 500.0 and config["num_key_value_heads"] == 2
+    assert config["rope_scaling"] is None
+
+
+@pytest.mark.parametrize("scaled", [LLAMA3, {**LLAMA, "rope_scaling": "linear", "rope_factor": 4.0}],
+                         ids=["llama3", "linear"])
+def test_a_scaled_rope_is_written_for_transformers_4_too(scaled):
+    # transformers 5 reads rope_parameters, 4.x the top-level rope_scaling: without it a 4.x reader loads the model
+    # unscaled, and its logits past the original context go wrong without a word
+    config = target(tiny_config(**scaled)).config(tiny_config(**scaled), None, torch.float32)
+    assert config["rope_scaling"] == config["rope_parameters"] and config["rope_parameters"]["rope_type"] != "default"
 
 
 @pytest.mark.parametrize("overrides, fragments", [
