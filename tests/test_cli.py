@@ -111,3 +111,27 @@ def test_a_failed_run_is_told_by_its_own_launch_not_by_an_earlier_ones_error(tmp
     killed = run_logged([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], log_path)
     assert killed == f"failed (killed by SIGKILL; see {log_path})"
     assert log_path.read_text().splitlines().count("error: bad value") == 1
+
+
+def test_a_range_takes_both_its_bounds_and_a_finite_float_no_infinity():
+    import argparse
+
+    from lm.cli import finite_float, in_range
+
+    steps = in_range(int, 1, 16)
+    assert (steps("1"), steps("16")) == (1, 16)
+    for bad in ("0", "17"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"expected an integer in \[1, 16\]"):
+            steps(bad)
+    for text in ("inf", "-inf", "1e999", "nan"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a finite number"):
+            finite_float(text)
+    assert finite_float("1e-3") == 0.001
+
+
+def test_prepare_is_given_the_data_keys_and_the_vocabulary_size_of_a_job():
+    from lm.cli import prepare_command
+
+    command = prepare_command(["--config", "c.yaml"], ["--data.seq_len=64", "--model.vocab_size=100277",
+                                                       "--model.n_layer=2", "--train.steps=5"])
+    assert command[-4:] == ["--config", "c.yaml", "--data.seq_len=64", "--model.vocab_size=100277"]

@@ -52,6 +52,21 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
 
 
+def test_a_failed_text_write_leaves_the_old_text(tmp_path, monkeypatch):
+    import lm.io
+
+    path = tmp_path / "results.md"
+    path.write_text("old")
+
+    def full_disk(tmp, target):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(lm.io, "commit", full_disk)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write_text(path, "new")
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["results.md"]
+
+
 def test_a_private_file_is_published_readable(tmp_path):
     # safetensors and mkstemp create 0600 files; what we publish must not stay private
     path = tmp_path / "weights"

@@ -159,6 +159,15 @@ def test_a_worker_that_refused_its_input_is_not_restarted(exit_code, launches, t
     assert capfd.readouterr().err.count("error: bad input") == launches
 
 
+def test_lm_torchrun_takes_a_range_of_nodes_that_may_be_a_single_count():
+    from torch.distributed.run import parse_args
+
+    from lm.torchrun import _count_problem
+
+    for nodes in ("2", "2:2", "1:2"):
+        assert _count_problem(parse_args([f"--nnodes={nodes}", "--nproc_per_node=2", "x.py"])) is None, nodes
+
+
 def test_a_node_that_never_joins_ends_on_one_line(capsys):
     """torchrun's RendezvousTimeoutError was a bare 41-line traceback: no word of the nodes or the endpoint."""
     from lm.torchrun import main

@@ -159,3 +159,16 @@ def test_rows_without_tokens_count_them_from_the_run_config(tmp_path):
 def test_run_labels_are_directory_names_made_unique(tmp_path):
     dirs = [tmp_path / "x" / "run", tmp_path / "y" / "run", tmp_path / "other", tmp_path / "z" / "run"]
     assert figures.run_labels(dirs) == ["run", "run (2)", "other", "run (3)"]
+
+
+def test_perplexity_saturates_only_where_exp_overflows():
+    assert perplexity(100.0) == math.exp(100.0) and perplexity(700.0) == math.inf
+    assert math.isnan(perplexity(float("nan")))
+
+
+def test_a_row_without_the_value_leaves_no_point(tmp_path):
+    # a window whose every step was skipped logs no loss: its row draws nothing, rather than a gap or a 0
+    rows = [{"step": 1, "tokens": 64, "train/loss": 5.0}, {"step": 2, "tokens": 128, "train/grad_norm": 1.0},
+            {"step": 3, "tokens": 192, "train/loss": 4.0, "train/ppl": None}]
+    assert figures._series(rows, "train", "step", "train/loss") == ([1, 3], [5.0, 4.0])
+    assert figures._series(rows, "train", "step", "train/ppl") == ([], [])

@@ -32,6 +32,7 @@ def test_random_draws_distinct_combinations_reproducibly():
     assert drawn != expand(grid, sample=5, seed=8)
     all_runs = expand(grid)
     assert [all_runs.index(c) for c in drawn] == sorted(all_runs.index(c) for c in drawn)  # kept in grid order
+    assert expand(grid, sample=12, seed=3) == all_runs  # every combination may be drawn
     with pytest.raises(SweepError, match="--random: 13 runs asked for, but the grid has 12 combinations"):
         expand(grid, sample=13)
     with pytest.raises(SweepError, match="--random: 0 runs"):

@@ -40,3 +40,16 @@ def test_an_unreadable_metrics_log_is_named_in_the_status_and_the_table_is_still
     assert unreadable.status.startswith("finished; its metrics are unreadable: ")
     assert "metrics.jsonl:1: not a JSON object" in unreadable.status and unreadable.val_loss is None
     assert markdown([unreadable]).count("its metrics are unreadable") == 1
+
+
+def test_the_table_reads_the_last_rows_and_keeps_four_digits(tmp_path):
+    rows = [{"step": 2, "tokens": 64, "elapsed_s": 1.0, "train/loss": 5.5},
+            {"step": 2, "tokens": 64, "elapsed_s": 1.5, "val/loss": 5.75},
+            {"step": 4, "tokens": 128, "elapsed_s": 2.0, "train/loss": 4.5},
+            {"step": 4, "tokens": 128, "elapsed_s": 2.5, "val/loss": 2.34514}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    last = read_result(tmp_path, {"optim.lr": 1e-3}, 10, "finished")
+    assert (last.train_loss, last.val_loss, last.tokens, last.wall_s) == (4.5, 2.34514, 128, 2.5)
+    near = result("near", 2.34494)  # runs 2e-4 apart print apart
+    _, table = table_rows([last, near])
+    assert [row[1] for row in table] == ["near", tmp_path.name] and [row[-3] for row in table] == ["2.3449", "2.3451"]
