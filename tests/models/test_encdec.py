@@ -216,3 +216,20 @@ def test_same_seed_same_weights_and_loss_falls_when_fitting_one_batch() -> None:
         opt.step()
         losses.append(loss.item())
     assert losses[0] > math.log(200) - 1 and losses[-1] < 0.5 * losses[0]
+
+
+def test_init_statistics() -> None:
+    # the tied embedding d_model^-0.5 (unit variance once scaled by sqrt(d_model)), drawn once, not again as a head;
+    # every projection into the residual stream, cross-attention's too, 0.02 / sqrt(2 * blocks); others 0.02
+    torch.manual_seed(0)
+    cfg = EncDecConfig(**{**CFG.__dict__, "d_model": 256, "n_head": 4})
+    model = EncoderDecoder(cfg)
+    assert model.tgt_embed.weight.std().item() == pytest.approx(256 ** -0.5, rel=0.03)
+    assert model.lm_head.weight is model.tgt_embed.weight
+    residual = 0.02 / math.sqrt(2 * 2 * cfg.n_layer)
+    for block in [*model.encoder, *model.decoder]:
+        assert block.attn.proj.weight.std().item() == pytest.approx(residual, rel=0.05)
+        assert block.attn.q.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    for block in model.decoder:
+        assert block.cross.proj.weight.std().item() == pytest.approx(residual, rel=0.05)
+        assert block.cross.q.weight.std().item() == pytest.approx(0.02, rel=0.05)

@@ -138,6 +138,8 @@ def test_mlm_loss_is_cross_entropy_over_the_masked_positions_of_the_full_logits(
     expected = F.cross_entropy(full[chosen], labels[chosen])
     assert loss.dtype == torch.float32 and abs(loss.item() - expected.item()) <= 1e-5
     assert scored.loss.item() == loss.item()
+    # weighted by the masked tokens it averages over, in a step of micro-batches and over the ranks
+    assert ENCODER.training.loss(model, model, [ids, labels]).terms["loss"].weight == n
     assert scored.correct.item() == (full[chosen].argmax(-1) == labels[chosen]).sum().item()
     # the head by hand: dense, tanh-GELU, norm, the output layer tied to the embedding plus its bias
     h = model(ids)
@@ -158,6 +160,7 @@ def test_classify_and_regress_heads_give_cross_entropy_and_mean_squared_error() 
     torch.testing.assert_close(out, h0 @ classifier.score.weight.T + classifier.score.bias)
     manual = -torch.log_softmax(out, dim=-1)[torch.arange(4), classes].mean()
     assert abs(loss.item() - manual.item()) <= 1e-6
+    assert ENCODER.training.loss(classifier, classifier, [ids, classes, keep]).terms["loss"].weight == 4  # the rows
 
     regressor = randomised(Encoder(config(head="regress", pooling="mean")))
     targets = torch.tensor([0.5, -1.0, 2.0, 0.0])

@@ -150,6 +150,15 @@ def test_dropout_acts_in_training_only() -> None:
     assert torch.equal(model(idx), model(idx))
     model.train()
     assert not torch.equal(model(idx), model(idx))
+    # after every layer too, the last one's output included: half its units dropped (an LSTM's own are never 0)
+    assert (model(idx) == 0).float().mean().item() == pytest.approx(0.5, abs=0.1)
+
+
+def test_an_untied_head_is_drawn_as_gpt_2s() -> None:
+    torch.manual_seed(0)
+    model = tiny_model(tie_embeddings=False, d_model=256)
+    assert model.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.lm_head.weight is not model.wte.weight
 
 
 def test_overfits_one_batch() -> None:
