@@ -1,18 +1,11 @@
 """train.float8 with torchao's real float8 kernels: skipped without a CUDA GPU of compute capability 8.9 or later
 (the CPU side, emulated: tests/distributed/test_float8.py)."""
 
-import functools
-
 import pytest
 import torch
-import torch.distributed as dist
 
-from lm.bench.training import random_batch
 from lm.config import load_config
-from lm.distributed.env import DistEnv, init_device
-from lm.models.registry import family_of
-from lm.training.setup import build_run_engine
-from lm.training.step import train_step
+from tests.gpu.steps import step_losses
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                                 reason="needs a CUDA GPU of compute capability 8.9 or later")
@@ -24,18 +17,7 @@ TINY = ["--model.n_layer=2", "--model.n_head=4", "--model.d_model=128", "--model
 
 def losses(flags: list[str], steps: int = 10) -> list[float]:
     """Training losses of `steps` steps on one fixed random batch, from train.seed's weights."""
-    cfg = load_config(None, [*TINY, *flags])
-    device = init_device("cuda", "train.device")
-    family = family_of(cfg.model)
-    try:
-        built = build_run_engine(cfg, family, DistEnv(rank=0, local_rank=0, world_size=1, device=device))
-        x = random_batch(cfg, 8, device)
-        loss = functools.partial(family.training.loss, optim=cfg.optim)
-        return [train_step(built, loss, [[x[:, :-1], x[:, 1:]]], cfg.optim.lr, 1.0).terms["loss"].value.item()
-                for _ in range(steps)]
-    finally:
-        if dist.is_initialized():  # the fsdp engine's one-process NCCL group
-            dist.destroy_process_group()
+    return step_losses(load_config(None, [*TINY, *flags]), steps)
 
 
 @pytest.mark.parametrize("flags", [["--parallel.engine=fsdp", "--train.float8=tensorwise"],
