@@ -171,6 +171,21 @@ class MemoryEstimate:
         return f"{self.engine} x ep {self.ep}" if self.ep > 1 else self.engine
 
 
+def _model_state(cfg: JobConfig, n: int, engine: str, zero_stage: int, mixed: bool, world_size: int, ep: int,
+                 cpu_offload: bool) -> dict[str, int]:
+    """Bytes of the `n` parameters' model state (`_states`) per device by kind, "host" what cpu_offload moves off."""
+    experts = counts(cfg.model).experts if ep > 1 else 0
+    # a rank's sharded state: the dense parameters over every rank, its ep rank's experts over the W / ep sharing them
+    shard = ceil_div(n - experts, world_size) + ceil_div(ceil_div(experts, ep), world_size // ep)
+    sums = {"parameters": 0, "gradients": 0, "optimizer": 0, "host": 0}
+    for state in _states(engine, zero_stage, mixed, world_size):
+        size = (shard if state.sharded else n) * state.bytes
+        sums["host" if cpu_offload and state.offloadable else state.kind] += size
+    if cpu_offload and engine == "deepspeed":  # ZeRO-Offload's CPU Adam steps on an fp32 gradient partition
+        sums["host"] += ceil_div(n, world_size) * 4
+    return sums
+
+
 def estimate_memory(
     cfg: JobConfig,
     world_size: int,
@@ -216,15 +231,7 @@ def estimate_memory(
 
     mixed = use_bf16(cfg.train.dtype, device_type(cfg.train.device))  # as the run on this machine would
     n = num_params(cfg.model)
-    experts = counts(cfg.model).experts if ep > 1 else 0
-    # a rank's sharded state: the dense parameters over every rank, its ep rank's experts over the W / ep sharing them
-    shard = ceil_div(n - experts, world_size) + ceil_div(ceil_div(experts, ep), world_size // ep)
-    sums = {"parameters": 0, "gradients": 0, "optimizer": 0, "host": 0}
-    for state in _states(engine, zero_stage, mixed, world_size):
-        size = (shard if state.sharded else n) * state.bytes
-        sums["host" if cpu_offload and state.offloadable else state.kind] += size
-    if cpu_offload and engine == "deepspeed":  # ZeRO-Offload's CPU Adam steps on an fp32 gradient partition
-        sums["host"] += ceil_div(n, world_size) * 4
+    sums = _model_state(cfg, n, engine, zero_stage, mixed, world_size, ep, cpu_offload)
     whole = 4 * n if engine != "fsdp" else 0  # the fp32 model ddp and DeepSpeed build whole on the host first
     sums["host"] = max(sums["host"], whole)  # moved to the device before any offloaded state is made
     sharded_params = engine == "fsdp" or zero_stage == 3

@@ -28,7 +28,7 @@ from lm.plan.counts import num_params
 from lm.report.figures import load_run, save_png, val_time_figure
 from lm.schema import Entries, Spec, check, table
 from lm.sweep.grid import expand, format_value, overrides, parse_grid, run_name
-from lm.sweep.results import csv_text, markdown, read_result
+from lm.sweep.results import RunResult, csv_text, markdown, read_result
 
 log = logging.getLogger("lm.sweep")
 
@@ -212,6 +212,17 @@ def main(argv: list[str]) -> int:
     data = prepared_data(base)
     refuse_other_data(out, data)
     claim_sweep_dir(out, resolved(base), args.config, grid, data)
+    statuses = train_runs(runs, ["--config", args.config, *fixed], args.nproc)
+    results = write_results(runs, statuses, out)
+    failed = [r for r in results if r.status != "finished"]
+    if failed:
+        log.warning("%d of %d runs did not finish; run the same command again to resume them", len(failed), len(runs))
+    return 1 if failed else 0
+
+
+def train_runs(runs: list[Run], base_args: list[str], nproc: int) -> dict[str, str]:
+    """Train each run not finished before, one after another (`base_args`: the base config and its overrides);
+    each run's status by name: finished, or why not."""
     statuses = {}
     for i, r in enumerate(runs, 1):
         if finished(r):
@@ -219,8 +230,7 @@ def main(argv: list[str]) -> int:
             statuses[r.name] = "finished"
             continue
         log.info("[%d/%d] %s: training (log: %s)", i, len(runs), r.name, r.dir / "train.log")
-        command = train_command(args.nproc, ["--config", args.config, *fixed, *overrides(r.settings),
-                                             f"--train.out_dir={r.dir}"])
+        command = train_command(nproc, [*base_args, *overrides(r.settings), f"--train.out_dir={r.dir}"])
         try:
             statuses[r.name] = run_logged(command, r.dir / "train.log")
         except Stopped as err:
@@ -229,7 +239,11 @@ def main(argv: list[str]) -> int:
         if statuses[r.name] == "finished" and not finished(r):  # lm.train exits 0 when a signal stops it
             statuses[r.name] = f"stopped at step {saved_step(r)} of {r.cfg.train.steps} by a signal"
         log.info("[%d/%d] %s: %s", i, len(runs), r.name, statuses[r.name])
+    return statuses
 
+
+def write_results(runs: list[Run], statuses: dict[str, str], out: Path) -> list[RunResult]:
+    """OUT/results.md, results.csv and val_loss_vs_time.png from the runs' metrics logs; the table printed too."""
     results = [read_result(r.dir, r.settings, num_params(r.cfg.model, non_embedding=True),
                            statuses[r.name]) for r in runs]
     atomic_write_text(out / "results.md", markdown(results))
@@ -238,10 +252,7 @@ def main(argv: list[str]) -> int:
     save_png(val_time_figure(plotted), out / "val_loss_vs_time.png")
     print(markdown(results))
     print(f"wrote {out / 'results.md'}, {out / 'results.csv'} and {out / 'val_loss_vs_time.png'}")
-    failed = [r for r in results if r.status != "finished"]
-    if failed:
-        log.warning("%d of %d runs did not finish; run the same command again to resume them", len(failed), len(runs))
-    return 1 if failed else 0
+    return results
 
 
 if __name__ == "__main__":
