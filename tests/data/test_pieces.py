@@ -104,6 +104,7 @@ TEXT = "\n\n first doc\nline two\n\n \t\n\nsecond\r\n\r\nthird\n  \n\n"
     (BLANK_LINES, "a\n \nb  \n\n\n  c", ["a\n", "b  \n", "  c"]),
     ("\f", "one\ftwo\n\f\f  \fthree\f", ["one", "two\n", "three"]),
     ("<|doc|>", "<|doc|>a<|doc|>b <|doc|>", ["a", "b "]),
+    ("==", "a===b====c", ["a", "=b", "c"]),  # as str.split: occurrences do not overlap
     ("\f", "one\f" + " \n" * 6 + "\f two", ["one", " two"]),  # a blank document longer than max_chars too
     ("\n", "l1\nl2\r\n\n\nl3", ["l1", "l2\r", "l3"]),
 ])

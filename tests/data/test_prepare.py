@@ -227,6 +227,26 @@ def test_refuses_to_replace_a_foreign_directory(tmp_path):
     assert (tmp_path / "data" / "notes.txt").read_text() == "mine"
 
 
+def test_a_prepared_directory_holding_another_file_is_not_replaced(tmp_path):
+    """A data.dir lm.prepare made, where a user put a file of their own: a rebuild would delete it."""
+    source = write_txt(tmp_path / "in", DOCS)
+    prepare(config(tmp_path, source))
+    (tmp_path / "data" / "ckpt.pt").write_bytes(b"weights")
+    before = tree_digest(tmp_path / "data")
+    with pytest.raises(DataError, match=r"holds ckpt.pt, which lm.prepare did not write"):
+        prepare(config(tmp_path, source, shard_tokens=32))  # other settings: a rebuild
+    assert tree_digest(tmp_path / "data") == before
+
+
+def test_a_source_glob_reaching_into_a_killed_prepares_staging_leaves_it_out(tmp_path):
+    """A killed prepare leaves <data.dir>.partial with its progress.json, which a glob of .json files matches."""
+    (tmp_path / "rows.jsonl").write_text('{"source": "row one"}\n{"source": "row two"}\n')
+    (tmp_path / "data.partial").mkdir()
+    (tmp_path / "data.partial" / "progress.json").write_text(json.dumps([{"source": "not a document"}]))
+    cfg = config(tmp_path, f"{tmp_path}/**/*.json*", text_column="source", val_fraction=0.0)
+    assert prepare(cfg)["splits"]["train"]["documents"] == 2
+
+
 def test_a_source_glob_reaching_into_data_dir_leaves_lms_own_files_out(tmp_path):
     # the second prepare read the first one's manifest.json as a row: its `source` became a training document
     (tmp_path / "rows.jsonl").write_text('{"source": "row one"}\n{"source": "row two"}\n')

@@ -127,6 +127,54 @@ def _prepared_dir(tmp_path):
     return data, manifest
 
 
+def test_write_shard_refuses_an_empty_array(tmp_path):
+    with pytest.raises(ValueError, match=r"a shard holds a non-empty 1-D token array, got shape \(0,\)"):
+        write_shard(tmp_path / "train_00000.bin", np.empty(0, dtype=np.uint16))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_header_only_shard_of_zero_tokens_is_refused(tmp_path):
+    path = tmp_path / "train_00000.bin"
+    path.write_bytes(b"LMTOKENS" + struct.pack("<IIQ", 1, 2, 0) + bytes(8))  # a consistent size, but empty
+    with pytest.raises(DataError, match=r"header says 0 tokens; shards are never empty"):
+        open_shard(path)
+
+
+def test_a_manifest_whose_dtype_differs_from_its_shards_is_refused(tmp_path):
+    data, manifest = _prepared_dir(tmp_path)
+    manifest["dtype"] = "uint32"
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"train_00000.bin: holds 4 uint16 tokens, but .*manifest.json lists 4 uint32"):
+        read_manifest(data)
+
+
+def _killed_writer(data_dir, tokens: np.ndarray, after: np.ndarray) -> dict:
+    """The state of a writer of 4-token shards after `tokens`, which then wrote `after` and was killed."""
+    writer = ShardWriter(data_dir, "train", 4, np.uint16)
+    writer.add(tokens)
+    state = writer.state()
+    writer.add(after)
+    writer._file.close()  # killed: no close(), its open shard left as it was
+    return state
+
+
+def test_restore_goes_on_with_the_tokens_of_the_state(tmp_path):
+    state = _killed_writer(tmp_path, np.arange(6, dtype=np.uint16), np.arange(100, 103, dtype=np.uint16))
+    resumed = ShardWriter.restore(tmp_path, "train", 4, np.uint16, state)  # 100, 101 finished a shard since
+    resumed.add(np.arange(6, 9, dtype=np.uint16))
+    shards = resumed.close()
+    assert [(s["file"], s["tokens"]) for s in shards] == [("train_00000.bin", 4), ("train_00001.bin", 4),
+                                                          ("train_00002.bin", 1)]
+    assert np.concatenate([open_shard(tmp_path / s["file"]) for s in shards]).tolist() == list(range(9))
+
+
+def test_restore_refuses_an_open_shard_whose_tokens_changed(tmp_path):
+    state = _killed_writer(tmp_path, np.arange(6, dtype=np.uint16), np.arange(0, dtype=np.uint16))
+    _flip_byte(tmp_path / state["open"]["file"], HEADER_BYTES)  # the first open token: the size stays right
+    with pytest.raises(DataError, match=r"sha256 of its first 2 tokens differs from the one recorded"):
+        ShardWriter.restore(tmp_path, "train", 4, np.uint16, state)
+
+
 def test_manifest_round_trip(tmp_path):
     data, manifest = _prepared_dir(tmp_path)
     assert read_manifest(data) == manifest
@@ -210,6 +258,8 @@ def test_check_manifest(tmp_path):
         check_manifest(manifest, "cl100k_base", 100277, data)
     with pytest.raises(DataError, match=r"prepared with vocab_size 50257, but model.vocab_size=50304"):
         check_manifest(manifest, "gpt2", 50304, data)
+    with pytest.raises(DataError, match=r"prepared with vocab_size 50257, but model.vocab_size=50000"):
+        check_manifest(manifest, "gpt2", 50000, data)  # smaller: ids past the table
 
 
 def _flip_byte(path, offset):
@@ -238,5 +288,7 @@ def test_token_ids_are_checked_against_the_vocabulary(tmp_path):
     from lm.data.shards import check_token_ids
 
     check_token_ids(np.array([0, 5, 9]), 10, tmp_path / "a.bin")
+    with pytest.raises(DataError, match=r"a.bin: token 10 at position 1 is not below the vocabulary size 10"):
+        check_token_ids(np.array([9, 10]), 10, tmp_path / "a.bin")
     with pytest.raises(DataError, match=r"a.bin: token 12 at position 1,003 is not below the vocabulary size 10"):
         check_token_ids(np.array([0, 5, 12, 99]), 10, tmp_path / "a.bin", start=1001)

@@ -299,3 +299,68 @@ def test_a_changed_file_at_the_same_path_is_read_again(tokenizer_jsons, tmp_path
     assert load_tokenizer(str(here)) is load_tokenizer(str(here))  # unchanged: loaded once
     shutil.copy(tokenizer_jsons["eot"], here)
     assert load_tokenizer(str(here)).bos_token is None
+
+
+def test_a_changed_tokenizer_config_beside_the_same_file_is_read_again(tokenizer_jsons, tmp_path):
+    """The cache key covers tokenizer_config.json: a new one beside an unchanged tokenizer.json changes the BOS."""
+    here = copy_tokenizer(tokenizer_jsons["bos"], tmp_path / "t", {"add_bos_token": False, "eos_token": "</s>"})
+    assert load_tokenizer(here).bos_token is None
+    config = tmp_path / "t" / "tokenizer_config.json"
+    config.write_text(json.dumps({"add_bos_token": True, "bos_token": "<s>", "eos_token": "</s>"}))
+    assert load_tokenizer(here).bos_token == 0
+    config.unlink()
+    assert load_tokenizer(here).bos_token == 0 and load_tokenizer(here).config_path is None
+
+
+def test_truncation_and_padding_stored_in_the_file_are_switched_off(tokenizer_jsons, tmp_path):
+    """A tokenizer.json saved with truncation would cut every document to its max_length, silently."""
+    definition = json.loads(tokenizer_jsons["bos"].read_text())
+    definition["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    definition["padding"] = {"strategy": {"Fixed": 512}, "direction": "Right", "pad_to_multiple_of": None,
+                             "pad_id": 1, "pad_type_id": 0, "pad_token": "</s>"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(definition))
+    tok = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    expected = Tokenizer.from_file(str(tokenizer_jsons["bos"])).encode(TEXT, add_special_tokens=False).ids
+    assert len(expected) > 4
+    assert tok.encode_ordinary(TEXT) == expected
+    assert tok.encode_ordinary_batch([TEXT, "a"])[0] == expected
+    assert tok.decode(tok.encode_ordinary(TEXT)) == TEXT
+
+
+def test_decode_writes_special_tokens_out(tokenizer_jsons):
+    """As tiktoken writes "<|endoftext|>": a sample that holds the EOS shows where a document ended."""
+    tok = load_tokenizer(str(tokenizer_jsons["bos"]))
+    ids = tok.encode_ordinary("Fair is foul")
+    assert tok.decode([tok.bos_token, *ids, tok.eot_token]) == "<s>Fair is foul</s>"
+    eot = load_tokenizer(str(tokenizer_jsons["eot"]))
+    assert eot.decode([eot.eot_token]) == "<|endoftext|>"
+
+
+def test_hash_follows_the_chosen_bos(tokenizer_jsons, tmp_path):
+    """The same bytes and EOS, with and without a BOS, make other ids, so their hashes differ."""
+    with_bos = str(tokenizer_jsons["bos"])  # the post-processor's <s>
+    without = copy_tokenizer(with_bos, tmp_path / "no_bos", {"add_bos_token": False, "eos_token": "</s>"})
+    assert (load_tokenizer(with_bos).bos_token, load_tokenizer(without).bos_token) == (0, None)
+    assert load_tokenizer(with_bos).eot_token == load_tokenizer(without).eot_token == 1
+    assert tokenizer_hash(with_bos) != tokenizer_hash(without)
+
+
+def test_add_bos_token_without_a_bos_token_takes_the_files_bos(tokenizer_jsons, tmp_path):
+    path = copy_tokenizer(tokenizer_jsons["bos"], tmp_path / "t", {"add_bos_token": True, "eos_token": "</s>"})
+    assert (load_tokenizer(path).bos_token, load_tokenizer(path).eot_token) == (0, 1)  # its template puts <s> first
+
+
+def test_a_template_token_of_several_ids_is_no_bos(tokenizer_jsons, tmp_path):
+    definition = json.loads(tokenizer_jsons["bos"].read_text())
+    definition["post_processor"]["special_tokens"]["<s>"]["ids"] = [0, 1]
+    definition["post_processor"]["special_tokens"]["<s>"]["tokens"] = ["<s>", "</s>"]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(definition))
+    assert load_tokenizer(str(tmp_path / "tokenizer.json")).bos_token is None
+
+
+def test_a_template_after_another_processor_in_a_sequence_still_gives_the_bos(tokenizer_jsons, tmp_path):
+    definition = json.loads(tokenizer_jsons["bos"].read_text())
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": True}
+    definition["post_processor"] = {"type": "Sequence", "processors": [byte_level, definition["post_processor"]]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(definition))
+    assert load_tokenizer(str(tmp_path / "tokenizer.json")).bos_token == 0
