@@ -156,21 +156,20 @@ def _decode(model: DecoderLM, idx: torch.Tensor, steps: int, vocab_size: int, us
     """Yield `steps` next tokens (B,) after the prompts idx (B, T), each picked by `pick_token` outside any graph.
 
     With the cache the prompt is prefilled once and each step feeds only the new token; compiled, into a static
-    cache through the compiled step; without a cache each step runs the whole sequence so far (its last block_size
-    tokens) through the model again.
+    cache through the compiled step; without a cache each step runs the whole sequence so far through the model
+    again.
     """
-    block_size = model.cfg.block_size
     cache, x = None, idx
     if use_cache or compiled:
         weight = next(model.parameters())  # the cache takes the weights' device and dtype
-        max_len = min(block_size, idx.size(1) + steps)
+        max_len = min(model.cfg.block_size, idx.size(1) + steps)  # the last token is never fed
         if compiled:
             cache = _static_cache(model, idx.size(0), max_len, weight)
         else:
             cache = model.new_cache(idx.size(0), max_len, weight.device, weight.dtype)
     for _ in range(steps):
         if cache is None:
-            logits = next_logits(model, idx[:, -block_size:])
+            logits = next_logits(model, idx)  # `_check_length`: it fits
         elif compiled:
             logits = _static_step(model, x, cache)
         else:

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -5,6 +6,7 @@ import torch
 
 from lm.models.attention import SelfAttention, attend, causal_mask
 from lm.models.gpt.config import GPTConfig
+from lm.models.gpt.model import GPT
 from lm.models.kv_cache import KVCache, LayerKVCache
 
 CFG = GPTConfig(vocab_size=100, block_size=32, n_layer=2, n_head=2, d_model=32)
@@ -97,3 +99,25 @@ def test_kv_cache_is_preallocated_per_layer() -> None:
     assert len(cache.layers) == 3
     assert cache[1].k.shape == (2, 4, 7, 5) and cache[1].v.dtype == torch.float64
     assert cache[0].k.data_ptr() != cache[1].k.data_ptr()
+
+
+def test_a_state_dict_with_a_fused_qkv_loads_as_the_three_projections():
+    """Checkpoints saved before q, k and v were separate hold one `qkv` of rows [q; k; v]. Grouped-query, k and v
+    are the same size, so a swap would load without a complaint."""
+    cfg = dataclasses.replace(CFG, n_head=4, n_kv_head=2, pos="rope", qkv_bias=True)
+    torch.manual_seed(0)
+    saved = GPT(cfg).eval()
+    fused = {}
+    for name, value in saved.state_dict().items():
+        prefix, _, part = name.rpartition(".")
+        if prefix.endswith(".attn.q"):
+            split = [saved.state_dict()[f"{prefix[:-1]}{p}.{part}"] for p in "qkv"]
+            fused[f"{prefix[:-1]}qkv.{part}"] = torch.cat(split)
+        elif not prefix.endswith((".attn.k", ".attn.v")):
+            fused[name] = value
+    torch.manual_seed(1)
+    loaded = GPT(cfg).eval()
+    loaded.load_state_dict(fused)
+    x = torch.randint(0, cfg.vocab_size, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(loaded.logits(loaded(x)), saved.logits(saved(x)))

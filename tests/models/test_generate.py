@@ -5,7 +5,7 @@ import torch
 
 from lm.errors import ConfigError
 from lm.models import generate as generate_module
-from lm.models.generate import filter_logits, generate, generate_batch
+from lm.models.generate import filter_logits, generate, generate_batch, pick_token
 from lm.models.gpt.config import GPTConfig
 from lm.models.gpt.model import GPT
 from lm.models.lstm.config import LSTMConfig
@@ -59,6 +59,13 @@ def test_top_p_keeps_smallest_set_reaching_p() -> None:
     assert wide.softmax(-1).sort(descending=True).values.cumsum(-1)[:-1].ge(1.0).any()
     assert torch.equal(filter_logits(wide, top_p=1.0), wide)
     assert torch.equal(filter_logits(logits, top_p=1.0), logits)
+
+
+def test_top_p_drops_a_token_once_the_tokens_before_it_reach_p_exactly() -> None:
+    # four equal logits: cumulative 0.25, 0.5, ... exactly; with top_p=0.5 the first two reach it, so two stay
+    assert torch.isfinite(filter_logits(torch.zeros(4), top_p=0.5)).sum().item() == 2
+    assert torch.isfinite(filter_logits(torch.zeros(2), top_p=0.5)).sum().item() == 1
+    assert torch.isfinite(filter_logits(torch.zeros(8), top_p=0.25)).sum().item() == 2
 
 
 def test_top_p_always_keeps_the_most_probable_token() -> None:
@@ -175,6 +182,30 @@ def test_sampled_frequencies_follow_the_distribution() -> None:
     assert len(tokens) == 40 * 32
     for token, p in enumerate([0.5, 0.25, 0.25]):
         assert math.isclose(tokens.count(token) / len(tokens), p, abs_tol=0.05)
+
+
+def frequencies(logits: torch.Tensor, n: int = 40000, **options) -> torch.Tensor:
+    """How often pick_token draws each id of `logits` (V,) in n draws."""
+    picks = pick_token(logits.expand(n, -1).clone(), generator=torch.Generator().manual_seed(0), **options)
+    return torch.bincount(picks, minlength=logits.numel()).float() / n
+
+
+def test_temperature_divides_the_logits_once() -> None:
+    # p = 0.5, 0.25, 0.25 at temperature 2 is softmax(log p / 2), proportional to sqrt(p): 0.414, 0.293, 0.293
+    # (divided twice, p^(1/4): 0.374, 0.313, 0.313)
+    logits = torch.tensor([0.5, 0.25, 0.25]).log()
+    for temperature in (2.0, 0.5):
+        got = frequencies(logits, temperature=temperature, top_k=None, top_p=None)
+        assert torch.allclose(got, (logits / temperature).softmax(-1), atol=0.01)
+
+
+def test_the_nucleus_is_taken_of_the_tempered_distribution() -> None:
+    # p = 0.85, 0.1, 0.05: untempered, top_p=0.8 keeps the first token alone; at temperature 3 the distribution
+    # p^(1/3), normalised 0.53, 0.26, 0.21, needs all three tokens to reach 0.8
+    logits = torch.tensor([0.85, 0.1, 0.05]).log()
+    assert torch.equal(filter_logits(logits, top_p=0.8), torch.tensor([logits[0], -INF, -INF]))
+    got = frequencies(logits, temperature=3.0, top_k=None, top_p=0.8)
+    assert torch.allclose(got, (logits / 3).softmax(-1), atol=0.01)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from lm.errors import ConfigError, ExportError
 from lm.hf.targets import pick_target
 from lm.models.gpt import hf, hf_remote
 from lm.models.gpt.config import GPTConfig
-from lm.models.gpt.family import idle_expert_params
+from lm.models.gpt.family import FAMILY, idle_expert_params
 from lm.models.gpt.model import GPT
 from lm.models.gpt.moe import MoE, RouterStats, router_stats, with_router_terms
 from lm.models.layers import activate
@@ -67,6 +67,48 @@ def test_grouped_and_per_expert_paths_agree_with_a_token_by_token_reference(opti
     assert torch.allclose(results[False][0], results[True][0], atol=1e-5, rtol=1e-5)
     assert torch.allclose(results[False][1], results[True][1], atol=1e-5, rtol=1e-5)
     assert results[True][2].sum() == 3 * 8 * moe.k  # dropless: every token reaches its k experts
+
+
+def test_experts_whose_rows_are_not_16_byte_aligned_take_one_product_per_expert():
+    """torch._grouped_mm refuses rows not 16-byte aligned: 6 float32 hidden units are 24 bytes."""
+    moe = built(dataclasses.replace(MOE, expert_d_ff=6)).blocks[0].mlp
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        y = moe(x)  # the default path: grouped where it fits
+        moe.experts.grouped = False
+        assert torch.equal(y, moe(x))
+
+
+def test_a_training_forward_drops_out_the_routed_experts_output():
+    """model.dropout applies to the experts' weighted sum as to a dense MLP's output."""
+    moe = built(dataclasses.replace(MOE, dropout=0.5)).blocks[0].mlp
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        plain = moe.eval()(x)
+        dropped = moe.train()(x)
+    zeroed = dropped == 0
+    assert 0.3 < zeroed.float().mean().item() < 0.7 and (plain[zeroed] != 0).all()
+    assert torch.allclose(dropped[~zeroed], 2 * plain[~zeroed], atol=1e-6)  # the rest scaled by 1 / (1 - p)
+
+
+def test_a_forwards_router_z_loss_is_the_mean_squared_logsumexp():
+    """ST-MoE's router z-loss from a real forward: the mean of the squares, not the square of the mean."""
+    moe = built(MOE).blocks[0].mlp
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        moe.router.gate.weight.mul_(20)  # logits of a few units, so the two orders differ clearly
+        moe(x)
+        lse = torch.logsumexp(moe.router.gate(x.reshape(-1, 32)).float(), dim=-1)  # (N,)
+    assert torch.allclose(moe.stats.z_loss, lse.square().mean())
+    assert not torch.allclose(moe.stats.z_loss, lse.mean().square(), rtol=1e-2)
+
+
+def test_the_router_terms_weigh_as_the_micro_batchs_targets():
+    """Token-weighted means over micro-batches and ranks, as the cross-entropy: a 2 x 16 micro-batch weighs 32."""
+    model = built(MOE)
+    x, y = torch.randint(0, 96, (2, 16)), torch.randint(0, 96, (2, 16))
+    terms = FAMILY.training.loss(model, model, [x, y]).terms
+    assert [terms[name].weight for name in ("moe_balance", "router_z", "objective")] == [32, 32, 32]
 
 
 def test_a_new_routing_compiles_nothing_new():

@@ -1,10 +1,15 @@
 """The planner under expert parallelism (parallel.ep): a mixture's experts split over ep ranks, then sharded by FSDP2
 over the dp / ep ranks holding the same ones, in the memory plan and the layouts of `--dry-run --nodes`."""
 
+import dataclasses
+
 import pytest
 
 from lm.config import load_config
+from lm.data.config import DataConfig
 from lm.errors import ConfigError
+from lm.models.gpt.config import GPTConfig
+from lm.models.gpt.family import FAMILY
 from lm.plan.counts import counts, num_params, root_params, unit_params
 from lm.plan.layout_table import layout_table
 from lm.plan.layouts import estimate_layout, layout_rows, pick_layout
@@ -108,3 +113,18 @@ def test_the_layouts_try_every_ep_dividing_the_experts_and_dp_and_pick_one_when_
     table = layout_table(cfg, 1, 4, device_gib)
     assert "pick: tp 1 x pp 1 x dp 4 (ep 2), activation checkpointing off" in table
     assert table.splitlines()[-2].endswith("--parallel.engine=fsdp --parallel.ep=2")
+
+
+def test_a_mixture_block_keeps_each_tokens_k_copies_and_its_router_scores():
+    """Beside the hidden units of k routed experts, a mixture's block keeps each token's k copies and its float32
+    router probabilities: at a fixed width, 4 bytes a token for every expert in every block."""
+    # the routed experts (2 x 64 units) wider than a dense block, so the mixture is the larger estimate
+    cfg = GPTConfig(n_layer=2, n_head=4, d_model=32, block_size=16, vocab_size=96, n_experts=4, experts_per_token=2,
+                    expert_d_ff=64, d_ff=16)
+    tokens = 3 * 16  # micro-batches of 3 windows of 16
+
+    def estimate(n_experts: int) -> int:
+        wider = dataclasses.replace(cfg, n_experts=n_experts)
+        return FAMILY.estimates.activation_bytes(wider, DataConfig(seq_len=16), 3, 2, 2, 0, True)[0]
+
+    assert estimate(12) - estimate(4) == cfg.n_layer * 4 * (12 - 4) * tokens
