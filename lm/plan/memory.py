@@ -151,8 +151,9 @@ class MemoryEstimate:
     ep: int = 1
     """expert-parallel ranks (fsdp only)"""
     startup: int = 0
-    """bytes on the device while the run starts, before the state above exists: ZeRO-3's whole fp32 model, which
-    every rank holds until DeepSpeed partitions it"""
+    """bytes on the device while the run starts, before the state above exists: the whole fp32 model that ddp and
+    DeepSpeed move there (`lm.distributed.materialize`), which under every ZeRO stage each rank holds until DeepSpeed
+    casts it and partitions its master copy; fsdp draws each rank's shard alone"""
 
     @property
     def total(self) -> int:
@@ -248,5 +249,5 @@ def estimate_memory(
         activation_checkpointing=activation_checkpointing, mixed_precision=mixed, num_params=n,
         parameters=sums["parameters"], gradients=sums["gradients"], optimizer=sums["optimizer"],
         gathered=gathered, activations=acts, activations_no_checkpointing=acts_none, logits=logits,
-        host=sums["host"], ep=ep, startup=whole if zero_stage == 3 else 0,
+        host=sums["host"], ep=ep, startup=whole,
     )

@@ -13,10 +13,10 @@ from lm.config import load_config
 from lm.distributed.activation import checkpoint_blocks
 from lm.models.lstm.family import layer_activation_bytes as lstm_layer_activation_bytes
 from lm.models.registry import family_of
-from lm.models.sizes import block_params, checkpointed_blocks, layer_activation_bytes
+from lm.models.sizes import block_params, checkpointed_blocks, layer_activation_bytes, stack_peak_bytes
 from lm.plan import counts
 from lm.plan.memory import GIB, estimate_memory
-from lm.plan.memory_table import pick, plan_rows, plan_table
+from lm.plan.memory_table import describe, fits, pick, plan_rows, plan_table
 
 SMALL = ["--model.n_layer=2", "--model.d_model=64", "--model.block_size=64", "--data.seq_len=40"]
 HEADS = ["--model.n_head=4"]  # every family but the LSTM has attention heads
@@ -361,6 +361,8 @@ def test_bad_arguments_are_refused():
         estimate_memory(cfg, 2, "fsdp", 2)
     with pytest.raises(ValueError, match="unknown engine"):
         estimate_memory(cfg, 2, "megatron")
+    with pytest.raises(ValueError, match="activation_checkpointing must be >= 0, got -1"):
+        estimate_memory(cfg, 2, activation_checkpointing=-1)
 
 
 def _train(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -437,15 +439,168 @@ def test_checkpointing_more_blocks_never_raises_the_activation_estimate(arch):
     assert estimates == sorted(estimates, reverse=True) and estimates[-1] < estimates[0], estimates
 
 
-def test_zero3_counts_the_whole_model_every_rank_holds_while_it_starts():
-    # DeepSpeed partitions a model lm built whole (lm.distributed.materialize): 4 bytes a parameter on every
-    # device first, and on every process's host before that; fsdp draws each rank's shard alone
+def test_deepspeed_counts_the_whole_model_every_rank_holds_while_it_starts():
+    # DeepSpeed casts and partitions a model lm built whole (lm.distributed.materialize), at every stage: 4 bytes a
+    # parameter on every device first, and on every process's host before that; fsdp draws each rank's shard alone
     cfg = load_config("configs/llama-7b.yaml")
     whole = 4 * counts.num_params(cfg.model)
-    zero3 = estimate_memory(cfg, 64, "deepspeed", 3, activation_checkpointing=1)
-    steady = zero3.parameters + zero3.gradients + zero3.optimizer + zero3.gathered + zero3.activations
-    assert steady < whole and zero3.startup == zero3.total == whole and zero3.host == whole
+    for stage, offload in ((3, False), (3, True), (2, False), (2, True)):
+        row = estimate_memory(cfg, 64, "deepspeed", stage, offload, activation_checkpointing=1)
+        steady = row.parameters + row.gradients + row.optimizer + row.gathered + row.activations
+        assert steady < whole and row.startup == row.total == row.host == whole, (stage, offload)
+    zero3 = estimate_memory(load_config("configs/llama-7b.yaml", ["--data.seq_len=512"]), 64, "deepspeed", 3)
+    assert zero3.total_no_checkpointing == whole  # short windows: without recomputation too
     fsdp = estimate_memory(cfg, 64, "fsdp", activation_checkpointing=1)
     assert fsdp.startup == fsdp.host == 0 and fsdp.total < whole
     ddp = estimate_memory(cfg, 64, "ddp")
-    assert ddp.host == whole and ddp.startup == 0
+    assert ddp.host == ddp.startup == whole < ddp.total  # ddp keeps the fp32 model: never the peak
+
+
+def test_deepspeed_offload_keeps_the_bf16_weights_and_puts_master_moments_and_fp32_gradients_on_the_host():
+    # two ranks: the offloaded state, 16 bytes a parameter over 2 (8 n), is more than the whole fp32 model every
+    # process builds first (4 n), so the host column shows it and not that floor
+    cfg = _cfg()
+    n = counts.num_params(cfg.model)
+    shard = -(-n // 2)
+    for stage in (1, 2, 3):
+        row = estimate_memory(cfg, 2, "deepspeed", stage, cpu_offload=True)
+        assert row.host == shard * (4 + 8 + 4) > 4 * n  # fp32 master, two moments, CPU Adam's fp32 gradients
+        assert row.optimizer == 0
+        # ZeRO-Offload moves the optimizer, not the bf16 weights: they stay on the device (sharded under ZeRO-3)
+        assert row.parameters == (shard if stage == 3 else n) * 2
+        assert row.gradients == (shard if stage >= 2 else n) * 2
+
+
+def test_another_engine_than_the_configs_takes_no_stage_or_offload_from_it():
+    cfg = _cfg("--parallel.zero_stage=2", "--parallel.cpu_offload=true", engine="deepspeed")
+    n = counts.num_params(cfg.model)
+    shard = -(-n // 4)
+    fsdp = estimate_memory(cfg, 4, "fsdp")
+    assert (fsdp.zero_stage, fsdp.cpu_offload) == (0, False)
+    assert (fsdp.parameters, fsdp.gradients, fsdp.optimizer) == (4 * shard, 4 * shard, 8 * shard)
+    ddp = estimate_memory(cfg, 4, "ddp")  # not refused as "ddp cannot offload": the offload was deepspeed's
+    assert (ddp.zero_stage, ddp.cpu_offload) == (0, False)
+    same = estimate_memory(cfg, 4)  # the config's own engine takes its stage and offload
+    assert (same.zero_stage, same.cpu_offload) == (2, True)
+
+
+def test_fits_leaves_a_tenth_of_the_estimate_and_the_cuda_context():
+    row = estimate_memory(_cfg(), 2)
+    exact = (row.total * 1.1 + GIB) / GIB  # the smallest device the row fits
+    assert fits(row, exact) and not fits(row, exact * (1 - 1e-9))
+    assert not fits(row, 1.0)  # the CUDA context alone takes a 1 GiB device
+
+
+def test_pick_prefers_sharding_to_recomputation():
+    # a device on which ddp fits only with every block recomputed, fsdp without recomputation: fsdp is faster
+    cfg = _cfg("--model.n_layer=4")
+    rows = plan_rows(cfg, 8)
+    row = {(r.engine, r.zero_stage, r.activation_checkpointing, r.cpu_offload): r for r in rows}
+    ddp0, ddp1, fsdp0 = row["ddp", 0, 0, False], row["ddp", 0, 1, False], row["fsdp", 0, 0, False]
+    gib = (max(ddp1.total, fsdp0.total) * 1.1 + GIB) / GIB
+    assert not fits(ddp0, gib) and fits(ddp1, gib) and fits(fsdp0, gib)
+    assert pick(rows, gib) == fsdp0
+
+
+def test_the_rows_recompute_as_often_as_the_config_says():
+    cfg = _cfg("--model.n_layer=4", "--parallel.activation_checkpointing=2")
+    assert {r.activation_checkpointing for r in plan_rows(cfg, 2)} == {0, 2}
+    assert {r.activation_checkpointing for r in plan_rows(_cfg(), 2)} == {0, 1}
+
+
+@pytest.mark.parametrize("every, words", [(0, "no activation checkpointing"),
+                                          (1, "activation checkpointing every block"),
+                                          (2, "activation checkpointing every 2 blocks")])
+def test_describe_names_the_checkpointing_interval(every, words):
+    row = estimate_memory(_cfg("--model.n_layer=4"), 2, "fsdp", activation_checkpointing=every)
+    assert describe(row) == f"fsdp, {words}"
+
+
+def test_the_table_prints_each_rows_own_numbers_and_whether_it_fits():
+    # Llama 2 7B on 8 devices: the rows differ by GiB, with and without recomputation, and some fit 80 GiB, some not
+    cfg = load_config("configs/llama-7b.yaml")
+    rows = plan_rows(cfg, 8)
+    lines = plan_table(cfg, 8).splitlines()
+    assert len(lines) == 3 + len(rows) + 2
+    assert {fits(r, 80) for r in rows} == {True, False}
+    for r, line in zip(rows, lines[3:]):
+        cols = line.split()
+        assert cols[-3:] == [f"{r.total / GIB:.2f}", f"{r.host / GIB:.2f}", "yes" if fits(r, 80) else "no"]
+        assert cols[-9:-3] == [f"{x / GIB:.2f}" for x in (r.parameters, r.gradients, r.optimizer, r.gathered,
+                                                           r.activations, r.logits)]
+    # a 1 GiB device holds nothing but the CUDA context: every row says no
+    small = _cfg("--train.batch_size=24")
+    lines = plan_table(small, 2, device_gib=1.0).splitlines()
+    assert all(line.endswith("  no") for line in lines[3:3 + len(plan_rows(small, 2))])
+    assert lines[-1].startswith("pick: nothing fits 1 GiB")
+
+
+def test_an_offloading_pick_states_its_host_memory():
+    cfg = load_config("configs/llama-7b.yaml")
+    best = pick(plan_rows(cfg, 1), 80)
+    assert best.cpu_offload
+    assert plan_table(cfg, 1).splitlines()[-1] == (f"pick: {describe(best)} ({best.total / GIB:.2f} GiB per device, "
+                                                   f"{best.host / GIB:.2f} GiB host memory per process)")
+
+
+def _model(*overrides: str):
+    return _cfg("--model.n_layer=1", *overrides).model
+
+
+@pytest.mark.parametrize("overrides", [
+    ["--model.bias=false"],                                          # LayerNorm without its bias
+    ["--model.d_head=32"],                                           # heads wider than d_model / n_head
+    ["--model.n_kv_head=1", "--model.mlp=swiglu", "--model.norm=rmsnorm", "--model.bias=false"],
+], ids=["layernorm-no-bias", "wide-heads", "gqa-swiglu"])
+def test_block_params_are_the_built_blocks(overrides):
+    # block_params counts the encoder-decoder's FLOPs (lm.models.encdec.family.flops_per_token) and is public: checked
+    # against the blocks the families build, a GPT block and an encoder-decoder's decoder block (with cross-attention)
+    gpt = _model(*overrides)
+    assert block_params(gpt) == sum(p.numel() for p in family_of(gpt).build(gpt).blocks[0].parameters())
+    if "--model.d_head=32" in overrides:
+        return  # an encoder-decoder has no model.d_head
+    encdec = _model("--model.arch=encdec", "--model.pos=sinusoidal", "--model.n_sentinels=4", *overrides)
+    decoder = family_of(encdec).build(encdec).decoder[0]
+    assert block_params(encdec, cross=True) == sum(p.numel() for p in decoder.parameters())
+
+
+@pytest.mark.parametrize("c, r", [(2, 2), (2, 4), (4, 4)], ids=["bf16-weights", "autocast", "float32"])
+def test_cross_attention_saves_its_norm_input_one_projection_input_q_output_and_logsumexp(c, r):
+    # a decoder block of tgt tokens reading src encoder positions: besides the self-attention block, the norm's input
+    # (r), the q projection's input (c: one linear reads it, so one autocast copy), q (c), the fused kernel's output
+    # (c) and its logsumexp, 4 bytes per head per query position (not per key position)
+    cfg = _model("--model.arch=encdec", "--model.pos=sinusoidal", "--model.n_sentinels=4")
+    b, tgt, src, h, heads = 3, 10, 30, 64, 4
+    t = b * tgt
+    plain = layer_activation_bytes(cfg, b, tgt, c, r)
+    crossed = layer_activation_bytes(cfg, b, tgt, c, r, memory_len=src)
+    assert crossed - plain == r * t * h + 3 * c * t * h + 4 * b * heads * tgt
+
+
+def _peak_by_hand(n_layer: int, every: int, full: int, boundary: int, start: int) -> int:
+    """Backward starts with every block's saved tensors; recomputing checkpointed block j holds the blocks before j
+    as saved, j's input, and j's full activations (the blocks after j are freed by then)."""
+    checkpointed = [every > 0 and (start + i) % every == 0 for i in range(n_layer)]
+    kept = [boundary if ck else full for ck in checkpointed]
+    peaks = [sum(kept)] + [sum(kept[:j]) + boundary + full for j in range(n_layer) if checkpointed[j]]
+    return max(peaks)
+
+
+@pytest.mark.parametrize("start", [0, 1, 3, 4, 6])
+def test_stack_peak_bytes_of_a_stack_that_does_not_start_at_block_0(start):
+    # an encoder-decoder's decoder stack starts at block n_layer in model order
+    full, boundary = 1000, 7
+    for n_layer in range(1, 8):
+        for every in range(0, 6):
+            assert stack_peak_bytes(n_layer, every, full, boundary, start) == _peak_by_hand(
+                n_layer, every, full, boundary, start), (n_layer, every)
+
+
+def test_relu2_saves_its_output_and_the_squares_input():
+    # relu keeps one tensor of t x d_ff (its output, which the next linear reads), relu2 two (the relu output and the
+    # square's), gelu two (its input and output), swiglu four
+    cfg = {mlp: _model(f"--model.mlp={mlp}", "--model.d_ff=96") for mlp in ("relu", "relu2", "gelu")}
+    b, s, c, f = 2, 16, 2, 96
+    by_mlp = {mlp: layer_activation_bytes(m, b, s, c, 2) for mlp, m in cfg.items()}
+    assert by_mlp["relu2"] - by_mlp["relu"] == c * b * s * f
+    assert by_mlp["relu2"] == by_mlp["gelu"]
