@@ -63,3 +63,11 @@ def test_a_weight_past_torchs_limit_is_one_error_line(dry, tiny_data_dir, tmp_pa
         err = capsys.readouterr().err
         assert err.startswith(error) and "Traceback" not in err
         assert not out.exists()
+
+
+def test_the_count_without_embeddings_leaves_out_the_learned_position_table():
+    """What the sweep's scaling fits and the trainer's hparams take as N."""
+    learned = GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=2, d_model=16)
+    assert counts.num_params(learned, non_embedding=True) == counts.num_params(learned) - 16 * 16
+    rotary = GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=2, d_model=16, pos="rope")
+    assert counts.num_params(rotary, non_embedding=True) == counts.num_params(rotary)

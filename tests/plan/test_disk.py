@@ -21,7 +21,9 @@ SMALL = ["--model.n_layer=2", "--model.d_model=64", "--model.block_size=32", "--
      "--model.tie_embeddings=false"],                                                            # Llama, untied
     ["--model.arch=encdec", "--model.pos=sinusoidal", "--model.n_sentinels=8"],                 # shared and tied
     ["--model.arch=lstm"],
-], ids=["gpt2", "llama-untied", "encdec", "lstm"])
+    ["--parallel.engine=deepspeed", "--parallel.zero_stage=1", "--train.batch_size=2",
+     "--train.micro_batch_size=2"],                                          # its own files; one micro-batch a step
+], ids=["gpt2", "llama-untied", "encdec", "lstm", "deepspeed"])
 def test_the_estimate_covers_what_a_save_writes_and_not_much_more(tmp_path, overrides):
     heads = [] if "--model.arch=lstm" in overrides else ["--model.n_head=2"]
     cfg = load_config(None, [*SMALL, *heads, *overrides])

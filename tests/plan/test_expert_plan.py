@@ -14,6 +14,7 @@ from lm.plan.counts import counts, num_params, root_params, unit_params
 from lm.plan.layout_table import layout_table
 from lm.plan.layouts import estimate_layout, layout_rows, pick_layout
 from lm.plan.memory import GIB, estimate_memory
+from lm.plan.memory_table import plan_rows
 
 # 2 blocks of width 32 on rotary positions, each a mixture of 4 gelu experts 16 wide, 2 a token; windows of 16 tokens,
 # global batches of 8, micro-batches of 2; float32 on the CPU
@@ -128,3 +129,19 @@ def test_a_mixture_block_keeps_each_tokens_k_copies_and_its_router_scores():
         return FAMILY.estimates.activation_bytes(wider, DataConfig(seq_len=16), 3, 2, 2, 0, True)[0]
 
     assert estimate(12) - estimate(4) == cfg.n_layer * 4 * (12 - 4) * tokens
+
+
+def test_the_engine_table_of_an_ep_config_splits_the_experts_under_fsdp_alone():
+    rows = plan_rows(moe("--parallel.ep=2"), 4)
+    assert {(r.engine, r.ep) for r in rows} == {("ddp", 1), ("fsdp", 2), ("deepspeed", 1)}
+
+
+@pytest.mark.parametrize("engine, stage", [("ddp", None), ("deepspeed", 2)])
+def test_ep_on_another_engine_than_fsdp_is_refused(engine, stage):
+    with pytest.raises(ValueError, match=f"ep 2 goes with engine fsdp only, got {engine}"):
+        estimate_memory(moe(), 4, engine, stage, ep=2)
+
+
+def test_an_ep_below_one_is_refused():
+    with pytest.raises(ConfigError, match=r"parallel.ep: must be >= 1 \(1 = no expert parallelism\), got 0"):
+        estimate_memory(moe(), 4, ep=0)
