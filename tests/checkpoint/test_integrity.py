@@ -302,3 +302,16 @@ def test_all_ranks_take_the_checkpoint_rank_0_verified(tmp_path):
     flip_byte(second / ".metadata")
     out = {reply["rank"]: reply["value"] for reply in pool(2).run(_choose, str(tmp_path))}
     assert out == {0: "step_00000001", 1: "step_00000001"}
+
+
+def test_a_replaced_checkpoint_left_beside_its_successor_is_removed_by_the_next_save(tmp_path):
+    """A kill after publish_dir's second rename, before it deleted the replaced copy, leaves step_X.replaced beside
+    the new step_X: a whole checkpoint's worth of disk that the next save must clear (as it clears .tmp)."""
+    _, second = save_two(tmp_path)
+    shutil.copytree(second, tmp_path / "step_00000002.replaced")
+    assert latest_valid_checkpoint(tmp_path) == second  # the new one stays, the aside copy is not restored over it
+    cfg, engine = setup()
+    train_one_more(cfg, engine)
+    save_checkpoint(tmp_path, 3, engine, state(3), cfg, init_distributed("cpu"), keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002", "step_00000003"]
+

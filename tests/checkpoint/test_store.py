@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lm.checkpoint import store
+from lm.checkpoint.manifest import verify_checkpoint
 from lm.checkpoint.resume import check_compatible, load_checkpoint
 from lm.checkpoint.store import (
     BackgroundSaves,
@@ -236,3 +237,44 @@ def test_a_save_that_cannot_make_its_directory_names_the_intact_checkpoint(mode,
             save_checkpoint(root, 2, engine, state, cfg, env, keep=2)
         else:
             BackgroundSaves(root, env).save(2, engine, state, cfg, keep=2)
+
+
+def test_the_next_background_save_waits_for_the_write_in_progress_and_both_are_published_whole(tmp_path):
+    """checkpoint.async writes one checkpoint at a time: the save of step 2 waits for step 1's write (whose .tmp the
+    new save's cleanup of killed saves' leftovers would otherwise delete under it) and both end published, with
+    every file, each restoring the RNG state it was saved with."""
+    cfg, engine = setup()
+    env = init_distributed("cpu")
+    root = checkpoint_root(tmp_path)
+    saves = BackgroundSaves(root, env)
+    held, write = threading.Event(), engine.write_staged
+
+    def held_write(staged, directory):
+        if directory.name == "step_00000001.tmp":
+            held.wait(timeout=60)
+        write(staged, directory)
+
+    engine.write_staged = held_write
+    torch.manual_seed(1)
+    saves.save(1, engine, {"step": 1, "tokens_seen": 0, "position": 1}, cfg, keep=2)
+    draw_after_1 = torch.rand(3)
+    release = threading.Timer(1.0, held.set)  # step 1's write finishes a second from now
+    release.start()
+    torch.manual_seed(2)
+    saves.save(2, engine, {"step": 2, "tokens_seen": 8, "position": 2}, cfg, keep=2)
+    draw_after_2 = torch.rand(3)
+    # save(2) returned only once step 1 was written and published
+    assert held.is_set()
+    assert [p.name for p in complete_checkpoints(root)][:1] == ["step_00000001"]
+    saves.wait()
+    saves.close()
+    release.join()
+    assert [p.name for p in complete_checkpoints(root)] == ["step_00000001", "step_00000002"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000002"]
+    for step, draw in ((1, draw_after_1), (2, draw_after_2)):
+        _, other = setup(seed=1)
+        path = root / f"step_{step:08d}"
+        assert (path / "rng_rank0.pt").is_file()
+        verify_checkpoint(path)  # every file there, as its manifest lists it
+        assert load_checkpoint(path, other, env)["step"] == step
+        assert torch.equal(torch.rand(3), draw)

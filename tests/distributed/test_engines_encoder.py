@@ -2,12 +2,18 @@
 one-process losses, and validation's metrics do not depend on the world size."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+from lm.config import load_config
+from lm.distributed.env import init_distributed
+from lm.training.evaluate import evaluate
+from lm.training.trainer import Trainer
 from tests.conftest import write_rows
 from tests.distributed.test_engines import ENGINES, SAME_BATCH_REL, check_resumes, resume_copy, train
+from tests.workers import pool
 
 # every test here trains on 2-process gloo groups under torchrun: the full tier only
 pytestmark = pytest.mark.process
@@ -65,3 +71,27 @@ def test_fine_tuning_on_two_processes_matches_one(encoder_run, separable_rows, t
     again = train(2, resume_copy(tmp_path / "fsdp", tmp_path / "again"), tiny_data_dir, *model, *flags,
                   *ENGINES["fsdp"])
     assert sorted(again) == [4, 5, 6] and all(again[s] == runs["fsdp"][s] for s in again)
+
+
+def _val_metrics(run_dir: str, eval_batches: int) -> dict:
+    """The val metrics of the checkpoint in `run_dir` (resumed, not trained further) over `eval_batches` micro-batches
+    per rank, in this process (one rank, or one of a pool's)."""
+    cfg = load_config(f"{run_dir}/config.yaml", [f"--train.out_dir={run_dir}", f"--train.eval_batches={eval_batches}"])
+    trainer = Trainer(cfg, init_distributed("cpu"))
+    try:
+        return evaluate(trainer.engine, trainer.family, trainer.data, cfg, trainer.env)
+    finally:
+        trainer.lock.release()
+
+
+def test_val_accuracy_on_two_processes_is_that_of_all_the_windows_they_scored(encoder_run, tmp_path):
+    """2 ranks scoring 2 micro-batches each score the val windows one process scores in 4 (batches 0-3, rank r
+    taking r, r + 2): the same weights give the same val/loss and val/accuracy, summed over both ranks."""
+    run = tmp_path / "run"
+    shutil.copytree(encoder_run, run)
+    one = _val_metrics(str(run), 4)
+    assert 0.0 < one["val/accuracy"] < 1.0
+    two = [reply["value"] for reply in pool(2).run(_val_metrics, str(run), 2)]
+    assert two[0] == two[1]
+    assert two[0]["val/loss"] == pytest.approx(one["val/loss"], rel=1e-5)
+    assert two[0]["val/accuracy"] == pytest.approx(one["val/accuracy"], rel=1e-6)

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from lm.checkpoint.loading import load_for_inference
 from lm.errors import CheckpointError
 from lm.hf.import_weights import load_hf_weights
 from lm.hf.targets import Part, Target, hf_state_dict, pick_target, row_spans, split_rows
@@ -407,3 +408,14 @@ def test_a_tied_head_saved_as_the_embeddings_copy_imports(tmp_path):
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         assert_same_logits(model.logits(model(idx)), hf(idx).logits)
+
+
+def test_a_transformers_checkpoint_with_a_short_context_reads_with_windows_that_fit_it(tmp_path):
+    """lm.eval and lm.sample read a Hugging Face directory with the default config's data.seq_len (256) cut to the
+    model's positions: a model of 32 positions is read, with windows of 32."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", vocab_size=50257, n_positions=32, n_embd=16,
+                                                               n_layer=1, n_head=2))
+    hf.save_pretrained(tmp_path)
+    _, cfg, source = load_for_inference(tmp_path, torch.device("cpu"))
+    assert source == tmp_path and cfg.model.block_size == 32 and cfg.data.seq_len == 32

@@ -103,3 +103,25 @@ def test_token_ids_beyond_the_vocabulary_stop_training_naming_the_shard(tiny_dat
                         r"vocabulary size 50257 \(the file changed since it was prepared\); check it with `python -m "
                         r"lm.prepare --verify` and prepare it again with --force", line), line
     assert not complete_checkpoints(tmp_path / "run/checkpoints")
+
+
+def test_data_prepared_again_from_a_changed_corpus_of_the_same_name_is_refused_on_resume(tiny_corpus_dir,
+                                                                                          tiny_data_config, tmp_path):
+    """The data is known by its content hash: prepared again from the same source glob after a file of the corpus
+    changed, it records the same source, and a resume on it must still be refused."""
+    corpus = tmp_path / "corpus"
+    shutil.copytree(tiny_corpus_dir, corpus)
+    first = dataclasses.replace(tiny_data_config, source=str(corpus / "*.txt"), dir=str(tmp_path / "first"))
+    prepare(first)
+    run = tmp_path / "run"
+    Trainer(config(first.dir, run, "--train.steps=2"), init_distributed("cpu")).fit()
+    scene = corpus / "scene_05.txt"
+    scene.write_text(scene.read_text().replace("Macbeth", "Banquo"))
+    again = dataclasses.replace(first, dir=str(tmp_path / "again"))
+    prepare(again)
+    manifests = [json.loads((tmp_path / name / "manifest.json").read_text()) for name in ("first", "again")]
+    assert manifests[0]["source"] == manifests[1]["source"]
+    assert manifests[0]["content_hash"] != manifests[1]["content_hash"]
+    with pytest.raises(CheckpointError, match=r"step_00000002 trained on .* content hash [0-9a-f]{12}\), but data.dir="
+                                              r".*again' now holds .*or set checkpoint.allow_data_change=true"):
+        Trainer(config(again.dir, run, "--train.steps=4"), init_distributed("cpu"))

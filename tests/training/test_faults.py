@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from lm.config import load_config
 from lm.distributed.env import init_distributed
 from lm.errors import CheckpointError, ConfigError, DataError, TrainingError
 from lm.models.registry import family_of
+from lm.plan.counts import num_params
+from lm.training import setup
 from lm.training.faults import install_faults
 from lm.training.trainer import Trainer
 from tests.workers import pool, train_in_pool
@@ -284,3 +287,19 @@ def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(t
     assert [p.name for p in complete_checkpoints(tmp_path / "killed/checkpoints")] == [
         "step_00000004", "step_00000006", "step_00000008"]
     assert_same_weights(tmp_path / "killed", straight_run(1, tiny_data_dir, tmp_path / "straight", *extra))
+
+
+def test_the_host_room_check_counts_every_rank_on_this_machine(tiny_data_dir, tmp_path, monkeypatch):
+    """Two ranks of a 2-rank run on one machine each hold half the float32 weights and gradients (FSDP) or all of
+    them: the machine must hold 8 bytes a parameter for each of its ranks' shares, i.e. 8 x params in all here.
+    Two ranks on two machines need half that on each."""
+    cfg = config(tiny_data_dir, tmp_path / "run")
+    params = num_params(cfg.model)
+    monkeypatch.setattr(setup, "physical_memory", lambda: 6 * params)  # 75% of what two local ranks need
+    two_ranks = SimpleNamespace(device=torch.device("cpu"), world_size=2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank here, the other on another machine
+    setup.check_host_room(cfg, two_ranks)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # both ranks on this machine
+    with pytest.raises(ConfigError, match=r"parameters need .* GiB of this machine's memory for their float32 "
+                                          r"weights and gradients alone"):
+        setup.check_host_room(cfg, two_ranks)

@@ -355,3 +355,15 @@ def test_task_val_fraction_holds_out_its_share_of_the_rows(separable_rows, tmp_p
                              "--model.n_head=2", f"--task.file={task}", "--task.val_fraction=0.25", *FT])
     data = open_task_data(cfg, DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
     assert (data.train_examples, len(data.val_examples), len(data.val_labels)) == (120, 40, 40)
+
+
+def test_a_task_file_with_fewer_train_rows_than_one_batch_is_refused_by_name(encoder_run, separable_rows, tmp_path,
+                                                                            capsys):
+    task = write_rows(tmp_path / "few.csv", separable_rows[:12])  # 10 or 11 train rows, and batches of 16
+    out = tmp_path / "ft"
+    assert finetune_run(encoder_run, out, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
+                        "--train.steps=2") != 0
+    err = capsys.readouterr().err
+    assert "training rows after holding out task.val_fraction" in err and "fewer than one batch" in err
+    assert "(train.batch_size=16)" in err
+    assert not (out / "checkpoints").exists()

@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 import json
 import logging
@@ -22,6 +23,7 @@ from lm.errors import CheckpointError, ConfigError
 from lm.models.gpt.model import GPT
 from lm.models.registry import family_of
 from lm.report.metrics import read_metrics
+from lm.training.evaluate import evaluate
 from lm.training.trainer import Trainer
 from tests.distributed.test_engines import heads_for, train
 
@@ -409,3 +411,49 @@ def test_a_val_split_smaller_than_train_eval_batches_is_said_at_the_start(tiny_d
     scored = trainer.data.val_windows[0].num_samples // 2
     assert f"the val split holds {scored} micro-batches of 2 windows per rank (of 1 data-parallel): an evaluation " \
            "scores these, not train.eval_batches=100000" in caplog.text
+
+
+def test_validation_is_the_mean_over_the_micro_batches_it_scored(tiny_data_dir, tmp_path):
+    """A val split smaller than train.eval_batches is scored whole: its loss is the mean over the micro-batches
+    there are, the same as with train.eval_batches set to exactly that many (not a sum over a nominal count)."""
+    env = init_distributed("cpu")
+    trainer = Trainer(tiny_config(tiny_data_dir, tmp_path / "run", "--train.eval_batches=100000"), env)
+    cfg = trainer.cfg
+    scored = trainer.data.val_windows[0].num_samples // cfg.train.micro_batch_size
+    exact = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=scored))
+    whole = evaluate(trainer.engine, trainer.family, trainer.data, cfg, env)["val/loss"]
+    assert whole == pytest.approx(evaluate(trainer.engine, trainer.family, trainer.data, exact, env)["val/loss"],
+                                  rel=1e-6)
+    assert 9 < whole < 12  # an untrained model over gpt2's 50,257 ids scores about ln(50257) = 10.8
+    trainer.lock.release()
+
+
+def test_training_goes_on_in_training_mode_after_an_evaluation(tiny_data_dir, tmp_path):
+    """An evaluation switches the model to eval mode and back: the steps after it train with dropout on."""
+    trainer = Trainer(tiny_config(tiny_data_dir, tmp_path / "run", "--train.steps=2", "--train.eval_every=1",
+                                  "--model.dropout=0.1"), init_distributed("cpu"))
+    trainer.fit()
+    assert all(module.training for module in trainer.engine.model.modules())
+
+
+def test_checkpoint_keep_holds_under_checkpoint_async(tiny_data_dir, tmp_path):
+    out = tmp_path / "run"
+    Trainer(tiny_config(tiny_data_dir, out, "--train.steps=4", "--checkpoint.every=1", "--checkpoint.keep=2",
+                        "--checkpoint.async=true"), init_distributed("cpu")).fit()
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step_00000003", "step_00000004"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000003", "step_00000004"]
+
+
+def test_the_initial_weights_are_drawn_from_train_seed_alone(tiny_data_dir, tmp_path):
+    """The weights a new run starts from depend on train.seed, and on nothing else that drew random numbers before."""
+    env = init_distributed("cpu")
+
+    def initial(seed, name):
+        torch.manual_seed(1000 + len(name))  # whatever ran before in this process
+        trainer = Trainer(tiny_config(tiny_data_dir, tmp_path / name, f"--train.seed={seed}"), env)
+        trainer.lock.release()
+        return {k: v.clone() for k, v in trainer.engine.model.state_dict().items()}
+
+    a, again, other = initial(1, "a"), initial(1, "again"), initial(2, "other_seed")
+    assert all(torch.equal(a[k], again[k]) for k in a)
+    assert not torch.equal(a["wte.weight"], other["wte.weight"])
