@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.nn as nn
 
 from lm.distributed.activation import checkpoint_blocks, compile_blocks
 from lm.models.registry import config_class, family_of
@@ -47,3 +48,14 @@ def test_a_checkpointed_block_is_compiled_too(every):
     # identical blocks share a graph: every block checkpointed, one; only the first, one for each kind
     assert counters["stats"]["unique_graphs"] == (1 if every == 1 else 2), dict(counters["stats"])
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("every, chosen", [(0, []), (1, [0, 1, 2, 3, 4]), (2, [0, 2, 4]), (3, [0, 3])])
+def test_checkpointing_wraps_exactly_every_nth_block_and_none_at_zero(every, chosen):
+    # parallel.activation_checkpointing=0 (the default: off) checkpointing every block would recompute every
+    # forward and train the same, so only which blocks were wrapped shows it
+    blocks = [nn.Linear(2, 2) for _ in range(5)]
+    plain = [block.forward for block in blocks]
+    assert checkpoint_blocks(blocks, every) == len(chosen)
+    wrapped = [i for i, block in enumerate(blocks) if block.forward != plain[i]]
+    assert wrapped == chosen

@@ -10,7 +10,7 @@ from lm.config import load_config
 from lm.distributed.context_parallel import shard_indices
 from lm.distributed.layout import check_world
 from lm.errors import ConfigError
-from tests.distributed.test_engines import held_share, resume_copy, train
+from tests.distributed.test_engines import held_share, resume_copy, train, val_losses
 from tests.distributed.test_pipeline import LLAMA4, MICRO4, assert_same, one_process_run
 
 
@@ -30,10 +30,15 @@ def test_cp2_matches_one_process_with_learned_positions_recomputation_and_z_loss
                                                                                    tmp_path_factory):
     # tensor parallelism's gpt2 case in the same order: its one-process run serves both
     flags = ["--parallel.engine=fsdp", "--model.n_head=4", "--train.steps=4", "--parallel.activation_checkpointing=1",
-             "--optim.z_loss=1e-4"]
-    _, one = one_process_run(tiny_data_dir, tmp_path_factory, *flags)
-    cp2 = train(2, tmp_path / "cp2", tiny_data_dir, *flags, "--parallel.cp=2", *MICRO4)  # 2 micro-batches a step
+             "--optim.z_loss=1e-4", *MICRO4]  # 2 micro-batches a step
+    # micro-batches of 4 on one process too: validation reads train.eval_batches micro-batches, so their size sets
+    # the windows it scores
+    one_dir, one = one_process_run(tiny_data_dir, tmp_path_factory, *flags)
+    cp2 = train(2, tmp_path / "cp2", tiny_data_dir, *flags, "--parallel.cp=2")
     assert_same(cp2, one, range(1, 5))
+    want = val_losses(one_dir)  # validation through the context-parallel forward too
+    assert want and sorted(val_losses(tmp_path / "cp2")) == sorted(want)
+    assert_same(val_losses(tmp_path / "cp2"), want, sorted(want))
 
 
 @pytest.mark.parametrize("length, cp", [(8, 2), (16, 2), (24, 3), (32, 4), (64, 8)])

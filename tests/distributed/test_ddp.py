@@ -7,8 +7,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
+from lm.config import load_config
 from lm.distributed.ddp import grad_sync, wrap_ddp
-from lm.distributed.env import init_distributed
+from lm.distributed.env import DistEnv, init_distributed
+from lm.models.registry import family_of
+from lm.training.setup import build_run_engine
 
 
 def _free_port() -> int:
@@ -52,3 +55,22 @@ def test_single_process_is_left_unwrapped():
     env = init_distributed("cpu")
     model = nn.Linear(2, 2)
     assert env.world_size == 1 and wrap_ddp(model, env) is model
+
+
+@pytest.mark.parametrize("dtype, bf16", [("bfloat16", True), ("float32", False), ("auto", False)])
+def test_the_ddp_engine_autocasts_to_bf16_exactly_where_train_dtype_says(dtype, bf16):
+    # without the engine's autocast a bf16 run on the CPU trains on in fp32, and every other test passes
+    cfg = load_config(None, ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=32", "--model.block_size=16",
+                             "--data.seq_len=16", "--train.device=cpu", "--train.batch_size=2",
+                             "--train.micro_batch_size=2", f"--train.dtype={dtype}"])
+    family = family_of(cfg.model)
+    engine = build_run_engine(cfg, family, DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    x = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    with engine.micro_batch(last=True):
+        assert torch.is_autocast_enabled("cpu") is bf16
+        if bf16:
+            assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+        out = engine.model.blocks[0].attn.q(engine.model.wte(x))  # a linear layer as the forward runs it
+    assert out.dtype == (torch.bfloat16 if bf16 else torch.float32)
+    # evaluation runs under the same precision
+    assert engine.evaluate(lambda model, run: torch.is_autocast_enabled("cpu")) is bf16

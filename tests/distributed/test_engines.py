@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from lm.checkpoint.resume import check_engine
 from lm.cli import train_command
@@ -65,6 +66,12 @@ def train(nproc: int, out: Path, data_dir: Path, *extra: str, torchrun: bool = F
     out.with_suffix(".log").write_text(stdout)  # beside the run, for tests that read its log lines
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def val_losses(out: Path) -> dict[int, float]:
+    """The logged val/loss per step of the run in `out`."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["val/loss"] for r in rows if "val/loss" in r}
 
 
 def held_share(out: Path) -> float:
@@ -197,8 +204,6 @@ def test_lstm_trains_alike_under_the_sharding_engines(tiny_data_dir, tmp_path):
 
 
 def test_deepspeed_config_comes_from_ours_and_a_user_json_may_not_contradict_it(tmp_path):
-    import torch
-
     cfg = load_config(None, ["--parallel.engine=deepspeed", "--parallel.zero_stage=2", "--train.batch_size=32",
                              "--train.micro_batch_size=4", "--optim.grad_clip=0.5"])
     ds = deepspeed_config(cfg.parallel, cfg.train, cfg.optim, 2, torch.device("cpu"))
@@ -231,6 +236,15 @@ def test_deepspeed_config_comes_from_ours_and_a_user_json_may_not_contradict_it(
     user.write_text(json.dumps({"optimizer": {"type": "Adam"}}))
     with pytest.raises(ConfigError, match="sets 'optimizer'; lm passes its own AdamW"):
         deepspeed_config(cfg.parallel, cfg.train, cfg.optim, 2, torch.device("cpu"))
+    user.write_text(json.dumps({"scheduler": {"type": "WarmupLR"}}))  # it would set the rate on top of lm's schedule
+    with pytest.raises(ConfigError, match="sets 'scheduler'; lm passes its own AdamW and schedule"):
+        deepspeed_config(cfg.parallel, cfg.train, cfg.optim, 2, torch.device("cpu"))
+    for key, value in (("train_micro_batch_size_per_gpu", 8), ("gradient_accumulation_steps", 2)):
+        user.write_text(json.dumps({key: value}))  # DeepSpeed would accumulate other micro-batches than lm feeds
+        with pytest.raises(ConfigError, match=rf"sets {key}={value}, but this job has"):
+            deepspeed_config(cfg.parallel, cfg.train, cfg.optim, 2, torch.device("cpu"))
+    user.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}))
+    deepspeed_config(cfg.parallel, cfg.train, cfg.optim, 2, torch.device("cpu"))  # the job's own values pass
     user.write_text("{not json")
     with pytest.raises(ConfigError, match="is not valid JSON"):
         deepspeed_config(cfg.parallel, cfg.train, cfg.optim, 2, torch.device("cpu"))
@@ -315,8 +329,6 @@ def test_deepspeed_says_that_it_does_not_compile(tiny_data_dir, tmp_path):
 def test_an_engine_draws_the_weights_a_cpu_build_would_and_lets_a_loader_replace_them():
     """The engine is handed a model built on the meta device; allocating and drawing it from the seeded RNG
     gives the weights of a model built whole on the CPU, and `load_weights` then replaces them."""
-    import torch
-
     from lm.distributed.engine import build_engine
     from lm.distributed.env import DistEnv
     from lm.models.registry import family_of
@@ -343,3 +355,42 @@ def test_an_engine_draws_the_weights_a_cpu_build_would_and_lets_a_loader_replace
         other = family.build(cfg.model)
     zeros = build_engine(other, family, cfg.parallel, cfg.train, cfg.optim, env, load_weights=zero_all)
     assert all(not p.any() for p in zeros.model.parameters())
+
+
+@pytest.mark.parametrize("dtype, device, expected", [
+    ("auto", "cuda", (torch.bfloat16, torch.float32)),
+    ("bfloat16", "cpu", (torch.bfloat16, torch.float32)),
+    ("auto", "cpu", (None, None)),
+    ("float32", "cuda", (None, None)),
+])
+def test_fsdp_computes_in_bf16_and_reduces_gradients_in_fp32(dtype, device, expected):
+    # no CPU run sees the policy's dtypes (a bf16 gradient reduction, or fp16 parameters, would train on)
+    from lm.distributed.fsdp import mixed_precision
+
+    policy = mixed_precision(dtype, torch.device(device))
+    assert (policy.param_dtype, policy.reduce_dtype) == expected
+
+
+def test_fsdp_shards_every_block_on_its_own(tmp_path):
+    # without per-block fully_shard only the root is sharded: the same losses and the same held share,
+    # but every forward gathers the whole model at once
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from lm.distributed.env import DistEnv
+    from lm.models.registry import family_of
+    from lm.training.setup import build_run_engine
+
+    cfg = load_config(None, ["--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=16",
+                             "--data.seq_len=16", "--train.device=cpu", "--train.batch_size=2",
+                             "--train.micro_batch_size=2", "--parallel.engine=fsdp"])
+    family = family_of(cfg.model)
+    try:
+        engine = build_run_engine(cfg, family, DistEnv(rank=0, local_rank=0, world_size=1,
+                                                       device=torch.device("cpu")))
+        blocks = family.blocks(engine.model)
+        assert len(blocks) == 2 and all(isinstance(block, FSDPModule) for block in blocks)
+        assert isinstance(engine.model, FSDPModule)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -121,3 +121,41 @@ def test_an_fsdp_float8_run_resumes_without_float8_and_back(monkeypatch, tmp_pat
     fp8.load(tmp_path / "plain")
     assert all(torch.equal(weights(plain)[name], t) for name, t in weights(fp8).items())
     assert step(fp8) == pytest.approx(step(plain), abs=1e-2)
+
+
+@pytest.mark.parametrize("capability", [(8, 9), (9, 0), (10, 0)])
+def test_float8_is_accepted_from_ada_on(monkeypatch, capability):
+    # Ada (8.9), the first float8 GPU, is the boundary
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "torchao" else found(name))
+    for mode in ("tensorwise", "rowwise"):
+        float8.check_float8(mode, CUDA)  # no error
+
+
+def test_a_model_without_a_linear_layer_to_convert_is_refused(monkeypatch):
+    # without the refusal an LSTM "trained in float8" converts nothing, without a word
+    monkeypatch.setattr(float8, "check_float8", lambda mode, device: None)
+    cfg = load_config(None, ["--model.arch=lstm", "--model.n_layer=1", "--model.d_model=32", "--model.block_size=16",
+                             "--data.seq_len=16"])
+    cfg.train.float8 = "tensorwise"
+    family = family_of(cfg.model)
+    model = family.build_meta(cfg.model)
+    assert float8.float8_layers(model, family.float8_linears) == []
+    with pytest.raises(ConfigError, match=r"train.float8=tensorwise: .* has no linear layer to train in float8"):
+        float8.apply_float8(model, family, cfg.train, True, CUDA, True)
+
+
+@pytest.mark.slow  # importing torchao takes 3 to 4 s
+@pytest.mark.parametrize("fsdp", [True, False])
+def test_the_recipes_scale_as_named_under_every_engine(fsdp):
+    # rowwise under fsdp must not become tensorwise (the conversion test tries rowwise without fsdp only)
+    from torchao.float8.config import ScalingGranularity
+
+    rowwise = float8.float8_config("rowwise", fsdp, emulate=True)
+    for cast in (rowwise.cast_config_input, rowwise.cast_config_weight, rowwise.cast_config_grad_output):
+        assert cast.scaling_granularity is ScalingGranularity.AXISWISE
+    assert rowwise.enable_fsdp_float8_all_gather is False and rowwise.emulate is True
+    tensorwise = float8.float8_config("tensorwise", fsdp, emulate=True)
+    assert tensorwise.cast_config_weight.scaling_granularity is ScalingGranularity.TENSORWISE
+    assert tensorwise.enable_fsdp_float8_all_gather is fsdp

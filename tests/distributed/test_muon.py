@@ -144,3 +144,16 @@ def test_an_encoders_output_head_stays_with_adamw(head):
     head_weight = "wte.weight" if head == "mlm" else "score.weight"  # the masked-token head is the embedding
     assert muon and all(name.startswith("blocks.") or name == "mlm_dense.weight" for name in muon)
     assert head_weight not in muon and head_weight in names.values()
+
+
+def test_each_group_gets_the_configured_optimizer_settings():
+    # a Muon group built with weight_decay 0 would train on (test_muon's step test builds its own groups)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=64, tie_embeddings=False))
+    cfg = OptimConfig(name="muon", weight_decay=0.05, beta1=0.8, beta2=0.9, eps=1e-6, lr=1e-3)
+    opt = build_optimizer(model, cfg, [model.lm_head])
+    settings = [(g["weight_decay"], g.get("muon", False), g["betas"], g["eps"], g["lr"]) for g in opt.param_groups]
+    assert settings == [(0.05, False, (0.8, 0.9), 1e-6, 1e-3), (0.0, False, (0.8, 0.9), 1e-6, 1e-3),
+                        (0.05, True, (0.8, 0.9), 1e-6, 1e-3)]
+    adamw = build_optimizer(model, OptimConfig(weight_decay=0.05, eps=1e-6), [model.lm_head])
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["fused"] is True
+    assert [(g["weight_decay"], g["eps"]) for g in adamw.param_groups] == [(0.05, 1e-6), (0.0, 1e-6)]

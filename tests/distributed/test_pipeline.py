@@ -13,6 +13,7 @@ from lm.distributed.layout import check_world
 from lm.distributed.pipeline import stage_layers
 from lm.errors import ConfigError
 from tests.distributed.test_engines import held_share, resume_copy, train
+from tests.workers import pool
 
 # a 4-block decoder with the Llama options (grouped-query attention) and an untied head, which a pipeline needs
 LLAMA4 = ["--parallel.engine=fsdp", "--model.n_layer=4", "--model.n_head=4", "--model.n_kv_head=2",
@@ -157,3 +158,43 @@ def test_a_pipeline_the_world_cannot_feed_is_refused_before_any_group(world, fla
 def test_layouts_the_world_can_feed_pass(world, flags):
     check_world(load_config(None, ["--parallel.engine=fsdp", "--model.tie_embeddings=false", "--model.n_layer=4",
                                    *flags]), world)
+
+
+SMALL_PP2 = ["--parallel.engine=fsdp", "--model.n_layer=4", "--model.n_head=2", "--model.d_model=32",
+             "--model.block_size=16", "--data.seq_len=16", "--model.tie_embeddings=false", "--train.device=cpu",
+             "--train.batch_size=8", "--train.micro_batch_size=2", "--parallel.pp=2"]
+"""Two pipeline ranks of 4 small blocks, for what each rank builds (no training)"""
+
+
+def pipeline_of(flags: list[str]) -> dict:
+    """A pool job: the pipeline engine `flags` builds on this rank; what it holds and the schedule it runs."""
+    import torch
+    import torch.distributed as dist
+
+    from lm.config import load_config
+    from lm.distributed.env import DistEnv
+    from lm.models.registry import family_of
+    from lm.training.setup import build_run_engine
+
+    cfg = load_config(None, flags)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    env = DistEnv(rank=rank, local_rank=rank, world_size=world, device=torch.device("cpu"), pp=cfg.parallel.pp)
+    engine = build_run_engine(cfg, family_of(cfg.model), env)
+    return {"engine": type(engine).__name__, "schedule": type(engine._schedule).__name__,
+            "n_micro": engine._schedule._n_microbatches, "stages": engine.stage_ids,
+            "blocks": sorted(int(name) for name in engine.model.blocks.keys())}
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("schedule, kind, per_rank", [("gpipe", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1),
+                                                      ("interleaved_1f1b", "ScheduleInterleaved1F1B", 2)])
+def test_each_rank_builds_the_named_schedule_over_the_steps_micro_batches(schedule, kind, per_rank):
+    # invisible to the losses: gpipe and 1f1b swapped (the same gradients, gpipe's memory), contiguous instead of
+    # looped stages per rank, and on 2 ranks pp=2 run as plain FSDP2
+    flags = [*SMALL_PP2, f"--parallel.pp_schedule={schedule}", f"--parallel.pp_stages_per_rank={per_rank}"]
+    found = [r["value"] for r in pool(2).run(pipeline_of, flags)]
+    for rank, got in enumerate(found):
+        stages = [rank + 2 * k for k in range(per_rank)]  # stage s on pipeline rank s mod pp
+        blocks = [b for s in stages for b in range(s * 4 // (2 * per_rank), (s + 1) * 4 // (2 * per_rank))]
+        assert got == {"engine": "PipelineEngine", "schedule": kind, "n_micro": 4, "stages": stages,
+                       "blocks": blocks}, (rank, got)

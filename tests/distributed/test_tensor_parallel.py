@@ -13,8 +13,10 @@ from lm import consolidate
 from lm.cli import run as run_tool
 from lm.config import load_config
 from lm.errors import ConfigError
-from tests.distributed.test_engines import held_share, resume_copy, train
+from lm.models.family import TPStyle
+from tests.distributed.test_engines import held_share, resume_copy, train, val_losses
 from tests.distributed.test_pipeline import MICRO4, one_process_run
+from tests.workers import pool
 
 # the Llama options with grouped-query attention: 4 query heads, 2 key/value heads, an untied head
 LLAMA = ["--parallel.engine=fsdp", "--model.n_head=4", "--model.n_kv_head=2", "--model.pos=rope",
@@ -88,10 +90,15 @@ def test_tp2_matches_one_process(case, tiny_data_dir, tmp_path, tmp_path_factory
     flags = ["--parallel.engine=fsdp", "--model.n_head=4", "--train.steps=4", *CASES[case]]
     # against the eager model: compiled and eager agree to rounding (tests/training/test_trainer.py), and a cold
     # compile on one process more would double the case's time
-    _, one = one_process_run(tiny_data_dir, tmp_path_factory, *[f for f in flags if f != "--train.compile=true"])
+    # micro-batches of 4 on one process too: validation reads train.eval_batches micro-batches
+    one_dir, one = one_process_run(tiny_data_dir, tmp_path_factory,
+                                   *[f for f in flags if f != "--train.compile=true"], *MICRO4)
     two = train(2, tmp_path / "tp2", tiny_data_dir, *flags, "--parallel.tp=2", *MICRO4)  # 2 micro-batches a step
     assert sorted(two) == [1, 2, 3, 4]
     assert_same(two, one, range(1, 5))
+    want = val_losses(one_dir)
+    assert want and sorted(val_losses(tmp_path / "tp2")) == sorted(want)
+    assert_same(val_losses(tmp_path / "tp2"), want, sorted(want))
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -134,3 +141,33 @@ def test_a_world_size_that_tp_does_not_divide_is_refused_before_any_process_grou
         "error: parallel.tp=2 does not divide the world size 3 (ranks torchrun started); the product must be one "
         "of 1, 3, or start a multiple of 2 ranks")
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+def apply_plans(plans: list[dict[str, str]]) -> list[str]:
+    """A pool job: for each plan (module -> TPStyle name), a two-layer MLP on the meta device parallelised by it over
+    a 1-D mesh of the pool's ranks; the error raised, or "ok"."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lm.distributed.tensor_parallel import apply_tensor_parallel
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    results = []
+    for plan in plans:
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        try:
+            apply_tensor_parallel(model, {name: TPStyle[style] for name, style in plan.items()}, mesh)
+            results.append("ok")
+        except ValueError as err:
+            results.append(str(err))
+    return results
+
+
+@pytest.mark.process
+def test_a_plan_that_leaves_a_parameter_out_is_refused():
+    # left out, FSDP2 would shard the module over another mesh than the rest, and the gradient norm would mix meshes
+    results = [r["value"] for r in pool(2).run(apply_plans, [{"0": "COLUMNS"}, {"0": "COLUMNS", "2": "ROWS"}])]
+    assert results == [["the tensor-parallel plan leaves 2.weight, 2.bias out; give its module a style", "ok"]] * 2
