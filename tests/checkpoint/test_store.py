@@ -108,6 +108,19 @@ def test_any_failed_save_removes_its_own_tmp_and_names_the_intact_previous_check
     assert resolve_checkpoint(root).name == "step_00000001"
 
 
+def hold_writes(engine, directory: str | None = None) -> threading.Event:
+    """Make the engine's background writes (of `directory` only, if given) wait until the returned event is set."""
+    held, write = threading.Event(), engine.write_staged
+
+    def held_write(staged, to):
+        if directory is None or to.name == directory:
+            held.wait(timeout=60)
+        write(staged, to)
+
+    engine.write_staged = held_write
+    return held
+
+
 def test_a_background_save_writes_its_step_state_and_publishes_it_once_written(tmp_path):
     cfg, engine = setup()
     env = init_distributed("cpu")
@@ -115,13 +128,7 @@ def test_a_background_save_writes_its_step_state_and_publishes_it_once_written(t
     saves = BackgroundSaves(root, env)
     saves.save(1, engine, {"step": 1, "tokens_seen": 0, "position": 1}, cfg, keep=2)
     saves.wait()
-    held, write = threading.Event(), engine.write_staged
-
-    def held_write(staged, directory):
-        held.wait(timeout=60)
-        write(staged, directory)
-
-    engine.write_staged = held_write
+    held = hold_writes(engine)
     torch.manual_seed(5)
     saves.save(2, engine, {"step": 2, "tokens_seen": 8, "position": 2}, cfg, keep=2)
     expected_draw = torch.rand(3)
@@ -247,14 +254,7 @@ def test_the_next_background_save_waits_for_the_write_in_progress_and_both_are_p
     env = init_distributed("cpu")
     root = checkpoint_root(tmp_path)
     saves = BackgroundSaves(root, env)
-    held, write = threading.Event(), engine.write_staged
-
-    def held_write(staged, directory):
-        if directory.name == "step_00000001.tmp":
-            held.wait(timeout=60)
-        write(staged, directory)
-
-    engine.write_staged = held_write
+    held = hold_writes(engine, "step_00000001.tmp")
     torch.manual_seed(1)
     saves.save(1, engine, {"step": 1, "tokens_seen": 0, "position": 1}, cfg, keep=2)
     draw_after_1 = torch.rand(3)
