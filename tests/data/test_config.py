@@ -40,3 +40,34 @@ def test_a_bad_value_is_named_by_its_place_and_key(entries, message):
 def test_a_source_built_in_code_is_checked_too():
     with pytest.raises(ConfigError, match=r"^weight: expected a finite number >= 0, got nan$"):
         MixtureSource(dir="a", weight=float("nan"))
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--data.val_fraction=1.0", r"data.val_fraction: must be in \[0, 1\), got 1.0"),  # no document left to train on
+    ("--data.seq_len=0", "data.seq_len: must be positive, got 0"),
+    ("--data.shard_tokens=0", "data.shard_tokens: must be positive, got 0"),
+    ("--data.num_workers=-1", r"data.num_workers: must be 0 \(one per core\) or positive, got -1"),
+])
+def test_a_data_value_at_the_edge_of_its_range_is_refused(arg, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [arg])
+
+
+def test_the_edges_themselves_that_are_in_range_pass():
+    data = load_config(None, ["--data.val_fraction=0", "--data.seq_len=1", "--data.num_workers=0"]).data
+    assert (data.val_fraction, data.seq_len, data.num_workers) == (0.0, 1, 0)
+
+
+def test_two_mixture_sources_of_one_name_are_refused():
+    # both would log as val/plays/loss: the second is named by its directory's last part too
+    with pytest.raises(ConfigError, match=r"data.mixture: 'a/plays' and 'b/plays' share the name 'plays'; give one "
+                                          r"of them another `name`"):
+        load_config(None, ["--data.mixture=[{dir: a/plays}, {dir: b/plays}]"])
+    sources = load_config(None, ["--data.mixture=[{dir: a/plays}, {dir: b/plays, name: plays2}]"]).data.mixture
+    assert [s.name for s in sources] == ["plays", "plays2"]
+
+
+def test_mixture_weights_that_sum_to_zero_are_refused():
+    with pytest.raises(ConfigError, match=r"data.mixture: the weights sum to 0; give at least one source a positive "
+                                          r"weight"):
+        load_config(None, ["--data.mixture=[{dir: a, weight: 0}, {dir: b, weight: 0}]"])

@@ -17,6 +17,7 @@ from lm.data.labelled import (
 )
 from lm.data.mixture import sample_order
 from lm.errors import DataError
+from tests.conftest import write_rows
 
 PAD = 99
 ROWS = [("a fine day", 1), ("rain, and more rain", 0), ('"quoted" text', 2), ("", 1), ("x\ny", 0)]
@@ -254,3 +255,12 @@ def test_read_texts(tmp_path):
     assert read_texts(path, "text") == ["a", "b"]
     with pytest.raises(DataError, match=r"no column 'sentence'; the columns are \['text'\]"):
         read_texts(path, "sentence")
+
+
+@pytest.mark.parametrize("kind, num_classes", [("classify", 2), ("regress", 0)])
+def test_a_boolean_label_is_no_class_and_no_number(tmp_path, kind, num_classes):
+    # JSON true/false are not the classes 1/0 (nor the numbers 1.0/0.0): a column of booleans is refused
+    path = write_rows(tmp_path / "rows.jsonl", [{"text": "a", "label": True}, {"text": "b", "label": False}])
+    with pytest.raises(DataError, match=r"rows.jsonl: row 0: column 'label' holds True; a (class|regression) label "
+                                        r"must be"):
+        read_labelled(path, "text", "label", kind, num_classes)

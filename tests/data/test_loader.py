@@ -217,3 +217,38 @@ def test_span_corruption_is_the_same_at_any_world_size_and_after_resume(tmp_path
         assert src.shape == (4, 33 - 5 + 2) and tgt_out.shape == (4, 5 + 2 + 1)
         patterns |= {tuple(np.flatnonzero(row >= 50257).tolist()) for row in src}
     assert len(patterns) > 10
+
+
+def test_rank_slice_refuses_a_rank_outside_the_world():
+    # ranks of a world of 2 are 0 and 1: rank 2 would read positions [8, 12) of the next step
+    with pytest.raises(ValueError, match=r"rank 2 is outside a world of size 2"):
+        rank_slice(0, 8, 2, 2)
+    with pytest.raises(ValueError, match=r"rank -1 is outside a world of size 2"):
+        rank_slice(0, 8, -1, 2)
+
+
+def test_an_id_equal_to_the_vocabulary_size_is_refused_with_its_position(tmp_path):
+    # tokens 50249..50257 (vocab 50257): window 0 is [50249..50253]; window 1 starts at token 4, [50253..50257],
+    # and its largest id, 50257, one past the vocabulary, is token 4 + 4 = 8 of the shard
+    data = make_data_dir(tmp_path / "data", [9], base=50249)
+    windows = SplitWindows(data, "train", T)
+    assert windows.read_rows(np.array([0]))[0].tolist() == [50249, 50250, 50251, 50252, 50253]
+    with pytest.raises(DataError, match=r"train_00000.bin: token 50257 at position 8 is not below the vocabulary "
+                                        r"size 50257"):
+        windows.read_rows(np.array([1]))
+
+
+def test_a_loader_moved_back_reads_again_what_it_read_there(tmp_path):
+    # a mixture loader counts each source's draws incrementally; a load_state_dict to an earlier position
+    # must count again from the start, so the batch at position 0 is the same the second time
+    a = make_data_dir(tmp_path / "a", [41])
+    b = make_data_dir(tmp_path / "b", [41], base=1000)
+    loader = TokenLoader([a, b], "train", T, 3, 0, 1, 4, 4, weights=[1, 1])
+    first = loader.next_batch()
+    loader.next_batch()
+    loader.next_batch()
+    loader.load_state_dict({"position": 0})
+    assert loader.draws_per_source().tolist() == [0, 0]
+    again = loader.next_batch()
+    assert all(np.array_equal(u, v) for one, two in zip(first, again) for u, v in zip(one, two))
+    assert loader.draws_per_source().sum() == 4

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from lm.data.loader import SplitWindows, TokenLoader, val_batches
-from lm.data.objectives import NextToken, SpanCorruption
+from lm.data.objectives import MaskedLM, NextToken, SpanCorruption
 from lm.data.span_corruption import corrupt, corrupted_lengths, noise_mask, reconstruct
 from lm.errors import ConfigError
 
@@ -84,3 +84,30 @@ def test_on_prepared_data_through_the_loader(tiny_data_dir):
         ids = np.arange(4 * i, 4 * i + 4)
         assert_reconstructs(batch, windows.read_rows(ids), objective)
         assert np.array_equal(batch[0], objective(windows.read_rows(ids), ids)[0])  # keyed by sample id
+
+
+def test_next_token_document_positions_are_those_of_the_inputs():
+    # eot = 0. Row 0: x = [5, 0, 7, 8], y = [0, 7, 8, 9]; the end-of-text at x[1] opens the next document.
+    # Row 1: x = [0, 6, 0, 2]; its second end-of-text opens a third document. Positions are read from x, not y.
+    rows = np.array([[5, 0, 7, 8, 9],
+                     [0, 6, 0, 2, 3]])
+    x, y, positions = NextToken(document_eot=0)(rows, np.arange(2))
+    assert x.tolist() == [[5, 0, 7, 8], [0, 6, 0, 2]]
+    assert y.tolist() == [[0, 7, 8, 9], [6, 0, 2, 3]]
+    assert positions.tolist() == [[0, 0, 1, 2], [0, 1, 0, 1]]
+
+
+def test_span_corruption_needs_one_sentinel_more_than_it_has_spans():
+    # windows of 17 tokens have 1 noise span: its sentinel and the end marker need 2 sentinels
+    with pytest.raises(ConfigError, match=r"model.n_sentinels: 1 sentinels do not fit data.seq_len=16: its windows of "
+                                          r"17 tokens have 1 noise spans and need 2 sentinels"):
+        SpanCorruption(0, 100, 1, 0, 17)
+    SpanCorruption(0, 100, 2, 0, 17)
+
+
+@pytest.mark.parametrize("mask_id, cls_id", [(10, 3), (3, 10), (11, 11)])
+def test_masked_lm_refuses_mask_or_cls_ids_inside_the_vocabulary(mask_id, cls_id):
+    # vocabulary of 10 ids (0..9): [MASK] and [CLS] must be two distinct ids from 10 on
+    with pytest.raises(ValueError, match=r"must be two ids after the tokenizer's 10"):
+        MaskedLM(0, 10, mask_id, cls_id, 0.5, 0.8, 0.1)
+    MaskedLM(0, 10, 10, 11, 0.5, 0.8, 0.1)

@@ -140,3 +140,22 @@ def test_scores_count_acc_acc_norm_and_chance():
     assert task_metrics({"a": score, "b": guess}) == {
         "tasks/a/acc": 0.5, "tasks/a/acc_norm": 1.0, "tasks/b/acc": 0.25, "tasks/b/acc_norm": 0.25,
         "tasks/core": pytest.approx(metrics["centered"] / 2)}
+
+
+def test_acc_norm_divides_by_the_continuations_characters_without_the_delimiter():
+    item = Item(("c", "c"), (" ab", " abcd"), 1)
+    assert item.chars == (2, 4)
+    score = TaskScore()
+    # per character: -2/2 = -1.0 and -3.5/4 = -0.875, so the gold second choice wins acc_norm;
+    # counting the delimiter (-2/3 = -0.667, -3.5/5 = -0.7) the first would
+    score.add(item, [-2.0, -3.5])
+    assert (score.correct, score.correct_norm) == (0, 1)
+
+
+def test_hellaswag_markers_leave_no_double_space():
+    row = {"activity_label": "Home", "ctx_a": "How to x [title] Step one [step]", "ctx_b": "do it.",
+           "endings": ["Then [step] rest.", "Fine."], "label": "1"}
+    item = tasks._hellaswag(row)
+    # " [title]" becomes ". ", "[step]" goes, and the two spaces left where it stood become one
+    assert item.contexts[0] == "Home: How to x. Step one Do it."
+    assert item.continuations == (" Then rest.", " Fine.") and item.gold == 1
