@@ -293,7 +293,8 @@ def test_sigterm_before_the_workers_start_is_not_lost(tiny_data_dir, tmp_path):
     it, until lm installs its handler), is sent again until they take it: they save at a log step soon after."""
     proc, out, log = preemptible_run(tiny_data_dir, tmp_path)
     deadline = time.monotonic() + 60
-    while not subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True).stdout:  # torchrun started
+    # torchrun started: not any child, since the script's $(...) before torchrun.sh's trap are children too
+    while not subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "lm-torchrun"], capture_output=True).stdout:
         assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGTERM)

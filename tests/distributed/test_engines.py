@@ -15,7 +15,7 @@ from lm.cli import train_command
 from lm.config import load_config
 from lm.distributed.zero import deepspeed_config
 from lm.errors import CheckpointError, ConfigError
-from tests.workers import job_env, torchrun_forced, train_in_pool
+from tests.workers import job_env, pool, torchrun_forced, train_in_pool
 
 TINY = [
     "--model.n_layer=2", "--model.d_model=32", "--model.block_size=32",
@@ -371,9 +371,8 @@ def test_fsdp_computes_in_bf16_and_reduces_gradients_in_fp32(dtype, device, expe
     assert (policy.param_dtype, policy.reduce_dtype) == expected
 
 
-def test_fsdp_shards_every_block_on_its_own(tmp_path):
-    # without per-block fully_shard only the root is sharded: the same losses and the same held share,
-    # but every forward gathers the whole model at once
+def _fsdp_units() -> tuple[bool, list[bool]]:
+    """A pool's job: whether the fsdp engine's model and each of its blocks is an FSDP unit of its own."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
@@ -383,14 +382,16 @@ def test_fsdp_shards_every_block_on_its_own(tmp_path):
 
     cfg = load_config(None, ["--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=16",
                              "--data.seq_len=16", "--train.device=cpu", "--train.batch_size=2",
-                             "--train.micro_batch_size=2", "--parallel.engine=fsdp"])
+                             "--train.micro_batch_size=1", "--parallel.engine=fsdp"])
+    rank = dist.get_rank()
     family = family_of(cfg.model)
-    try:
-        engine = build_run_engine(cfg, family, DistEnv(rank=0, local_rank=0, world_size=1,
-                                                       device=torch.device("cpu")))
-        blocks = family.blocks(engine.model)
-        assert len(blocks) == 2 and all(isinstance(block, FSDPModule) for block in blocks)
-        assert isinstance(engine.model, FSDPModule)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    engine = build_run_engine(cfg, family, DistEnv(rank=rank, local_rank=rank, world_size=dist.get_world_size(),
+                                                   device=torch.device("cpu")))
+    return isinstance(engine.model, FSDPModule), [isinstance(b, FSDPModule) for b in family.blocks(engine.model)]
+
+
+@pytest.mark.process
+def test_fsdp_shards_every_block_on_its_own():
+    # without per-block fully_shard only the root is sharded: the same losses and the same held share,
+    # but every forward gathers the whole model at once
+    assert [r["value"] for r in pool(2).run(_fsdp_units)] == [(True, [True, True])] * 2
