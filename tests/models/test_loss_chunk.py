@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lm.checkpoint.resume import model_diff
 from lm.config import load_config
@@ -12,7 +13,7 @@ from lm.distributed.env import init_distributed
 from lm.errors import ConfigError
 from lm.models.config import ModelConfig
 from lm.models.family import PlainLoss
-from lm.models.loss import chunked_cross_entropy
+from lm.models.loss import chunked_cross_entropy, head_loss
 from lm.models.registry import config_class, get_family
 from lm.models.terms import Losses
 from lm.training.trainer import Trainer
@@ -125,3 +126,43 @@ def test_a_run_resumes_or_starts_from_weights_with_another_loss_chunk() -> None:
     saved = load_config(None, ["--model.d_model=48"]).model
     assert model_diff(saved, load_config(None, ["--model.d_model=48", "--model.loss_chunk=256"]).model) == ""
     assert model_diff(saved, load_config(None, ["--model.d_model=36"]).model) == "model.d_model: 48 -> 36"
+
+
+def bf16_logits():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 8, 16, generator=g)
+    weight = torch.randn(16, 5000, generator=g)
+    targets = torch.randint(0, 5000, (2, 8), generator=g)
+    return h, weight, targets
+
+
+def reference(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
+    """The float32 cross-entropy and mean log Z^2 of the (bf16) logits as given."""
+    logits = logits.float().reshape(-1, logits.shape[-1])
+    return (F.cross_entropy(logits, targets.reshape(-1)).item(),
+            torch.logsumexp(logits, -1).square().mean().item())
+
+
+@pytest.mark.parametrize("with_z", [False, True])
+def test_bf16_logits_get_a_float32_loss_whole(with_z):
+    h, weight, targets = bf16_logits()
+    logits = (h @ weight).bfloat16()
+    loss = head_loss(logits, targets, with_z)
+    assert loss.dtype == torch.float32
+    ce, z = reference(logits, targets)
+    if with_z:
+        assert loss.tolist() == pytest.approx([ce, z], rel=1e-6)
+    else:
+        assert loss.item() == pytest.approx(ce, rel=1e-6)
+
+
+@pytest.mark.parametrize("with_z", [False, True])
+def test_bf16_logits_get_a_float32_loss_chunked(with_z):
+    h, weight, targets = bf16_logits()
+    loss = chunked_cross_entropy(lambda x: (x @ weight).bfloat16(), h, targets, chunk=5, with_z=with_z)
+    assert loss.dtype == torch.float32
+    ce, z = reference((h @ weight).bfloat16(), targets)
+    if with_z:
+        assert loss.tolist() == pytest.approx([ce, z], rel=1e-5)
+    else:
+        assert loss.item() == pytest.approx(ce, rel=1e-5)

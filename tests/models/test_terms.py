@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from lm.models.terms import Reduce, Term, combine
+from lm.models.loss import cross_entropy_terms
+from lm.models.terms import Losses, Reduce, Term, combine
 
 
 def micro(value: float, weight: float, reduce: Reduce = Reduce.MEAN) -> dict[str, Term]:
@@ -20,3 +21,39 @@ def test_a_mean_weighs_each_micro_batch_by_its_targets_and_keeps_their_total():
 def test_a_sum_adds_the_values_whatever_their_weights_and_a_max_takes_the_largest():
     assert combine([micro(2.0, 10, Reduce.SUM), micro(4.0, 30, Reduce.SUM)])["x"].value.item() == 6.0
     assert combine([micro(2.0, 10, Reduce.MAX), micro(4.0, 30, Reduce.MAX)])["x"].value.item() == 4.0
+
+
+def test_a_steps_terms_keep_their_kind_of_reduction():
+    # the window and the ranks reduce a step's term as it says: a SUM or MAX read as a MEAN would be averaged
+    micro = [{"n": Term(torch.tensor(2.0), Reduce.SUM, 10), "top": Term(torch.tensor(5.0), Reduce.MAX, 10),
+              "loss": Term(torch.tensor(1.0), Reduce.MEAN, 10)},
+             {"n": Term(torch.tensor(4.0), Reduce.SUM, 30), "top": Term(torch.tensor(3.0), Reduce.MAX, 30),
+              "loss": Term(torch.tensor(3.0), Reduce.MEAN, 30)}]
+    step = combine(micro)
+    assert {name: term.reduce for name, term in step.items()} == {"n": Reduce.SUM, "top": Reduce.MAX,
+                                                                  "loss": Reduce.MEAN}
+    assert step["n"].value.item() == 6.0 and step["top"].value.item() == 5.0
+    assert step["loss"].value.item() == pytest.approx((1 * 10 + 3 * 30) / 40) and step["loss"].weight == 40
+
+
+def test_detached_terms_keep_their_weight_and_reduction_and_leave_the_graph():
+    value = torch.tensor(2.0, requires_grad=True) * 3
+    losses = Losses({"loss": Term(value, Reduce.MEAN, 37.0), "n": Term(value * 0 + 5, Reduce.SUM, 1.0)})
+    detached = losses.detached()
+    assert detached["loss"] == Term(detached["loss"].value, Reduce.MEAN, 37.0)
+    assert detached["n"].reduce is Reduce.SUM
+    assert not detached["loss"].value.requires_grad and detached["loss"].value.item() == 6.0
+
+
+def test_a_cross_entropys_terms_are_weighted_by_its_targets():
+    plain = cross_entropy_terms(torch.tensor(2.5), 96)
+    assert plain.objective == "loss" and plain.terms["loss"] == Term(plain.terms["loss"].value, Reduce.MEAN, 96)
+    with_z = cross_entropy_terms(torch.tensor([2.5, 4.0]), 96, z_loss=1e-2)
+    assert with_z.objective == "objective"
+    assert {name: (term.value.item(), term.weight) for name, term in with_z.terms.items()} == {
+        "loss": (2.5, 96), "z_loss": (4.0, 96), "objective": (pytest.approx(2.5 + 1e-2 * 4.0), 96)}
+
+
+def test_an_objective_that_is_none_of_the_terms_is_refused():
+    with pytest.raises(ValueError, match="the objective 'objective' is none of the terms"):
+        Losses({"loss": Term(torch.tensor(1.0))}, objective="objective")

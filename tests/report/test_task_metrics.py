@@ -1,6 +1,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 from lm.report.metrics import (
     REGRESSION_SUMS,
@@ -9,6 +10,7 @@ from lm.report.metrics import (
     regression_metrics,
     regression_sums,
 )
+from lm.training.evaluate import task_metrics, task_sums
 
 
 def macro_f1(y: np.ndarray, p: np.ndarray, num_classes: int) -> float:
@@ -108,3 +110,16 @@ def test_a_filler_row_of_weight_0_counts_in_no_sum():
     sums = task_sums("classify", 2, logits, np.array([0, 0]), np.array([1.0, 0.0]))
     assert sums[1:].sum() == 1 and sums[1:].tolist() == [1, 0, 0, 0]  # row 0 right; the filler (wrong) unseen
     assert sums[0] == pytest.approx(F.cross_entropy(logits[:1], torch.tensor([0])).item())
+
+
+def test_a_classifiers_val_loss_is_the_summed_cross_entropy_over_the_rows_scored():
+    # 5 rows scored (the confusion matrix's total), their cross-entropies summed to 3.0
+    sums = np.array([3.0, 2.0, 1.0, 0.0, 2.0])
+    assert task_metrics("classify", 2, sums)["val/loss"] == pytest.approx(3.0 / 5)
+
+
+def test_a_regressions_val_loss_is_the_mean_squared_error():
+    labels = np.array([1.0, 2.0, 3.0, 9.0])
+    weight = np.array([1.0, 1.0, 1.0, 0.0])  # a filler row counts in no sum
+    sums = task_sums("regress", 0, torch.tensor([1.0, 2.0, 5.0, 0.0]), labels, weight, center=1.0)
+    assert task_metrics("regress", 0, sums)["val/loss"] == pytest.approx((0 + 0 + 4) / 3)

@@ -6,8 +6,11 @@ import json
 import pytest
 
 from lm.config import load_config
+from lm.distributed.env import init_distributed
 from lm.errors import ConfigError
+from lm.training.trainer import Trainer
 from tests.distributed.test_engines import train
+from tests.training.test_trainer import tiny_config
 
 TASKS = ["--train.eval_tasks=arc_easy,winogrande", "--train.eval_tasks_limit=10", "--train.steps=3",
          "--checkpoint.every=3"]
@@ -55,3 +58,13 @@ def test_tasks_are_scored_every_eval_tasks_every_steps_and_at_the_end():
     own = evaluator("--train.eval_tasks_every=5")
     assert [step for step in range(1, 11) if own.due(step, last=step == 11)] == [5, 10] and own.due(11, last=True)
     assert [step for step in range(1, 7) if evaluator().due(step, last=False)] == [2, 4, 6]  # at every validation
+
+
+def test_training_goes_on_in_training_mode_after_a_task_evaluation(tiny_data_dir, tmp_path):
+    """The task scoring switches the model to eval mode and back: the steps after it train with dropout on."""
+    trainer = Trainer(tiny_config(tiny_data_dir, tmp_path / "run", "--train.steps=2", "--train.eval_tasks=arc_easy",
+                                  "--train.eval_tasks_limit=2", "--train.eval_tasks_every=1", "--train.eval_every=5",
+                                  "--model.dropout=0.1"), init_distributed("cpu"))
+    history = trainer.fit()
+    assert [row["step"] for row in history if "tasks/core" in row] == [1, 2]
+    assert all(module.training for module in trainer.engine.model.modules())

@@ -2,12 +2,18 @@
 TensorBoard when a run diverges, starts over or was killed mid-write."""
 
 import json
+import time
 
 import pytest
+import torch
+import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lm.distributed.env import DistEnv
+from lm.models.terms import Reduce, Term
 from lm.report.metrics import read_metrics
-from lm.training.logger import MetricLogger
+from lm.training.logger import MetricLogger, TrainWindow, across_ranks
+from tests.workers import job_env, pool
 
 
 def log(run_dir, losses: dict[int, float], tensorboard: bool = False, resumed_step: int = 0) -> None:
@@ -55,3 +61,63 @@ def test_a_resume_drops_every_later_row_of_its_kind_not_only_those_logged_again(
     log(tmp_path, {10: 3.0, 20: 2.5, 30: 2.0})
     log(tmp_path, {20: 2.75}, resumed_step=10)  # resumed from step 10 and stopped again after step 20
     assert [(row["step"], row["train/loss"]) for row in read_metrics(tmp_path)] == [(10, 3.0), (20, 2.75)]
+
+
+CPU = torch.device("cpu")
+ONE = DistEnv(rank=0, local_rank=0, world_size=1, device=CPU)
+
+
+def terms(loss: float, count: float, peak: float, weight: float = 64.0) -> dict[str, Term]:
+    return {"loss": Term(torch.tensor(loss), Reduce.MEAN, weight), "count": Term(torch.tensor(count), Reduce.SUM),
+            "peak": Term(torch.tensor(peak), Reduce.MAX)}
+
+
+def test_a_window_averages_its_applied_steps_keeps_the_largest_max_and_counts_every_steps_tokens():
+    window = TrainWindow(CPU)
+    window.add(terms(2.0, 10.0, 1.0), torch.tensor(True), 100)
+    window.add(terms(float("nan"), float("nan"), float("nan")), torch.tensor(False), 100)  # skipped: left out
+    window.add(terms(4.0, 20.0, 5.0), torch.tensor(True), 100)
+    window.add(terms(3.0, 30.0, 2.0), torch.tensor(True), 100)
+    values, tokens, _ = window.read(ONE)
+    # MEAN and SUM terms: the mean over the 3 applied steps; MAX: the largest of them
+    assert values == {"loss": pytest.approx(3.0), "count": pytest.approx(20.0), "peak": 5.0}
+    assert tokens == 400  # the skipped step read its tokens too
+    # read starts a new window
+    window.add(terms(7.0, 1.0, 0.5), torch.tensor(True), 50)
+    values, tokens, _ = window.read(ONE)
+    assert values == {"loss": 7.0, "count": 1.0, "peak": 0.5} and tokens == 50
+
+
+def test_a_window_whose_every_step_was_skipped_has_no_terms():
+    window = TrainWindow(CPU)
+    window.add(terms(float("nan"), 3.0, 1.0), torch.tensor(False), 100)
+    window.add(terms(float("inf"), 3.0, 1.0), torch.tensor(False), 100)
+    values, tokens, _ = window.read(ONE)
+    assert values == {} and tokens == 200  # not a loss of 0, which would read as a perfect model
+
+
+def test_time_paused_for_evaluation_is_left_out_of_the_windows_training_time():
+    window = TrainWindow(CPU)
+    window.add(terms(2.0, 1.0, 1.0), torch.tensor(True), 1000)
+    with window.paused():
+        time.sleep(0.5)
+    _, tokens, seconds = window.read(ONE)
+    assert tokens == 1000 and 0 < seconds < 0.25  # tokens/s is not diluted by the evaluation's half second
+
+
+def reduce_two_ranks() -> dict[str, float]:
+    """Rank 0 holds 10 targets at a mean of 2, rank 1 30 at a mean of 4; a count of 1 and 2; a max of 7 and 3."""
+    rank = dist.get_rank()
+    env = DistEnv(rank=rank, local_rank=rank, world_size=2, device=CPU)
+    values = {"loss": torch.tensor([2.0, 4.0][rank]), "count": torch.tensor([1.0, 2.0][rank]),
+              "peak": torch.tensor([7.0, 3.0][rank])}
+    reduces = {"loss": Reduce.MEAN, "count": Reduce.SUM, "peak": Reduce.MAX}
+    weights = {"loss": torch.tensor([10.0, 30.0][rank]), "count": None, "peak": None}
+    return across_ranks(values, reduces, weights, env)
+
+
+@pytest.mark.process
+def test_terms_over_two_ranks_weigh_a_mean_by_each_ranks_targets_add_a_sum_and_keep_the_largest_max():
+    replies = pool(2).run(reduce_two_ranks, env=job_env())
+    for reply in replies:  # every rank gets the same values
+        assert reply["value"] == {"loss": pytest.approx((2 * 10 + 4 * 30) / 40), "count": 3.0, "peak": 7.0}

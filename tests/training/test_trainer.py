@@ -22,8 +22,10 @@ from lm.distributed.optim import build_optimizer
 from lm.errors import CheckpointError, ConfigError
 from lm.models.gpt.model import GPT
 from lm.models.registry import family_of
+from lm.plan.counts import flops_per_token
 from lm.report.metrics import read_metrics
 from lm.training.evaluate import evaluate
+from lm.training.logger import MetricLogger
 from lm.training.trainer import Trainer
 from tests.distributed.test_engines import heads_for, train
 
@@ -457,3 +459,57 @@ def test_the_initial_weights_are_drawn_from_train_seed_alone(tiny_data_dir, tmp_
     a, again, other = initial(1, "a"), initial(1, "again"), initial(2, "other_seed")
     assert all(torch.equal(a[k], again[k]) for k in a)
     assert not torch.equal(a["wte.weight"], other["wte.weight"])
+
+
+class Window:
+    """A window of 3000 token positions (every rank's) over 2 seconds, its loss 2."""
+
+    def read(self, env):
+        return {"loss": 2.0}, 3000, 2.0
+
+
+def test_throughput_counts_every_ranks_tokens_and_mfu_is_each_devices_share_of_six_flops_per_parameter(
+        tiny_data_dir, tmp_path):
+    trainer = Trainer(tiny_config(tiny_data_dir, tmp_path / "run"), init_distributed("cpu"))
+    try:
+        cfg = trainer.cfg
+        per_token = flops_per_token(cfg.model, cfg.data.seq_len, cfg.data)
+        assert trainer.flops_per_token == per_token
+        trainer.metrics = MetricLogger(tmp_path / "run", enabled=False, tensorboard=False)
+        trainer.peak_flops = 1e12  # a device of 1 TFLOP/s
+        trainer.env = dataclasses.replace(trainer.env, world_size=4)  # the window's tokens are 4 ranks'
+        row = trainer._log_train(Window(), 1e-3, torch.tensor(0.5))
+        assert row["perf/tokens_per_s"] == 1500.0
+        assert row["perf/tflops_per_device"] == pytest.approx(per_token * 1500 / 4 / 1e12, rel=1e-12)
+        assert row["perf/mfu"] == pytest.approx(per_token * 1500 / 4 / 1e12, rel=1e-12)
+        assert row["train/loss"] == 2.0 and row["train/ppl"] == pytest.approx(2.718281828459045 ** 2)
+        assert row["train/lr"] == 1e-3 and row["train/grad_norm"] == 0.5
+    finally:
+        trainer.lock.release()
+
+
+def test_every_log_every_steps_a_line_of_that_windows_tokens_at_the_learning_rate_its_last_step_took(
+        tiny_data_dir, tmp_path, monkeypatch):
+    from lm.training import logger
+    from lm.training.schedule import lr_at
+
+    windows = []  # the token positions each train line read
+    read = logger.TrainWindow.read
+
+    def recorded(self, env):
+        values, tokens, seconds = read(self, env)
+        windows.append(tokens)
+        return values, tokens, seconds
+
+    monkeypatch.setattr(logger.TrainWindow, "read", recorded)
+    trainer = Trainer(tiny_config(tiny_data_dir, tmp_path / "run", "--train.steps=5", "--log.every=2",
+                                  "--checkpoint.every=0"), init_distributed("cpu"))
+    history = trainer.fit()
+    cfg = trainer.cfg
+    rows = [row for row in history if "train/loss" in row]
+    assert [row["step"] for row in rows] == [2, 4, 5]  # and the last step, which ends the run
+    assert windows == [2 * 4 * 16, 2 * 4 * 16, 1 * 4 * 16]  # steps x train.batch_size x data.seq_len
+    # the learning rate step n trained at: lr_at(n - 1), the warmup's (n / 2) x 3e-3 over its first two steps
+    assert [row["train/lr"] for row in rows] == [lr_at(s - 1, cfg.optim.lr, cfg.schedule, cfg.train.steps)
+                                                 for s in (2, 4, 5)]
+    assert rows[0]["train/lr"] == pytest.approx(3e-3)
