@@ -1,6 +1,7 @@
 """One optimizer step (`lm.training.step.train_step`) under the ddp engine on one process: the micro-batches'
 gradients averaged, and the whole gradient clipped before the optimizer sees it."""
 
+import dataclasses
 import functools
 
 import pytest
@@ -53,3 +54,23 @@ def test_the_optimizer_sees_the_gradient_clipped_to_grad_clip():
     engine.optimizer_step = optimizer_step
     step = train_step(engine, loss, [batch(slice(0, 2)), batch(slice(2, 4))], 1e-3, 0.01)
     assert step.grad_norm.item() > 0.1 and seen == [pytest.approx(0.01, rel=1e-4)]  # the norm logged is before
+
+
+def test_the_familys_update_after_a_step_is_sized_by_the_schedule_and_nothing_after_a_skipped_step():
+    """`Training.after_step` (a mixture's router-bias update) moves by the schedule's factor after an applied step,
+    and not at all after a step the engine skipped for a non-finite gradient."""
+    engine, loss = engine_and_loss()
+    sizes = []
+
+    def after(model, reduce, size: torch.Tensor) -> None:
+        sizes.append(size.item())
+
+    train_step(engine, loss, [batch(slice(0, 4))], 1e-3, 1.0, after=after, lr_factor=0.5)
+
+    def nan_loss(model, run, micro):
+        losses = loss(model, run, micro)
+        poisoned = dataclasses.replace(losses.terms["loss"], value=losses.terms["loss"].value * float("nan"))
+        return dataclasses.replace(losses, terms={**losses.terms, "loss": poisoned})
+
+    skipped = train_step(engine, nan_loss, [batch(slice(0, 4))], 1e-3, 1.0, after=after, lr_factor=0.5)
+    assert not skipped.applied and sizes == [0.5, 0.0]
