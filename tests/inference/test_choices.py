@@ -4,6 +4,7 @@ short tokens, so contexts are long and BoolQ's are cut), the same accuracies, ch
 same sums whichever way the items are split over ranks."""
 
 import json
+import math
 import shutil
 
 import pytest
@@ -186,3 +187,47 @@ def test_a_continuation_is_encoded_inside_its_text_as_the_harness_does(tokenizer
     # GPT-2's tokens carry their space: either way gives the same ids
     gpt2 = model_tokenizer("gpt2", 50257)
     assert encode_items(gpt2, [item]) == [[(gpt2.encode_ordinary("Who is it?"), gpt2.encode_ordinary(" the king"))] * 2]
+
+
+def test_loglikelihoods_by_hand_come_back_in_the_pairs_order():
+    """A head that gives id 3 half the probability and each of the 9 other ids 1/18, at every position: a
+    continuation's log-likelihood counts its 3s and its other ids. The pairs are batched longest first over two
+    batches; the results must still be in the pairs' order, each continuation id scored once."""
+    def logits_at(x, index):
+        logits = torch.zeros(len(index), 10)
+        logits[:, 3] = math.log(9.0)
+        return logits
+
+    half, other = math.log(0.5), math.log(1 / 18)
+    pairs = [([1], [3]), ([1, 2, 2], [4, 4]), ([5], [3, 4]), ([7, 7], [3, 3, 3])]
+    lls = loglikelihoods(logits_at, pairs, block_size=16, vocab_size=10, batch_size=2, device=CPU)
+    assert lls == pytest.approx([half, 2 * other, half + other, 3 * half], rel=1e-5)
+
+
+def test_acc_norm_divides_by_characters_not_by_words_or_tokens():
+    """Sums favour the short choice, per character the long one (one word either way)."""
+    item = Item(("Q:", "Q:"), (" a", " abcdefgh"), 1)
+    score = TaskScore()
+    score.add(item, [-2.0, -3.0])  # per char: -2 / 1 and -3 / 8
+    assert (score.correct, score.correct_norm) == (0, 1)
+    assert item.chars == (1, 8)
+
+
+def test_a_continuation_without_a_leading_space_is_encoded_inside_its_text(tokenizer_jsons, tmp_path):
+    """A SentencePiece tokenizer that puts "▁" before every text encodes "?" alone as "▁?" (or "▁" and "?"), but
+    after "Who is it" as a bare "?": the continuation's ids are those of the whole text after the context's."""
+    import json
+    import shutil
+
+    from lm.inference.choices import encode_items
+    from lm.tokenizer import model_tokenizer
+
+    definition = json.loads(tokenizer_jsons["metaspace"].read_text())
+    definition["pre_tokenizer"]["prepend_scheme"] = "always"
+    (tmp_path / "tokenizer.json").write_text(json.dumps(definition))
+    shutil.copy(tokenizer_jsons["metaspace"].with_name("tokenizer_config.json"), tmp_path)
+    tokenizer = model_tokenizer(str(tmp_path / "tokenizer.json"), 400)
+    context, whole = tokenizer.encode_ordinary("Who is it"), tokenizer.encode_ordinary("Who is it?")
+    assert whole[:len(context)] == context and tokenizer.encode_ordinary("?") != whole[len(context):]
+    [[pair]] = encode_items(tokenizer, [Item(("Who is it",), ("?",), 0)])
+    assert pair == ([tokenizer.bos_token, *context], whole[len(context):])

@@ -1,13 +1,17 @@
 import math
+import shutil
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lm.inference.scoring import eval_windows, first_tokens, score_stream, unigram_entropy
+from lm.data.shards import HEADER_BYTES, read_manifest
+from lm.errors import DataError
+from lm.inference.scoring import eval_windows, first_tokens, score_stream, text_tokens, unigram_entropy, val_streams
 from lm.models.gpt.config import GPTConfig
 from lm.models.gpt.model import GPT
+from lm.tokenizer import load_tokenizer
 
 
 @pytest.mark.parametrize("n, seq_len, stride", [(2, 4, 2), (10, 4, 4), (11, 4, 1), (50, 8, 3), (7, 16, 8)])
@@ -84,3 +88,68 @@ def test_first_tokens_cuts_the_streams_and_drops_a_stream_left_with_one_token():
     a, b, c = np.arange(5), np.arange(5, 10), np.arange(10, 15)
     assert [s.tolist() for s in first_tokens([a, b, c], 7)] == [a.tolist(), [5, 6]]
     assert [s.tolist() for s in first_tokens([a, b, c], 6)] == [a.tolist()]  # b's 1 token has nothing to score
+
+
+def test_a_text_starts_with_the_bos_or_else_an_end_of_text(tokenizer_jsons, tmp_path):
+    """Every token of the file is a target: a tokenizer with a BOS puts its BOS in front (as its documents began in
+    training), one without puts its end-of-text token; the byte count is the file's."""
+    path = tmp_path / "t.txt"
+    path.write_text("Fair is foul, and foul is fair.\n")
+    bos = load_tokenizer(str(tokenizer_jsons["bos"]))
+    ids, n_bytes = text_tokens(path, bos)
+    assert ids.tolist() == [bos.bos_token, *bos.encode_ordinary(path.read_text())] and bos.bos_token == 0
+    assert n_bytes == len(path.read_bytes())
+    gpt2 = load_tokenizer("gpt2")
+    assert text_tokens(path, gpt2)[0].tolist() == [50256, *gpt2.encode_ordinary(path.read_text())]
+
+
+@pytest.mark.parametrize("bad", [0, 1])
+def test_a_val_shard_holding_an_id_of_vocab_size_or_more_is_refused_by_name(tiny_data_dir, tmp_path, bad):
+    """The first id past the vocabulary (== vocab_size) is refused as such, not left to an index error inside the
+    model."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data_dir, data)
+    manifest = read_manifest(data)
+    vocab_size = manifest["vocab_size"]
+    shard = data / manifest["splits"]["val"]["shards"][0]["file"]
+    tokens = np.memmap(shard, dtype=np.dtype("<u2"), mode="r+", offset=HEADER_BYTES)
+    assert tokens.max() < vocab_size
+    tokens[5] = vocab_size + bad
+    tokens.flush()
+    del tokens
+    with pytest.raises(DataError, match=f"token {vocab_size + bad} at position 5 is not below the vocabulary size"):
+        val_streams(data, "gpt2", vocab_size)
+
+
+def test_window_k_gets_the_noise_of_key_k_whatever_the_batch_size():
+    """score_windows numbers the windows across batches and streams (window k put through the objective with key
+    k, as validation does): the sums are the same in batches of 2 as in one batch, and equal those of the
+    objective applied to all windows at once with keys 0..n-1."""
+    import torch
+
+    from lm.config import load_config
+    from lm.inference.scoring import score_windows
+    from lm.models.registry import family_of
+
+    cfg = load_config(None, ["--model.arch=encdec", "--model.pos=sinusoidal", "--model.n_sentinels=8",
+                             "--model.n_layer=1", "--model.n_head=2", "--model.d_model=32", "--model.block_size=64",
+                             "--data.seq_len=48"])
+    family = family_of(cfg.model)
+    torch.manual_seed(0)
+    model = family.build(cfg.model)
+    model.init_weights()
+    model.eval()
+    objective = family.training.objective(cfg.model, cfg.data, 48, cfg.train.seed)
+    rng = np.random.default_rng(0)
+    streams = [rng.integers(0, 1000, 48 * 2 + 1), rng.integers(0, 1000, 48 * 2 + 5)]  # 2 windows each
+    rows = [s[j * 48:(j + 1) * 48 + 1] for s in streams for j in range(2)]
+    a, b = objective(np.stack(rows[:2]), np.array([0, 1])), objective(np.stack(rows[:2]), np.array([2, 3]))
+    assert not np.array_equal(a[0], b[0])  # the noise depends on the key
+    cpu = torch.device("cpu")
+    whole = score_windows(family, model, streams, objective, 48, 4, cpu)
+    pairs = score_windows(family, model, streams, objective, 48, 2, cpu)
+    scored = family.training.score(model, model, [torch.from_numpy(t) for t in objective(np.stack(rows),
+                                                                                        np.arange(4))])
+    assert whole[1] == pairs[1] == scored.count
+    assert pairs[0] == pytest.approx(whole[0], rel=1e-6)
+    assert whole[0] == pytest.approx(scored.loss.item() * scored.count, rel=1e-6)

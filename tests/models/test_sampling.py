@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from lm.errors import ConfigError, PromptError
+from lm.models.encdec import sampling
 from lm.models.encdec.config import EncDecConfig
 from lm.models.encdec.sampling import encdec_source, fill_masks, split_spans
 from lm.models.family import SampleOptions
@@ -49,3 +50,44 @@ def test_the_encoder_decoder_refuses_compiled_decoding():
     with pytest.raises(ConfigError, match=r"^--compile: an encoder-decoder \(model.arch=encdec\) decodes eagerly "
                                           "only; sample without --compile$"):
         fill_masks(model, None, "ab<mask>", SampleOptions(4, compiled=True))
+
+
+def chars(text: str) -> list[int]:
+    return [ord(c) - 90 for c in text]  # "a" -> 7: ids below vocab_size 100
+
+
+def test_the_masks_must_leave_a_sentinel_for_the_end_marker():
+    cfg = EncDecConfig(vocab_size=100, block_size=32, n_sentinels=5)
+    ids, pieces = encdec_source("a<mask>" * 4, chars, cfg)  # 4 spans, sentinel 4 left to end the output
+    assert ids == [7, 100, 7, 101, 7, 102, 7, 103] and pieces == ["a"] * 4 + [""]
+    with pytest.raises(PromptError, match="prompt has 5 <mask> markers; the model has 5 sentinels, so at most 4"):
+        encdec_source("a<mask>" * 5, chars, cfg)
+
+
+def test_a_prompt_as_long_as_the_encoders_positions_fits_and_one_more_is_refused():
+    cfg = EncDecConfig(vocab_size=100, block_size=8, n_sentinels=5)
+    assert encdec_source("abcdefg", chars, cfg)[0] == [7, 8, 9, 10, 11, 12, 13, 100]  # 7 ids and the mask: 8
+    with pytest.raises(PromptError, match="prompt of 9 tokens is longer than the encoder's positions"):
+        encdec_source("abcdefgh", chars, cfg)
+
+
+def test_fill_masks_stops_at_the_end_marker_and_draws_only_decodable_ids(monkeypatch):
+    """Two masks: sentinels 100 and 101 delimit the spans; 102 (the end marker) and every later sentinel stop the
+    output; ids from the tokenizer's n_vocab (60) up to the sentinels are never drawn."""
+    cfg = EncDecConfig(vocab_size=100, block_size=32, n_sentinels=5)
+    asked = {}
+
+    def generate(model, ids, max_new_tokens, **kw):
+        asked.update(kw, ids=ids, max_new_tokens=max_new_tokens)
+        return [100, 7, 8, 101, 9]
+
+    monkeypatch.setattr(sampling, "generate_seq2seq", generate)
+    tokenizer = SimpleNamespace(encode_ordinary=chars, decode=lambda ids: "".join(chr(i + 90) for i in ids),
+                                n_vocab=60)
+    text = fill_masks(SimpleNamespace(cfg=cfg), tokenizer, "x <mask>y<mask>z", SampleOptions(6, 0.5, 3, 0.9, 11))
+    assert text == "xabycz"  # the spans decoded in place of the masks (the space before a mask is the span's)
+    assert asked["ids"] == [*chars("x"), 100, *chars("y"), 101, *chars("z")]
+    assert asked["stop_ids"] == {102, 103, 104}
+    assert asked["text_ids"] == 60
+    assert (asked["max_new_tokens"], asked["temperature"], asked["top_k"], asked["top_p"], asked["seed"]) == (
+        6, 0.5, 3, 0.9, 11)

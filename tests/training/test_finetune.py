@@ -367,3 +367,29 @@ def test_a_task_file_with_fewer_train_rows_than_one_batch_is_refused_by_name(enc
     assert "training rows after holding out task.val_fraction" in err and "fewer than one batch" in err
     assert "(train.batch_size=16)" in err
     assert not (out / "checkpoints").exists()
+
+
+def test_label_column_scores_a_file_whose_labels_are_under_another_name(encoder_run, separable_rows, tmp_path,
+                                                                         capsys):
+    """--label-column y reads the labels from column y (the run's task.label_column is 'label'): the file is scored
+    as the same rows under 'label' are, and without the flag it is only predicted."""
+    task = write_rows(tmp_path / "lines.csv", separable_rows)
+    out = tmp_path / "ft"
+    assert finetune_run(encoder_run, out, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
+                        "--train.steps=10") == 0
+    capsys.readouterr()
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(task)]) == 0
+    scored = metrics(capsys.readouterr().out)
+    assert scored[0].startswith("loss: ") and any(line.startswith("accuracy: ") for line in scored)
+    renamed = write_rows(tmp_path / "renamed.csv", [{"text": r["text"], "y": r["label"]} for r in separable_rows])
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(renamed), "--label-column", "y"]) == 0
+    assert metrics(capsys.readouterr().out) == scored
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(renamed)]) == 0
+    assert metrics(capsys.readouterr().out) == []
+
+
+def metrics(out: str) -> list[str]:
+    """lm.predict's printed scores: every line after the file's."""
+    lines = out.splitlines()
+    after = next(i for i, line in enumerate(lines) if line.startswith("file: ")) + 1
+    return [line for line in lines[after:] if not line.startswith("predictions: ")]
