@@ -7,7 +7,8 @@ a mixture's experts split over 2 processes, `1` one process. Every layout trains
 on the same global batches, each into OUT/<layout>/ with its log beside it (engine fsdp unless a layout names
 another), one after another on this machine. The table that follows gives each layout's train loss per step and the
 largest difference between layouts at that step; the last line the largest of all. Layouts that train the same model
-agree to float rounding (about 1e-6 relative in float32); --max-rel turns a larger difference into exit status 1.
+agree to float rounding (about 1e-6 relative in float32); --max-rel turns a larger difference, or a loss that was
+not finite (nan in the table), into exit status 1.
 Other `--section.key=value` arguments override the config for every layout. Every layout is checked before any
 trains (the model's split, the world size, the global batch's split over its data-parallel replicas): a bad one
 is one `error:` line naming it, exit status 2, and nothing trained or written.
@@ -114,9 +115,11 @@ def run_keys(steps: int) -> list[str]:
 
 
 def train_losses(out: Path) -> dict[int, float]:
-    """The train loss of each logged step of the run in `out`."""
+    """The train loss of each logged step of the run in `out`; NaN where the logger wrote null (a loss that was not
+    finite: the run diverged there)."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row["train/loss"] for row in rows if "train/loss" in row}
+    return {row["step"]: math.nan if row["train/loss"] is None else row["train/loss"] for row in rows
+            if "train/loss" in row}
 
 
 Worst = tuple[float, int, str, str]
@@ -131,10 +134,15 @@ def table(layouts: list[Layout], losses: list[dict[int, float]]) -> tuple[str, W
     for step in sorted(set().union(*losses)):
         values = [run.get(step) for run in losses]
         present = [(v, layout.text) for v, layout in zip(values, layouts) if v is not None]
-        low, high = min(present), max(present)
-        spread = high[0] - low[0]
-        if worst is None or spread > worst[0] or math.isnan(spread):
-            worst = (spread, step, low[1], high[1])
+        diverged = [text for v, text in present if math.isnan(v)]
+        if diverged:  # no difference is larger; the first such step stays the worst
+            finite = [text for v, text in present if not math.isnan(v)]
+            spread, low, high = math.nan, (finite or diverged)[0], diverged[0]
+        else:
+            (low_loss, low), (high_loss, high) = min(present), max(present)
+            spread = high_loss - low_loss
+        if worst is None or not math.isnan(worst[0]) and (spread > worst[0] or math.isnan(spread)):
+            worst = (spread, step, low, high)
         cells = "".join(("-" if v is None else f"{v:.6f}").rjust(width) for v in values)
         lines.append(f"{step:<6}{cells}{spread:>12.2e}")
     return "\n".join(lines), worst
@@ -228,7 +236,7 @@ def main(argv: list[str]) -> int:
         return 1
     line, relative = summary(losses, worst)
     print(line)
-    if args.max_rel is not None and relative > args.max_rel:
+    if args.max_rel is not None and not relative <= args.max_rel:  # NaN: a layout diverged
         print(f"error: the layouts differ by more than --max-rel {args.max_rel}", file=sys.stderr)
         return 1
     return 0

@@ -1,9 +1,12 @@
 """`python -m lm.layouts`: one short job under several layouts, their losses side by side."""
 
 import dataclasses
+import json
+import math
 import random
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -312,3 +315,67 @@ def test_random_layout_lists_are_accepted_as_lm_train_would_run_them_or_refused_
         assert not (tmp_path / "runs").exists()
         refused += 1
     assert accepted >= RANDOM_LAYOUT_CASES // 8 and refused >= RANDOM_LAYOUT_CASES // 4, (accepted, refused)
+
+
+def test_the_largest_difference_is_relative_to_the_loss_at_its_step():
+    runs = [Layout("1", 1, ()), Layout("2:tp=2", 2, (("tp", "2"),))]
+    losses = [{1: 4.0, 2: 2.0}, {1: 4.0, 2: 2.5}]
+    _, worst = table(runs, losses)
+    assert worst == (0.5, 2, "1", "2:tp=2")
+    line, relative = summary(losses, worst)
+    assert relative == 0.25  # 0.5 nats of a loss of 2.0, not 0.5 nor relative to another step's loss
+    assert line == "largest difference: 5.000e-01 nats (2.50e-01 relative) at step 2, between 1 and 2:tp=2"
+
+
+def test_the_reference_is_the_first_layout_that_logged_the_step_not_one():
+    runs = [Layout("1", 1, ()), Layout("2:tp=2", 2, (("tp", "2"),)), Layout("2:pp=2", 2, (("pp", "2"),))]
+    losses = [{1: 4.0}, {1: 4.0, 2: 2.0}, {1: 4.0, 2: 3.0}]  # the first layout stopped before step 2
+    _, worst = table(runs, losses)
+    assert worst == (1.0, 2, "2:tp=2", "2:pp=2")
+    assert summary(losses, worst)[1] == 0.5  # 1.0 nats of the loss 2.0 the second layout logged at step 2
+
+
+def test_a_nan_loss_is_the_largest_difference():
+    runs = [Layout("1", 1, ()), Layout("2:tp=2", 2, (("tp", "2"),))]
+    _, worst = table(runs, [{1: 3.0, 2: math.nan, 3: math.nan}, {1: 3.1, 2: 2.5, 3: 2.4}])
+    # a diverged layout is the worst step, not hidden behind the 0.1 of step 1: the first step it diverged at
+    assert worst[1:] == (2, "2:tp=2", "1") and math.isnan(worst[0])
+
+
+FAKED = ["--model.n_layer=2", "--model.d_model=32", "--model.block_size=32", "--model.n_head=4",
+         "--train.batch_size=8", "--train.micro_batch_size=2", "--train.device=cpu", "--data.seq_len=32"]
+"""The config of the layouts `_fake_runs` trains"""
+
+
+def _fake_runs(monkeypatch, second_loss: float | None) -> None:
+    """lm.layouts' main without lm.prepare or lm.train: each layout 'trains' by writing one logged loss."""
+    monkeypatch.setattr(layouts_tool, "subprocess",
+                        types.SimpleNamespace(run=lambda *a, **k: types.SimpleNamespace(returncode=0)))
+
+    def run_logged(command, log_path):
+        out = Path(next(a for a in command if a.startswith("--train.out_dir=")).split("=", 1)[1])
+        out.mkdir(parents=True)
+        loss = 4.0 if out.name == "1" else second_loss
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": loss}) + "\n")
+        return "finished"
+
+    monkeypatch.setattr(layouts_tool, "run_logged", run_logged)
+
+
+def test_max_rel_fails_a_difference_just_past_it_and_passes_one_within(monkeypatch, tmp_path, capsys):
+    _fake_runs(monkeypatch, 4.4)  # 0.4 nats of 4.0: 0.1 relative
+    argv = ["--layout", "1", "--layout", "2:tp=2", "--steps", "1", *FAKED]
+    assert run(main, [*argv, "--out", str(tmp_path / "a"), "--max-rel", "0.05"]) == 1
+    assert "error: the layouts differ by more than --max-rel 0.05" in capsys.readouterr().err
+    assert run(main, [*argv, "--out", str(tmp_path / "b"), "--max-rel", "0.2"]) == 0
+    assert "(1.00e-01 relative) at step 1, between 1 and 2:tp=2" in capsys.readouterr().out
+
+
+def test_a_layout_that_logged_a_non_finite_loss_fails_max_rel(monkeypatch, tmp_path, capsys):
+    """The logger writes a loss that was not finite as null: that layout diverged, which no --max-rel passes."""
+    _fake_runs(monkeypatch, None)
+    argv = ["--layout", "1", "--layout", "2:tp=2", "--steps", "1", *FAKED, "--out", str(tmp_path / "a")]
+    assert run(main, [*argv, "--max-rel", "1000"]) == 1
+    captured = capsys.readouterr()
+    assert "largest difference: nan nats (nan relative) at step 1, between 1 and 2:tp=2" in captured.out
+    assert "error: the layouts differ by more than --max-rel 1000" in captured.err
