@@ -1,13 +1,18 @@
 """The benchmark's pieces on tiny models: they must time the work they claim, on the same model as
 transformers' where they compare, and print a table."""
 
+import argparse
 import contextlib
+import itertools
+import re
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from lm.bench import __main__ as bench
+from lm.bench import common
 from lm.bench.data import bench_loader, bench_prepare
 from lm.bench.sampling_speed import bench_sampling
 from lm.bench.training import bench_engine, engine_step, profile_step, sdpa_kernel
@@ -199,3 +204,233 @@ def test_flags_no_chosen_section_reads_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
         bench.main(argv)
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_each_time_is_the_median_of_its_own_timed_calls_after_the_untimed_warmup(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(common, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    durations = {"a": iter([100.0, 1.0, 2.0, 9.0]), "b": iter([50.0, 3.0])}  # the first call of each: warm-up
+
+    def timed(name):
+        def fn():
+            clock[0] += next(durations[name])
+        return fn
+
+    seconds = common.median_seconds_interleaved({"a": timed("a"), "b": timed("b")}, CPU, 1, {"a": 3, "b": 1})
+    # a: the median of 1, 2 and 9 (not their mean, 4, nor a warm-up's 100); b: its one timed call
+    assert seconds == {"a": 2.0, "b": 3.0}
+
+
+def test_a_row_derives_tokens_per_second_tflops_and_mfu_from_the_step_time(monkeypatch):
+    from lm.bench import training
+
+    monkeypatch.setattr(training, "flops_per_token", lambda model, seq_len, data: 1e9)
+    monkeypatch.setattr(training, "peak_flops", lambda device: 1e12)
+    row = training._row(tiny(), CPU, 0.5, 4, 1.5, {})
+    # 4 sequences of 32 tokens in 0.5 s: 256 tokens/s, each 1e9 FLOPs: 2.56e11 FLOP/s of a 1e12 peak
+    assert row == {"ms/step": 500.0, "tokens/s": 256.0, "TFLOP/s": pytest.approx(0.256),
+                   "MFU": pytest.approx(0.256), "peak GiB": 1.5}
+
+
+def _counting(monkeypatch, module):
+    calls, interleaved = [], module.median_seconds_interleaved
+
+    def counting(fns, device, warmup, reps):
+        counted = {name: (lambda name=name, fn=fn: calls.append(name) or fn()) for name, fn in fns.items()}
+        return interleaved(counted, device, warmup, reps)
+
+    monkeypatch.setattr(module, "median_seconds_interleaved", counting)
+    return calls
+
+
+def test_the_compiled_training_row_is_warmed_up_once_even_with_no_warmup(monkeypatch):
+    from lm.bench import training
+
+    monkeypatch.setattr(training, "compile_blocks", lambda blocks: None)
+    monkeypatch.setattr(training, "compiled_loss", lambda compiled: contextlib.nullcontext())
+    calls = _counting(monkeypatch, training)
+    training.bench_training(tiny(), CPU, 2, warmup=0, reps=1)
+    # one untimed call of each (the compile's, which would otherwise be timed) and the timed one
+    assert calls == ["transformers", "ours eager", "ours compiled"] * 2
+
+
+def test_a_transformers_twin_with_other_weights_is_refused(monkeypatch):
+    from lm.bench import training
+
+    real = training.hf_twin
+
+    def other_weights(model):
+        hf = real(model)
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=generator))
+        return hf
+
+    monkeypatch.setattr(training, "hf_twin", other_weights)
+    with pytest.raises(RuntimeError, match="transformers' copy of the model gives other logits"):
+        training.training_step(tiny(), CPU, 2, hf=True)
+
+
+def test_sampling_times_each_method_its_own_reps_and_warms_the_compiled_one_up(uncompiled_step, monkeypatch):
+    from lm.bench import sampling_speed
+
+    calls = _counting(monkeypatch, sampling_speed)
+    sampling_speed.bench_sampling(tiny(), CPU, batch=1, new_tokens=2, warmup=0, reps=2, reps_no_cache=1,
+                                  compiled=True)
+    # one warm-up call each (the compiled row compiles in it), then 2 timed calls, 1 for the no-cache row
+    assert {name: calls.count(name) for name in calls} == {
+        "ours, KV cache": 3, "ours, no cache": 2, "ours, static cache, compiled": 3, "transformers generate": 3}
+
+
+def test_same_tokens_is_the_share_equal_to_the_kv_cache_rows(uncompiled_step, monkeypatch):
+    from lm.bench import sampling_speed
+
+    real = sampling_speed.generate_batch
+
+    def one_token_off_without_cache(model, prompt, new_tokens, use_cache, **kwargs):
+        out = real(model, prompt, new_tokens, use_cache=use_cache, **kwargs)
+        if not use_cache:
+            out = out.clone()
+            out[:, -1] = (out[:, -1] + 1) % 50
+        return out
+
+    monkeypatch.setattr(sampling_speed, "generate_batch", one_token_off_without_cache)
+    rows = sampling_speed.bench_sampling(tiny(), CPU, batch=2, new_tokens=4, warmup=0, reps=1, reps_no_cache=1)
+    same = {row["method"]: row["same tokens"] for row in rows}
+    assert same["ours, KV cache"] == 1.0 and same["ours, no cache"] == 0.75  # 3 of each sequence's 4 tokens
+
+
+def test_the_training_table_and_summary_give_ours_over_transformers(monkeypatch, capsys):
+    from lm.bench import training
+
+    def row(tok_s, mfu=None):
+        return {"ms/step": 10.0, "tokens/s": tok_s, "TFLOP/s": 0.5, "MFU": mfu, "peak GiB": 1.0}
+
+    rows = {"transformers": {**row(200.0), "max |logit diff|": 1e-6}, "ours eager": row(300.0, 0.25),
+            "ours compiled": row(100.0, 0.125)}
+    monkeypatch.setattr(training, "bench_training", lambda *args, **kwargs: rows)
+    monkeypatch.setattr(training, "sdpa_kernel", lambda *args: "math")
+    results = {}
+    bench.training(argparse.Namespace(presets=["demo"], warmup=0, reps=1, compile=True), CPU, results)
+    assert results == {"training tokens/s vs transformers, demo, eager": 1.5, "MFU share, demo, eager": 0.25,
+                       "training tokens/s vs transformers, demo, compiled": 0.5, "MFU share, demo, compiled": 0.125}
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[-1] for line in table[-3:]] == ["1.00", "1.50", "0.50"]  # the x transformers column
+
+
+def test_the_sampling_table_and_summary_ratios(monkeypatch, capsys):
+    from lm.bench import sampling_speed
+
+    speeds = {"ours, KV cache": 400.0, "ours, no cache": 100.0, sampling_speed.COMPILED: 800.0,
+              "transformers generate": 200.0}
+    monkeypatch.setattr(sampling_speed, "bench_sampling", lambda cfg, device, batch, *args, **kwargs: [
+        {"method": m, "batch": batch, "tokens/s": s, "ms/step": 1.0, "same tokens": 1.0} for m, s in speeds.items()])
+    results = {}
+    args = argparse.Namespace(sampling_preset="demo", new_tokens=4, warmup=0, reps=1, reps_no_cache=1, compile=True)
+    bench.sampling(args, CPU, results)
+    for batch in (1, 8):
+        assert results[f"sampling tokens/s vs transformers generate, batch {batch}, KV cache"] == 2.0
+        assert results[f"sampling tokens/s vs transformers generate, batch {batch}, compiled"] == 4.0
+        assert results[f"sampling tokens/s compiled vs no cache, batch {batch}"] == 8.0
+    lines = capsys.readouterr().out.splitlines()
+    # "ours KV cache x": how many times the row's tokens/s ours with the cache makes
+    cells = [re.split(r"\s{2,}", line.strip()) for line in lines if line.startswith("demo")]
+    column = {row[1]: row[5] for row in cells if row[2] == "1"}
+    assert column == {"ours, KV cache": "1.00", "ours, no cache": "4.00", "ours, static cache, compiled": "0.50",
+                      "transformers generate": "2.00"}
+
+
+def test_the_loaders_share_of_a_step_is_of_loader_plus_model_time(monkeypatch):
+    from lm.bench import data, training
+
+    monkeypatch.setattr(data, "bench_prepare", lambda cfg, reps: {
+        "speedup": 3.0, "documents": 2, "tokens": 100, "workers": 2, "prepare tokens/s": 30.0, "loop tokens/s": 10.0})
+    monkeypatch.setattr(data, "bench_loader", lambda cfg, micro, steps: {
+        "seconds/step": 0.01, "batches/s": 100.0, "GB/s": 0.1})
+    monkeypatch.setattr(training, "bench_model", lambda *args: {"ms/step": 30.0})
+    results = {}
+    bench.data(argparse.Namespace(presets=["demo"], reps_data=1, warmup=0, reps=1), CPU, results)
+    # 10 ms of loading in a step of 10 + 30 ms
+    assert results == {"prepare tokens/s vs a one-process loop": 3.0,
+                       "loader share of a demo training step": pytest.approx(0.25)}
+
+
+def test_the_summary_shows_mfu_as_a_share():
+    assert bench.summary_rows({"MFU share, demo, eager": 0.4}) == [["MFU share, demo, eager", "40.00%"]]
+
+
+def test_the_corpus_tables_compare_wall_times_and_peaks_against_a_quarter(monkeypatch, capsys):
+    from lm.bench import corpus
+
+    def run(wall, rss, **extra):
+        return {"tokens": 1000, "wall s": wall, "max RSS MiB": rss, "tree MiB": rss, **extra}
+
+    found = {"files": 4, "MB": 1.0, "documents": 10, "same shards": True,
+             "tokenizers": {"gpt2": {"ours": run(10.0, 100.0), "datasets": run(30.0, 500.0, **{"load s": 5.0,
+                                                                                               "map s": 20.0})}},
+             "scales": {"gpt2": {label: run(1.0, rss, files=1, documents=1)
+                                 for label, rss in (("1/4", 100.0), ("1/2", 150.0), ("all", 300.0), ("3 x", 800.0))}}}
+    monkeypatch.setattr(corpus, "bench_corpus", lambda *args: found)
+    results = {}
+    args = argparse.Namespace(corpus=["x"], num_proc=2, reps_corpus=1, corpus_work=None)
+    bench.corpus(args, CPU, results)
+    assert results == {"prepare tokens/s vs datasets map num_proc=2, gpt2": 3.0,  # the same tokens in a third
+                       "prepare peak memory, all vs a quarter of the corpus, gpt2": 3.0}
+    out = capsys.readouterr().out
+    assert [line.split()[-1] for line in out.splitlines()[-4:]] == ["1.000", "1.500", "3.000", "8.000"]
+
+
+def test_the_import_table_shows_the_median_run(monkeypatch, tmp_path, capsys):
+    from lm.bench import hf_import
+
+    monkeypatch.setattr(hf_import, "write_random_checkpoint", lambda cfg, path, dtype, shard: 1e9)
+    loads = itertools.cycle([5.0, 1.0, 3.0])
+    monkeypatch.setattr(hf_import, "measure_import", lambda path, who: {
+        "load s": next(loads), "forward s": 0.5, "params": 1e6, "base GiB": 0.1, "peak GiB": 0.2})
+    args = argparse.Namespace(import_models=["gpt2-124m"], import_dir=str(tmp_path), reps_import=3)
+    bench.hfimport(args, CPU, {})
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("gpt2-124m")]
+    assert [row[5] for row in rows] == ["3.00", "3.00"]  # load s of the median run of 5, 1 and 3 s, each loader
+
+
+def test_new_tokens_may_fill_the_whole_context():
+    args = argparse.Namespace(sections=["sampling"], sampling_preset="demo", new_tokens=256, import_dir=None,
+                              corpus_work=None)
+    assert bench.late_problem(args) is None  # demo's 256-token context: the last new token is never fed back
+    args.new_tokens = 257
+    assert "give at most 256" in bench.late_problem(args)
+
+
+def test_gpt2_124m_on_a_cpu_is_timed_on_one_short_sequence():
+    cfg, micro = common.preset_config("gpt2-124m", CPU)
+    assert (micro, cfg.data.seq_len, cfg.train.dtype) == (1, 256, "float32")
+
+
+def test_prepare_speed_compares_the_median_reps_of_each_side(monkeypatch):
+    from lm.bench import prepare_speed
+
+    clock = [0.0]
+    monkeypatch.setattr(prepare_speed, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    prepare_s, loop_s = iter([100.0, 1.0, 2.0, 9.0]), iter([3.0, 5.0, 4.0])  # prepare's first call: the warm-up
+
+    def prepare(data, force):
+        clock[0] += next(prepare_s)
+        return {"splits": {"train": {"tokens": 90}, "val": {"tokens": 10}}}
+
+    def encode_ordinary(text):
+        clock[0] += next(loop_s)
+
+    monkeypatch.setattr(prepare_speed, "prepare", prepare)
+    monkeypatch.setattr(prepare_speed, "load_tokenizer", lambda name: types.SimpleNamespace(
+        encode_ordinary=encode_ordinary))
+    monkeypatch.setattr(prepare_speed, "find_corpus", lambda name: types.SimpleNamespace(
+        documents=lambda field: ["one document"]))
+    found = prepare_speed.measure("gpt2", reps=3, repeat=1)
+    # 100 tokens; medians of 2 s (of 1, 2, 9) and 4 s (of 3, 5, 4): the loop takes twice as long
+    assert found["documents"] == 1 and found["tokens"] == 100
+    assert found["prepare tokens/s"] == 50.0 and found["loop tokens/s"] == 25.0 and found["speedup"] == 2.0
+
+
+def test_a_cell_of_zero_is_a_number_and_only_a_missing_value_is_a_dash():
+    assert common.fmt(0.0, ".1%") == "0.0%" and common.fmt(0, ".2f") == "0.00" and common.fmt(None, ".2f") == "-"

@@ -151,3 +151,53 @@ def test_a_corpus_lm_prepare_refuses_is_its_error_line_and_a_missing_work_dir_is
     with pytest.raises(SystemExit):
         main([*args, "--corpus-work", str(tmp_path / "none")])
     assert f"--corpus-work {tmp_path / 'none'}: no such directory" in capsys.readouterr().err
+
+
+def test_the_median_run_is_the_lower_middle_one():
+    rows = [{"wall s": s} for s in (3.0, 1.0, 4.0, 2.0)]
+    assert corpus._median_run(rows) == {"wall s": 2.0}
+    assert corpus._median_run(rows[:3]) == {"wall s": 3.0}
+
+
+def _fake(monkeypatch, tmp_path, ours_tokens=100, theirs_tokens=100, shards=("a", "b")):
+    walls = iter([9.0, 5.0, 7.0] * 10)
+
+    def prepare_row(files, tokenizer, num_proc, work):
+        shard = shards[0] if tokenizer == "gpt2" else shards[1]
+        return {"wall s": next(walls), "max RSS MiB": 1.0, "tree MiB": 1.0, "documents": 3, "tokens": ours_tokens,
+                "shards": [shard]}
+
+    monkeypatch.setattr(corpus, "prepare_row", prepare_row)
+    monkeypatch.setattr(corpus, "datasets_row", lambda files, tokenizer, num_proc, work: {
+        "wall s": 1.0, "max RSS MiB": 1.0, "tree MiB": 1.0, "documents": 3, "tokens": theirs_tokens})
+    monkeypatch.setattr(corpus, "write_gpt2_tokenizer_json", lambda path: path)
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    return [str(tmp_path / "*.jsonl")]
+
+
+def test_the_shards_of_the_two_tokenizers_are_compared(monkeypatch, tmp_path):
+    patterns = _fake(monkeypatch, tmp_path, shards=("a", "b"))
+    assert corpus.bench_corpus(patterns, 1, 1, str(tmp_path))["same shards"] is False
+    patterns = _fake(monkeypatch, tmp_path, shards=("a", "a"))
+    assert corpus.bench_corpus(patterns, 1, 1, str(tmp_path))["same shards"] is True
+
+
+def test_sides_that_wrote_other_tokens_are_refused(monkeypatch, tmp_path):
+    patterns = _fake(monkeypatch, tmp_path, ours_tokens=100, theirs_tokens=99)
+    with pytest.raises(RuntimeError, match="gpt2: lm.prepare wrote 100 tokens of 3 documents, datasets 99 of 3"):
+        corpus.bench_corpus(patterns, 1, 1, str(tmp_path))
+
+
+def test_each_side_keeps_its_median_run(monkeypatch, tmp_path):
+    patterns = _fake(monkeypatch, tmp_path)
+    found = corpus.bench_corpus(patterns, 1, 3, str(tmp_path))
+    # gpt2's three runs take 9, 7 and 7 s... in turns with tokenizer.json's: 9, 7, 5 for gpt2 and 5, 9, 7 for the other
+    assert found["tokenizers"]["gpt2"]["ours"]["wall s"] == 7.0
+    assert found["tokenizers"]["tokenizer.json"]["ours"]["wall s"] == 7.0
+
+
+def test_a_share_of_files_that_is_not_whole_rounds_to_the_nearest_count(tmp_path):
+    files = [str(tmp_path / f"d{i}.jsonl") for i in range(7)]
+    # 7 / 4 = 1.75 files and 7 / 2 = 3.5 (Python rounds half to even): 2 and 4, not 1 and 3 cut off
+    assert corpus.scaled_files(files, 0.25, tmp_path) == files[:2]
+    assert corpus.scaled_files(files, 0.5, tmp_path) == files[:4]

@@ -12,8 +12,8 @@ import pytest
 from lm.cli import run
 from lm.config import load_config
 from lm.plan.counts import num_params
-from lm.plan.layout_table import layout_table
-from lm.plan.layouts import estimate_layout, in_flight, layout_rows, pick_layout
+from lm.plan.layout_table import _rows_text, layout_table
+from lm.plan.layouts import LayoutEstimate, _ruled_out, estimate_layout, in_flight, layout_rows, pick_layout
 from lm.plan.memory import GIB, estimate_memory
 from lm.plan.memory_table import plan_table
 from lm.train import main as train_main
@@ -281,3 +281,22 @@ def test_tensor_parallel_traffic_is_megatrons_four_collectives_a_block():
         assert row.tp_bytes == 8 * b * s * h * 2 * (tp - 1) // tp * cfg.model.n_layer * row.micro_batches, tp
     assert estimate_layout(cfg, 1, 1, 8, 0).tp_bytes == 0
 
+
+def test_a_pipeline_with_fewer_micro_batches_than_stages_is_ruled_out():
+    cfg = load_config(None, ["--model.n_layer=4", "--model.tie_embeddings=false", "--train.batch_size=3",
+                             "--train.micro_batch_size=1"])
+    out = _ruled_out(cfg, 1, 4, 1)  # 3 micro-batches for 4 stages
+    assert out is not None and out.constraint == "batch split"
+    assert "a step has 3 per replica over 1 replicas" in out.reason
+    assert _ruled_out(cfg, 1, 3, 1) is None  # 3 for 3
+
+
+def _row(gib: float) -> LayoutEstimate:
+    return LayoutEstimate(1, 1, 8, 0, 1, int(gib * GIB), 0, 0, 0, 0, 0)
+
+
+def test_the_fits_column_says_what_the_pick_uses_margin_and_context_included():
+    tight, roomy = _row(9.5), _row(5.0)  # 9.5 GiB plus 10% and the CUDA context exceed 10 GiB
+    lines = _rows_text("t", [tight, roomy], 10.0)
+    assert [line.split()[-1] for line in lines[3:5]] == ["no", "yes"]
+    assert pick_layout([tight], 10.0) is None and pick_layout([tight, roomy], 10.0) is roomy

@@ -65,3 +65,10 @@ def test_bad_grids_are_refused_naming_the_item(items, message):
     with pytest.raises(SweepError) as err:
         parse_grid(items)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("item", ["train.batch_size=8,16", "data.seq_len=64,128"])
+def test_a_grid_over_the_global_batch_or_the_window_is_refused(item):
+    # each run of a sweep must see the same tokens: a batch or window in the grid changes the budget per step
+    with pytest.raises(SweepError, match="every run of a sweep has the same data, seed, token budget"):
+        parse_grid([item])

@@ -3,7 +3,7 @@
 import json
 import math
 
-from lm.sweep.results import RunResult, markdown, read_result, table_rows
+from lm.sweep.results import RunResult, csv_text, markdown, read_result, table_rows
 
 
 def test_a_last_window_of_skipped_steps_leaves_the_last_loss_trained_to(tmp_path):
@@ -53,3 +53,30 @@ def test_the_table_reads_the_last_rows_and_keeps_four_digits(tmp_path):
     near = result("near", 2.34494)  # runs 2e-4 apart print apart
     _, table = table_rows([last, near])
     assert [row[1] for row in table] == ["near", tmp_path.name] and [row[-3] for row in table] == ["2.3449", "2.3451"]
+
+
+def test_the_table_derives_rank_tokens_per_second_and_each_losss_own_perplexity():
+    fast = RunResult("fast", {"optim.lr": 1e-3}, 1234, "finished", tokens=4000, wall_s=8.0, train_loss=2.0,
+                     val_loss=1.0)
+    slow = RunResult("slow", {"optim.lr": 3e-3}, 1234, "finished", tokens=4000, wall_s=16.0, train_loss=3.0,
+                     val_loss=1.5)
+    header, rows = table_rows([slow, fast])
+    assert header[:3] == ["rank", "run", "optim.lr"]
+    by_column = [dict(zip(header, row)) for row in rows]
+    # the best val loss is rank 1, counted from one
+    assert [(r["rank"], r["run"]) for r in by_column] == [("1", "fast"), ("2", "slow")]
+    # tokens over seconds, not seconds over tokens
+    assert [r["tokens/s"] for r in by_column] == ["500", "250"]
+    # each perplexity is exp of its own loss: train ppl from the train loss, val ppl from the val loss
+    assert by_column[0]["train ppl"] == f"{math.exp(2.0):.2f}" == "7.39"
+    assert by_column[0]["val ppl"] == f"{math.exp(1.0):.2f}" == "2.72"
+    assert by_column[1]["train ppl"] == "20.09" and by_column[1]["val ppl"] == "4.48"
+    assert by_column[0]["params"] == "1,234" and by_column[0]["tokens"] == "4,000"
+
+
+def test_the_csv_holds_plain_numbers_without_thousands_separators():
+    run = RunResult("big", {"optim.lr": 1e-3}, 1_234_567, "finished", tokens=2_000_000, wall_s=1000.0,
+                    train_loss=2.0, val_loss=1.0)
+    lines = csv_text([run]).splitlines()
+    assert lines[0].startswith("rank,run,optim.lr,params,tokens,wall time (s),tokens/s,")
+    assert lines[1].startswith("1,big,0.001,1234567,2000000,1000.0,2000,2.0000,7.39,1.0000,2.72,finished")
