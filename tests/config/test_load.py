@@ -2,6 +2,8 @@ import pytest
 import yaml
 
 from lm.config import JobConfig, load_config, parse_cli, read_stored_config, save_config
+from lm.config.command_line import unread_override
+from lm.config.rules import MAX_SEED
 from lm.errors import ConfigError, LMError
 
 
@@ -335,3 +337,83 @@ def test_the_yaml_file_wins_over_the_base_and_keeps_what_it_does_not_set(tmp_pat
     path.write_text("train:\n  steps: 10\ndata:\n  seq_len: 64\n")
     cfg = load_config(path, [], base={"train": {"steps": 1, "batch_size": 64}, "data": {"seq_len": 32}})
     assert (cfg.train.steps, cfg.data.seq_len, cfg.train.batch_size) == (10, 64, 64)
+
+
+def test_seed_bounds_are_exactly_63_bits():
+    assert load_config(None, [f"--train.seed={2**63 - 1}"]).train.seed == 2**63 - 1 == MAX_SEED
+    with pytest.raises(ConfigError, match="train.seed"):
+        load_config(None, [f"--train.seed={2**63}"])
+
+
+def test_an_int_key_holds_exactly_64_bits():
+    # the largest int64 passes the loader's own check (then the key's range check names it)
+    with pytest.raises(ConfigError, match="does not fit a 64-bit integer"):
+        load_config(None, [f"--train.steps={2**63}"])
+    assert load_config(None, [f"--train.steps={2**63 - 1}"]).train.steps == 2**63 - 1
+
+
+@pytest.mark.parametrize("override", [
+    "--schedule.decay_steps=100",  # decay ends exactly where warmup (100) ends
+    "--schedule.min_lr_ratio=1.0",  # a constant rate after warmup
+    "--checkpoint.every=0",  # never save
+    "--checkpoint.keep=1",
+    "--log.sample_every=0",
+    "--optim.beta1=0",
+    "--optim.name=muon",
+])
+def test_boundary_values_that_mean_something_are_accepted(override):
+    load_config(None, [override])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("--optim.z_loss=-0.1", "optim.z_loss"),
+    ("--task.val_fraction=0", "task.val_fraction"),
+    ("--task.text_column=  ", "task.text_column"),
+    ("--checkpoint.keep=0", "checkpoint.keep"),
+    ("--optim.muon_momentum=1", "optim.muon_momentum"),
+])
+def test_out_of_range_section_values_are_refused_by_name(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override, "--optim.name=muon"] if "muon" in override else [override])
+
+
+def test_context_parallelism_does_not_combine_with_pipeline_parallelism():
+    with pytest.raises(ConfigError, match="parallel.cp"):
+        load_config(None, ["--parallel.engine=fsdp", "--parallel.cp=2", "--parallel.pp=2"])
+
+
+def test_tensor_parallel_sequence_must_split_over_tp_ranks():
+    with pytest.raises(ConfigError, match="does not split into 4 sequence slices"):
+        load_config(None, ["--parallel.engine=fsdp", "--parallel.tp=4", "--data.seq_len=1022",
+                           "--model.n_layer=2"])
+
+
+PIPELINE = ["--parallel.engine=fsdp", "--parallel.pp=2", "--model.tie_embeddings=false"]
+INTERLEAVED = ["--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_stages_per_rank=2"]
+
+
+def test_pipeline_stages_count_every_rank_stages():
+    cfg = load_config(None, [*PIPELINE, *INTERLEAVED, "--model.n_layer=4"])
+    assert cfg.parallel.pipeline_stages == 4
+    assert load_config(None, []).parallel.pipeline_stages == 1
+    # 3 layers cut into 2 stages, but not into 2 ranks x 2 stages each
+    assert load_config(None, [*PIPELINE, "--model.n_layer=3"]).parallel.pipeline_stages == 2
+    with pytest.raises(ConfigError, match="4 pipeline stages"):
+        load_config(None, [*PIPELINE, *INTERLEAVED, "--model.n_layer=3"])
+
+
+def test_masked_lm_keys_are_refused_for_a_model_without_one():
+    with pytest.raises(ConfigError, match="data.mlm_rate"):
+        load_config(None, ["--data.mlm_rate=0.5"])
+
+
+def test_a_tool_reading_a_key_takes_an_override_of_that_key():
+    assert unread_override("data.seq_len", ("data.seq_len", "model")) is None
+    assert unread_override("model.n_layer", ("data.seq_len", "model")) is None
+    assert "does not read it" in unread_override("data.dir", ("data.seq_len", "model"))
+
+
+def test_cpu_offload_is_refused_under_ddp_only():
+    with pytest.raises(ConfigError, match="parallel.cpu_offload: the ddp engine"):
+        load_config(None, ["--parallel.cpu_offload=true"])
+    assert load_config(None, ["--parallel.engine=fsdp", "--parallel.cpu_offload=true"]).parallel.cpu_offload is True

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lm.errors import ConfigError
 from lm.models.gpt.config import GPTConfig
 from lm.models.gpt.model import GPT
 from lm.models.registry import get_family
@@ -306,3 +307,46 @@ def test_whole_projection_qk_norm_refuses_tensor_parallelism() -> None:
     cfg = tiny_config(qk_norm=True, qk_norm_scope="all", pos="rope")
     assert "model.qk_norm_scope=all" in GPT_FAMILY.parallel.tensor_problem(cfg, 2)
     assert GPT_FAMILY.parallel.tensor_problem(tiny_config(qk_norm=True, pos="rope"), 2) is None
+
+
+def test_padded_vocab_size_rounds_up_to_the_next_multiple_only_when_needed():
+    assert GPTConfig(vocab_size=50257).padded_vocab_size == 50304
+    assert GPTConfig(vocab_size=128, vocab_multiple=64).padded_vocab_size == 128  # already a multiple: no padding
+    assert GPTConfig(vocab_size=129, vocab_multiple=64).padded_vocab_size == 192
+    assert GPTConfig(vocab_size=100, vocab_multiple=1).padded_vocab_size == 100
+
+
+def test_derived_widths():
+    cfg = GPTConfig(d_model=768, n_head=12, n_kv_head=4, mlp="swiglu")
+    assert cfg.head_dim == 64 and cfg.kv_heads == 4  # head size from query heads, not key/value heads
+    assert cfg.ff_dim == 2048  # 8/3 * 768 is already a multiple of 64
+    assert GPTConfig(d_model=96, n_head=4, mlp="swiglu").ff_dim == 256  # 8/3 * 96 = 256
+    assert GPTConfig(d_model=100, n_head=4, mlp="swiglu").ff_dim == 320  # 266 rounded up to 64
+    assert GPTConfig(d_model=64, n_head=4, mlp="gelu").ff_dim == 256
+    assert GPTConfig(d_model=64, n_head=4, d_head=32).head_dim == 32
+
+
+def test_expert_width_defaults_to_the_dense_mlp_width():
+    cfg = GPTConfig(d_model=96, n_head=4, mlp="swiglu", n_experts=4)
+    assert cfg.expert_ff == cfg.ff_dim == 256
+    assert GPTConfig(d_model=96, n_head=4, mlp="swiglu", n_experts=4, expert_d_ff=48).expert_ff == 48
+
+
+def test_moe_layers_follow_first_dense_and_every():
+    cfg = GPTConfig(n_layer=6, n_experts=4, moe_every=2, moe_first_dense=1)
+    assert [cfg.moe_layer(i) for i in range(6)] == [False, False, True, False, True, False]
+    assert cfg.moe_layers == 2
+    all_moe = GPTConfig(n_layer=3, n_experts=4)
+    assert [all_moe.moe_layer(i) for i in range(3)] == [True, True, True] and all_moe.moe_layers == 3
+
+
+def test_boundary_model_values():
+    GPTConfig(n_experts=4, experts_per_token=4)  # every expert for every token is a valid (dense-like) mixture
+    GPTConfig(d_model=100, n_head=3, d_head=32)  # with an explicit head size, n_head need not divide d_model
+    with pytest.raises(ConfigError, match="model.d_model"):
+        GPTConfig(d_model=100, n_head=3)
+    with pytest.raises(ConfigError, match="rope needs an even head size"):
+        GPTConfig(d_model=36, n_head=4, pos="rope")  # head size 9
+    with pytest.raises(ConfigError, match="model.nope_interval"):
+        GPTConfig(nope_interval=2)  # learned positions have no rotary to leave out
+

@@ -241,3 +241,12 @@ def test_a_checkpoint_written_by_an_older_lm_loads_and_scores_the_same(trained_r
     with torch.no_grad():
         assert torch.equal(model.logits(model(idx)), reference.logits(reference(idx)))
     assert cfg.model == load_config(Path(trained_run) / "config.yaml").model
+
+
+def test_a_plugin_family_is_found_by_the_first_config_lookup(plugin_dir, monkeypatch):
+    # nothing has listed the families yet: reading a config is the first lookup, and must load LM_FAMILIES itself
+    write_plugin(plugin_dir, "plug_first_lookup", PLUGIN_SPEC.format(name="mine") + "register(FAMILY)\n")
+    monkeypatch.setenv("LM_FAMILIES", "plug_first_lookup")
+    cfg = load_config(None, ["--model.arch=mine", "--model.n_layer=2"])
+    assert cfg.model.arch == "mine" and cfg.model.title == "a plugin's GPT" and cfg.model.n_layer == 2
+    assert config_class("mine") is type(cfg.model)
