@@ -131,16 +131,22 @@ def test_sampling_rows_decode_the_same_tokens(uncompiled_step):
     assert rows[3]["same tokens"] >= 0.9  # transformers runs the exported copy; a near-tie may flip
 
 
-def test_sampling_takes_the_warmup_it_is_given(uncompiled_step, monkeypatch):
-    from lm.bench import sampling_speed
-
-    calls, interleaved = [], sampling_speed.median_seconds_interleaved
+def _counting(monkeypatch, module) -> list[str]:
+    """Record the name of each method `module`'s timing calls, in order."""
+    calls, interleaved = [], module.median_seconds_interleaved
 
     def counting(fns, device, warmup, reps):
         counted = {name: (lambda name=name, fn=fn: calls.append(name) or fn()) for name, fn in fns.items()}
         return interleaved(counted, device, warmup, reps)
 
-    monkeypatch.setattr(sampling_speed, "median_seconds_interleaved", counting)
+    monkeypatch.setattr(module, "median_seconds_interleaved", counting)
+    return calls
+
+
+def test_sampling_takes_the_warmup_it_is_given(uncompiled_step, monkeypatch):
+    from lm.bench import sampling_speed
+
+    calls = _counting(monkeypatch, sampling_speed)
     bench_sampling(tiny(), CPU, batch=1, new_tokens=2, warmup=3, reps=1, reps_no_cache=1, compiled=False)
     # 3 untimed calls of each method (it was held to 1), then the timed one
     assert {name: calls.count(name) for name in calls} == {"ours, KV cache": 4, "ours, no cache": 4,
@@ -230,17 +236,6 @@ def test_a_row_derives_tokens_per_second_tflops_and_mfu_from_the_step_time(monke
     # 4 sequences of 32 tokens in 0.5 s: 256 tokens/s, each 1e9 FLOPs: 2.56e11 FLOP/s of a 1e12 peak
     assert row == {"ms/step": 500.0, "tokens/s": 256.0, "TFLOP/s": pytest.approx(0.256),
                    "MFU": pytest.approx(0.256), "peak GiB": 1.5}
-
-
-def _counting(monkeypatch, module):
-    calls, interleaved = [], module.median_seconds_interleaved
-
-    def counting(fns, device, warmup, reps):
-        counted = {name: (lambda name=name, fn=fn: calls.append(name) or fn()) for name, fn in fns.items()}
-        return interleaved(counted, device, warmup, reps)
-
-    monkeypatch.setattr(module, "median_seconds_interleaved", counting)
-    return calls
 
 
 def test_the_compiled_training_row_is_warmed_up_once_even_with_no_warmup(monkeypatch):
