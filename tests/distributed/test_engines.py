@@ -187,6 +187,15 @@ def test_encoder_decoder_trains_under_fsdp_and_deepspeed(tiny_data_dir, tmp_path
         assert losses[5] < losses[1], name
         for step in reference:
             assert losses[step] == pytest.approx(reference[step], rel=SAME_BATCH_REL), (name, step)
+        # the sample encodes, then decodes step by step outside forward: with every weight gathered, the same text
+        assert end_sample(tmp_path / name) == end_sample(tmp_path / "ddp"), name
+
+
+def end_sample(out: Path) -> str:
+    """The end-of-run sample of the run in `out`, from rank 0's log."""
+    found = re.findall(r"\| sample: (.*)", out.with_suffix(".log").read_text())
+    assert found, f"no sample in {out.with_suffix('.log')}"
+    return found[-1]
 
 
 @pytest.mark.process
