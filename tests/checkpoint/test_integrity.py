@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lm.checkpoint.loading import load_for_inference
-from lm.checkpoint.manifest import MANIFEST, verify_checkpoint
+from lm.checkpoint.manifest import MANIFEST, verify_checkpoint, write_manifest
 from lm.checkpoint.resume import latest_valid_checkpoint, load_checkpoint
 from lm.checkpoint.store import checkpoint_root, complete_checkpoints, save_checkpoint
 from lm.distributed.env import init_distributed
@@ -63,6 +63,23 @@ def test_manifest_lists_every_file_with_size_and_sha256(tmp_path):
         for rel, entry in files.items():
             data = (step_dir / rel).read_bytes()
             assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        verify_checkpoint(step_dir)
+
+
+def test_files_in_a_subdirectory_are_listed_and_checked(tmp_path):
+    # a DeepSpeed checkpoint keeps its shards under deepspeed/: they are checked like the files beside state.json
+    step_dir = tmp_path / "step_00000001"
+    (step_dir / "deepspeed" / "global_step1").mkdir(parents=True)
+    (step_dir / "state.json").write_text(json.dumps(state(1)))
+    shard = step_dir / "deepspeed" / "global_step1" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shard.write_bytes(b"\1" * 64)
+    write_manifest(step_dir)
+    files = json.loads((step_dir / MANIFEST).read_text())["files"]
+    assert set(files) == {"state.json", "deepspeed/global_step1/zero_pp_rank_0_mp_rank_00_optim_states.pt"}
+    verify_checkpoint(step_dir)
+    flip_byte(shard)
+    with pytest.raises(CheckpointError, match=r"deepspeed/global_step1/zero_pp_rank_0_mp_rank_00_optim_states.pt: "
+                                              r"sha256 differs"):
         verify_checkpoint(step_dir)
 
 
