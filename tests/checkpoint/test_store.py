@@ -1,3 +1,4 @@
+import dataclasses
 import threading
 import time
 from functools import partial
@@ -278,3 +279,21 @@ def test_the_next_background_save_waits_for_the_write_in_progress_and_both_are_p
         verify_checkpoint(path)  # every file there, as its manifest lists it
         assert load_checkpoint(path, other, env)["step"] == step
         assert torch.equal(torch.rand(3), draw)
+
+
+def test_another_world_size_starts_the_rng_fresh(tmp_path, caplog):
+    # rank r of the new world is not rank r of the old: no rank takes over an RNG state saved by another layout
+    cfg, engine = setup()
+    env = init_distributed("cpu")
+    root = checkpoint_root(tmp_path)
+    torch.manual_seed(1)
+    path = save_checkpoint(root, 1, engine, {"step": 1, "tokens_seen": 0, "position": 1}, cfg, env, keep=1)
+    saved_draw = torch.rand(3)
+    torch.manual_seed(2)
+    fresh_draw = torch.rand(3)
+    torch.manual_seed(2)
+    assert load_checkpoint(path, engine, dataclasses.replace(env, world_size=2))["step"] == 1
+    assert torch.equal(torch.rand(3), fresh_draw) and not torch.equal(fresh_draw, saved_draw)
+    assert "world size changed (1 -> 2): RNG states start fresh" in caplog.text
+    assert load_checkpoint(path, engine, env)["step"] == 1  # the same world size: the state saved
+    assert torch.equal(torch.rand(3), saved_draw)
