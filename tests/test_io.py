@@ -226,3 +226,32 @@ def test_held_output_shows_after_success_and_drops_on_error():
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert done.stdout.splitlines() == ["before", "end of block", "ok print", "ok child", "after"]
     assert done.stderr.splitlines() == ["ok fd2"]
+
+
+def test_the_temporary_file_is_written_beside_its_destination(tmp_path):
+    # a rename is atomic only within one filesystem: the temporary file must sit in the destination's directory
+    path = tmp_path / "sub" / "out.bin"
+    with atomic_path(path) as tmp:
+        assert tmp.parent == path.parent and tmp.name != path.name
+        tmp.write_bytes(b"data")
+    assert path.read_bytes() == b"data"
+
+
+def test_publish_dir_clears_a_replaced_copy_left_by_a_killed_publish(tmp_path):
+    # a publish killed after its last rename leaves <final>.replaced; the next one must still go through
+    final, staging, aside = tmp_path / "final", tmp_path / "staging", tmp_path / "final.replaced"
+    for d, name in ((final, "old"), (staging, "new"), (aside, "stale")):
+        d.mkdir()
+        (d / name).write_text(name)
+    publish_dir(staging, final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    assert [p.read_text() for p in final.iterdir()] == ["new"]
+
+
+def test_an_output_anywhere_below_an_input_directory_is_refused(tmp_path):
+    # writing into the tree being read would feed the output back in, however deep it lies
+    source = tmp_path / "rows"
+    source.mkdir()
+    deep = source / "a" / "b" / "out.jsonl"
+    assert output_file_problem(deep, [source]) == f"{deep}: is inside the input {source}; write the output elsewhere"
+    assert output_file_problem(tmp_path / "out.jsonl", [source]) is None

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 from matplotlib.image import imread
 
@@ -75,5 +77,34 @@ def test_a_log_without_any_loss_draws_nothing(tmp_path, capsys):
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "tokens": 8}\n{"step": 2, "tokens": 16}\n')
     assert run(plot.main, [str(run_dir)]) == 2  # it wrote four empty axes as the curves
+    assert capsys.readouterr().err == f"error: {run_dir}: no loss or perplexity logged yet; nothing to draw\n"
+    assert not (run_dir / "curves.png").exists()
+
+
+def test_an_upper_case_png_suffix_is_a_png(tmp_path, capsys):
+    # the suffix is compared without case: CURVES.PNG names a PNG as curves.png does
+    log_run(tmp_path / "r", [10, 20], [20])
+    out = tmp_path / "CURVES.PNG"
+    assert run(plot.main, [str(tmp_path / "r"), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert out.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_a_log_of_perplexity_alone_is_drawn(tmp_path):
+    # "nothing to draw" is for a log with neither loss nor perplexity; a perplexity alone draws
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rows = [{"step": 1, "tokens": 8, "train/ppl": 100.0}, {"step": 2, "tokens": 16, "train/ppl": 50.0}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert run(plot.main, [str(run_dir)]) == 0
+    assert (run_dir / "curves.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_a_log_whose_losses_are_all_null_draws_nothing(tmp_path, capsys):
+    # a null loss (a window of skipped steps) is no point: a log of only those has nothing to draw
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "tokens": 8, "train/loss": null, "train/ppl": null}\n')
+    assert run(plot.main, [str(run_dir)]) == 2
     assert capsys.readouterr().err == f"error: {run_dir}: no loss or perplexity logged yet; nothing to draw\n"
     assert not (run_dir / "curves.png").exists()

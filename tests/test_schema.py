@@ -72,3 +72,10 @@ def test_without_an_origin_the_message_starts_at_the_key():
 def test_each_check_takes_its_kind_and_nothing_else(check_, good, bad):
     assert [check_(v) for v in good] == [""] * len(good)
     assert all(check_(v) for v in bad), [v for v in bad if not check_(v)]
+
+
+def test_a_list_of_token_ids_takes_each_id_in_range():
+    # a list (Llama 3's eos_token_id) holds ids as a single id does: none negative, none past MAX_COUNT
+    assert schema.token_ids([0, 5, schema.MAX_COUNT]) == ""
+    assert schema.token_ids([0, -1]) == "a token id or a list of token ids"
+    assert schema.token_ids([schema.MAX_COUNT + 1]) == "a token id or a list of token ids"

@@ -306,3 +306,57 @@ def test_a_hub_dataset_is_hashed_by_name_config_split_and_commit():
                   dataclasses.replace(hub, config="small"), dataclasses.replace(hub, name="owner/other")):
         assert dataclasses.replace(base, hub=other).content_hash("text") != base.content_hash("text")
     assert base.content_hash("body") != base.content_hash("text")
+
+
+def test_content_hash_covers_the_first_bytes_of_a_text_file(tmp_path):
+    # the byte-order-mark probe reads a text file's first bytes: the hash must still cover them
+    (tmp_path / "a.txt").write_text("alpha beta")
+    before = find_corpus(str(tmp_path / "a.txt")).content_hash("text")
+    (tmp_path / "a.txt").write_text("Alpha beta")  # same size, first byte changed
+    assert find_corpus(str(tmp_path / "a.txt")).content_hash("text") != before
+    (tmp_path / "a.txt").write_text("alpha beta")
+    assert find_corpus(str(tmp_path / "a.txt")).content_hash("text") == before
+
+
+def test_a_blank_row_is_no_document(tmp_path):
+    # a row of only whitespace is skipped, as a blank document of a text file is; an empty one too
+    (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n{"text": " \\n\\t "}\n{"text": ""}\n{"text": "b"}\n')
+    assert list(find_corpus(str(tmp_path / "rows.jsonl")).documents("text")) == ["a", "b"]
+
+
+def test_a_first_row_without_its_text_is_named_missing_or_null(tmp_path):
+    # datasets reads a null and a missing key alike, as None: the message says so, from the first row on
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": null}\n{"text": "b"}\n')
+    with pytest.raises(DataError, match=rf"^{path}: row 0: column 'text' is missing or null, expected a string$"):
+        list(find_corpus(str(path)).documents("text"))
+
+
+def test_a_missing_text_column_lists_the_columns_there_are_sorted(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"zeta": "a", "alpha": "b"}\n')
+    with pytest.raises(DataError, match=rf"^{path}: no column 'text' \(data.text_column\); the columns are "
+                                        r"\['alpha', 'zeta'\]$"):
+        list(find_corpus(str(path)).documents("text"))
+
+
+def test_a_text_column_is_unread_for_text_files_and_read_for_rows(tmp_path):
+    # data.text_column names a column of row files: set for .txt files alone it does nothing, and is refused
+    (tmp_path / "a.txt").write_text("alpha")
+    (tmp_path / "b.jsonl").write_text('{"body": "beta"}\n')
+    assert find_corpus(str(tmp_path / "a.txt")).unread_key("body", "") == (
+        "data.text_column: names the column of json, jsonl, parquet and arrow rows, and data.source names none; "
+        "drop data.text_column")
+    assert find_corpus(str(tmp_path / "b.jsonl")).unread_key("body", "") is None
+    assert find_corpus(str(tmp_path / "a.txt")).unread_key("text", "") is None
+
+
+def test_a_saved_dataset_listing_no_data_files_is_refused(tmp_path):
+    import datasets
+
+
+    datasets.Dataset.from_dict({"text": ["a", "b"]}).save_to_disk(tmp_path / "saved")
+    state = tmp_path / "saved" / "state.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "_data_files": []}))
+    with pytest.raises(DataError, match=r"state.json: lists no data files that .*saved does not hold; save it again"):
+        find_corpus(str(tmp_path / "saved"))

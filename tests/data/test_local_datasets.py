@@ -1,10 +1,12 @@
 import json
+import logging
+import os
 
 import pytest
 
 from lm.data.corpora import iter_documents
 from lm.data.labelled import read_labelled
-from lm.data.local_datasets import check_json_rows
+from lm.data.local_datasets import check_json_rows, local_datasets
 from lm.errors import DataError
 
 
@@ -73,3 +75,43 @@ def test_an_array_of_mixed_types_is_one_error_naming_them(content, kinds, tmp_pa
         list(iter_documents(str(path), "text"))
     with pytest.raises(DataError, match=message):
         read_labelled(path, "text", "label", "regress")
+
+
+def test_local_datasets_silences_the_datasets_logger_only_for_its_block():
+    # datasets' own log lines are hidden while lm reads a file, and the caller's level is back afterwards
+    import datasets  # noqa: F401  (its first import sets its logger's level itself)
+
+    logger = logging.getLogger("datasets")
+    saved = logger.level
+    try:
+        logger.setLevel(logging.INFO)
+        with local_datasets():
+            assert logger.level == logging.CRITICAL
+        assert logger.level == logging.INFO
+    finally:
+        logger.setLevel(saved)
+
+
+def test_a_null_between_values_of_two_types_is_no_third_type(tmp_path):
+    # null fits a column of any type: the error names the string and the number around it
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "a", "label": 1}\n{"text": null, "label": 1}\n{"text": 5, "label": 0}\n')
+    message = rf"^{path}: column 'text' holds both string values \(row 0: 'a'\) and number values \(row 2: 5\); "
+    with pytest.raises(DataError, match=message):
+        read_labelled(path, "text", "label", "regress")
+
+
+def test_local_datasets_keeps_datasets_and_the_hub_client_offline(monkeypatch):
+    # a local file must never reach the Hub: both libraries' offline switches are on inside the block
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with local_datasets():
+        assert os.environ["HF_DATASETS_OFFLINE"] == "1" and os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+def test_a_line_that_is_not_json_is_named_by_its_line_number(tmp_path):
+    # pyarrow counts rows from the start of a block; the error names the line of the file, counted from 1
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "b"}\nnot json\n')
+    with pytest.raises(DataError, match=rf"^{path}: cannot read as json: line 3: Expecting value"):
+        list(iter_documents(str(path), "text"))

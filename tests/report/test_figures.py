@@ -172,3 +172,22 @@ def test_a_row_without_the_value_leaves_no_point(tmp_path):
             {"step": 3, "tokens": 192, "train/loss": 4.0, "train/ppl": None}]
     assert figures._series(rows, "train", "step", "train/loss") == ([1, 3], [5.0, 4.0])
     assert figures._series(rows, "train", "step", "train/ppl") == ([], [])
+
+
+def test_val_time_figure_refuses_a_run_where_only_some_val_rows_lack_elapsed_s():
+    # a run begun by an older trainer and resumed by a newer one: one val row without elapsed_s is enough to refuse
+    rows = [{"step": 10, "tokens": 640, "val/loss": 5.5},
+            {"step": 20, "tokens": 1280, "elapsed_s": 10.0, "val/loss": 4.5}]
+    with pytest.raises(PlotError, match="run 'mixed': val rows without 'elapsed_s'"):
+        figures.val_time_figure({"mixed": rows})
+
+
+def test_a_run_config_of_zero_tokens_per_step_is_refused(tmp_path):
+    # rows without tokens count step * batch_size * seq_len; a batch of 0 would put every point at 0 tokens
+    run_dir = tmp_path / "old"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 10, "train/loss": 5.0}\n')
+    (run_dir / "config.yaml").write_text("data:\n  seq_len: 16\ntrain:\n  batch_size: 0\n")
+    with pytest.raises(PlotError, match=r"config.yaml: train.batch_size \* data.seq_len should be a positive "
+                                        r"integer, got 0"):
+        figures.load_run(run_dir)

@@ -101,7 +101,6 @@ def test_regression_metrics_about_a_common_center_keep_their_digits():
 
 def test_a_filler_row_of_weight_0_counts_in_no_sum():
     # example_batches fills a last short batch with rows of weight 0: they must change neither loss nor counts
-    import torch
     import torch.nn.functional as F
 
     from lm.training.evaluate import task_sums
@@ -123,3 +122,12 @@ def test_a_regressions_val_loss_is_the_mean_squared_error():
     weight = np.array([1.0, 1.0, 1.0, 0.0])  # a filler row counts in no sum
     sums = task_sums("regress", 0, torch.tensor([1.0, 2.0, 5.0, 0.0]), labels, weight, center=1.0)
     assert task_metrics("regress", 0, sums)["val/loss"] == pytest.approx((0 + 0 + 4) / 3)
+
+
+def test_pearson_of_exactly_linear_columns_stays_within_minus_1_and_1():
+    # rounding in the sums carries |r| of such columns a hair past 1 (1.0000000000000002 for these): it is clipped
+    y = np.array([-0.1321048632913019, 0.6404226504432821, 0.10490011715303971, -0.535669373161111,
+                  0.36159505490948474, 1.3040000451301372, 0.9470809631292422])
+    for p, sign in ((y, 1.0), (3 * y + 1, 1.0), (-y, -1.0), (0.1 * y, 1.0)):
+        pearson = regression_metrics(regression_sums(y, p))["pearson"]
+        assert -1.0 <= pearson <= 1.0 and pearson == pytest.approx(sign, abs=1e-12)

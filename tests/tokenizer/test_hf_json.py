@@ -26,6 +26,7 @@ from lm.tokenizer import (
     tokenizer_hash,
     tokenizer_identity,
 )
+from lm.tokenizer.hf_json import read_tokenizer_json
 
 TEXT = "Fair is foul, and foul is fair:\nHover through the fog and filthy air.\n"
 
@@ -364,3 +365,12 @@ def test_a_template_after_another_processor_in_a_sequence_still_gives_the_bos(to
     definition["post_processor"] = {"type": "Sequence", "processors": [byte_level, definition["post_processor"]]}
     (tmp_path / "tokenizer.json").write_text(json.dumps(definition))
     assert load_tokenizer(str(tmp_path / "tokenizer.json")).bos_token == 0
+
+
+def test_n_vocab_counts_added_tokens_past_the_models_vocabulary(tmp_path):
+    # an EOS added after training gets the next id: the embedding needs a row for it, so n_vocab is highest id + 1
+    tokenizer = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tokenizer.add_special_tokens(["</s>"])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    tok = read_tokenizer_json(tmp_path / "tokenizer.json")
+    assert tok.eot_token == 3 and tok.n_vocab == 4
