@@ -81,3 +81,18 @@ def test_a_config_is_written_when_the_tokenizer_has_none(tokenizer_jsons, tmp_pa
     assert hf.encode(TEXT) == ids and hf.decode(ids) == TEXT and hf.eos_token_id == 0
     generation = json.loads((tmp_path / "generation_config.json").read_text())
     assert generation == {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+
+
+# GPTConfig, load_tokenizer) and its `export` helper.
+
+
+def test_an_end_of_text_id_the_model_has_no_row_for_is_not_written_as_its_eos(tmp_path):
+    # gpt2's <|endoftext|> is id 50256: a model of 50256 ids has no logit for it, so config.json must not name
+    # it (transformers' generate would stop on, and pad with, an id the model cannot produce)
+    tok = load_tokenizer("gpt2")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tok.eot_token, block_size=16, n_layer=1, n_head=2, d_model=16)).eval()
+    written = {p.name for p in export(model, tok, "gpt2", tmp_path)}
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["eos_token_id"] is None and config["bos_token_id"] is None
+    assert "generation_config.json" not in written

@@ -419,3 +419,49 @@ def test_a_transformers_checkpoint_with_a_short_context_reads_with_windows_that_
     hf.save_pretrained(tmp_path)
     _, cfg, source = load_for_inference(tmp_path, torch.device("cpu"))
     assert source == tmp_path and cfg.model.block_size == 32 and cfg.data.seq_len == 32
+
+
+def test_a_config_naming_two_classes_is_refused(tmp_path):
+    # transformers' Auto classes build one class; a list of two leaves which one was meant to lm's guess
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM", "MistralForCausalLM"], "model_type": "llama"}))
+    with pytest.raises(CheckpointError, match=r"architectures=\['LlamaForCausalLM', 'MistralForCausalLM'\] is not "
+                                              r"one lm imports"):
+        read_hf_model(tmp_path)
+
+
+def test_a_gpt2_file_with_the_masked_bias_buffers_of_older_transformers_imports(tmp_path):
+    # transformers 2.x-4.x saved each layer's attn.masked_bias (a -1e4 scalar) beside attn.bias: a buffer holding
+    # no weight, skipped like attn.bias rather than refused as a tensor lm has no place for
+    hf = hf_checkpoint("gpt2", tmp_path)
+    weights = {name: t.contiguous() for name, t in hf.state_dict().items() if name != "lm_head.weight"}
+    weights.update({f"transformer.h.{i}.attn.masked_bias": torch.tensor(-1e4) for i in range(2)})
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = imported(tmp_path)
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert_same_logits(model.logits(model(idx)), hf(idx).logits)
+
+
+def test_a_tensor_of_another_shape_is_refused_by_name_before_any_is_read(tmp_path):
+    # a tensor of the right rank but the wrong width would otherwise be read as rows of our width, running into
+    # the next tensor's bytes
+    hf = hf_checkpoint("llama", tmp_path)
+    weights = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    weights["model.layers.0.mlp.up_proj.weight"] = torch.zeros(96, 32)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.up_proj.weight has shape \[96, 32\]; its "
+                                              r"config.json implies \[96, 64\]"):
+        imported(tmp_path)
+
+
+def test_a_model_with_padding_rows_is_refused_with_the_key_that_fixes_it(tmp_path):
+    # the checkpoint has 300 embedding rows; a model padded to 320 would keep 20 rows of its random init in every
+    # softmax, so the import names model.vocab_multiple=1 rather than fill part of the embedding
+    hf_checkpoint("llama", tmp_path)
+    source = read_hf_model(tmp_path)
+    model = GPT(GPTConfig(**{**source.fields, "vocab_multiple": 64}))
+    assert model.wte.weight.shape[0] == 320
+    with pytest.raises(CheckpointError, match=r"wte.weight has 320 rows, the checkpoint 300; import with "
+                                              r"model.vocab_multiple=1"):
+        load_hf_weights(source, model)
