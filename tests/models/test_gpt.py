@@ -9,6 +9,7 @@ from lm.errors import ConfigError
 from lm.models.gpt.config import GPTConfig
 from lm.models.gpt.model import GPT
 from lm.models.registry import get_family
+from lm.models.sizes import block_params
 from lm.plan.counts import num_params
 
 GPT_FAMILY = get_family("gpt")
@@ -350,3 +351,31 @@ def test_boundary_model_values():
     with pytest.raises(ConfigError, match="model.nope_interval"):
         GPTConfig(nope_interval=2)  # learned positions have no rotary to leave out
 
+
+def test_context_parallel_estimate_counts_each_blocks_key_and_value_widths() -> None:
+    # context parallelism all-gathers every block's keys and values: per token, the k and v projections' outputs
+    for overrides in ({}, dict(n_head=4, n_kv_head=2), dict(d_head=24, n_kv_head=1)):
+        cfg = tiny_config(pos="rope", **overrides)
+        attn = GPT(cfg).blocks[0].attn
+        assert GPT_FAMILY.estimates.context_kv(cfg) == attn.k.out_features + attn.v.out_features, overrides
+
+
+def test_parameter_count_includes_query_key_value_biases_without_bias() -> None:
+    # Qwen2's layout: no biases anywhere (bias false) but on the q, k and v projections (qkv_bias); the block size
+    # the planner computes from the config alone must match the built block
+    cfg = tiny_config(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, qkv_bias=True, n_kv_head=1)
+    block = GPT(cfg).blocks[0]
+    assert block.attn.q.bias is not None and block.attn.proj.bias is None
+    assert block_params(cfg) == sum(p.numel() for p in block.parameters())
+
+
+def test_every_target_id_counts_in_the_loss_token_0_included() -> None:
+    # no target id is ignored: id 0 is an ordinary token (e.g. "!" in GPT-2's vocabulary), so the loss is the mean
+    # over all B*T positions, those whose next token is 0 included
+    model = tiny_model()
+    idx = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    targets = torch.zeros(2, 9, dtype=torch.long)
+    targets[:, ::2] = torch.arange(1, 6)
+    out = logits(model, idx)
+    by_hand = -out.double().log_softmax(dim=-1).gather(-1, targets[..., None]).mean()
+    torch.testing.assert_close(loss(model, idx, targets).double(), by_hand, rtol=0, atol=1e-5)

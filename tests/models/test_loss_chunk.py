@@ -166,3 +166,15 @@ def test_bf16_logits_get_a_float32_loss_chunked(with_z):
         assert loss.tolist() == pytest.approx([ce, z], rel=1e-5)
     else:
         assert loss.item() == pytest.approx(ce, rel=1e-5)
+
+
+def test_the_family_loss_runs_the_head_a_chunk_at_a_time() -> None:
+    # model.loss_chunk exists to keep the (B*T, V) logits from ever being built: the family's loss must hand the
+    # head at most `chunk` positions per call (18 positions in chunks of 5: 5, 5, 5, 3), not all 18 at once
+    torch.manual_seed(0)
+    model = build(tiny(loss_chunk=5))
+    rows = []
+    model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].reshape(-1, 32).shape[0]))
+    idx, targets = torch.randint(0, 100, (B, T)), torch.randint(0, 100, (B, T))
+    assert torch.isfinite(family_loss(model, idx, targets).optimized)
+    assert rows == [5, 5, 5, 3]
