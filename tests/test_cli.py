@@ -1,5 +1,10 @@
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -7,7 +12,7 @@ from lm import eval as eval_tool
 from lm import finetune, plot, predict, prepare, sample
 from lm import train as train_tool
 from lm.bench import __main__ as bench
-from lm.cli import run, run_logged
+from lm.cli import Stopped, run, run_logged, train_command
 from lm.sweep import __main__ as sweep
 
 
@@ -135,3 +140,100 @@ def test_prepare_is_given_the_data_keys_and_the_vocabulary_size_of_a_job():
     command = prepare_command(["--config", "c.yaml"], ["--data.seq_len=64", "--model.vocab_size=100277",
                                                        "--model.n_layer=2", "--train.steps=5"])
     assert command[-4:] == ["--config", "c.yaml", "--data.seq_len=64", "--model.vocab_size=100277"]
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_a_file_that_is_not_there_ends_on_one_error_line_with_status_2(tmp_path, capsys):
+    missing = tmp_path / "none.yaml"
+
+    def main(argv):
+        missing.read_text()
+
+    assert run(main, []) == 2
+    assert capsys.readouterr().err == f"error: [Errno 2] No such file or directory: '{missing}'\n"
+
+
+def test_a_stopped_tool_exits_128_plus_the_signal_as_a_shell_does(capsys):
+    def stopped(argv):
+        raise Stopped(signal.SIGTERM, "SIGTERM passed on to the run, which exited 0")
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    assert run(stopped, []) == 128 + signal.SIGTERM
+    assert run(interrupted, []) == 128 + signal.SIGINT
+    assert capsys.readouterr().err.splitlines() == ["stopped: SIGTERM passed on to the run, which exited 0",
+                                                    "stopped: SIGINT (Ctrl-C)"]
+
+
+def test_a_failed_run_is_told_by_its_last_error_line(tmp_path):
+    log_path = tmp_path / "train.log"
+    told = run_logged([sys.executable, "-c", "print('error: a warning first'); print('error: the reason'); "
+                                             "raise SystemExit(1)"], log_path)
+    assert told == f"failed (exit 1: the reason; see {log_path})"
+
+
+def test_a_sigterm_to_the_tool_is_passed_on_to_its_run_which_saves_and_the_tool_stops(tmp_path):
+    # the run is in a session of its own: a signal reaches it only through run_logged, which passes it on
+    ready, log_path = tmp_path / "ready", tmp_path / "train.log"
+    child = ("import pathlib, signal, sys, time\n"
+             "signal.signal(signal.SIGTERM, lambda s, f: (print('saving on signal', s, flush=True), sys.exit(0)))\n"
+             f"pathlib.Path({str(ready)!r}).touch()\n"
+             "time.sleep(10)\n")
+    default = signal.getsignal(signal.SIGTERM)
+
+    def send_once_the_run_waits():
+        deadline = time.monotonic() + 20
+        # run_logged's handler is in place, and the run has its own
+        while (signal.getsignal(signal.SIGTERM) is default or not ready.exists()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=send_once_the_run_waits, daemon=True).start()
+    with pytest.raises(Stopped) as stopped:
+        run_logged([sys.executable, "-c", child], log_path)
+    assert stopped.value.signum == signal.SIGTERM
+    assert str(stopped.value) == f"SIGTERM passed on to the run, which exited 0 (log: {log_path})"
+    assert f"saving on signal {int(signal.SIGTERM)}" in log_path.read_text().splitlines()
+    assert signal.getsignal(signal.SIGTERM) is default
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="prctl's parent-death signal is Linux's")
+def test_a_run_whose_tool_is_killed_gets_a_sigterm_instead_of_training_on(tmp_path):
+    ready, termed = tmp_path / "ready", tmp_path / "termed"
+    child = ("import os, pathlib, signal, sys, time\n"
+             f"signal.signal(signal.SIGTERM, lambda s, f: (pathlib.Path({str(termed)!r}).touch(), sys.exit(0)))\n"
+             f"pathlib.Path({str(ready)!r}).write_text(str(os.getpid()))\n"
+             "time.sleep(15)\n")
+    tool = (f"import sys\nfrom pathlib import Path\nfrom lm.cli import run_logged\n"
+            f"run_logged([sys.executable, '-c', {child!r}], Path({str(tmp_path / 'train.log')!r}))\n")
+    parent = subprocess.Popen([sys.executable, "-c", tool], cwd=REPO)
+    pid = None
+    try:
+        deadline = time.monotonic() + 30
+        while not (ready.exists() and ready.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pid = int(ready.read_text())
+        parent.kill()  # kill -9, or the out-of-memory killer: no handler of the tool runs
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while not termed.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert termed.exists()
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_one_process_job_runs_lm_train_itself_and_more_run_under_torchrun():
+    assert train_command(1, ["--config", "c.yaml"]) == [sys.executable, "-m", "lm.train", "--config", "c.yaml"]
+    assert train_command(2, ["--config", "c.yaml"]) == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lm.train",
+        "--config", "c.yaml"]

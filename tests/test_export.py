@@ -182,3 +182,27 @@ def test_out_that_is_a_file_is_a_usage_error(trained_run, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         run(main, ["--checkpoint", str(trained_run), "--to", "hf", str(out), "--force"])
     assert exit_.value.code == 2 and f"{out}: is a file; name a directory" in capsys.readouterr().err
+
+
+def test_an_out_holding_a_runs_checkpoints_is_refused_before_anything_is_written(trained_run, tmp_path, capsys):
+    # lm's tools take a directory with checkpoints/ for a run: the export there would be hidden behind it
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    with pytest.raises(SystemExit) as exit_:
+        run(main, ["--checkpoint", str(trained_run), "--to", "hf", str(out), "--force"])
+    assert exit_.value.code == 2
+    assert (f"{out}: holds a run's checkpoints/, which an export there would hide from lm's tools"
+            in capsys.readouterr().err)
+    assert [p.name for p in out.iterdir()] == ["checkpoints"]
+
+
+def test_an_out_inside_a_checkpoint_is_refused_before_anything_is_written(trained_run, tmp_path, capsys):
+    # retention deletes a step directory whole, with whatever was written inside it
+    step = tmp_path / "checkpoints" / "step_00000009"
+    step.mkdir(parents=True)
+    out = step / "hf"
+    with pytest.raises(SystemExit) as exit_:
+        run(main, ["--checkpoint", str(trained_run), "--to", "hf", str(out)])
+    assert exit_.value.code == 2
+    assert f"{out}: is inside the checkpoint {step}" in capsys.readouterr().err
+    assert not out.exists()

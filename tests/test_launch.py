@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from torch.distributed.run import parse_args
+
+from lm.torchrun import _count_problem, main
 
 # every test here runs a launch script (torchrun, DeepSpeed, Slurm) in processes of its own: the full tier only
 pytestmark = pytest.mark.process
@@ -132,7 +135,6 @@ def test_multi_node_rejects_bad_input_before_torchrun(tmp_path, variables, messa
 ])
 def test_lm_torchrun_refuses_bad_counts_in_one_line(counts, message, capsys):
     """torchrun itself would end on a ValueError or AssertionError traceback (single_node.sh's NPROC_PER_NODE)."""
-    from lm.torchrun import main
 
     assert main([*counts, "-m", "lm.train"]) == 2
     err = capsys.readouterr().err
@@ -142,7 +144,6 @@ def test_lm_torchrun_refuses_bad_counts_in_one_line(counts, message, capsys):
 @pytest.mark.parametrize("exit_code, launches", [(2, 1), (1, 2)])
 def test_a_worker_that_refused_its_input_is_not_restarted(exit_code, launches, tmp_path, capfd):
     """An input error (exit 2) would come back on every restart; a crash (exit 1) is what restarts are for."""
-    from lm.torchrun import main
 
     count, worker = tmp_path / "launches", tmp_path / "worker.py"
     worker.write_text(f"import sys\nwith open({str(count)!r}, 'a') as f:\n    f.write('x')\n"
@@ -160,17 +161,12 @@ def test_a_worker_that_refused_its_input_is_not_restarted(exit_code, launches, t
 
 
 def test_lm_torchrun_takes_a_range_of_nodes_that_may_be_a_single_count():
-    from torch.distributed.run import parse_args
-
-    from lm.torchrun import _count_problem
-
     for nodes in ("2", "2:2", "1:2"):
         assert _count_problem(parse_args([f"--nnodes={nodes}", "--nproc_per_node=2", "x.py"])) is None, nodes
 
 
 def test_a_node_that_never_joins_ends_on_one_line(capsys):
     """torchrun's RendezvousTimeoutError was a bare 41-line traceback: no word of the nodes or the endpoint."""
-    from lm.torchrun import main
 
     port = free_port()
     assert main(["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
@@ -182,7 +178,6 @@ def test_a_node_that_never_joins_ends_on_one_line(capsys):
 
 
 def test_a_rendezvous_this_node_cannot_reach_is_named_as_such(capsys):
-    from lm.torchrun import main
 
     assert main(["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", "--rdzv_endpoint=10.255.255.1:29717",
                  "--rdzv_conf=join_timeout=2,read_timeout=2,timeout=2", "-m", "lm.train"]) == 1
@@ -496,3 +491,48 @@ def test_gpu_bench_script_saves_each_part_and_reports_a_failed_one(tmp_path):
     saved = (out / "tests.txt").read_text()
     # no GPU: every test of tests/gpu skipped, none failed
     assert saved.startswith("== tests: ") and re.search(r"\n\d+ skipped in ", saved) and "failed" not in saved
+
+
+def test_lm_torchrun_refuses_a_node_range_of_more_than_two_counts():
+    # torchrun would end on a traceback for --nnodes=1:2:3 (NNODES in the launch scripts)
+    assert _count_problem(parse_args(["--nnodes=1:2:3", "--nproc_per_node=2", "x.py"])) == (
+        "--nnodes: expected a positive number of nodes, or MIN:MAX with 0 < MIN <= MAX, got '1:2:3'")
+
+
+def test_lm_torchrun_takes_torchruns_named_process_counts():
+    # --nproc_per_node=gpu (every GPU of the node), cpu or auto are torchrun's own values, not bad counts
+    for nproc in ("auto", "cpu", "gpu", "xpu"):
+        assert _count_problem(parse_args(["--nnodes=1", f"--nproc_per_node={nproc}", "x.py"])) is None, nproc
+
+
+def omp_threads_of_workers(tmp_path: Path, nproc: int) -> list[str]:
+    """OMP_NUM_THREADS as each worker of an lm-torchrun of `nproc` processes on this machine sees it."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    worker = tmp_path / "worker.py"
+    worker.write_text(f"import os, pathlib\npathlib.Path({str(tmp_path)!r}, 'omp_' + os.environ['LOCAL_RANK'])"
+                      ".write_text(os.environ.get('OMP_NUM_THREADS', 'unset'))\n")
+    # torchrun's agent takes over the process's signals and leaves them so: put them back for the next tests
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        assert main(["--standalone", f"--nproc_per_node={nproc}", "--monitor-interval=0.05", str(worker)]) == 0
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    return [(tmp_path / f"omp_{rank}").read_text() for rank in range(nproc)]
+
+
+def test_lm_torchrun_keeps_the_users_omp_threads_and_leaves_one_process_its_default(tmp_path, monkeypatch):
+    # one thread per worker is only torchrun's default for several workers sharing the machine's cores: a value
+    # the user set is theirs, and a single process keeps torch's own (every core)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert omp_threads_of_workers(tmp_path / "set", 2) == ["3", "3"]
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert omp_threads_of_workers(tmp_path / "one", 1) == ["unset"]
+    assert omp_threads_of_workers(tmp_path / "two", 2) == ["1", "1"]
+
+
+def test_multi_node_takes_the_highest_port(tmp_path):
+    torchrun = stub(tmp_path, "lm-torchrun")
+    env = script_env(tmp_path, NNODES="2", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="65535")
+    subprocess.run(["bash", "launch/multi_node.sh", "--train.steps=1"], cwd=REPO, env=env, check=True, timeout=60)
+    assert "--rdzv_endpoint=127.0.0.1:65535" in calls(torchrun)[0]

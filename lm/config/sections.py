@@ -70,7 +70,8 @@ class ScheduleConfig:
     warmup_steps: int = 100
     """Steps of linear warmup from 0 to optim.lr."""
     decay_steps: int = 0
-    """Step at which the cosine decay reaches min_lr_ratio * lr (0 means train.steps)."""
+    """Step at which the cosine decay reaches min_lr_ratio * lr (0 means train.steps; warmup_steps means no
+    cosine: the floor from the first step after warmup)."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of optim.lr."""
 
@@ -78,7 +79,7 @@ class ScheduleConfig:
         for key in ("warmup_steps", "decay_steps"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"schedule.{key}: must be >= 0, got {getattr(self, key)}")
-        if 0 < self.decay_steps < self.warmup_steps:  # the rate would fall from its peak to the floor in one step
+        if 0 < self.decay_steps < self.warmup_steps:  # a decay that would end before warmup reaches the peak
             raise ConfigError(f"schedule.decay_steps: {self.decay_steps} ends the decay before warmup ends "
                               f"(schedule.warmup_steps={self.warmup_steps}); expected at least {self.warmup_steps}, "
                               "or 0 for train.steps")

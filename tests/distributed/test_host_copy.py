@@ -57,3 +57,23 @@ def test_a_dtensor_is_copied_as_a_dtensor_of_the_same_shards():
     replies = [r["value"] for r in pool(2).run(copy_a_sharded_tensor)]
     assert replies == [([4, 2], [0.0, 1.0, 2.0, 3.0], "(Shard(dim=0),)", True),
                        ([4, 2], [4.0, 5.0, 6.0, 7.0], "(Shard(dim=0),)", True)]
+
+
+def test_a_tensor_whose_shape_or_dtype_changed_is_copied_into_a_buffer_of_its_own_kind():
+    # the same key may come back as another tensor (a counter saved as an integer after a float, a resized
+    # embedding): the copy holds the new tensor as it is, not cast or reshaped into the last save's buffer
+    host = HostCopy(pin_memory=False)
+    host.copy({"step": torch.tensor(1.5), "wte": torch.ones(2, 3)})
+    step, wte = torch.tensor(7, dtype=torch.int64), torch.arange(12.0).reshape(3, 4)
+    copied = host.copy({"step": step, "wte": wte})
+    assert copied["step"].dtype == torch.int64 and copied["step"].item() == 7
+    assert copied["wte"].shape == (3, 4) and torch.equal(copied["wte"], wte)
+
+
+def test_allocating_ahead_reads_no_values():
+    # allocate only makes the buffers (pinning takes seconds at scale, ahead of the first save): it copies
+    # nothing, so tensors whose values do not exist yet (the meta device) are enough to size them
+    host = HostCopy(pin_memory=False)
+    assert host.allocate({"w": torch.empty(4, 8, device="meta"), "step": 3}) == 4 * 8 * 4
+    copied = host.copy({"w": torch.ones(4, 8), "step": 3})
+    assert torch.equal(copied["w"], torch.ones(4, 8)) and copied["step"] == 3

@@ -157,3 +157,11 @@ def test_each_group_gets_the_configured_optimizer_settings():
     adamw = build_optimizer(model, OptimConfig(weight_decay=0.05, eps=1e-6), [model.lm_head])
     assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["fused"] is True
     assert [(g["weight_decay"], g["eps"]) for g in adamw.param_groups] == [(0.05, 1e-6), (0.0, 1e-6)]
+
+
+def test_muon_is_given_the_ranks_that_share_its_work():
+    # under ddp Muon's ranks split the matrices' orthogonalisation between them: it must know how many
+    # there are and which one it is, or every rank would do all of the work
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=64))
+    opt = build_optimizer(model, OptimConfig(name="muon"), [model.lm_head], world_size=4, rank=3)
+    assert (opt.world_size, opt.rank) == (4, 3)

@@ -27,3 +27,11 @@ def test_decay_steps_overrides_total():
     assert lr_at(25, 1.0, cfg, 1000) == pytest.approx(0.5)
     values = [lr_at(s, 1.0, cfg, 1000) for s in range(51)]
     assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_a_decay_that_ends_where_warmup_ends_is_at_the_floor_from_that_step():
+    # schedule.decay_steps may equal warmup_steps (the config refuses only less): the step where the decay
+    # ends is at min_lr_ratio * lr, the warmup's last step at the peak
+    cfg = ScheduleConfig(warmup_steps=10, decay_steps=10, min_lr_ratio=0.1)
+    assert lr_at(9, 2.0, cfg, 100) == pytest.approx(2.0)
+    assert [lr_at(s, 2.0, cfg, 100) for s in (10, 11, 99)] == pytest.approx([0.2, 0.2, 0.2])
