@@ -67,3 +67,20 @@ def test_a_forward_of_more_tokens_than_the_cache_was_advanced_by_is_refused():
         model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match="max_len=17 exceeds model.block_size=16"):
         model.new_static_cache(1, 17)
+
+
+def test_a_static_cache_of_the_whole_block_size_decodes_a_full_window():
+    # a cache of exactly block_size positions is the largest one the model can use, and must be accepted: decoding
+    # all block_size positions through it gives the logits of one whole forward of the window
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, d_model=16)).eval()
+    idx = torch.randint(0, 64, (1, 8))
+    cache = model.new_static_cache(1, 8)
+    with torch.no_grad():
+        full = model.logits(model(idx))
+        cache.advance(5)
+        steps = [model.logits(model(idx[:, :5], cache=cache))]
+        for t in range(5, 8):
+            cache.advance(1)
+            steps.append(model.logits(model(idx[:, t:t + 1], cache=cache)))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)

@@ -604,3 +604,22 @@ def test_relu2_saves_its_output_and_the_squares_input():
     by_mlp = {mlp: layer_activation_bytes(m, b, s, c, 2) for mlp, m in cfg.items()}
     assert by_mlp["relu2"] - by_mlp["relu"] == c * b * s * f
     assert by_mlp["relu2"] == by_mlp["gelu"]
+
+
+def test_only_a_stack_that_ends_in_a_norm_keeps_the_final_norms_input():
+    # A pre-norm GPT ends in a final norm, which saves its input (the float32 residual stream, t x h) for backward;
+    # a post-norm stack has no final norm (its last block already ends in one). Two and four blocks give what
+    # lies outside the blocks (2 * A(2) - A(4)): it differs between the two by that one input, in the estimate
+    # and in what autograd actually saves.
+    t, h = 3 * 40, 64
+
+    def outside_blocks(measure, position):
+        a2, a4 = (measure(_cfg(f"--model.norm_position={position}", f"--model.n_layer={n}", "--train.device=cpu",
+                               dtype="float32")) for n in (2, 4))
+        return 2 * a2 - a4
+
+    predicted = {p: outside_blocks(lambda c: estimate_memory(c, 1).activations, p) for p in ("pre", "post")}
+    measured = {p: outside_blocks(lambda c: saved_bytes(c, bf16_weights=False, autocast=False), p)
+                for p in ("pre", "post")}
+    assert measured["pre"] - measured["post"] == pytest.approx(4 * t * h, rel=0.1)
+    assert predicted["pre"] - predicted["post"] == 4 * t * h
