@@ -62,7 +62,7 @@ def export_hf(model: nn.Module, target: Target, encoding: Tokenizer | None, toke
     config |= {key: source[key] for key in TOKEN_ID_KEYS if key in source}
     written = [_write_json(out_dir / "config.json", config)]
     for path in target.code:  # lm's own modeling code, which config.json's auto_map names
-        (out_dir / path.name).write_text(exported_source(path), encoding="utf-8")
+        (out_dir / path.name).write_text(exported_source(path, target.code), encoding="utf-8")
         written.append(out_dir / path.name)
     if origin is not None and (origin / GENERATION_CONFIG).is_file():
         shutil.copyfile(origin / GENERATION_CONFIG, out_dir / GENERATION_CONFIG)

@@ -120,18 +120,32 @@ def code_files(modeling_file: str, layers: ModuleType) -> tuple[Path, ...]:
     return CODE_DIR / CONFIG_FILE, CODE_DIR / GLUE_FILE, *layer_files(layers), CODE_DIR / modeling_file
 
 
-def exported_source(path: Path) -> str:
-    """Code file `path` as the export writes it: an lm layer file's imports of other lm.models modules become
-    relative imports of the files written beside it (or of their stand-ins), under a line that says where it comes
-    from. ValueError where an import of lm is left, which transformers could not load without lm installed."""
+def exported_source(path: Path, beside: tuple[Path, ...] = ()) -> str:
+    """Code file `path` as the export writes it beside the files `beside`: an lm layer file's imports of other
+    lm.models modules become relative imports of the files written beside it (or of their stand-ins), under a line
+    that says where it comes from; a modeling file imports every file beside it itself (`_import_all`). ValueError
+    where an import of lm is left, which transformers could not load without lm installed."""
     text = path.read_text(encoding="utf-8")
     if path.parent != CODE_DIR:
         text = f"# lm.models.{path.stem}: lm's own source, its imports of lm made relative by lm.export\n" + \
             LAYER_IMPORT.sub(lambda m: f"from .{STAND_INS.get(m[1], m[1])} import ", text)
+    elif path.name.startswith("modeling_"):
+        text = _import_all(text, [p.stem for p in beside if p != path])
     if left := re.search(r"^\s*(from|import)\s+lm\b.*", text, re.MULTILINE):
         raise ValueError(f"{path}: the export cannot carry `{left[0].strip()}`; a layer file may import torch and "
                          "lm.models' layer modules only")
     return text
+
+
+def _import_all(text: str, modules: list[str]) -> str:
+    """`text`, a modeling file, with an import of each of `modules` it does not import itself: transformers 4.x
+    copies into its module cache only the files a local modeling file imports directly, so a layer file that only
+    another imports (block.py's attention.py) would be missing there."""
+    missing = [name for name in modules if not re.search(rf"^from \.{name} import ", text, re.MULTILINE)]
+    if not missing:
+        return text
+    header = "\n\n# every file beside this one, for transformers 4.x, which copies only the files imported here\n"
+    return text + header + "".join(f"from .{name} import __name__ as _{name}  # noqa: E402, F401\n" for name in missing)
 
 
 def code_note(hf_class: str, modeling_file: str) -> str:

@@ -198,3 +198,19 @@ def test_the_cli_refuses_a_fine_tuning_head_in_one_line_before_out_exists(tmp_pa
         "(model.head=classify): BertForMaskedLM (BERT) needs model.head=mlm; LMEncoderForMaskedLM (lm's own code) "
         "needs model.head=mlm"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["encoder.safetensors"]
+
+
+def test_the_cli_exports_an_encoder_bert_cannot_compute_as_lm_code_without_tokenizer_files(tmp_path, caplog):
+    """Rotary positions go out as lm's own code; as for BERT, no tokenizer files (they would encode text without
+    the [CLS] the model always saw first), and the note names the ids to add."""
+    model = random_encoder(tiny_config(vocab_size=50257, d_model=32, n_head=2, d_ff=0, pos="rope"))
+    checkpoint = consolidated(model, tmp_path / "encoder.safetensors")
+    out = tmp_path / "hf"
+    with caplog.at_level("INFO", logger="lm.export"):
+        assert run(main, ["--checkpoint", str(checkpoint), "--to", "hf", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "attention.py", "block.py", "config.json", "configuration_lm.py", "hf_glue.py", "kv_cache.py", "layers.py",
+        "model.safetensors", "modeling_lm_encoder.py"]
+    assert "as LMEncoderForMaskedLM" in caplog.text and "trust_remote_code=True" in caplog.text
+    assert "no tokenizer files: encode text with data.tokenizer=gpt2 and add the ids beyond it: [CLS]=50258 first, " \
+           "[MASK]=50257, padding=50259" in caplog.text

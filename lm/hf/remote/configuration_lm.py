@@ -20,7 +20,7 @@ class LMTransformerConfig(PretrainedConfig):
                  rope_theta: float = 10000.0, norm: str = "layernorm", norm_eps: float = 1e-5,
                  norm_position: str = "pre", mlp: str = "gelu", bias: bool = True, qkv_bias: bool = False,
                  qk_norm: bool = False, dropout: float = 0.0, tie_word_embeddings: bool = True,
-                 initializer_range: float = 0.02, **kwargs) -> None:
+                 initializer_range: float = 0.02, use_cache: bool = True, **kwargs) -> None:
         self.vocab_size, self.block_size, self.n_layer, self.d_model, self.d_ff = (
             vocab_size, block_size, n_layer, d_model, d_ff)
         self.n_head, self.n_kv_head = n_head, n_kv_head
@@ -34,6 +34,8 @@ class LMTransformerConfig(PretrainedConfig):
         self.bias, self.qkv_bias, self.qk_norm = bias, qkv_bias, qk_norm
         self.dropout = dropout
         self.initializer_range = initializer_range
+        # a decoder's forward given no cache starts one (in eval mode), as transformers' own models do
+        self.use_cache = use_cache
         # transformers 4.x's config sets tie_word_embeddings itself (true unless given); 5.x leaves it to the model
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 

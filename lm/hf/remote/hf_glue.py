@@ -25,6 +25,12 @@ class LayerCache:
         return self.cache.update(k, v, self.layer_idx)
 
 
+def wants_cache(use_cache: bool | None, config, training: bool) -> bool:
+    """Whether a forward given no cache starts one, as transformers' own models do: when use_cache says so, or,
+    unset, when config.use_cache does and the model is not training (a training step reads no cache back)."""
+    return use_cache if use_cache is not None else config.use_cache and not training
+
+
 def layer_caches(cache, n_layer: int) -> list[LayerCache | None]:
     """Each layer's view of `cache`, or None for every layer without one."""
     return [None if cache is None else LayerCache(cache, i) for i in range(n_layer)]

@@ -12,12 +12,12 @@ prompts may be left-padded (attention_mask), each row then getting the positions
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .block import Block
 from .configuration_lm import LMDecoderConfig, TransformerConfig
-from .hf_glue import TokenEmbeddings, layer_caches, output_with_cache, padded_causal_mask, token_positions
+from .hf_glue import TokenEmbeddings, layer_caches, output_with_cache, padded_causal_mask, token_positions, wants_cache
 from .layers import add_positions, make_norm
 
 
@@ -48,10 +48,13 @@ class LMDecoderForCausalLM(TokenEmbeddings, PreTrainedModel, GenerationMixin):
                 position_ids: torch.LongTensor | None = None, cache=None, labels: torch.LongTensor | None = None,
                 use_cache: bool | None = None, past_key_values=None, **kwargs) -> CausalLMOutputWithPast:
         """Logits (B, T, vocab_size) of input_ids (B, T), after the positions already in `cache` when one is given
-        (transformers 4.x passes it as past_key_values). attention_mask (B, past + T): 1 for real tokens, 0 for
-        padding. labels (B, T): the loss is the mean cross-entropy of each next token, -100 ignored."""
+        (transformers 4.x passes it as past_key_values), else kept in a new cache when use_cache asks for one
+        (`wants_cache`). attention_mask (B, past + T): 1 for real tokens, 0 for padding. labels (B, T): the loss is
+        the mean cross-entropy of each next token, -100 ignored."""
         cfg = self.config
         cache = cache if cache is not None else past_key_values
+        if cache is None and wants_cache(use_cache, cfg, self.training):
+            cache = DynamicCache()  # a first call starts the cache the next call continues
         past = cache.get_seq_length() if cache is not None else 0
         T = input_ids.size(1)
         if past + T > cfg.block_size:

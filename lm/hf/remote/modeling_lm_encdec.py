@@ -15,12 +15,12 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import DynamicCache, EncoderDecoderCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from .block import Block
 from .configuration_lm import LMEncDecConfig, TransformerConfig
-from .hf_glue import key_mask, layer_caches, output_with_cache
+from .hf_glue import key_mask, layer_caches, output_with_cache, wants_cache
 from .layers import add_positions, make_norm
 
 
@@ -132,8 +132,9 @@ class LMEncDecForConditionalGeneration(PreTrainedModel, GenerationMixin):
                 **kwargs) -> Seq2SeqLMOutput:
         """Logits (B, T, vocab_size) of decoder inputs decoder_input_ids (B, T) over the source input_ids (B, S)
         (or its encoder_outputs), after the decoder positions already in `cache` when one is given (transformers
-        4.x passes it as past_key_values). Without decoder inputs, labels (B, T) shifted right behind the start
-        id; the loss is the mean cross-entropy of the labels, -100 ignored."""
+        4.x passes it as past_key_values), else kept in a new cache when use_cache asks for one (`wants_cache`).
+        Without decoder inputs, labels (B, T) shifted right behind the start id; the loss is the mean cross-entropy
+        of the labels, -100 ignored."""
         cfg = self.config
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids, attention_mask)
@@ -142,6 +143,8 @@ class LMEncDecForConditionalGeneration(PreTrainedModel, GenerationMixin):
             shifted = torch.cat([labels.new_full((labels.size(0), 1), cfg.pad_token_id), labels[:, :-1]], dim=1)
             decoder_input_ids = shifted.masked_fill(shifted == -100, cfg.pad_token_id)
         cache = cache if cache is not None else past_key_values
+        if cache is None and wants_cache(use_cache, cfg, self.training):
+            cache = EncoderDecoderCache(DynamicCache(), DynamicCache())  # the cache the next call continues
         # an encoder-decoder cache keeps self-attention's keys and values apart from cross-attention's
         self_cache = getattr(cache, "self_attention_cache", cache)
         h = self.decoder(decoder_input_ids, self.get_input_embeddings(), memory, key_mask(attention_mask), self_cache)
