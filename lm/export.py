@@ -48,7 +48,8 @@ def main(argv: list[str]) -> int:
                     "tokenizer files).",
     )
     parser.add_argument("--checkpoint", required=True, type=a_path,
-                        help="run directory, its checkpoints/ or one step_XXXXXXXX directory")
+                        help="run directory, its checkpoints/, one step_XXXXXXXX directory, or a consolidated "
+                             ".safetensors (lm.consolidate)")
     parser.add_argument("--to", required=True, choices=["hf"], help="hf: a Hugging Face transformers directory")
     parser.add_argument("out", type=a_path, metavar="OUT",
                         help="output directory (created; must be empty unless --force)")

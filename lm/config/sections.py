@@ -159,7 +159,8 @@ class CheckpointConfig:
     resume: str = "auto"
     """auto (newest complete checkpoint if any), never, or required (fail without one)."""
     init_from: str = ""
-    """A consolidated .safetensors (lm.consolidate) whose weights start a new run; optimizer and data start fresh."""
+    """A consolidated .safetensors (lm.consolidate) or a transformers checkpoint directory whose weights start a new
+    run; optimizer and data start fresh."""
     allow_unverified: bool = False
     """Resume from a checkpoint that has no manifest.json (an older lm's), whose files cannot be checked."""
     allow_data_change: bool = False

@@ -231,11 +231,11 @@ class Training:
     head: TaskHead | None = None
     """Its fine-tuning head; None for a family that has none"""
     after_step: "StepUpdate | None" = None
-    """(model, reduce, applied) -> None, called on every rank after each optimizer step: updates what the model keeps
+    """(model, reduce, size) -> None, called on every rank after each optimizer step: updates what the model keeps
     outside its gradients from what its training forwards counted since the last step (a mixture of experts'
     balancing biases). `reduce` averages a tensor over the data-parallel ranks in place (the engine layer's
-    collective: model code imports no torch.distributed); `applied` is the step's 0-dim bool, False where the engine
-    skipped it. None: nothing to update"""
+    collective: model code imports no torch.distributed); `size` is the step's 0-dim float (`StepUpdate`), 0 where
+    the engine skipped it. None: nothing to update"""
 
 
 @dataclass(frozen=True)
