@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import shutil
@@ -11,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from lm.checkpoint.consolidated import consolidate, load_consolidated, read_consolidated_config
 from lm.checkpoint.loading import load_for_inference
-from lm.checkpoint.model_weights import load_model_weights, tied_names
-from lm.checkpoint.store import resolve_checkpoint
+from lm.checkpoint.model_weights import load_checkpoint_weights, load_model_weights, tied_names
+from lm.checkpoint.store import read_config, resolve_checkpoint
 from lm.config import JobConfig, load_config, save_config
 from lm.consolidate import main
 from lm.errors import CheckpointError
@@ -250,3 +251,14 @@ def test_deepspeed_checkpoint_consolidates_to_the_engine_parameters(deepspeed_ru
         reference = family_of(cfg.model).build(cfg.model)
         reference.load_state_dict({**expected, "lm_head.weight": expected["wte.weight"]})
         assert torch.equal(_logits(model, cfg), _logits(reference.eval(), cfg))
+
+
+@pytest.mark.process
+def test_a_deepspeed_checkpoint_that_does_not_fill_the_model_is_refused(deepspeed_runs):
+    # a model with a block the checkpoint lacks would keep that block's drawn weights: refused by name instead
+    step_dir = resolve_checkpoint(deepspeed_runs / "zero2")
+    cfg = read_config(step_dir).model
+    deeper = family_of(cfg).build(dataclasses.replace(cfg, n_layer=3))
+    refused = rf"(?s){step_dir}: cannot read the deepspeed checkpoint: .*Missing key.*blocks\.2\."
+    with pytest.raises(CheckpointError, match=refused):
+        load_checkpoint_weights(step_dir, deeper)

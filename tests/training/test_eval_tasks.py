@@ -8,6 +8,7 @@ import pytest
 from lm.config import load_config
 from lm.distributed.env import init_distributed
 from lm.errors import ConfigError
+from lm.training.task_eval import tasks_line
 from lm.training.trainer import Trainer
 from tests.distributed.test_engines import train
 from tests.training.test_trainer import tiny_config
@@ -68,3 +69,10 @@ def test_training_goes_on_in_training_mode_after_a_task_evaluation(tiny_data_dir
     history = trainer.fit()
     assert [row["step"] for row in history if "tasks/core" in row] == [1, 2]
     assert all(module.training for module in trainer.engine.model.modules())
+
+
+def test_the_task_line_shows_every_task_then_the_core_score():
+    metrics = {"tasks/arc_easy/acc": 0.5, "tasks/arc_easy/acc_norm": 0.25, "tasks/winogrande/acc": 0.75,
+               "tasks/winogrande/acc_norm": 0.125, "tasks/core": 0.1}
+    assert tasks_line(metrics).format(step=7) == ("step 7 | arc_easy acc 0.5000 acc_norm 0.2500 | winogrande acc "
+                                                  "0.7500 acc_norm 0.1250 | core 0.1000")

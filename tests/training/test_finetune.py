@@ -18,7 +18,11 @@ from lm.checkpoint.store import resolve_checkpoint
 from lm.checkpoint.trunk import check_trunk, load_trunk, saved_config
 from lm.cli import run
 from lm.config import load_config
+from lm.distributed.env import DistEnv
+from lm.errors import CheckpointError, ConfigError
 from lm.models.registry import family_of
+from lm.tokenizer import model_tokenizer
+from lm.training.task_data import open_task_data, read_task_rows
 from tests.conftest import ENCODER, write_rows
 from tests.test_bad_inputs import digest
 
@@ -347,7 +351,6 @@ def test_predictions_are_never_written_over_the_checkpoint_they_come_from(encode
 
 
 def test_task_val_fraction_holds_out_its_share_of_the_rows(separable_rows, tmp_path):
-    from lm.distributed.env import DistEnv
     from lm.training.task_data import open_task_data
 
     task = write_rows(tmp_path / "lines.csv", separable_rows)
@@ -393,3 +396,75 @@ def metrics(out: str) -> list[str]:
     lines = out.splitlines()
     after = next(i for i, line in enumerate(lines) if line.startswith("file: ")) + 1
     return [line for line in lines[after:] if not line.startswith("predictions: ")]
+
+
+CPU_RANK = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+
+def test_a_checkpoint_of_another_family_is_no_trunk_to_fine_tune(trained_run):
+    # a decoder's weights would fill an encoder's trunk by name where they happen to match: refused by family first
+    cfg = load_config(None, [*ENCODER, "--model.head=classify", "--model.num_classes=2", "--task.file=x.csv"])
+    with pytest.raises(ConfigError, match="fine-tunes a pretrained checkpoint of its own family") as err:
+        check_trunk(saved_config(trained_run).model, cfg.model, trained_run)
+    assert "model.arch=gpt" in str(err.value)
+
+
+def test_an_encoder_of_another_shape_is_no_trunk_to_fine_tune(encoder_run):
+    # the head's keys may differ from the checkpoint's; a trunk key (here the depth) may not
+    cfg = load_config(None, [*ENCODER, "--model.n_layer=3", "--model.head=classify", "--model.num_classes=2",
+                             "--task.file=x.csv"])
+    with pytest.raises(ConfigError, match=r"holds another encoder \(.*model\.n_layer: 2 -> 3"):
+        check_trunk(saved_config(encoder_run).model, cfg.model, encoder_run)
+
+
+def test_a_trunk_the_checkpoint_does_not_fill_is_refused_naming_what_it_lacks(encoder_run):
+    # a deeper model than the checkpoint: its third block would silently keep the weights it was drawn with
+    cfg = load_config(None, [*ENCODER, "--model.n_layer=3", "--model.head=classify", "--model.num_classes=2",
+                             "--task.file=x.csv"])
+    model = family_of(cfg.model).build(cfg.model)
+    with pytest.raises(CheckpointError, match=r"lacks the trunk weights \['blocks\.2\."):
+        load_trunk(encoder_run, model)
+
+
+def test_each_task_row_is_cls_then_its_tokens_cut_to_seq_len(tmp_path):
+    words = "the king sailed the ship through the storm and the queen held the crown " * 4
+    task = write_rows(tmp_path / "rows.csv", [{"text": words, "label": 0}, {"text": "a ship", "label": 1}])
+    cfg = load_config(None, [*ENCODER, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}"])
+    examples, labels = read_task_rows(cfg, task)
+    encode = model_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size).encode_ordinary
+    assert len(encode(words)) > cfg.data.seq_len
+    # [CLS] and then the first seq_len - 1 ids: exactly data.seq_len ids, the longest a window holds
+    assert examples[0].tolist() == [cfg.model.cls_id, *encode(words)[:cfg.data.seq_len - 1]]
+    assert len(examples[0]) == cfg.data.seq_len == 16
+    assert examples[1].tolist() == [cfg.model.cls_id, *encode("a ship")]
+    assert cfg.model.cls_id != cfg.model.pad_id
+    assert labels.tolist() == [0, 1]
+
+
+def _task_config(task: Path, *extra: str):
+    return load_config(None, [*ENCODER, "--model.head=classify", "--model.num_classes=2", f"--task.file={task}",
+                              "--train.batch_size=16", "--train.micro_batch_size=8", "--train.device=cpu", *extra])
+
+
+def test_the_task_loader_shuffles_by_train_seed_and_pads_with_the_pad_id(separable_rows, tmp_path):
+    task = write_rows(tmp_path / "lines.csv", separable_rows)
+    firsts = {}
+    for seed in (3, 4):
+        data = open_task_data(_task_config(task, f"--train.seed={seed}"), CPU_RANK)
+        batches = data.loader.next_batch()
+        firsts[seed] = [row.tolist() for ids, _, _ in batches for row in ids]
+        again = open_task_data(_task_config(task, f"--train.seed={seed}"), CPU_RANK).loader.next_batch()
+        assert [row.tolist() for ids, _, _ in again for row in ids] == firsts[seed]  # the seed alone decides
+        cfg = _task_config(task)
+        for ids, _, keep in batches:
+            assert not keep.all()  # rows of 4 to 9 ids: the shorter ones are padded
+            assert (ids[~keep] == cfg.model.pad_id).all()
+            assert (ids[:, 0] == cfg.model.cls_id).all()
+    assert firsts[3] != firsts[4]
+
+
+def test_a_task_batch_that_does_not_split_over_the_ranks_is_one_config_error(separable_rows, tmp_path):
+    task = write_rows(tmp_path / "lines.csv", separable_rows)
+    three = DistEnv(rank=0, local_rank=0, world_size=3, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match="world size 3"):
+        open_task_data(_task_config(task), three)
