@@ -55,7 +55,8 @@ def check_batch_split(cfg: JobConfig, world_size: int) -> None:
 
 def check_micro_batches(cfg: JobConfig, replicas: int) -> None:
     """What torch's pipeline schedules need of a step's micro-batches: 1F1B at least one per stage, interleaved
-    1F1B a whole number per round of pp (a step whose batch does not split evenly is refused by the loader)."""
+    1F1B a count its n // pp rounds split evenly (a step whose batch does not split evenly is refused by the
+    loader)."""
     par, train = cfg.parallel, cfg.train
     n = train.batch_size // (train.micro_batch_size * replicas)
     split = (f"train.batch_size {train.batch_size} / (train.micro_batch_size {train.micro_batch_size} x "
@@ -66,9 +67,9 @@ def check_micro_batches(cfg: JobConfig, replicas: int) -> None:
                           "train.micro_batch_size")
     rounds = max(1, n // par.pp)
     if par.pp_schedule == "interleaved_1f1b" and n % rounds:
-        raise ConfigError(f"parallel.pp={par.pp}: interleaved_1f1b runs the micro-batches in rounds of "
-                          f"{par.pp}, and a step's {n} ({split}) are not {rounds} whole rounds; use a multiple "
-                          f"of {par.pp}")
+        raise ConfigError(f"parallel.pp={par.pp}: interleaved_1f1b splits a step's micro-batches into "
+                          f"micro-batches // pp rounds of equal size, and a step's {n} ({split}) do not split into "
+                          f"{rounds}; use a multiple of {par.pp}")
 
 
 def device_mesh(env: DistEnv) -> DeviceMesh:

@@ -79,3 +79,12 @@ def test_a_world_size_that_cp_does_not_divide_is_refused():
     with pytest.raises(ConfigError) as err:
         check_world(cfg, 3)
     assert str(err.value).startswith("parallel.cp=2 does not divide the world size 3")
+
+
+def test_the_ranks_of_a_context_parallel_group_read_the_same_samples():
+    # 4 ranks under cp=2 are 2 data-parallel replicas: a batch of 2 micro-batches is one each, and 3 do not split
+    flags = ["--parallel.engine=fsdp", "--parallel.cp=2", "--train.micro_batch_size=2"]
+    check_world(load_config(None, [*flags, "--train.batch_size=4"]), 4)
+    with pytest.raises(ConfigError, match=r"train.batch_size: 6 is not a multiple of train.micro_batch_size \(2\) x "
+                                          r"2 data-parallel replica\(s\) \(world size 4 / \(cp 2\)\)"):
+        check_world(load_config(None, [*flags, "--train.batch_size=6"]), 4)

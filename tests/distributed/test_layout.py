@@ -7,7 +7,7 @@ import torch
 
 from lm.config import load_config
 from lm.distributed.env import DistEnv
-from lm.distributed.layout import check_batch_split, device_mesh, expert_meshes
+from lm.distributed.layout import check_batch_split, check_world, device_mesh, expert_meshes, shard_mesh
 from lm.errors import ConfigError
 from tests.workers import pool
 
@@ -52,3 +52,38 @@ def test_hsdp_replicas_count_in_the_batch_split():
         check_batch_split(cfg, 4)
     check_batch_split(load_config(None, ["--parallel.engine=fsdp", "--parallel.dp_replicate=2",
                                          "--train.batch_size=8", "--train.micro_batch_size=1"]), 4)
+
+
+@pytest.mark.parametrize("layout, split", [(["--parallel.tp=2"], "tp 2 x cp 1 x pp 1 x dp_replicate 1"),
+                                           (["--parallel.dp_replicate=2"], "tp 1 x cp 1 x pp 1 x dp_replicate 2")])
+def test_expert_parallel_ranks_are_counted_in_the_data_parallel_ranks_of_one_replica(layout, split):
+    # 4 ranks under tp=2, or as 2 HSDP replicas, leave 2 ranks that shard the model: ep=4 divides the world size
+    # but not them, and ep=2 fits
+    flags = ["--parallel.engine=fsdp", "--model.n_experts=4", *layout]
+    with pytest.raises(ConfigError, match=r"parallel.ep=4 does not divide the 2 data-parallel rank\(s\) that shard "
+                                          rf"the model \(world size 4 / \({split}\)\)"):
+        check_world(load_config(None, [*flags, "--parallel.ep=4"]), 4)
+    check_world(load_config(None, [*flags, "--parallel.ep=2"]), 4)
+
+
+def shard_groups(cp: int, dp_replicate: int) -> list:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    env = DistEnv(rank=rank, local_rank=rank, world_size=4, device=torch.device("cpu"), cp=cp,
+                  dp_replicate=dp_replicate)
+    return shard_mesh(device_mesh(env)).mesh.tolist()
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("cp, dp_replicate, expected", [
+    # the context-parallel ranks hold the same weights: FSDP2 shards over them with the data-parallel ones
+    (2, 1, [0, 1, 2, 3]),
+    # HSDP: a replica of 2 consecutive ranks each, the shards all-reduced across the replicas
+    (1, 2, [[0, 1], [2, 3]]),
+    # both: each replica is one context-parallel pair, and its shards span the pair
+    (2, 2, [[0, 1], [2, 3]]),
+], ids=["cp2", "hsdp2", "cp2_hsdp2"])
+def test_fsdp2_shards_over_the_data_and_context_parallel_ranks_of_each_replica(cp, dp_replicate, expected):
+    for rank, found in enumerate(r["value"] for r in pool(4).run(shard_groups, cp, dp_replicate)):
+        assert found == expected, (rank, found)

@@ -12,7 +12,7 @@ from lm.distributed.fsdp import discard_draws
 from lm.distributed.layout import check_world
 from lm.distributed.pipeline import stage_layers
 from lm.errors import ConfigError
-from tests.distributed.test_engines import held_share, resume_copy, train
+from tests.distributed.test_engines import held_share, resume_copy, train, val_losses
 from tests.workers import pool
 
 # a 4-block decoder with the Llama options (grouped-query attention) and an untied head, which a pipeline needs
@@ -134,8 +134,9 @@ def test_a_pipeline_the_model_cannot_take_is_refused_by_the_config(flags, messag
      "(train.micro_batch_size 2 x 2 data-parallel replicas)); raise train.batch_size or lower "
      "train.micro_batch_size"),
     (2, [*INTERLEAVED, "--train.batch_size=10", "--train.micro_batch_size=2"],
-     "parallel.pp=2: interleaved_1f1b runs the micro-batches in rounds of 2, and a step's 5 (train.batch_size 10 / "
-     "(train.micro_batch_size 2 x 1 data-parallel replicas)) are not 2 whole rounds; use a multiple of 2"),
+     "parallel.pp=2: interleaved_1f1b splits a step's micro-batches into micro-batches // pp rounds of equal size, "
+     "and a step's 5 (train.batch_size 10 / (train.micro_batch_size 2 x 1 data-parallel replicas)) do not split "
+     "into 2; use a multiple of 2"),
     (6, ["--parallel.pp=4"], "parallel.pp=4 does not divide the world size 6 (ranks torchrun started); the product "
      "must be one of 1, 2, 3, 6, or start a multiple of 4 ranks"),
     # the replicas each take a whole number of micro-batches, or no process group forms (lm.layouts asks the same)
@@ -168,10 +169,8 @@ SMALL_PP2 = ["--parallel.engine=fsdp", "--model.n_layer=4", "--model.n_head=2", 
 
 def pipeline_of(flags: list[str]) -> dict:
     """A pool job: the pipeline engine `flags` builds on this rank; what it holds and the schedule it runs."""
-    import torch
     import torch.distributed as dist
 
-    from lm.config import load_config
     from lm.distributed.env import DistEnv
     from lm.models.registry import family_of
     from lm.training.setup import build_run_engine
@@ -198,3 +197,28 @@ def test_each_rank_builds_the_named_schedule_over_the_steps_micro_batches(schedu
         blocks = [b for s in stages for b in range(s * 4 // (2 * per_rank), (s + 1) * 4 // (2 * per_rank))]
         assert got == {"engine": "PipelineEngine", "schedule": kind, "n_micro": 4, "stages": stages,
                        "blocks": blocks}, (rank, got)
+
+
+@pytest.mark.parametrize("batch_size, n_micro", [(10, 5), (12, 6), (20, 10)])
+def test_interleaved_1f1b_takes_micro_batches_that_split_into_whole_rounds_not_only_multiples_of_pp(batch_size,
+                                                                                                      n_micro):
+    # torch's ScheduleInterleaved1F1B runs n micro-batches in max(1, n // pp) rounds and asks only that the rounds
+    # divide n: on 4 pipeline ranks 5 and 6 are one round, 10 are two rounds of 5 (its own docstring's example)
+    rounds = max(1, n_micro // 4)
+    assert n_micro % rounds == 0 and n_micro % 4
+    cfg = load_config(None, ["--parallel.engine=fsdp", "--model.tie_embeddings=false", "--model.n_layer=8",
+                             "--parallel.pp=4", "--parallel.pp_schedule=interleaved_1f1b",
+                             "--parallel.pp_stages_per_rank=2", f"--train.batch_size={batch_size}",
+                             "--train.micro_batch_size=2"])
+    check_world(cfg, 4)
+
+
+@pytest.mark.process
+def test_four_stages_on_four_ranks_train_and_validate_like_one_process(reference, tiny_data_dir, tmp_path):
+    # evaluation runs the stages one after another outside the schedule, each rank receiving the residual stream
+    # from the rank of the stage before its own and sending to the one after: with 4 stages those two differ
+    one_dir, one = reference
+    assert_same(train(4, tmp_path / "pp4", tiny_data_dir, *LLAMA4, "--parallel.pp=4"), one, range(1, 11))
+    want = val_losses(one_dir)
+    assert want and sorted(val_losses(tmp_path / "pp4")) == sorted(want)
+    assert_same(val_losses(tmp_path / "pp4"), want, sorted(want))
