@@ -172,3 +172,11 @@ def test_document_positions_come_from_the_unmasked_window():
     # from the tokens before masking: an end-of-text shown as [MASK] still opens its document
     assert np.array_equal(positions, document_positions(rows[:, :8], 0))
     assert positions.tolist() == [[0, 1, 0, 1, 2, 0, 1, 2]]
+
+
+def test_random_replacement_ids_are_tokenizer_ids_only():
+    # a random replacement must be an ordinary token: never [MASK], [CLS] or padding, the ids just past the
+    # tokenizer's; a small vocabulary and many draws make every allowed id appear and any other one show up
+    uniforms, random_ids = masking_draws(0, np.arange(64), 9, 8, 5)
+    assert uniforms.shape == (64, 8) and random_ids.shape == (64, 8)
+    assert set(np.unique(random_ids).tolist()) == {0, 1, 2, 3, 4}

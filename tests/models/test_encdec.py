@@ -1,14 +1,17 @@
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from lm.config import load_config
-from lm.errors import ConfigError
+from lm.errors import ConfigError, PromptError
 from lm.models.encdec.config import EncDecConfig
 from lm.models.encdec.model import EncoderDecoder, padding_mask
 from lm.models.encdec.sampling import generate_seq2seq
+from lm.models.family import SampleOptions
 from lm.models.layers import sinusoidal_positions
 from lm.models.registry import get_family
 from lm.plan.counts import num_params
@@ -233,3 +236,97 @@ def test_init_statistics() -> None:
     for block in model.decoder:
         assert block.cross.proj.weight.std().item() == pytest.approx(residual, rel=0.05)
         assert block.cross.q.weight.std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_decoder_inputs_longer_than_block_size_are_refused() -> None:
+    # sinusoidal positions exist for any index, so only the explicit check keeps the decoder within block_size
+    model = EncoderDecoder(CFG).eval()
+    src = torch.randint(0, CFG.vocab_size, (1, 5))
+    with torch.no_grad():
+        model(src, torch.zeros(1, 24, dtype=torch.long))  # exactly block_size fits
+        with pytest.raises(ValueError, match=r"sequence of 25 tokens exceeds model.block_size=24"):
+            model(src, torch.zeros(1, 25, dtype=torch.long))
+        # with a cache, the positions already decoded count too
+        memory_kv = model.memory_kv(model.encode(src))
+        cache = model.new_cache(1, 25)
+        model.decode(torch.zeros(1, 24, dtype=torch.long), memory_kv, cache=cache)
+        with pytest.raises(ValueError, match=r"sequence of 25 tokens exceeds model.block_size=24"):
+            model.decode(torch.zeros(1, 1, dtype=torch.long), memory_kv, cache=cache)
+
+
+def test_pre_norm_stacks_end_in_a_final_norm() -> None:
+    # pre-norm blocks leave the residual stream unnormalised; the encoder's and decoder's final LayerNorms
+    # (gain 1, bias 0 at init) give every position zero mean and unit variance over d_model
+    torch.manual_seed(0)
+    model = EncoderDecoder(EncDecConfig(**{**CFG.__dict__, "norm_position": "pre"})).eval()
+    src = torch.randint(0, CFG.vocab_size, (2, 9))
+    tgt = torch.randint(0, CFG.vocab_size, (2, 6))
+    with torch.no_grad():
+        for h in (model.encode(src), model(src, tgt)):
+            torch.testing.assert_close(h.mean(-1), torch.zeros(h.shape[:-1]), atol=1e-5, rtol=0)
+            torch.testing.assert_close(h.var(-1, unbiased=False), torch.ones(h.shape[:-1]), atol=1e-3, rtol=0)
+
+
+def test_loss_is_the_mean_over_the_non_padding_targets() -> None:
+    # a shorter target padded with pad_id must not be scored at its padding
+    torch.manual_seed(0)
+    model = randomised(EncoderDecoder(EncDecConfig(**{**CFG.__dict__, "norm_position": "pre"})))
+    src = torch.randint(0, CFG.vocab_size, (2, 8))
+    tgt_out = torch.randint(0, CFG.vocab_size, (2, 6))
+    tgt_out[1, 3:] = CFG.pad_id
+    tgt_in = torch.cat([torch.full((2, 1), CFG.pad_id), tgt_out[:, :-1]], dim=1)
+    with torch.no_grad():
+        loss = ENCDEC.training.loss(model, model, [src, tgt_in, tgt_out]).optimized
+        full = logits(model, src, tgt_in)
+    real = tgt_out != CFG.pad_id
+    expected = F.cross_entropy(full[real], tgt_out[real])
+    assert abs(loss.item() - expected.item()) <= 1e-5
+
+
+def test_generate_seq2seq_refuses_a_negative_temperature_and_too_many_new_tokens() -> None:
+    model = randomised(EncoderDecoder(CFG))
+    with pytest.raises(ValueError, match=r"temperature must be >= 0, got -1.0"):
+        generate_seq2seq(model, [1, 2, 3], 4, temperature=-1.0)
+    with pytest.raises(ValueError, match=r"max_new_tokens must be in \[0, 24\], got 25"):
+        generate_seq2seq(model, [1, 2, 3], 25, temperature=0.0)
+
+
+def test_generate_seq2seq_leaves_the_model_in_its_mode() -> None:
+    # decoding runs in eval mode (no dropout) and hands the model back as it found it
+    model = EncoderDecoder(EncDecConfig(**{**CFG.__dict__, "dropout": 0.1}))
+    model.train()
+    generate_seq2seq(model, [1, 2, 3], 3, temperature=0.0)
+    assert model.training
+    model.eval()
+    generate_seq2seq(model, [1, 2, 3], 3, temperature=0.0)
+    assert not model.training
+
+
+def test_top_k_one_samples_the_greedy_tokens() -> None:
+    # top_k=1 leaves only the most likely token, whatever the temperature and seed
+    torch.manual_seed(0)
+    model = randomised(EncoderDecoder(EncDecConfig(**{**CFG.__dict__, "norm_position": "pre"})), seed=3)
+    source = torch.randint(0, CFG.vocab_size, (10,)).tolist()
+    greedy = generate_seq2seq(model, source, 12, temperature=0.0)
+    for seed in range(3):
+        assert generate_seq2seq(model, source, 12, temperature=2.0, top_k=1, seed=seed) == greedy
+
+
+def test_sampling_refuses_more_new_tokens_than_the_decoder_positions() -> None:
+    model = randomised(EncoderDecoder(CFG))
+    tokenizer = SimpleNamespace(encode_ordinary=lambda s: [ord(c) - 90 for c in s],
+                                decode=lambda ids: "".join(chr(i + 90) for i in ids), n_vocab=100)
+    assert isinstance(ENCDEC.sampler.sample(model, tokenizer, "ab<mask>c", SampleOptions(24, 0.0)), str)
+    too_many = r"--max-new-tokens: 25 exceeds the decoder's positions \(model.block_size=24\)"
+    with pytest.raises(PromptError, match=too_many):
+        ENCDEC.sampler.sample(model, tokenizer, "ab<mask>c", SampleOptions(25, 0.0))
+
+
+def test_learned_position_tables_are_drawn_with_gpt2s_std() -> None:
+    # both position tables are parameters built on the meta device: each must be drawn (std 0.02), not
+    # left as the uninitialised memory `to_empty` gives
+    torch.manual_seed(0)
+    model = EncoderDecoder(EncDecConfig(**{**CFG.__dict__, "pos": "learned", "d_model": 256, "block_size": 64}))
+    for table in (model.src_pos, model.tgt_pos):
+        assert table.weight.mean().abs().item() < 0.002
+        assert table.weight.std().item() == pytest.approx(0.02, rel=0.05)

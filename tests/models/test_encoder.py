@@ -284,3 +284,21 @@ def test_sequences_longer_than_block_size_are_refused() -> None:
 def test_config_refusals_name_the_key(changes: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, changes)
+
+
+def test_the_fine_tuning_head_mean_pools_the_real_tokens_only() -> None:
+    # the family's head outputs (what fine-tuning trains and predicts with) give a padded example the
+    # outputs it gets alone: the mean pooling divides by its real tokens, not by the padded length
+    cfg = config(head="regress", pooling="mean", pos="learned")
+    torch.manual_seed(0)
+    model = randomised(Encoder(cfg))
+    example = torch.cat([torch.tensor([cfg.cls_id]), torch.randint(0, cfg.vocab_size, (5,))])  # (6,)
+    other = torch.cat([torch.tensor([cfg.cls_id]), torch.randint(0, cfg.vocab_size, (9,))])  # (10,)
+    batch = torch.stack([torch.cat([example, torch.full((4,), cfg.pad_id)]), other])  # (2, 10)
+    keep = batch != cfg.pad_id
+    with torch.no_grad():
+        out = ENCODER.training.head.outputs(model, model, batch, keep)
+        alone = ENCODER.training.head.outputs(model, model, example[None], torch.ones(1, 6, dtype=torch.bool))
+        expected = model.score(model(example[None]).mean(dim=1))[:, 0]
+    torch.testing.assert_close(out[:1], alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(alone, expected, atol=1e-5, rtol=1e-5)

@@ -57,3 +57,14 @@ def test_a_document_mask_adds_each_tokens_position_in_its_document():
     assert x.tolist() == [[5, 50256, 7, 8, 50256]] and y.tolist() == [[50256, 7, 8, 50256, 9]]
     assert positions.tolist() == [[0, 0, 1, 2, 0]]  # the end-of-text token opens the next document
     assert len(build_objective(GPTConfig(), 5, 3)(rows, np.zeros(1, dtype=np.int64))) == 2
+
+
+def test_a_document_mask_gives_the_encoder_each_tokens_position_and_no_padding():
+    # masked LM with data.document_mask: the batch adds keep (no padding) and the positions of the window's own
+    # tokens, so the encoder attends within each document
+    rows = np.array([[5, 50256, 7, 8, 50256, 9]])  # (1, T + 1)
+    ids, labels, keep, positions = build_objective(EncoderConfig(), 5, 3, document_eot=50256)(
+        rows, np.zeros(1, dtype=np.int64))
+    assert ids.shape == labels.shape == keep.shape == positions.shape == (1, 5)
+    assert keep.all() and positions.tolist() == [[0, 0, 1, 2, 0]]
+    assert len(build_objective(EncoderConfig(), 5, 3)(rows, np.zeros(1, dtype=np.int64))) == 2
