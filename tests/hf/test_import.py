@@ -316,6 +316,15 @@ def test_a_checkpoint_without_safetensors_is_refused_with_the_way_out(tmp_path):
         imported(tmp_path)
 
 
+def assert_imports_with_hfs_logits(weights: dict, hf, tmp_path) -> None:
+    """`weights` saved as tmp_path's model.safetensors import into a model with the logits of `hf`."""
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = imported(tmp_path)
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert_same_logits(model.logits(model(idx)), hf(idx).logits)
+
+
 def test_an_older_gpt2_file_without_the_prefix_and_with_mask_buffers_imports(tmp_path):
     # files written before transformers added `transformer.` to the body's names, with each layer's causal-mask
     # buffer saved beside the weights (here as bool, which no weight is): read as save_pretrained's names
@@ -324,11 +333,7 @@ def test_an_older_gpt2_file_without_the_prefix_and_with_mask_buffers_imports(tmp
                if name != "lm_head.weight"}
     weights.update({f"h.{i}.attn.bias": torch.ones(1, 1, 32, 32, dtype=torch.bool).tril() for i in range(2)})
     (tmp_path / "model.safetensors").unlink()
-    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    model = imported(tmp_path)
-    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        assert_same_logits(model.logits(model(idx)), hf(idx).logits)
+    assert_imports_with_hfs_logits(weights, hf, tmp_path)
 
 
 def test_an_older_llama_file_with_rotary_buffers_imports(tmp_path):
@@ -336,11 +341,7 @@ def test_an_older_llama_file_with_rotary_buffers_imports(tmp_path):
     hf = hf_checkpoint("llama", tmp_path)
     weights = {name: t.contiguous() for name, t in hf.state_dict().items()}
     weights.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8) for i in range(2)})
-    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    model = imported(tmp_path)
-    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        assert_same_logits(model.logits(model(idx)), hf(idx).logits)
+    assert_imports_with_hfs_logits(weights, hf, tmp_path)
 
 
 def test_a_weight_stored_as_integers_is_refused_before_any_is_read(tmp_path):
@@ -436,11 +437,7 @@ def test_a_gpt2_file_with_the_masked_bias_buffers_of_older_transformers_imports(
     hf = hf_checkpoint("gpt2", tmp_path)
     weights = {name: t.contiguous() for name, t in hf.state_dict().items() if name != "lm_head.weight"}
     weights.update({f"transformer.h.{i}.attn.masked_bias": torch.tensor(-1e4) for i in range(2)})
-    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    model = imported(tmp_path)
-    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        assert_same_logits(model.logits(model(idx)), hf(idx).logits)
+    assert_imports_with_hfs_logits(weights, hf, tmp_path)
 
 
 def test_a_tensor_of_another_shape_is_refused_by_name_before_any_is_read(tmp_path):
