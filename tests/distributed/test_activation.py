@@ -59,3 +59,27 @@ def test_checkpointing_wraps_exactly_every_nth_block_and_none_at_zero(every, cho
     assert checkpoint_blocks(blocks, every) == len(chosen)
     wrapped = [i for i, block in enumerate(blocks) if block.forward != plain[i]]
     assert wrapped == chosen
+
+
+class Counted(nn.Linear):
+    """A linear layer that counts its forward calls."""
+
+    calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+def test_a_checkpointed_block_runs_its_forward_again_in_backward():
+    # checkpointing saves memory by recomputing the block's forward during backward: a wrapper that only
+    # called the forward would give the same gradients and keep every activation
+    torch.manual_seed(0)
+    blocks = [Counted(3, 3) for _ in range(3)]
+    assert checkpoint_blocks(blocks, 2) == 2
+    x = torch.randn(2, 3, requires_grad=True)
+    for block in blocks:
+        x = torch.tanh(block(x))
+    assert [block.calls for block in blocks] == [1, 1, 1]
+    x.sum().backward()
+    assert [block.calls for block in blocks] == [2, 1, 2]  # blocks 0 and 2 recomputed, block 1 not

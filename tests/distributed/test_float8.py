@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import lm.distributed.float8 as float8
-from lm.config import load_config
+from lm.config import TrainConfig, load_config
 from lm.distributed.env import DistEnv
 from lm.errors import ConfigError
 from lm.models.gpt.config import GPTConfig
@@ -159,3 +159,20 @@ def test_the_recipes_scale_as_named_under_every_engine(fsdp):
     tensorwise = float8.float8_config("tensorwise", fsdp, emulate=True)
     assert tensorwise.cast_config_weight.scaling_granularity is ScalingGranularity.TENSORWISE
     assert tensorwise.enable_fsdp_float8_all_gather is fsdp
+
+
+def test_only_tensorwise_weights_are_all_gathered_in_float8_and_only_under_fsdp():
+    # torchao has no float8 all-gather for rowwise scales: their scales must not be precomputed after each step
+    assert float8.all_gathers_float8(TrainConfig(float8="tensorwise"), fsdp=True) is True
+    assert float8.all_gathers_float8(TrainConfig(float8="tensorwise"), fsdp=False) is False
+    assert float8.all_gathers_float8(TrainConfig(float8="rowwise"), fsdp=True) is False
+    assert float8.all_gathers_float8(TrainConfig(float8="off"), fsdp=True) is False
+
+
+def test_applying_float8_refuses_a_cpu_itself():
+    # tools that build an engine themselves skip the launch check: apply_float8 must refuse too, before converting
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=100, block_size=32, n_layer=1, n_head=2, d_model=32))
+    with pytest.raises(ConfigError, match=r"needs a CUDA GPU of compute capability 8.9 or later .* device is cpu$"):
+        float8.apply_float8(model, get_family("gpt"), TrainConfig(float8="tensorwise"), True, torch.device("cpu"), True)
+    assert type(model.blocks[0].attn.q) is torch.nn.Linear  # nothing converted

@@ -3,6 +3,7 @@ on the device, and which parameters `build_optimizer` gives it."""
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from lm.config import OptimConfig
@@ -10,6 +11,7 @@ from lm.distributed.muon import Muon, newton_schulz
 from lm.distributed.optim import build_optimizer, set_lr
 from lm.models.gpt.config import GPTConfig
 from lm.models.gpt.model import GPT
+from tests.workers import job_env, pool
 
 
 def with_singular_values(m: int, n: int, values: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -165,3 +167,137 @@ def test_muon_is_given_the_ranks_that_share_its_work():
     model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=64))
     opt = build_optimizer(model, OptimConfig(name="muon"), [model.lm_head], world_size=4, rank=3)
     assert (opt.world_size, opt.rank) == (4, 3)
+
+
+def quintic_by_hand(g: torch.Tensor, steps: int) -> torch.Tensor:
+    """The documented iteration written out: the wide orientation, Frobenius-normalised, then
+    x <- a x + (b A + c A^2) x with A = x x^T and (a, b, c) = (3.4445, -4.7750, 2.0315)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.double()
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x.T if tall else x).float()
+
+
+@pytest.mark.parametrize("shape", [(5, 8), (8, 5)])
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_newton_schulz_is_the_documented_quintic_iteration(shape, steps):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(newton_schulz(g, steps), quintic_by_hand(g, steps), rtol=0, atol=1e-5)
+
+
+def test_newton_schulz_returns_the_dtype_it_was_given():
+    # the iteration runs in float32 off CUDA, but a bfloat16 gradient must get a bfloat16 update back
+    g = torch.randn(6, 4, generator=torch.Generator().manual_seed(2)).bfloat16()
+    o = newton_schulz(g, 5)
+    assert o.dtype == torch.bfloat16
+    torch.testing.assert_close(o, quintic_by_hand(g.float(), 5).bfloat16(), rtol=0, atol=1e-2)
+
+
+def test_two_muon_steps_follow_the_nesterov_rule():
+    # the first step from a zero buffer cannot tell Nesterov momentum from plain momentum or the raw gradient
+    # (all are multiples of the one gradient and the orthogonalisation ignores scale); the second step can
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(6, 4))
+    g1, g2 = torch.randn(6, 4), torch.randn(6, 4)
+    opt = Muon([{"params": [p], "muon": True, "weight_decay": 0.1}], momentum=0.9, ns_steps=5, lr=0.05)
+    lr, wd, scale = 0.05, 0.1, (6 / 4) ** 0.5
+    expected = p.detach().clone()
+    buf = torch.zeros(6, 4)
+    for g in (g1, g2):
+        p.grad = g.clone()
+        opt.step()
+        buf = 0.9 * buf + 0.1 * g
+        nesterov = 0.1 * g + 0.9 * buf
+        expected = expected * (1 - lr * wd) - lr * scale * quintic_by_hand(nesterov, 5)
+    torch.testing.assert_close(opt.state[p]["momentum_buffer"], buf, rtol=0, atol=1e-6)
+    torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-5)
+    assert opt.state[p]["step"].item() == 2
+
+
+def test_a_matrix_without_a_gradient_is_left_alone():
+    # a frozen or unused matrix in a Muon group: no step, no state, no error
+    torch.manual_seed(0)
+    used, unused = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+    opt = Muon([{"params": [used, unused], "muon": True, "weight_decay": 0.1}], momentum=0.9, ns_steps=5, lr=0.05)
+    before = unused.detach().clone()
+    used.grad = torch.randn(4, 4)
+    opt.step()
+    assert torch.equal(unused, before) and unused not in opt.state
+    assert not torch.equal(used.detach(), before)
+
+
+def test_a_muon_group_with_a_vector_is_refused():
+    matrix, vector = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4))
+    with pytest.raises(ValueError, match="a muon group holds 2-D matrices only"):
+        Muon([{"params": [matrix, vector], "muon": True}], momentum=0.9, ns_steps=5, lr=0.05)
+
+
+def test_a_groups_own_momentum_and_steps_are_kept():
+    matrix = nn.Parameter(torch.randn(4, 4))
+    opt = Muon([{"params": [matrix], "muon": True, "momentum": 0.5, "ns_steps": 3}], momentum=0.9, ns_steps=5, lr=0.1)
+    assert (opt.param_groups[0]["momentum"], opt.param_groups[0]["ns_steps"]) == (0.5, 3)
+
+
+def test_a_decayed_adamw_group_steps_exactly_as_torch_adamw():
+    # the AdamW groups' weight decay is AdamW's decoupled one (p <- p (1 - lr wd)), not Adam's L2 term
+    torch.manual_seed(0)
+    vector = nn.Parameter(torch.randn(5))
+    twin = nn.Parameter(vector.detach().clone())
+    opt = Muon([{"params": [vector], "weight_decay": 0.5}], momentum=0.9, ns_steps=5, lr=0.05, betas=(0.9, 0.95))
+    reference = torch.optim.AdamW([twin], lr=0.05, betas=(0.9, 0.95), weight_decay=0.5)
+    for _ in range(3):
+        vector.grad = torch.randn(5)
+        twin.grad = vector.grad.clone()
+        opt.step()
+        reference.step()
+    torch.testing.assert_close(vector.detach(), twin.detach(), rtol=0, atol=1e-7)
+
+
+def muon_on_two_ranks() -> dict:
+    """Three matrices stepped by Muon on each of 2 ranks with the same gradients (as after DDP's all-reduce);
+    the weights after the step and how many matrices this rank orthogonalised itself."""
+    import lm.distributed.muon as muon
+
+    calls = []
+    plain = muon.newton_schulz
+
+    def counted(g, steps):
+        calls.append(tuple(g.shape))
+        return plain(g, steps)
+
+    muon.newton_schulz = counted
+    try:
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(*shape)) for shape in ((4, 6), (6, 4), (5, 5))]
+        grads = [torch.randn_like(p) for p in params]
+        opt = muon.Muon([{"params": params, "muon": True, "weight_decay": 0.0}], momentum=0.9, ns_steps=5, lr=0.1,
+                        world_size=dist.get_world_size(), rank=dist.get_rank())
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+    finally:
+        muon.newton_schulz = plain
+    return {"weights": [p.detach().clone() for p in params], "calls": calls}
+
+
+@pytest.mark.process
+def test_ddp_ranks_split_the_orthogonalisation_and_agree_with_one_process():
+    replies = pool(2).run(muon_on_two_ranks, env=job_env())
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(*shape)) for shape in ((4, 6), (6, 4), (5, 5))]
+    grads = [torch.randn_like(p) for p in params]
+    expected = []
+    for p, g in zip(params, grads):
+        update = quintic_by_hand(0.1 * g + 0.9 * (0.1 * g), 5)  # Nesterov from a zero buffer
+        expected.append(p.detach() - 0.1 * max(1.0, p.shape[0] / p.shape[1]) ** 0.5 * update)
+    for reply in replies:
+        for got, want in zip(reply["value"]["weights"], expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    # rank r orthogonalises matrices r, r + 2, ...: rank 0 the first and third, rank 1 the second
+    assert [reply["value"]["calls"] for reply in replies] == [[(4, 6), (5, 5)], [(6, 4)]]
