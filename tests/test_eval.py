@@ -127,9 +127,6 @@ def test_tasks_print_a_table_and_write_the_same_json(trained_run, tmp_path, caps
 def test_few_shot_scores_are_those_of_the_few_shot_prompts(trained_run, tmp_path, capsys):
     """--shots puts solved items before each one: the CLI's numbers are those of scoring `few_shot_items` directly,
     and differ from zero-shot's log-likelihoods (the prompts reach the model)."""
-    import torch
-
-    from lm.checkpoint.loading import load_for_inference
     from lm.data.tasks import few_shot_items, load_items
     from lm.inference.choices import encode_items, loglikelihoods, model_logits_at, score_items
     from lm.tokenizer import model_tokenizer
@@ -303,8 +300,6 @@ def test_every_flag_of_the_other_mode_is_refused_not_ignored(trained_run, capsys
 def test_a_text_cut_by_its_last_token_has_no_bits_per_byte(trained_run, tmp_path, capsys):
     """--max-tokens one short of the prefix token and the text's tokens drops the last token: the bytes of the file
     are no longer those of the tokens scored, so no bits per byte is printed."""
-    from lm.tokenizer import load_tokenizer
-
     text = tmp_path / "t.txt"
     text.write_text("To be, or not to be, that is the question.\n")
     n_tokens = len(load_tokenizer("gpt2").encode_ordinary(text.read_text()))
@@ -327,3 +322,25 @@ def test_the_unigram_baseline_is_that_of_the_tokens_scored(trained_run, capsys):
     targets = [int(t) for t in streams[0][1:]]
     by_hand = -sum(targets.count(t) / 199 * math.log(targets.count(t) / 199) for t in set(targets))
     assert baseline == pytest.approx(by_hand, abs=1e-4)
+
+
+def test_few_shot_prompts_are_drawn_with_the_given_seed_and_recorded(trained_run, tmp_path, monkeypatch):
+    """--seed decides which solved items lead each one: the items scored are `few_shot_items` of the first --limit
+    items with that seed (another seed draws others), and the JSON records the shots and the seed."""
+    from lm.data.tasks import few_shot_items, load_items
+
+    scored = []
+    score_items = lm.eval.score_items
+
+    def recording(logits_at, pairs, items, *args, **kwargs):
+        scored.append(items)
+        return score_items(logits_at, pairs, items, *args, **kwargs)
+
+    monkeypatch.setattr(lm.eval, "score_items", recording)
+    out = tmp_path / "shots.json"
+    assert run(main, ["--checkpoint", str(trained_run), "--tasks", "piqa", "--limit", "6", "--shots", "2",
+                      "--seed", "5", "--json", str(out)]) == 0
+    plain = load_items("piqa", 6)
+    assert scored == [few_shot_items(plain, 2, seed=5)] and scored != [few_shot_items(plain, 2, seed=0)]
+    written = json.loads(out.read_text())
+    assert (written["shots"], written["seed"]) == (2, 5)

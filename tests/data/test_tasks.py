@@ -159,3 +159,75 @@ def test_hellaswag_markers_leave_no_double_space():
     # " [title]" becomes ". ", "[step]" goes, and the two spaces left where it stood become one
     assert item.contexts[0] == "Home: How to x. Step one Do it."
     assert item.continuations == (" Then rest.", " Fine.") and item.gold == 1
+
+
+def test_each_task_maps_its_label_to_its_own_option():
+    # PIQA: sol1 then sol2, label 1 the second
+    piqa = load_items("piqa", 2)
+    assert piqa[0].continuations[0].startswith(" Provide the guinea pig with a cage full of a few inches of bedding "
+                                               "made of ripped paper strips")
+    assert piqa[1].continuations == (" replace drawer with bobby pin ", " finish, woodgrain with  bobby pin ")
+    assert piqa[1].gold == 1
+    # Winogrande: option1's sentence first, answer "1" the first
+    wino = load_items("winogrande", 2)[1]
+    assert wino.contexts == ("Sarah was a much better surgeon than Maria so Sarah",
+                             "Sarah was a much better surgeon than Maria so Maria")
+    assert wino.continuations == (" always got the harder cases.",) * 2 and wino.gold == 0
+    # BoolQ: False is " no" (first), True " yes"
+    boolq = load_items("boolq", 2)
+    assert [b.gold for b in boolq] == [0, 1] and boolq[1].continuations == (" no", " yes")
+    # ARC items keyed "1".."4" instead of letters
+    easy, challenge = load_items("arc_easy", 9)[8], load_items("arc_challenge", 90)[89]
+    assert easy.continuations[easy.gold] == " obtain energy"
+    assert challenge.gold == 1 and challenge.continuations[1] == " equal to the total mass of the products"
+
+
+def test_few_shot_examples_show_the_gold_context_and_each_choice_keeps_its_own():
+    # Winogrande's choices differ in their context (each option put into the sentence) and share the scored rest:
+    # an example is its gold option's sentence and the rest, and each choice keeps its own sentence after them
+    items = [Item((f"s{i} A", f"s{i} B"), (f" rest{i}",) * 2, i % 2) for i in range(5)]
+    for i, item in enumerate(few_shot_items(items, 2, seed=0)):
+        heads = [c.split("\n\n") for c in item.contexts]
+        assert [h[-1] for h in heads] == [f"s{i} A", f"s{i} B"] and heads[0][:-1] == heads[1][:-1]
+        for text in heads[0][:-1]:
+            j = int(text[1:text.index(" ")])
+            assert j != i and text == f"s{j} {'AB'[j % 2]} rest{j}"
+
+
+def test_few_shot_examples_are_drawn_afresh_for_each_item():
+    # each item has its own draw among the others: 20 items with 3 examples each get (nearly) all different sets,
+    # not one draw shared by every item
+    items = [Item((f"q{i}",), (" a",), 0) for i in range(20)]
+    sets = {frozenset(item.contexts[0].split("\n\n")[:-1]) for item in few_shot_items(items, 3, seed=0)}
+    assert len(sets) >= 15
+
+
+def test_acc_norm_counts_characters_not_utf8_bytes():
+    item = Item(("c", "c"), (" ééé", " abcd"), 1)
+    assert item.chars == (3, 4)
+    score = TaskScore()
+    # per character -3.3/3 = -1.1 and -4.0/4 = -1.0: the gold second wins; per UTF-8 byte ("ééé" is 6) the first
+    # would, as the sum does
+    score.add(item, [-3.3, -4.0])
+    assert (score.correct, score.correct_norm) == (0, 1)
+
+
+def test_acc_norm_of_a_one_character_choice_divides_by_one():
+    item = Item(("c", "c"), (" 7", " 100"), 1)
+    score = TaskScore()
+    # per character -1.2/1 and -3.0/3 = -1.0: the gold second wins acc_norm, while the sum picks the first
+    score.add(item, [-1.2, -3.0])
+    assert (score.correct, score.correct_norm) == (0, 1)
+
+
+def test_hellaswag_contexts_are_stripped_like_the_harnesses():
+    # the WikiHow half's ctx_b is often empty, leaving "label: ctx_a " with a trailing space; the harness strips
+    # the text, else the space would move to each continuation and change its tokens
+    contexts = [item.contexts[0] for item in load_items("hellaswag")]
+    assert all(c == c.strip() for c in contexts)
+    assert contexts[3243].endswith("to familiarize yourself with foundational concepts in fashion.")
+
+
+def test_core_after_named_tasks_keeps_their_order_and_adds_the_rest_once():
+    # the tasks print in the order asked: "piqa,core" is piqa first, then every other task once
+    assert parse_tasks("piqa,core,boolq", "--tasks") == ["piqa", *[t for t in TASKS if t != "piqa"]]

@@ -8,7 +8,15 @@ import torch.nn.functional as F
 
 from lm.data.shards import HEADER_BYTES, read_manifest
 from lm.errors import DataError
-from lm.inference.scoring import eval_windows, first_tokens, score_stream, text_tokens, unigram_entropy, val_streams
+from lm.inference.scoring import (
+    eval_windows,
+    first_tokens,
+    score_stream,
+    stream_windows,
+    text_tokens,
+    unigram_entropy,
+    val_streams,
+)
 from lm.models.gpt.config import GPTConfig
 from lm.models.gpt.model import GPT
 from lm.tokenizer import load_tokenizer
@@ -125,8 +133,6 @@ def test_window_k_gets_the_noise_of_key_k_whatever_the_batch_size():
     """score_windows numbers the windows across batches and streams (window k put through the objective with key
     k, as validation does): the sums are the same in batches of 2 as in one batch, and equal those of the
     objective applied to all windows at once with keys 0..n-1."""
-    import torch
-
     from lm.config import load_config
     from lm.inference.scoring import score_windows
     from lm.models.registry import family_of
@@ -153,3 +159,18 @@ def test_window_k_gets_the_noise_of_key_k_whatever_the_batch_size():
     assert whole[1] == pairs[1] == scored.count
     assert pairs[0] == pytest.approx(whole[0], rel=1e-6)
     assert whole[0] == pytest.approx(scored.loss.item() * scored.count, rel=1e-6)
+
+
+def test_the_first_window_is_a_whole_seq_len_and_the_next_ones_step_by_stride():
+    # 10 tokens (targets 1..9), seq_len 8, stride 4: one window of 8 inputs scores targets 1-8, then one more
+    # window of 8 inputs ending at the last input scores target 9 alone
+    assert eval_windows(10, 8, 4) == [(0, 8, 1), (1, 9, 9)]
+    assert eval_windows(20, 8, 4) == [(0, 8, 1), (4, 12, 9), (8, 16, 13), (11, 19, 17)]
+
+
+def test_stream_windows_are_only_whole_windows_of_seq_len_plus_one_tokens():
+    # a window needs seq_len + 1 tokens (inputs and the shifted targets): 8 tokens with seq_len 4 hold one window
+    # (tokens 0-4), not a second one of tokens 4-7 that lacks its last target
+    stream = np.arange(8)
+    assert [w.tolist() for w in stream_windows([stream], 4)] == [[0, 1, 2, 3, 4]]
+    assert [w.tolist() for w in stream_windows([np.arange(9)], 4)] == [[0, 1, 2, 3, 4], [4, 5, 6, 7, 8]]
