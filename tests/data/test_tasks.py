@@ -142,13 +142,21 @@ def test_scores_count_acc_acc_norm_and_chance():
         "tasks/core": pytest.approx(metrics["centered"] / 2)}
 
 
-def test_acc_norm_divides_by_the_continuations_characters_without_the_delimiter():
-    item = Item(("c", "c"), (" ab", " abcd"), 1)
-    assert item.chars == (2, 4)
+@pytest.mark.parametrize("continuations, chars, loglikelihoods", [
+    # per character -2/2 = -1.0 and -3.5/4 = -0.875; counting the delimiter (-2/3, -3.5/5) the first would win
+    ((" ab", " abcd"), (2, 4), [-2.0, -3.5]),
+    # -3.3/3 = -1.1 and -4.0/4 = -1.0; per UTF-8 byte ("ééé" is 6) the first would win
+    ((" ééé", " abcd"), (3, 4), [-3.3, -4.0]),
+    # a one-character choice divides by one: -1.2/1 and -3.0/3 = -1.0
+    ((" 7", " 100"), (1, 3), [-1.2, -3.0]),
+])
+def test_acc_norm_divides_by_the_continuations_characters_without_the_delimiter(continuations, chars,
+                                                                                  loglikelihoods):
+    # the sum picks the first choice; per character the gold second one wins acc_norm
+    item = Item(("c", "c"), continuations, 1)
+    assert item.chars == chars
     score = TaskScore()
-    # per character: -2/2 = -1.0 and -3.5/4 = -0.875, so the gold second choice wins acc_norm;
-    # counting the delimiter (-2/3 = -0.667, -3.5/5 = -0.7) the first would
-    score.add(item, [-2.0, -3.5])
+    score.add(item, loglikelihoods)
     assert (score.correct, score.correct_norm) == (0, 1)
 
 
@@ -200,24 +208,6 @@ def test_few_shot_examples_are_drawn_afresh_for_each_item():
     items = [Item((f"q{i}",), (" a",), 0) for i in range(20)]
     sets = {frozenset(item.contexts[0].split("\n\n")[:-1]) for item in few_shot_items(items, 3, seed=0)}
     assert len(sets) >= 15
-
-
-def test_acc_norm_counts_characters_not_utf8_bytes():
-    item = Item(("c", "c"), (" ééé", " abcd"), 1)
-    assert item.chars == (3, 4)
-    score = TaskScore()
-    # per character -3.3/3 = -1.1 and -4.0/4 = -1.0: the gold second wins; per UTF-8 byte ("ééé" is 6) the first
-    # would, as the sum does
-    score.add(item, [-3.3, -4.0])
-    assert (score.correct, score.correct_norm) == (0, 1)
-
-
-def test_acc_norm_of_a_one_character_choice_divides_by_one():
-    item = Item(("c", "c"), (" 7", " 100"), 1)
-    score = TaskScore()
-    # per character -1.2/1 and -3.0/3 = -1.0: the gold second wins acc_norm, while the sum picks the first
-    score.add(item, [-1.2, -3.0])
-    assert (score.correct, score.correct_norm) == (0, 1)
 
 
 def test_hellaswag_contexts_are_stripped_like_the_harnesses():
