@@ -22,6 +22,8 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
+import yaml
+
 from lm.errors import ConfigError
 from lm.models.config import ModelConfig
 from lm.models.family import Estimates, Family, HFAdapter, Parallel, Sampler, TaskHead, Training
@@ -119,6 +121,9 @@ def spec_problems(family: object) -> list[str]:
     problems = []
     if not isinstance(family.name, str) or not _NAME.fullmatch(family.name):
         problems.append(f"name: expected a model.arch value (letters, digits, '_', '-', '.'), got {family.name!r}")
+    elif (read := yaml.safe_load(family.name)) != family.name:  # `--model.arch=7` or `arch: on` could not name it
+        problems.append(f"name: YAML reads {family.name!r} as the {type(read).__name__} {read!r}, so model.arch "
+                        "could not name the family; expected a name YAML reads as text")
     problems += _config_class_problems(family.config_class, family.name)
     absent = set()
     for path, want in _PARTS:

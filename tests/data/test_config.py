@@ -5,7 +5,7 @@ message."""
 import pytest
 
 from lm.config import load_config
-from lm.data.config import MixtureSource
+from lm.data.config import DataConfig, MixtureSource
 from lm.errors import ConfigError
 
 
@@ -71,3 +71,28 @@ def test_mixture_weights_that_sum_to_zero_are_refused():
     with pytest.raises(ConfigError, match=r"data.mixture: the weights sum to 0; give at least one source a positive "
                                           r"weight"):
         load_config(None, ["--data.mixture=[{dir: a, weight: 0}, {dir: b, weight: 0}]"])
+
+
+def test_a_negative_val_fraction_is_refused():
+    with pytest.raises(ConfigError, match=r"^data.val_fraction: must be in \[0, 1\), got -0.1$"):
+        load_config(None, ["--data.val_fraction=-0.1"])
+
+
+def test_a_blank_source_is_refused():
+    with pytest.raises(ConfigError, match=r"^data.source: must name a corpus or files, got an empty string$"):
+        DataConfig(source="   ")
+
+
+@pytest.mark.parametrize("name", ["-x", "_x", ".x", ".."])
+def test_a_source_name_must_start_with_a_letter_or_digit(name):
+    with pytest.raises(ConfigError, match=rf"^name: expected a name of letters, digits, '_', '.' and '-' \(it names "
+                                          rf"the source's metrics\), got '{name}'$"):
+        MixtureSource(dir="a", name=name)
+    assert MixtureSource(dir="a", name="x_." + name).name == "x_." + name
+
+
+@pytest.mark.parametrize("escape", ["\\n", "\\r", "\\t", "\\f"])
+def test_every_backslash_escape_typed_as_two_characters_is_refused(escape):
+    with pytest.raises(ConfigError, match=r"^data.document_separator: '.*' holds a backslash escape as two "):
+        DataConfig(document_separator=f"<{escape}>")
+    assert DataConfig(document_separator="\f").document_separator == "\f"  # the character itself is fine

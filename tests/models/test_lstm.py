@@ -190,3 +190,34 @@ def test_an_lstm_takes_none_of_the_attention_keys() -> None:
     with pytest.raises(ConfigError, match=r"model.arch: unknown model family 'rnn'; expected one of "
                                           r"\['gpt', 'encdec', 'encoder', 'lstm'"):
         load_config(None, ["--model.arch=rnn"])
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(n_layer=0), "model.n_layer: must be positive, got 0"),
+    (dict(d_model=0), "model.d_model: must be positive, got 0"),
+    (dict(dropout=1.0), r"model.dropout: must be in \[0, 1\), got 1.0"),
+])
+def test_an_lstm_refuses_what_every_family_refuses(changes, message):
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        LSTMConfig(**changes)
+
+
+def test_an_lstm_of_no_layers_is_refused_from_the_command_line():
+    with pytest.raises(ConfigError, match=r"^model.n_layer: must be positive, got 0$"):
+        load_config(None, ["--model.arch=lstm", "--model.n_layer=0"])
+
+
+def test_the_edges_in_range_pass():
+    cfg = LSTMConfig(n_layer=1, d_model=1, dropout=0.0, loss_chunk=0)
+    assert (cfg.n_layer, cfg.d_model, cfg.dropout, cfg.loss_chunk) == (1, 1, 0.0, 0)
+
+
+def test_an_lstm_takes_a_z_loss():
+    cfg = load_config(None, ["--model.arch=lstm", "--optim.z_loss=0.0001"])
+    assert (cfg.model.arch, cfg.optim.z_loss) == ("lstm", 0.0001)
+
+
+def test_muon_is_refused_for_an_lstm_whose_gate_matrices_are_stacked():
+    with pytest.raises(ConfigError, match=r"^optim.name: muon steps a model's hidden nn.Linear matrices, and an LSTM "
+                                          r"\(model.arch=lstm\) has none; use optim.name=adamw$"):
+        load_config(None, ["--model.arch=lstm", "--optim.name=muon"])

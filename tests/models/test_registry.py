@@ -96,6 +96,9 @@ def test_a_good_spec_registers_once(plugin_dir):
     (dict(config_class=NeedsKeyConfig), "config_class: NeedsKeyConfig's keys ['width'] have no default"),
     (dict(name=""), "name: expected a model.arch value (letters, digits, '_', '-', '.'), got ''"),
     (dict(name="my model"), "got 'my model'"),
+    (dict(name="7"), "name: YAML reads '7' as the int 7, so model.arch could not name the family; expected a name "
+                     "YAML reads as text"),
+    (dict(name="on"), "name: YAML reads 'on' as the bool True"),
     (dict(training=None), "training: expected Training, got None"),
     (dict(parallel=Parallel(tensor_problem=None)), "parallel.tensor_problem: expected a callable, got None"),
     (dict(sampler=Sampler(sample=None)), "sampler.sample: expected a callable, got None"),
@@ -250,3 +253,55 @@ def test_a_plugin_family_is_found_by_the_first_config_lookup(plugin_dir, monkeyp
     cfg = load_config(None, ["--model.arch=mine", "--model.n_layer=2"])
     assert cfg.model.arch == "mine" and cfg.model.title == "a plugin's GPT" and cfg.model.n_layer == 2
     assert config_class("mine") is type(cfg.model)
+
+
+@dataclasses.dataclass
+class ListConfig(GPTConfig):
+    arch: str = "mine"
+    title: ClassVar[str] = "my listed GPT"
+    extras: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class UntitledConfig(GPTConfig):
+    arch: str = "mine"
+    title: ClassVar[object] = 5
+
+
+def test_a_part_of_the_wrong_type_is_one_problem_not_one_per_part_below_it():
+    family = mine(config_class=ListConfig, sampler="text")
+    assert spec_problems(family) == ["sampler: expected Sampler or None, got str 'text'"]
+
+
+def test_a_key_with_a_default_factory_has_a_default():
+    assert spec_problems(mine(config_class=ListConfig)) == []
+
+
+def test_a_title_that_is_not_a_str_is_named():
+    assert spec_problems(mine(config_class=UntitledConfig)) == [
+        "config_class: UntitledConfig.title: expected a str (how messages name the family), got int 5"]
+
+
+def test_a_plugin_whose_own_import_fails_leaves_nothing_registered_and_fails_again(plugin_dir, monkeypatch):
+    write_plugin(plugin_dir, "plug_half", PLUGIN_SPEC.format(name="mine") + "register(FAMILY)\n"
+                 "import plug_no_such_helper\n")
+    monkeypatch.setenv("LM_FAMILIES", "plug_half")
+    before = dict(registry._registered)
+    message = "LM_FAMILIES: cannot import 'plug_half': No module named 'plug_no_such_helper'"
+    with pytest.raises(ConfigError) as first:
+        family_names()
+    assert str(first.value) == message
+    assert registry._registered == before
+    with pytest.raises(ConfigError) as again:
+        family_names()
+    assert str(again.value) == message
+
+
+def test_a_plugins_error_of_several_lines_is_told_in_one(plugin_dir, monkeypatch):
+    write_plugin(plugin_dir, "plug_lines", "raise RuntimeError('first line\\n  second line')\n")
+    monkeypatch.setenv("LM_FAMILIES", "plug_lines")
+    with pytest.raises(ConfigError) as err:
+        family_names()
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith("LM_FAMILIES: importing 'plug_lines' raised RuntimeError: first line second "
+                                     "line (")

@@ -16,6 +16,7 @@ from lm.plan.layout_table import _rows_text, layout_table
 from lm.plan.layouts import LayoutEstimate, _ruled_out, estimate_layout, in_flight, layout_rows, pick_layout
 from lm.plan.memory import GIB, estimate_memory
 from lm.plan.memory_table import plan_table
+from lm.train import dry_run
 from lm.train import main as train_main
 from tests.plan import peak_worker
 from tests.workers import job_env, pool, torchrun_forced
@@ -300,3 +301,49 @@ def test_the_fits_column_says_what_the_pick_uses_margin_and_context_included():
     lines = _rows_text("t", [tight, roomy], 10.0)
     assert [line.split()[-1] for line in lines[3:5]] == ["no", "yes"]
     assert pick_layout([tight], 10.0) is None and pick_layout([tight, roomy], 10.0) is roomy
+
+
+TINY = ["--config", "configs/llama-tiny.yaml"]
+
+
+def test_gpus_per_node_alone_plans_one_node(capsys):
+    assert train_main([*TINY, "--dry-run", "--gpus-per-node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "layouts on 1 node(s) x 2 GPUs = 2" in out
+    assert "world size 2," in out
+
+
+def test_gpus_per_node_without_a_dry_run_is_refused(capsys):
+    assert run(train_main, [*TINY, "--gpus-per-node", "4"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: --gpus-per-node: only --dry-run takes it; torchrun sets the world size of a real run")
+
+
+def test_the_world_size_defaults_to_one(monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert train_main([*TINY, "--dry-run"]) == 0
+    assert "world size 1," in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value", ["two", "0", ""])
+def test_a_world_size_that_is_no_count_of_devices_is_one_error_line(value, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", value)
+    assert run(train_main, [*TINY, "--dry-run"]) == 2
+    assert capsys.readouterr().err == (f"error: --nproc: not given, and WORLD_SIZE={value!r} is not an integer from 1 "
+                                       "to 16777216\n")
+
+
+def test_the_configured_line_names_deepspeeds_stage_alone(capsys):
+    dry_run(load_config("configs/llama-tiny.yaml", ["--parallel.engine=deepspeed", "--parallel.zero_stage=2"]), 2,
+            80.0)
+    assert "configured: parallel.engine=deepspeed zero_stage=2 cpu_offload=False" in capsys.readouterr().out
+    dry_run(load_config("configs/llama-tiny.yaml", ["--parallel.engine=ddp"]), 2, 80.0)
+    out = capsys.readouterr().out
+    assert "configured: parallel.engine=ddp cpu_offload=False" in out and "zero_stage" not in out
+
+
+def test_exactly_the_most_devices_are_planned(capsys):
+    # 2,097,152 nodes x 8 GPUs = 16,777,216, the limit itself; one GPU more is refused
+    assert train_main([*TINY, "--dry-run", "--nodes", "2097152"]) == 0
+    assert "pick: no layout of 16777216 GPUs can train this config" in capsys.readouterr().out
+    assert run(train_main, [*TINY, "--dry-run", "--nodes", "2097153"]) == 2
