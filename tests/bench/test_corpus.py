@@ -72,8 +72,9 @@ def test_scaled_files_take_a_share_or_hard_linked_copies(tmp_path):
     assert {os.stat(c).st_ino for c in copies} == {os.stat(f).st_ino for f in files}
 
 
-def _dictd(root, name: str, entries: list[tuple[str, bytes]]) -> None:
-    """A dictd database: its entries' text gzipped, and an index of headword, offset and length in base 64."""
+def _dictd(root, name: str, entries: list[tuple[str, bytes]], order: list[int] | None = None) -> None:
+    """A dictd database: its entries' text gzipped, and an index of headword, offset and length in base 64, in
+    `order` (dictd's index is sorted by headword, not by offset)."""
     digits = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 
     def b64(n: int) -> str:
@@ -90,6 +91,8 @@ def _dictd(root, name: str, entries: list[tuple[str, bytes]]) -> None:
             offsets[text] = len(data)
             data += text
         index.append(f"{headword}\t{b64(offsets[text])}\t{b64(len(text))}")
+    if order is not None:
+        index = [index[i] for i in order]
     (root / "usr/share/dictd").mkdir(parents=True, exist_ok=True)
     (root / f"usr/share/dictd/{name}.dict.dz").write_bytes(gzip.compress(data))
     (root / f"usr/share/dictd/{name}.index").write_text("\n".join(index) + "\n")
@@ -159,17 +162,21 @@ def test_the_median_run_is_the_lower_middle_one():
     assert corpus._median_run(rows[:3]) == {"wall s": 3.0}
 
 
-def _fake(monkeypatch, tmp_path, ours_tokens=100, theirs_tokens=100, shards=("a", "b")):
+def _fake(monkeypatch, tmp_path, ours_tokens=100, theirs_tokens=100, shards=("a", "b"), documents=(3, 3),
+          read=None):
+    """Both sides replaced by rows of the given figures; `read` (a list) collects the files lm.prepare is given."""
     walls = iter([9.0, 5.0, 7.0] * 10)
 
     def prepare_row(files, tokenizer, num_proc, work):
+        if read is not None:
+            read.append(list(files))
         shard = shards[0] if tokenizer == "gpt2" else shards[1]
-        return {"wall s": next(walls), "max RSS MiB": 1.0, "tree MiB": 1.0, "documents": 3, "tokens": ours_tokens,
-                "shards": [shard]}
+        return {"wall s": next(walls), "max RSS MiB": 1.0, "tree MiB": 1.0, "documents": documents[0],
+                "tokens": ours_tokens, "shards": [shard]}
 
     monkeypatch.setattr(corpus, "prepare_row", prepare_row)
     monkeypatch.setattr(corpus, "datasets_row", lambda files, tokenizer, num_proc, work: {
-        "wall s": 1.0, "max RSS MiB": 1.0, "tree MiB": 1.0, "documents": 3, "tokens": theirs_tokens})
+        "wall s": 1.0, "max RSS MiB": 1.0, "tree MiB": 1.0, "documents": documents[1], "tokens": theirs_tokens})
     monkeypatch.setattr(corpus, "write_gpt2_tokenizer_json", lambda path: path)
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
     return [str(tmp_path / "*.jsonl")]
@@ -201,3 +208,74 @@ def test_a_share_of_files_that_is_not_whole_rounds_to_the_nearest_count(tmp_path
     # 7 / 4 = 1.75 files and 7 / 2 = 3.5 (Python rounds half to even): 2 and 4, not 1 and 3 cut off
     assert corpus.scaled_files(files, 0.25, tmp_path) == files[:2]
     assert corpus.scaled_files(files, 0.5, tmp_path) == files[:4]
+
+
+def test_dictd_entries_past_64_bytes_come_in_file_order_without_notes_or_blanks(tmp_path):
+    entries = [(f"word{i}", f"word{i}\n".encode() + b"x" * (70 + 10 * i) + b" \n") for i in range(5)]
+    entries.insert(2, ("00databaseshort", b"a note of the database\n"))
+    entries.insert(4, ("blank", b"   \n"))
+    _dictd(tmp_path, "gcide", entries, order=[6, 3, 0, 5, 1, 4, 2])
+    found = list(debian_corpus.dictd_entries(tmp_path / "usr/share/dictd/gcide.index",
+                                             tmp_path / "usr/share/dictd/gcide.dict.dz"))
+    assert found == [f"word{i}\n" + "x" * (70 + 10 * i) + " \n" for i in range(5)]
+
+
+def _debian_root(tmp_path, page_bytes=b"Kernel\n"):
+    root = tmp_path / "root"
+    _dictd(root, "gcide", [("cafe", "café\n".encode())])
+    _dictd(root, "wn", [("tree", b"tree\n")])
+    for path, text in {"usr/share/doc/linux-doc-6.1/html/_sources/a/b.rst.txt": page_bytes,
+                       "usr/share/doc/linux-doc-6.1/html/_sources/a/empty.rst.txt": b" \n\n",
+                       "usr/share/doc/python3.11/html/_sources/library/os.rst.txt": b"os\n",
+                       "usr/share/perl/5.36.0/pod/perlre.pod": b"=head1 NAME\n"}.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_bytes(text)
+    return root
+
+
+def test_the_counts_are_utf8_bytes_and_blank_pages_are_no_documents(tmp_path):
+    counts = debian_corpus.write_corpus(_debian_root(tmp_path, b"Kernel \xff\n"), tmp_path / "out", 2)
+    assert counts == {"gcide": {"documents": 1, "bytes": 6}, "wordnet": {"documents": 1, "bytes": 5},
+                      "linux-doc": {"documents": 1, "bytes": 11}, "python-doc": {"documents": 1, "bytes": 3},
+                      "perl-doc": {"documents": 1, "bytes": 12}}
+    rows = [json.loads(line) for f in sorted((tmp_path / "out").iterdir()) for line in f.read_text().splitlines()]
+    assert {"text": "Kernel \ufffd\n", "source": "linux-doc"} in rows  # a byte that is not UTF-8 becomes U+FFFD
+
+
+def test_the_default_is_16_files_and_sizes_print_in_mb(tmp_path, capsys):
+    assert debian_corpus.main([str(_debian_root(tmp_path, b"k" * 160_000)), str(tmp_path / "out")]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f"debian-{i:02d}.jsonl" for i in range(16)]
+    out = capsys.readouterr().out
+    assert re.search(r"^linux-doc +1 documents +0\.2 MB$", out, re.M)
+    assert re.search(r"^total +5 documents +0\.2 MB in 16 files under ", out, re.M)
+
+
+def test_each_file_is_read_once_patterns_may_start_with_a_tilde_and_size_is_in_mb(monkeypatch, tmp_path):
+    read = []
+    _fake(monkeypatch, tmp_path, read=read)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "a.jsonl").write_bytes(b"x" * 500_000)
+    (tmp_path / "b.jsonl").write_bytes(b"y" * 250_000)
+    found = corpus.bench_corpus(["~/*.jsonl", str(tmp_path / "a.jsonl")], 1, 1, str(tmp_path))
+    assert found["files"] == 2 and found["MB"] == pytest.approx(0.75)
+    assert read[0] == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
+
+
+def test_the_scales_read_a_share_of_the_files_or_copies_of_them(monkeypatch, tmp_path):
+    _fake(monkeypatch, tmp_path)
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jsonl").write_text('{"text": "x"}\n')
+    found = corpus.bench_corpus([str(tmp_path / "*.jsonl")], 1, 1, str(tmp_path))
+    for name in ("gpt2", "tokenizer.json"):
+        assert {label: row["files"] for label, row in found["scales"][name].items()} == {
+            "1/4": 1, "1/2": 1, "all": 2, "3 x": 6}
+
+
+def test_sides_that_read_other_documents_are_refused(monkeypatch, tmp_path):
+    patterns = _fake(monkeypatch, tmp_path, documents=(3, 4))
+    with pytest.raises(RuntimeError, match="gpt2: lm.prepare wrote 100 tokens of 3 documents, datasets 100 of 4"):
+        corpus.bench_corpus(patterns, 1, 1, str(tmp_path))
+
+
+def test_a_quarter_of_one_file_is_that_file(tmp_path):
+    assert scaled_files(["only.jsonl"], 0.25, tmp_path) == ["only.jsonl"]
