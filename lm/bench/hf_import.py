@@ -67,14 +67,14 @@ def write_random_checkpoint(cfg: GPTConfig, directory: Path, dtype: torch.dtype,
     target = pick_target(cfg, family.hf.targets, cfg.title)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(target.config(cfg, None, dtype), indent=2))
-    tensors: list[tuple[str, tuple[int, ...]]] = []
+    tensors: dict[str, tuple[int, ...]] = {}  # a fused tensor (GPT-2's c_attn holds q, k and v) is written once
     for ours, parts in target.plan(cfg).items():
         rest = tuple(shapes[ours][1:])
         for part in parts:
-            tensors.append((part.name, part.stored_shape(rest)))
+            tensors[part.name] = part.stored_shape(rest)
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
-    for name, shape in tensors:
+    for name, shape in tensors.items():
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])

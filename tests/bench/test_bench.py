@@ -3,21 +3,30 @@ transformers' where they compare, and print a table."""
 
 import argparse
 import contextlib
+import glob
 import itertools
+import json
+import os
 import re
+import subprocess
+import sys
 import types
 
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from lm.bench import __main__ as bench
-from lm.bench import common
+from lm.bench import common, data, datasets_map, hf_import, prepare_speed
+from lm.bench.corpus import write_gpt2_tokenizer_json
 from lm.bench.data import bench_loader, bench_prepare
 from lm.bench.sampling_speed import bench_sampling
 from lm.bench.training import bench_engine, engine_step, profile_step, sdpa_kernel
 from lm.cli import run
 from lm.config import load_config
+from lm.models.gpt.config import GPTConfig
+from lm.tokenizer import load_tokenizer
 from tests.workers import pool
 
 CPU = torch.device("cpu")
@@ -377,7 +386,6 @@ def test_the_corpus_tables_compare_wall_times_and_peaks_against_a_quarter(monkey
 
 
 def test_the_import_table_shows_the_median_run(monkeypatch, tmp_path, capsys):
-    from lm.bench import hf_import
 
     monkeypatch.setattr(hf_import, "write_random_checkpoint", lambda cfg, path, dtype, shard: 1e9)
     loads = itertools.cycle([5.0, 1.0, 3.0])
@@ -403,7 +411,6 @@ def test_gpt2_124m_on_a_cpu_is_timed_on_one_short_sequence():
 
 
 def test_prepare_speed_compares_the_median_reps_of_each_side(monkeypatch):
-    from lm.bench import prepare_speed
 
     clock = [0.0]
     monkeypatch.setattr(prepare_speed, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
@@ -429,3 +436,122 @@ def test_prepare_speed_compares_the_median_reps_of_each_side(monkeypatch):
 
 def test_a_cell_of_zero_is_a_number_and_only_a_missing_value_is_a_dash():
     assert common.fmt(0.0, ".1%") == "0.0%" and common.fmt(0, ".2f") == "0.00" and common.fmt(None, ".2f") == "-"
+
+
+def test_bench_prepare_passes_reps_and_repeat_apart(monkeypatch):
+    ran = []
+
+    def run(argv, **kwargs):
+        ran.append(argv)
+        return types.SimpleNamespace(stdout='{"speedup": 2.0}')
+
+    monkeypatch.setattr(data.subprocess, "run", run)
+    assert data.bench_prepare(tiny(), reps=5, repeat=2) == {"speedup": 2.0}
+    assert ran[0][ran[0].index("--reps") + 1] == "5" and ran[0][ran[0].index("--repeat") + 1] == "2"
+
+
+def test_the_loader_row_is_per_step(monkeypatch):
+    clock = iter([0.0, 10.0])
+    monkeypatch.setattr(data, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    row = data.bench_loader(tiny(), 4, steps=5)
+    # 5 steps in 10 s; each step is (x, y) of 4 x 32 int64 tokens
+    assert row["seconds/step"] == 2.0 and row["batches/s"] == 0.5
+    assert row["GB/s"] == pytest.approx(2 * 4 * 32 * 8 / 2.0 / 1e9)
+
+
+def test_prepare_speed_writes_each_copy_of_the_corpus_and_prepares_on_every_core(monkeypatch):
+    seen = []
+
+    def prepare(cfg, force):
+        seen.append((len(glob.glob(cfg.source)), cfg.num_workers))
+        return {"splits": {"train": {"tokens": 10}}}
+
+    monkeypatch.setattr(prepare_speed, "prepare", prepare)
+    monkeypatch.setattr(prepare_speed, "load_tokenizer", lambda name: types.SimpleNamespace(
+        encode_ordinary=lambda text: None))
+    monkeypatch.setattr(prepare_speed, "find_corpus", lambda name: types.SimpleNamespace(
+        documents=lambda field: ["one", "two", "three"]))
+    found = prepare_speed.measure("gpt2", reps=1, repeat=2)
+    assert found["documents"] == 6 and found["workers"] == (os.cpu_count() or 1)
+    assert seen == [(6, os.cpu_count() or 1)] * 2  # the warm-up and the one rep, each over the 6 files
+
+
+MAP_DOCS = ["First document.\n", "Zweites Dokument, größer\n", "4th 😀\n\n"]
+
+
+@pytest.mark.parametrize("through_json", [False, True])
+def test_datasets_map_appends_the_end_of_text_token_and_times_each_step(tmp_path, monkeypatch, capsys,
+                                                                       through_json):
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in MAP_DOCS))
+    tokenizer = str(write_gpt2_tokenizer_json(tmp_path / "tok" / "tokenizer.json")) if through_json else "gpt2"
+    clock = iter([1.0, 3.0, 8.0])
+    monkeypatch.setattr(datasets_map, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(sys, "argv", ["datasets_map", "--tokenizer", tokenizer, "--num-proc", "1", "--cache",
+                                      str(tmp_path / "cache"), str(tmp_path / "a.jsonl")])
+    assert datasets_map.main() == 0
+    gpt2 = load_tokenizer("gpt2")
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {
+        "documents": 3, "tokens": sum(len(gpt2.encode_ordinary(d)) + 1 for d in MAP_DOCS), "load s": 2.0, "map s": 5.0}
+
+
+def _tiny_gpt():
+    return GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=16)
+
+
+def _shards(directory):
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    files = sorted({*index["weight_map"].values()})
+    return index, files, {f: load_file(directory / f) for f in files}
+
+
+def test_a_random_checkpoint_has_unit_gains_small_weights_and_its_byte_count(tmp_path):
+    total = hf_import.write_random_checkpoint(_tiny_gpt(), tmp_path / "one", torch.float32, 10**9)
+    index, files, tensors = _shards(tmp_path / "one")
+    assert files == ["model-00001-of-00001.safetensors"]
+    stored = tensors[files[0]]
+    assert total == index["metadata"]["total_size"] == sum(t.numel() * 4 for t in stored.values())
+    gains = [n for n, t in stored.items() if t.dim() == 1 and "bias" not in n]
+    biases = [n for n, t in stored.items() if "bias" in n]
+    assert gains and biases
+    assert all(torch.equal(stored[n], torch.ones_like(stored[n])) for n in gains)
+    assert all(not torch.equal(stored[n], torch.ones_like(stored[n])) for n in biases)
+    weights = torch.cat([t.flatten() for n, t in stored.items() if t.dim() > 1])
+    assert 0.015 < weights.std().item() < 0.025
+
+
+def _on_disk(directory):
+    files = sorted(p.name for p in directory.glob("*.safetensors"))
+    return files, {f: load_file(directory / f) for f in files}
+
+
+def test_a_random_checkpoints_shards_fill_up_to_the_limit_and_none_is_empty(tmp_path):
+    hf_import.write_random_checkpoint(_tiny_gpt(), tmp_path / "one", torch.float32, 10**9)
+    index, _, _ = _shards(tmp_path / "one")
+    names = list(index["weight_map"])  # wte, then wpe, ...
+    sizes = {n: t.numel() * 4 for n, t in load_file(tmp_path / "one" / "model-00001-of-00001.safetensors").items()}
+    # a limit the first two tensors fill exactly: they share the first shard
+    hf_import.write_random_checkpoint(_tiny_gpt(), tmp_path / "two", torch.float32, sizes[names[0]] + sizes[names[1]])
+    files, tensors = _on_disk(tmp_path / "two")
+    assert sorted(tensors[files[0]]) == sorted(names[:2])
+    assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    # a limit below every tensor: one tensor a shard, none empty
+    hf_import.write_random_checkpoint(_tiny_gpt(), tmp_path / "each", torch.float32, 1)
+    files, tensors = _on_disk(tmp_path / "each")
+    assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    assert [len(t) for t in tensors.values()] == [1] * len(files)
+
+
+def test_an_import_that_fails_raises_with_its_output(tmp_path):
+    with pytest.raises(subprocess.CalledProcessError):
+        hf_import.measure_import(tmp_path / "missing", "ours")
+
+
+def test_a_fused_tensor_is_written_once_whatever_the_shards(tmp_path):
+    # GPT-2's c_attn holds q, k and v: three parts of our weights, one tensor of the checkpoint's
+    one = hf_import.write_random_checkpoint(_tiny_gpt(), tmp_path / "one", torch.float32, 10**9)
+    each = hf_import.write_random_checkpoint(_tiny_gpt(), tmp_path / "each", torch.float32, 1)
+    index, files, tensors = _shards(tmp_path / "each")
+    assert one == each == index["metadata"]["total_size"]
+    assert files == sorted(p.name for p in (tmp_path / "each").glob("*.safetensors"))  # every file is in the index
+    names = [name for stored in tensors.values() for name in stored]
+    assert len(names) == len(set(names)) and "transformer.h.0.attn.c_attn.weight" in names
