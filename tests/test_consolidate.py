@@ -10,13 +10,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from lm.checkpoint.consolidated import consolidate, load_consolidated, read_consolidated_config
+from lm.checkpoint.consolidated import (
+    consolidate,
+    load_consolidated,
+    load_consolidated_weights,
+    read_consolidated_config,
+)
 from lm.checkpoint.loading import load_for_inference
 from lm.checkpoint.model_weights import load_checkpoint_weights, load_model_weights, tied_names
 from lm.checkpoint.store import read_config, resolve_checkpoint
 from lm.config import JobConfig, load_config, save_config
 from lm.consolidate import main
-from lm.errors import CheckpointError
+from lm.errors import CheckpointError, ConfigError
 from lm.models.registry import family_of
 from tests.workers import job_env, pool
 
@@ -262,3 +267,37 @@ def test_a_deepspeed_checkpoint_that_does_not_fill_the_model_is_refused(deepspee
     refused = rf"(?s){step_dir}: cannot read the deepspeed checkpoint: .*Missing key.*blocks\.2\."
     with pytest.raises(CheckpointError, match=refused):
         load_checkpoint_weights(step_dir, deeper)
+
+
+ONE_LAYER = ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=16", "--model.block_size=8",
+             "--data.seq_len=8"]
+
+
+def tiny_model() -> torch.nn.Module:
+    cfg = load_config(None, ONE_LAYER)
+    torch.manual_seed(0)
+    return family_of(cfg.model).build(cfg.model)
+
+
+def test_a_stored_config_that_is_invalid_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(2)}, path, metadata={"format": "pt", "lm_config": "model:\n  n_layer: 0\n"})
+    with pytest.raises(ConfigError) as err:
+        read_consolidated_config(path)
+    assert str(err.value) == f"{path}: the stored config is invalid: model.n_layer: must be positive, got 0"
+
+
+def test_loading_weights_alone_refuses_a_file_that_is_not_a_consolidated_one(tmp_path):
+    model = tiny_model()
+    foreign = tmp_path / "foreign.safetensors"
+    save_file({name: t.contiguous() for name, t in model.state_dict().items() if name != "lm_head.weight"}, foreign,
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as err:
+        load_consolidated_weights(foreign, model)
+    assert str(err.value) == (f"{foreign}: a safetensors file without an lm_config entry in its metadata; "
+                              "write one with `python -m lm.consolidate`")
+    directory = tmp_path / "dir.safetensors"
+    directory.mkdir()
+    with pytest.raises(CheckpointError) as err:
+        load_consolidated_weights(directory, model)
+    assert str(err.value) == f"{directory}: no such file"

@@ -180,3 +180,33 @@ def test_two_settings_that_disagree_are_refused_naming_both(model_type, edit, me
 def test_two_settings_that_agree_are_read_as_one(model_type, edit, fields, tmp_path):
     read = read_hf_model(any_config_dir(model_type, tmp_path, edit)).fields
     assert {key: read[key] for key in fields} == fields
+
+
+ABOVE_0 = "a finite number above 0"
+
+
+# (class, edit, the whole message after the file's name): a zero where only a positive value is meaningful, and keys
+# that only some classes read, checked whatever the class
+REFUSED = [
+    ("llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 0}),
+     f"rope_parameters.rope_theta: expected {ABOVE_0}, got 0"),
+    ("llama", dict(rope_parameters={**LLAMA3, "original_max_position_embeddings": 8, "low_freq_factor": 0}),
+     f"rope_parameters.low_freq_factor: expected {ABOVE_0}, got 0"),
+    ("gpt2", dict(layer_norm_epsilon=0), f"layer_norm_epsilon: expected {ABOVE_0}, got 0"),
+    ("llama", dict(sliding_window="4096"), f"sliding_window: expected {COUNT} or null, got '4096'"),
+    ("llama", dict(num_experts_per_tok="2"), f"num_experts_per_tok: expected {COUNT}, got '2'"),
+]
+
+
+@pytest.mark.parametrize("model_type, edit, message", REFUSED, ids=[f"{t}-{next(iter(e))}" for t, e, _ in REFUSED])
+def test_a_value_out_of_range_is_named_with_its_file_and_key(model_type, edit, message, tmp_path):
+    with pytest.raises(CheckpointError) as err:
+        read_hf_model(config_dir(model_type, tmp_path, edit))
+    assert str(err.value).startswith(f"{tmp_path / 'config.json'}: ") and message in str(err.value)
+
+
+@pytest.mark.parametrize("edit", [dict(router_aux_loss_coef=0.0), dict(router_z_loss_coef=0.0),
+                                  dict(quantization_config=None), dict(quantization_config={})],
+                         ids=["aux-loss-0", "z-loss-0", "quantization-null", "quantization-empty"])
+def test_settings_that_leave_the_forward_alone_pass(edit, tmp_path):
+    assert read_hf_model(config_dir("llama", tmp_path, edit)).fields["vocab_size"] == 300

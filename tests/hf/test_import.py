@@ -462,3 +462,21 @@ def test_a_model_with_padding_rows_is_refused_with_the_key_that_fixes_it(tmp_pat
     with pytest.raises(CheckpointError, match=r"wte.weight has 320 rows, the checkpoint 300; import with "
                                               r"model.vocab_multiple=1"):
         load_hf_weights(source, model)
+
+
+def test_every_setting_we_cannot_reproduce_is_named_in_one_message(tmp_path):
+    edit = dict(hidden_act="gelu", attention_dropout=0.1, quantization_config={"quant_method": "gptq"})
+    with pytest.raises(CheckpointError) as err:
+        read_hf_model(refused_checkpoint("llama", edit, tmp_path))
+    assert str(err.value) == (
+        f"{tmp_path / 'config.json'}: LlamaForCausalLM with settings lm cannot reproduce exactly: "
+        "quantization_config (lm imports full-precision weights); hidden_act='gelu' (lm's SwiGLU gates with silu); "
+        "attention_dropout=0.1 (lm's model.dropout also drops residuals; import with 0)")
+
+
+def test_split_rows_cuts_consecutive_rows_into_each_part():
+    fused = torch.arange(16.0).reshape(8, 2)
+    parts = (Part("q", 4), Part("k", 2), Part("v", 2, transposed=True))
+    pieces = split_rows(fused, parts)
+    assert [part for part, _ in pieces] == list(parts)
+    assert [piece.tolist() for _, piece in pieces] == [fused[:4].tolist(), fused[4:6].tolist(), fused[6:].t().tolist()]
