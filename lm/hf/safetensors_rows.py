@@ -58,12 +58,22 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
             header = json.loads(f.read(length))
     except (OSError, ValueError, struct.error, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path}: not a readable safetensors file: {err}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a readable safetensors file: the header is JSON "
+                              f"{type(header).__name__}, not an object")
     header.pop("__metadata__", None)
     tensors = {}
     try:
         for name, info in header.items():
-            begin, _ = info["data_offsets"]
-            tensors[name] = StoredTensor(path, name, str(info["dtype"]), tuple(info["shape"]), 8 + length + begin)
+            begin, end = info["data_offsets"]
+            tensor = StoredTensor(path, name, str(info["dtype"]), tuple(info["shape"]), 8 + length + begin)
+            # rows are read by offset: a byte range too short for the shape would read the next tensor's bytes
+            need = torch.Size(tensor.shape).numel() * tensor.dtype.itemsize if tensor.is_float else end - begin
+            if end - begin != need:
+                raise CheckpointError(f"{path}: not a readable safetensors file: {name} ({tensor.stored_dtype} "
+                                      f"{list(tensor.shape)}) needs {need} bytes, and its data_offsets give "
+                                      f"{end - begin}")
+            tensors[name] = tensor
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path}: not a readable safetensors file: bad header entry ({err})") from None
     return tensors
