@@ -1,5 +1,6 @@
 """The run directory: apart from the data, and one run at a time (an OS lock held by rank 0)."""
 
+import fcntl
 import json
 import os
 import signal
@@ -9,12 +10,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
-from lm.checkpoint.run_dir import LOCK, RunLock, check_run_paths
+from lm.checkpoint.run_dir import LOCK, RUN_FILES, RunLock, check_run_paths, lock_run_dir, run_files
 from lm.config import load_config, read_stored_config, save_config
+from lm.distributed.env import init_distributed
 from lm.errors import CheckpointError, ConfigError
 from tests.training.test_faults import TINY, refused_run, run_env
-from tests.workers import train_in_pool
+from tests.workers import pool, train_in_pool
 
 
 @pytest.mark.parametrize("data, out, message", [
@@ -126,3 +129,79 @@ def test_workers_left_by_a_killed_torchrun_keep_the_directory_from_a_second_run(
     # the workers are gone (killed, as a lost machine would be): the next run takes over and resumes
     third = train_in_pool(1, [*args[:-2], "--train.steps=6", "--checkpoint.every=2"], run_env())
     assert "resumed from" in third and not (out / LOCK).exists()
+
+
+def lock_on_every_rank(out: str) -> str | None:
+    try:
+        lock_run_dir(Path(out), init_distributed("cpu"))
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.process
+def test_a_held_run_directory_is_refused_on_every_rank_with_rank_0s_error(tmp_path):
+    out = tmp_path / "run"
+    held = RunLock(out)
+    held.acquire()
+    try:
+        replies = [reply["value"] for reply in pool(2).run(lock_on_every_rank, str(out))]
+    finally:
+        held.release()
+    assert replies[0] is not None and replies[0].startswith(f"train.out_dir: {out} is in use by another run "
+                                                            f"(pid {os.getpid()} on ")
+    assert replies[1] == replies[0]
+
+
+def lock_own_directory(root: str) -> tuple[bool, bool]:
+    out = Path(root) / f"rank{dist.get_rank()}"
+    lock = lock_run_dir(out, init_distributed("cpu"))
+    dist.barrier()
+    made = (out / LOCK).exists()
+    lock.release()
+    return made, out.exists()
+
+
+@pytest.mark.process
+def test_only_rank_0_takes_the_lock(tmp_path):
+    # the other ranks never touch the run directory: the lock is rank 0's alone
+    replies = [reply["value"] for reply in pool(2).run(lock_own_directory, str(tmp_path))]
+    assert replies == [(True, False), (False, False)]
+    assert not (tmp_path / "rank1").exists()
+
+
+def test_a_run_inside_one_of_a_mixtures_directories_is_refused_naming_the_mixture(tmp_path):
+    mixture = f"--data.mixture=[{{dir: {tmp_path / 'a'}}}, {{dir: {tmp_path / 'b'}}}]"
+    cfg = load_config(None, [mixture, f"--train.out_dir={tmp_path / 'b' / 'run'}"])
+    with pytest.raises(ConfigError, match=rf"^train.out_dir: '{tmp_path / 'b' / 'run'}' is inside data.mixture "
+                                          rf"'{tmp_path / 'b'}'; preparing the data again"):
+        check_run_paths(cfg)
+
+
+@pytest.mark.parametrize("inside", ["checkpoints/rows.csv", "tb/rows.csv"])
+def test_a_task_file_inside_a_directory_the_run_writes_is_refused(tmp_path, inside):
+    # retention prunes checkpoints/ and TensorBoard writes into tb/: a labelled file there is the run's to change
+    out = tmp_path / "run"
+    cfg = load_config(None, ["--model.arch=encoder", "--model.head=regress", f"--task.file={out / inside}",
+                             f"--train.out_dir={out}"])
+    with pytest.raises(ConfigError, match=r"^task.file: '.*rows.csv' is one of the files of train.out_dir"):
+        check_run_paths(cfg)
+
+
+def test_a_lock_held_before_its_holder_wrote_its_name_says_so(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / LOCK, "a+") as starting:  # locked, its line not written yet
+        fcntl.flock(starting, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(CheckpointError, match=rf"^train.out_dir: {out} is in use by another run \(a process that "
+                                                  r"is starting\); wait for it"):
+            RunLock(out).acquire()
+
+
+def test_the_run_files_of_a_checkpoint_are_its_runs_and_none_outside_a_run(tmp_path):
+    step = tmp_path / "run" / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text("{}")
+    assert run_files(step) == [tmp_path / "run" / name for name in RUN_FILES]
+    (tmp_path / "export").mkdir()
+    assert run_files(tmp_path / "export" / "model.safetensors") == []

@@ -5,6 +5,7 @@ from lm.config import JobConfig, load_config, parse_cli, read_stored_config, sav
 from lm.config.command_line import unread_override
 from lm.config.rules import MAX_SEED
 from lm.errors import ConfigError, LMError
+from lm.models.registry import config_class, family_names
 
 
 def test_defaults_then_yaml_then_overrides(tmp_path):
@@ -326,7 +327,6 @@ def test_a_key_that_is_a_python_keyword_is_read_and_written_as_the_keyword(tmp_p
         load_config(None, ["--checkpoint.async_=true"])
 
 
-
 def test_a_window_as_long_as_the_positions_loads():
     assert load_config(None, ["--data.seq_len=1024"]).data.seq_len == 1024
 
@@ -417,3 +417,30 @@ def test_cpu_offload_is_refused_under_ddp_only():
     with pytest.raises(ConfigError, match="parallel.cpu_offload: the ddp engine"):
         load_config(None, ["--parallel.cpu_offload=true"])
     assert load_config(None, ["--parallel.engine=fsdp", "--parallel.cpu_offload=true"]).parallel.cpu_offload is True
+
+
+@pytest.mark.parametrize("item", ["--steps=1.5", "-train.steps=3", "train.steps=3"])
+def test_an_argument_that_is_no_dotted_override_is_refused_by_the_parser(item, capsys):
+    # only --section.key=value is an override: a dot in the value or a single dash makes none
+    with pytest.raises(SystemExit) as exit_:
+        parse_cli([item], "test tool")
+    assert exit_.value.code == 2
+    assert (f"error: unrecognized argument {item!r}; config overrides look like --section.key=value"
+            in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("value", ["", " ", "\t"])
+def test_a_blank_config_path_is_refused_by_its_flag(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_cli(["--config", value], "test tool")
+    assert exit_.value.code == 2
+    assert f"argument --config: expected a path, got {value!r}" in capsys.readouterr().err
+
+
+def test_help_lists_every_familys_model_keys_and_keys_as_they_are_written(capsys):
+    with pytest.raises(SystemExit):
+        parse_cli(["--help"], "test tool")
+    out = capsys.readouterr().out
+    for name in family_names():
+        assert f"model (model.arch={name}: {config_class(name).title}):" in out, name
+    assert "--checkpoint.async=False (bool) " in out and "async_" not in out  # the key a user types

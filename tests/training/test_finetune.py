@@ -20,6 +20,7 @@ from lm.cli import run
 from lm.config import load_config
 from lm.distributed.env import DistEnv
 from lm.errors import CheckpointError, ConfigError
+from lm.finetune import encoder_base
 from lm.models.registry import family_of
 from lm.tokenizer import model_tokenizer
 from lm.training.task_data import open_task_data, read_task_rows
@@ -468,3 +469,50 @@ def test_a_task_batch_that_does_not_split_over_the_ranks_is_one_config_error(sep
     three = DistEnv(rank=0, local_rank=0, world_size=3, device=torch.device("cpu"))
     with pytest.raises(ConfigError, match="world size 3"):
         open_task_data(_task_config(task), three)
+
+
+def test_a_missing_encoder_is_named_by_its_flag(tmp_path, capsys):
+    gone = tmp_path / "no_such_run"
+    assert run(finetune.main, ["--encoder", str(gone), "--model.head=regress", f"--task.file={tmp_path / 'rows.csv'}",
+                               f"--train.out_dir={tmp_path / 'ft'}"]) == 2
+    assert capsys.readouterr().err == f"error: --encoder: no such file or directory {str(gone)!r}\n"
+    assert not (tmp_path / "ft").exists()
+
+
+def test_a_fine_tuned_runs_head_is_not_carried_into_the_next_fine_tuning(tmp_path):
+    # a fine-tuned encoder as --encoder: its trunk keys are taken, the head is the new run's to choose
+    saved = load_config(None, ["--model.arch=encoder", "--model.head=classify", "--model.num_classes=3",
+                               "--model.n_layer=3", f"--task.file={tmp_path / 'rows.csv'}"])
+    base = encoder_base(tmp_path / "enc", saved)
+    assert "head" not in base["model"] and "num_classes" not in base["model"]
+    assert base["model"]["arch"] == "encoder" and base["model"]["n_layer"] == 3
+    assert base["checkpoint"] == {"init_from": str(tmp_path / "enc")}
+    assert base["data"] == {"tokenizer": saved.data.tokenizer, "seq_len": saved.data.seq_len}
+
+
+def test_a_run_without_a_head_is_refused_before_anything_is_written(encoder_run, tmp_path, capsys):
+    # without the check the encoder's masked-token training went on in train.out_dir
+    out = tmp_path / "ft"
+    assert run(finetune.main, ["--encoder", str(encoder_run), f"--train.out_dir={out}", "--train.device=cpu",
+                               "--train.steps=1"]) == 2
+    assert capsys.readouterr().err == ("error: model.head: lm.finetune trains a classify or regress head, got 'mlm'; "
+                                       "set --model.head=classify (with --model.num_classes) or --model.head=regress\n")
+    assert not out.exists()
+
+
+def test_a_blank_encoder_is_refused_by_its_flag(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        finetune.main(["--encoder", " ", "--model.head=regress", f"--train.out_dir={tmp_path / 'ft'}"])
+    assert exit_.value.code == 2
+    assert "argument --encoder: expected a path, got ' '" in capsys.readouterr().err
+
+
+def test_the_encoder_may_be_named_with_a_trailing_slash_or_another_spelling(encoder_run, separable_rows, tmp_path):
+    # checkpoint.init_from holds the path as Path() writes it: the same checkpoint, spelt otherwise, is no other one
+    task = write_rows(tmp_path / "lines.csv", separable_rows[:20])
+    spelt = f"{encoder_run.parent}/./{encoder_run.name}/"
+    out = tmp_path / "ft"
+    assert run(finetune.main, ["--encoder", spelt, f"--train.out_dir={out}", "--model.head=classify",
+                               "--model.num_classes=2", f"--task.file={task}", "--train.device=cpu", "--train.steps=1",
+                               "--train.batch_size=2", "--train.micro_batch_size=2", "--log.tensorboard=false"]) == 0
+    assert (out / "checkpoints" / "step_00000001").is_dir()
