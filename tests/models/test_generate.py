@@ -5,11 +5,14 @@ import torch
 
 from lm.errors import ConfigError
 from lm.models import generate as generate_module
+from lm.models.family import SampleOptions
 from lm.models.generate import filter_logits, generate, generate_batch, pick_token
 from lm.models.gpt.config import GPTConfig
 from lm.models.gpt.model import GPT
 from lm.models.lstm.config import LSTMConfig
 from lm.models.lstm.model import LSTMLM
+from lm.models.next_token import sample
+from lm.tokenizer import model_tokenizer
 
 INF = float("inf")
 
@@ -351,3 +354,25 @@ def test_a_model_with_more_rows_than_its_tokenizer_has_ids_samples_only_the_toke
     for temperature in (0.0, 1.0):
         sample(model, tokenizer, "The", SampleOptions(8, temperature, None, None, 0, stop_at_end=stop_at_end))
     assert drawn and max(drawn) < 400
+
+
+@pytest.mark.parametrize("stop_at_end", [True, False])
+def test_a_sample_ends_at_the_first_end_of_text_either_way(tokenizer_jsons, monkeypatch, stop_at_end):
+    # greedy: the first new token is "x", every later one the end-of-text; a fixed-length batch (the trainer's
+    # periodic samples) draws 8 tokens but shows only those before the end, as lm.sample's path stops there
+    tokenizer = model_tokenizer(str(tokenizer_jsons["eot"]), 500)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, block_size=32, vocab_size=500))
+    real_logits, calls = model.logits, []
+    (x,) = tokenizer.encode_ordinary("x")
+    assert x != tokenizer.eot_token
+
+    def logits_x_then_end(h):
+        logits = real_logits(h).clone()
+        logits[..., x if not calls else tokenizer.eot_token] = 100.0
+        calls.append(h.shape)
+        return logits
+
+    monkeypatch.setattr(model, "logits", logits_x_then_end)
+    text = sample(model, tokenizer, "The", SampleOptions(8, 0.0, None, None, 0, stop_at_end=stop_at_end))
+    assert text == "Thex"

@@ -178,3 +178,29 @@ def test_the_family_loss_runs_the_head_a_chunk_at_a_time() -> None:
     idx, targets = torch.randint(0, 100, (B, T)), torch.randint(0, 100, (B, T))
     assert torch.isfinite(family_loss(model, idx, targets).optimized)
     assert rows == [5, 5, 5, 3]
+
+
+def test_loss_chunk_1_runs_the_head_one_position_at_a_time() -> None:
+    # 1 is the smallest chunk and still a chunked loss: the head sees single rows, never all 2 x 3 positions
+    cfg = config_class("gpt")(vocab_size=100, block_size=32, n_layer=1, n_head=2, d_model=32, loss_chunk=1)
+    torch.manual_seed(0)
+    model = get_family("gpt").build(cfg)
+    rows = []
+    model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].reshape(-1, 32).shape[0]))
+    idx, targets = torch.randint(0, 100, (2, 3)), torch.randint(0, 100, (2, 3))
+    loss = get_family("gpt").training.loss(model, model, [idx, targets]).optimized
+    assert rows == [1] * 6
+    logits = model.logits(model(idx)).float().view(6, -1)
+    torch.testing.assert_close(loss, F.cross_entropy(logits, targets.view(6)), rtol=0, atol=1e-6)
+
+
+def test_a_chunked_head_gets_its_gradient_from_inputs_that_need_none() -> None:
+    # a frozen body hands the head hidden states that require no gradient: the head's own weight still trains
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False)
+    h, targets = torch.randn(3, 5, 8), torch.randint(0, 50, (3, 5))
+    chunked_cross_entropy(head, h, targets, chunk=4).backward()
+    chunked = head.weight.grad.clone()
+    head.weight.grad = None
+    F.cross_entropy(h.view(15, 8) @ head.weight.T, targets.view(15)).backward()
+    torch.testing.assert_close(chunked, head.weight.grad, rtol=0, atol=1e-6)

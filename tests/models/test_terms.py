@@ -2,8 +2,11 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from lm.models.family import PlainLoss
 from lm.models.loss import cross_entropy_terms
+from lm.models.registry import config_class, get_family
 from lm.models.terms import Losses, Reduce, Term, combine
 
 
@@ -57,3 +60,20 @@ def test_a_cross_entropys_terms_are_weighted_by_its_targets():
 def test_an_objective_that_is_none_of_the_terms_is_refused():
     with pytest.raises(ValueError, match="the objective 'objective' is none of the terms"):
         Losses({"loss": Term(torch.tensor(1.0))}, objective="objective")
+
+
+def test_a_next_token_loss_and_score_count_every_target_of_the_batch() -> None:
+    # 2 windows of 7 targets: the loss's terms average over (and are weighted by) 14 targets, and score counts 14
+    cfg = config_class("gpt")(vocab_size=100, block_size=32, n_layer=1, n_head=2, d_model=32)
+    family = get_family("gpt")
+    torch.manual_seed(0)
+    model = family.build(cfg)
+    idx, targets = torch.randint(0, 100, (2, 7)), torch.randint(0, 100, (2, 7))
+    logits = model.logits(model(idx)).float().view(14, -1)
+    expected = F.cross_entropy(logits, targets.view(14))
+    losses = family.training.loss(model, model, [idx, targets], PlainLoss(0.1))
+    assert {name: term.weight for name, term in losses.terms.items()} == {"loss": 14, "z_loss": 14, "objective": 14}
+    torch.testing.assert_close(losses.terms["loss"].value, expected, rtol=0, atol=1e-6)
+    scored = family.training.score(model, model, [idx, targets])
+    assert int(scored.count) == 14
+    torch.testing.assert_close(scored.loss, expected, rtol=0, atol=1e-6)

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -19,9 +20,10 @@ from lm.config import load_config
 from lm.distributed.env import init_distributed
 from lm.errors import CheckpointError, ConfigError, DataError, TrainingError
 from lm.models.registry import family_of
+from lm.models.terms import Losses, Reduce, Term
 from lm.plan.counts import num_params
 from lm.training import setup
-from lm.training.faults import install_faults
+from lm.training.faults import install_faults, nan_at
 from lm.training.trainer import Trainer
 from tests.workers import pool, train_in_pool
 
@@ -217,8 +219,6 @@ KILLED = ["--train.steps=8", "--checkpoint.every=2", "--train.batch_size=8"]
 """The runs whose ranks are killed: 8 steps of 8 sequences on 2 ranks, a checkpoint every 2."""
 
 
-
-
 @pytest.mark.process
 def test_sigterm_saves_exits_0_and_the_resumed_run_equals_an_uninterrupted_one(tiny_data_dir, tmp_path):
     # the schedule's length is fixed, so a run cut short follows the same learning rates as a long one
@@ -303,3 +303,40 @@ def test_the_host_room_check_counts_every_rank_on_this_machine(tiny_data_dir, tm
     with pytest.raises(ConfigError, match=r"parameters need .* GiB of this machine's memory for their float32 "
                                           r"weights and gradients alone"):
         setup.check_host_room(cfg, two_ranks)
+
+
+def test_a_nan_step_makes_every_term_nan_and_keeps_the_objective_and_reductions():
+    def loss(scale: float) -> Losses:
+        return Losses({"loss": Term(torch.tensor(2.0 * scale), Reduce.MEAN, 8),
+                       "z_loss": Term(torch.tensor(3.0), Reduce.MEAN, 8),
+                       "n": Term(torch.tensor(5.0), Reduce.SUM, 1),
+                       "objective": Term(torch.tensor(2.5), Reduce.MEAN, 8)}, objective="objective")
+
+    now = [False]
+    faulty = nan_at(loss, lambda: now[0])
+    clean = faulty(2.0)
+    assert {name: term.value.item() for name, term in clean.terms.items()} == {
+        "loss": 4.0, "z_loss": 3.0, "n": 5.0, "objective": 2.5}
+    now[0] = True
+    nan = faulty(2.0)
+    assert nan.objective == "objective"
+    assert all(math.isnan(term.value.item()) for term in nan.terms.values())
+    assert {name: (term.reduce, term.weight) for name, term in nan.terms.items()} == {
+        "loss": (Reduce.MEAN, 8), "z_loss": (Reduce.MEAN, 8), "n": (Reduce.SUM, 1), "objective": (Reduce.MEAN, 8)}
+
+
+def test_a_kill_asked_of_another_rank_adds_no_hook_to_this_one(tiny_data_dir, tmp_path, monkeypatch):
+    # one process is rank 0: LM_FAULT_KILL=1:S is another rank's, LM_FAULT_KILL=0:S this one's
+    flags = ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=16", "--model.block_size=32",
+             "--data.seq_len=16", "--train.batch_size=2", "--train.micro_batch_size=2", "--train.device=cpu",
+             "--log.tensorboard=false", f"--data.dir={tiny_data_dir}"]
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    hooks = []
+    for rank in (1, 0):
+        monkeypatch.setenv("LM_FAULT_KILL", f"{rank}:3")
+        cfg = load_config(None, [*flags, f"--train.out_dir={tmp_path / f'rank{rank}'}"])
+        trainer = Trainer(cfg, init_distributed("cpu"))
+        before = len(trainer.after_step)
+        install_faults(trainer)
+        hooks.append(len(trainer.after_step) - before)
+    assert hooks == [0, 1]
