@@ -444,3 +444,60 @@ def test_help_lists_every_familys_model_keys_and_keys_as_they_are_written(capsys
     for name in family_names():
         assert f"model (model.arch={name}: {config_class(name).title}):" in out, name
     assert "--checkpoint.async=False (bool) " in out and "async_" not in out  # the key a user types
+
+
+FOUR_LAYER_PIPELINE = ["--parallel.engine=fsdp", "--parallel.pp=2", "--model.tie_embeddings=false", "--model.n_layer=4"]
+ENCODER_CLASSIFIER = ["--model.arch=encoder", "--model.head=classify", "--model.num_classes=2"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--optim.name=muon", "--optim.muon_lr=0"], "optim.muon_lr: must be positive, got 0.0"),
+    (["--optim.lr=0"], "optim.lr: must be positive, got 0.0"),
+    (["--optim.beta1=1"], "optim.beta1: must be in [0, 1), got 1.0"),
+    (["--optim.beta1=-0.1"], "optim.beta1: must be in [0, 1), got -0.1"),
+    (["--optim.weight_decay=-0.1"], "optim.weight_decay: must be >= 0, got -0.1"),
+    (["--schedule.min_lr_ratio=-0.1"], "schedule.min_lr_ratio: must be in [0, 1], got -0.1"),
+    (["--train.max_nonfinite_steps=0"], "train.max_nonfinite_steps: must be positive, got 0"),
+    (["--train.dtype=float16"], "train.dtype: expected auto, bfloat16 or float32, got 'float16'"),
+    (["--log.every=0"], "log.every: must be positive, got 0"),
+    (["--task.file=rows.txt"], "task.file: 'rows.txt' must end in one of ['.csv', '.json', '.jsonl', '.parquet']"),
+    (["--task.val_fraction=1"], "task.val_fraction: must be in (0, 1), got 1.0"),
+    (["--parallel.engine=fsdp", "--parallel.ep=0"], "parallel.ep: must be >= 1 (1 = no expert parallelism), got 0"),
+    (["--parallel.engine=fsdp", "--model.n_experts=4", "--parallel.ep=2", "--parallel.cp=2"],
+     "parallel.ep=2: expert parallelism does not combine with parallel.pp or parallel.cp yet"),
+    ([*FOUR_LAYER_PIPELINE, "--parallel.pp_schedule=interleaved_zero_bubble"],
+     "parallel.pp_schedule: interleaved_zero_bubble is refused: with FSDP2 torch's zero-bubble schedules"),
+    ([*FOUR_LAYER_PIPELINE, "--parallel.pp_stages_per_rank=2"],
+     "parallel.pp_stages_per_rank: 1f1b runs one stage per rank, got 2"),
+    ([*FOUR_LAYER_PIPELINE, "--parallel.pp_schedule=gpipe", "--parallel.pp_stages_per_rank=3"],
+     "parallel.pp_stages_per_rank: gpipe runs one stage per rank, got 3"),
+    ([*FOUR_LAYER_PIPELINE, "--checkpoint.init_from=weights.safetensors"],
+     "checkpoint.init_from: a pipeline-parallel run cannot start from a consolidated or Hugging Face checkpoint"),
+    (["--train.float8=tensorwise", *FOUR_LAYER_PIPELINE], "train.float8=tensorwise: not yet under parallel.pp=2"),
+    (["--parallel.engine=fsdp", "--parallel.cp=2", "--data.seq_len=1022"],
+     "parallel.cp=2: data.seq_len=1022 does not split into 4 equal slices (2 per context-parallel rank)"),
+    (["--train.eval_tasks=hellaswag", "--parallel.engine=fsdp", "--parallel.cp=2"],
+     "train.eval_tasks: scored by whole-sequence forwards on each data-parallel rank, not yet under parallel.cp=2"),
+])
+def test_a_section_value_or_combination_out_of_range_is_refused_with_its_message(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value)
+
+
+def test_a_schedule_without_a_pipeline_counts_one_stage():
+    cfg = load_config(None, ["--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_stages_per_rank=2"])
+    assert cfg.parallel.pp == 1 and cfg.parallel.pipeline_stages == 1
+
+
+def test_the_pipeline_schedule_defaults_to_1f1b():
+    assert load_config(None, []).parallel.pp_schedule == "1f1b"
+
+
+def test_a_json_task_file_is_accepted():
+    assert load_config(None, [*ENCODER_CLASSIFIER, "--task.file=rows.json"]).task.file == "rows.json"
+
+
+def test_the_bottom_of_each_closed_range_is_accepted():
+    cfg = load_config(None, ["--schedule.min_lr_ratio=0", "--optim.weight_decay=0", "--optim.grad_clip=0"])
+    assert (cfg.schedule.min_lr_ratio, cfg.optim.weight_decay, cfg.optim.grad_clip) == (0.0, 0.0, 0.0)

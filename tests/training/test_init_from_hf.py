@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
@@ -223,3 +224,12 @@ def test_an_export_of_a_continued_checkpoint_keeps_its_token_ids_and_generation_
     total, outside = re.search(r"model: ([\d.]+)M parameters \(([\d.]+)M outside the embeddings\)",
                                (tmp_path / "run.log").read_text()).groups()
     assert float(total) - float(outside) == pytest.approx(embedding / 1e6, abs=0.01)
+
+
+def test_a_yaml_tokenizer_with_the_checkpoints_ids_is_kept_as_written(tokenizer_jsons, tmp_path):
+    save_hf(LLAMA, tmp_path / "hf", vocab_size=400)
+    shutil.copy(tokenizer_jsons["eot"], tmp_path / "hf/tokenizer.json")
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({"checkpoint": {"init_from": str(tmp_path / "hf")},
+                                      "data": {"seq_len": 16, "tokenizer": str(tokenizer_jsons["eot"])}}))
+    assert load_config(str(config), []).data.tokenizer == str(tokenizer_jsons["eot"])
