@@ -3,7 +3,10 @@ import sys
 
 import pytest
 
+from lm import sample as sample_tool
+from lm.checkpoint.store import resolve_checkpoint
 from lm.cli import run
+from lm.models.family import SampleOptions
 from lm.sample import main
 
 
@@ -101,3 +104,49 @@ def test_top_k_1_and_a_tiny_top_p_are_greedy(trained_run, capsys):
     hot = ["--prompt", "KING:", "--temperature", "2", "--seed", "1"]
     assert sample(trained_run, capsys, *hot, "--top-k", "1") == greedy
     assert sample(trained_run, capsys, *hot, "--top-p", "1e-6") == greedy
+
+
+def sampled_text(trained_run, capsys, *args):
+    assert run(main, ["--checkpoint", str(trained_run), "--max-new-tokens", "12", "--prompt", "KING:", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_the_default_seed_is_1337_and_the_default_top_k_is_200(trained_run, capsys):
+    hot = ["--temperature", "3"]
+    default = sampled_text(trained_run, capsys, *hot)
+    assert default == sampled_text(trained_run, capsys, *hot, "--seed", "1337", "--top-k", "200")
+    assert default != sampled_text(trained_run, capsys, *hot, "--seed", "1338")
+    assert default != sampled_text(trained_run, capsys, *hot, "--top-k", "50")
+
+
+def test_a_top_p_of_1_keeps_every_token(trained_run, capsys):
+    hot = ["--temperature", "3", "--seed", "7"]
+    assert sampled_text(trained_run, capsys, *hot, "--top-p", "1") == sampled_text(trained_run, capsys, *hot)
+
+
+def test_a_top_p_of_0_is_a_usage_error(trained_run, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run(main, ["--checkpoint", str(trained_run), "--top-p", "0"])
+    assert exit_.value.code == 2
+    assert "error: --top-p: must be in (0, 1], got 0.0" in capsys.readouterr().err
+
+
+def test_an_encoder_checkpoint_writes_no_text_and_says_so_in_one_line(encoder_run, capsys):
+    assert run(main, ["--checkpoint", str(encoder_run), "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --checkpoint: {resolve_checkpoint(encoder_run)} is ") and err.count("\n") == 1
+    assert ("(model.arch=encoder), which generates no text; score it with python -m lm.eval, or a fine-tuned head "
+            "with python -m lm.predict\n") in err
+
+
+def test_the_defaults_reach_the_sampler(trained_run, capsys, monkeypatch):
+    """200 new tokens at temperature 0.8, top-k 200, no top-p, seed 1337, not compiled: more new tokens than the
+    32 positions of this model hold, which is one usage error naming the default."""
+    seen = []
+    monkeypatch.setattr(sample_tool, "SampleOptions", lambda *a, **k: seen.append(SampleOptions(*a, **k)) or seen[-1])
+    with pytest.raises(SystemExit) as exit_:
+        run(main, ["--checkpoint", str(trained_run)])
+    assert exit_.value.code == 2
+    assert seen == [SampleOptions(200, 0.8, 200, None, 1337, compiled=False)]
+    assert capsys.readouterr().err.endswith(
+        "error: --max-new-tokens: 200 leaves no room for a prompt in the model's context of 32 tokens\n")

@@ -270,3 +270,52 @@ def test_the_vocab_size_range_ends_at_max_vocab_size():
     check_vocab_size(257, special_tokens([]))
     with pytest.raises(ConfigError, match="--vocab-size: 1,048,577 is too large"):
         train_bpe(iter([]), MAX_VOCAB_SIZE + 1, special_tokens([]))  # refused before the library sees it
+
+
+HELD_OUT_TOKENS = re.compile(r"bytes/token \(([\d,]+) tokens\), gpt2 [\d.]+ \(([\d,]+) tokens\); "
+                             r"([\d.]+%) (\w+) tokens")
+
+
+def test_the_share_of_tokens_saved_is_one_less_the_ratio_of_the_counts(tiny_corpus_dir, tmp_path, capsys):
+    out = tmp_path / "tok.json"
+    assert run(main, [f"--data.source={tiny_corpus_dir}/*.txt", "--data.val_fraction=0.1", "--vocab-size", "300",
+                      "--out", str(out)]) == 0
+    found = HELD_OUT_TOKENS.search(capsys.readouterr().out)
+    new, gpt2 = (int(count.replace(",", "")) for count in found.group(1, 2))
+    fewer = 1 - new / gpt2
+    assert found.group(3, 4) == (f"{abs(fewer):.1%}", "fewer" if fewer >= 0 else "more")
+
+
+def test_special_token_text_in_a_held_out_document_is_measured_as_text(tmp_path, capsys):
+    """The held-out documents are counted as lm encodes them: a special token's text in a corpus is text."""
+    texts = ["to be or not to be, that is the question\n", "the end <|endoftext|> and the end <|endoftext|>\n"]
+    for i, text in enumerate(texts):
+        (tmp_path / f"{i}.txt").write_text(text)
+    [val] = [text for i, text in enumerate(texts) if is_val_document(i, 0.5)]
+    out = tmp_path / "tok.json"
+    assert run(main, [f"--data.source={tmp_path}/*.txt", "--data.val_fraction=0.5", "--vocab-size", "300",
+                      "--out", str(out)]) == 0
+    new = int(HELD_OUT_TOKENS.search(capsys.readouterr().out).group(1).replace(",", ""))
+    assert new == len(load_tokenizer(str(out)).encode_ordinary(val))
+
+
+def test_the_training_text_is_reported_in_megabytes(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("abcd " * 60_000)  # 300,000 bytes
+    assert run(main, [f"--data.source={tmp_path}/a.txt", "--data.val_fraction=0", "--vocab-size", "300",
+                      "--out", str(tmp_path / "tok.json")]) == 0
+    assert "trained on 1 document (0.3 MB) in " in capsys.readouterr().out
+
+
+def test_the_text_column_of_rows_is_the_one_data_text_column_names(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, "body": f"line number {i} of the rows"}) + "\n" for i in range(4)))
+    assert run(main, [f"--data.source={rows}", "--data.text_column=body", "--data.val_fraction=0", "--vocab-size",
+                      "300", "--out", str(tmp_path / "tok.json")]) == 0
+    assert "trained on 4 documents" in capsys.readouterr().out
+
+
+def test_a_bad_vocab_size_is_refused_before_the_corpus_is_looked_for(tmp_path, capsys):
+    assert run(main, [f"--data.source={tmp_path}/nothing*.txt", "--vocab-size", "256", "--out",
+                      str(tmp_path / "tok.json")]) == 2
+    assert capsys.readouterr().err == ("error: --vocab-size: 256 is too small; a byte-level BPE holds 256 byte tokens "
+                                       "and 1 special token before any merge, so at least 257\n")

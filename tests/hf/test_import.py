@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from lm.checkpoint.loading import load_for_inference
-from lm.errors import CheckpointError
+from lm.errors import CheckpointError, ConfigError
 from lm.hf.import_weights import load_hf_weights
 from lm.hf.targets import Part, Target, hf_state_dict, pick_target, row_spans, split_rows
 from lm.models.gpt.config import GPTConfig
@@ -480,3 +480,28 @@ def test_split_rows_cuts_consecutive_rows_into_each_part():
     pieces = split_rows(fused, parts)
     assert [part for part, _ in pieces] == list(parts)
     assert [piece.tolist() for _, piece in pieces] == [fused[:4].tolist(), fused[4:6].tolist(), fused[6:].t().tolist()]
+
+
+def test_a_transformers_checkpoint_is_loaded_for_inference_in_eval_mode(tmp_path):
+    """GPT-2's config has dropout 0.1: scoring and sampling a transformers checkpoint must not run it."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", vocab_size=50257, n_positions=32, n_embd=16,
+                                                               n_layer=1, n_head=2))
+    hf.save_pretrained(tmp_path)
+    model, _, _ = load_for_inference(tmp_path, torch.device("cpu"))
+    assert not model.training and not any(m.training for m in model.modules())
+    idx = torch.randint(0, 50257, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(model(idx), model(idx))
+
+
+def test_a_checkpoint_without_a_tokenizer_json_that_the_default_cannot_read_says_what_to_add(tmp_path):
+    """300 ids: the default tokenizer (gpt2's 50,257) does not fit, and the error says where a tokenizer.json goes."""
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", vocab_size=300, n_positions=32, n_embd=16,
+                                                               n_layer=1, n_head=2))
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError) as error:
+        load_for_inference(tmp_path, torch.device("cpu"))
+    message = str(error.value)
+    assert message.startswith(f"{tmp_path}: has no tokenizer.json, and the default tokenizer does not fit its model (")
+    assert message.endswith("); put the checkpoint's tokenizer.json beside its config.json")

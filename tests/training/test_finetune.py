@@ -516,3 +516,102 @@ def test_the_encoder_may_be_named_with_a_trailing_slash_or_another_spelling(enco
                                "--model.num_classes=2", f"--task.file={task}", "--train.device=cpu", "--train.steps=1",
                                "--train.batch_size=2", "--train.micro_batch_size=2", "--log.tensorboard=false"]) == 0
     assert (out / "checkpoints" / "step_00000001").is_dir()
+
+
+ONE_STEP = ["--train.steps=1", "--train.batch_size=2", "--train.micro_batch_size=2", "--train.device=cpu",
+            "--log.tensorboard=false", "--optim.lr=3e-3", "--schedule.warmup_steps=0"]
+
+
+def one_step_run(encoder_run, out, task, *head):
+    assert run(finetune.main, ["--encoder", str(encoder_run), f"--train.out_dir={out}", f"--task.file={task}",
+                               *head, *ONE_STEP]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_classifier(encoder_run, separable_rows, tmp_path_factory):
+    """A classifier fine-tuned for one step on 20 separable rows, and its task file."""
+    root = tmp_path_factory.mktemp("small_classifier")
+    task = write_rows(root / "lines.csv", separable_rows[:20])
+    return one_step_run(encoder_run, root / "ft", task, "--model.head=classify", "--model.num_classes=2"), task
+
+
+def printed_scores(out: str) -> dict[str, str]:
+    lines = out.splitlines()
+    after = next(i for i, line in enumerate(lines) if line.startswith("file: ")) + 1
+    return dict(line.split(": ", 1) for line in lines[after:] if not line.startswith("predictions: "))
+
+
+@pytest.mark.parametrize("which", ["decoder", "pretrained encoder"])
+def test_a_checkpoint_without_a_head_is_refused_in_one_line(which, trained_run, encoder_run, small_classifier,
+                                                            capsys):
+    checkpoint = trained_run if which == "decoder" else encoder_run
+    capsys.readouterr()
+    assert run(predict.main, ["--checkpoint", str(checkpoint), "--file", str(small_classifier[1])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --checkpoint: {resolve_checkpoint(checkpoint)} holds ") and err.count("\n") == 1
+    assert err.endswith("pretrained on token shards; lm.predict takes a fine-tuned head (model.head classify or "
+                        "regress: lm.finetune)\n")
+
+
+def test_an_empty_label_column_predicts_a_labelled_file_without_scoring_it(small_classifier, tmp_path, capsys):
+    out, task = small_classifier
+    scored, unscored = tmp_path / "scored.jsonl", tmp_path / "unscored.jsonl"
+    capsys.readouterr()
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(task), "--out", str(scored)]) == 0
+    assert "accuracy" in printed_scores(capsys.readouterr().out)
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(task), "--out", str(unscored),
+                              "--label-column", ""]) == 0
+    assert printed_scores(capsys.readouterr().out) == {}
+    assert unscored.read_text() == scored.read_text()
+
+
+def test_the_file_line_counts_the_rows_and_the_probabilities_give_the_printed_loss(small_classifier, separable_rows,
+                                                                                     tmp_path, capsys):
+    out, task = small_classifier
+    preds = tmp_path / "p.jsonl"
+    capsys.readouterr()
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(task), "--out", str(preds)]) == 0
+    printed = capsys.readouterr().out
+    assert f"file: {task} | 20 rows | model.head=classify\n" in printed
+    lines = [json.loads(line) for line in preds.read_text().splitlines()]
+    loss = -sum(math.log(line["probabilities"][row["label"]]) for line, row in zip(lines, separable_rows)) / 20
+    assert float(printed_scores(printed)["loss"]) == pytest.approx(loss, abs=2e-4)
+
+
+def test_text_column_reads_the_texts_from_the_column_it_names(small_classifier, separable_rows, tmp_path):
+    out, task = small_classifier
+    renamed = write_rows(tmp_path / "renamed.csv", [{"sentence": r["text"]} for r in separable_rows[:20]])
+    original, again = tmp_path / "original.jsonl", tmp_path / "again.jsonl"
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(task), "--out", str(original)]) == 0
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(renamed), "--out", str(again),
+                              "--text-column", "sentence"]) == 0
+    assert again.read_text() == original.read_text()
+
+
+def test_regression_predictions_are_written_unrounded(encoder_run, tmp_path, capsys):
+    """Each written prediction is the model's number: their squared errors average to the printed MSE."""
+    rows = [{"text": " ".join(["up"] * i + ["down"] * (8 - i)), "label": i / 8} for i in range(9)] * 2
+    task = write_rows(tmp_path / "levels.jsonl", rows)
+    out = one_step_run(encoder_run, tmp_path / "reg", task, "--model.head=regress")
+    preds = tmp_path / "p.jsonl"
+    capsys.readouterr()
+    assert run(predict.main, ["--checkpoint", str(out), "--file", str(task), "--out", str(preds)]) == 0
+    predictions = [json.loads(line)["prediction"] for line in preds.read_text().splitlines()]
+    mse = sum((p - row["label"]) ** 2 for p, row in zip(predictions, rows)) / len(rows)
+    assert float(printed_scores(capsys.readouterr().out)["mse"]) == pytest.approx(mse, abs=1e-4)
+
+
+def test_predictions_never_replace_the_tokenizer_json_of_the_run(tokenizer_jsons, separable_rows, tmp_path, capsys,
+                                                                  monkeypatch):
+    tokenizer = tokenizer_jsons["eot"]
+    cfg = load_config(None, ["--model.arch=encoder", "--model.n_head=2", "--model.head=classify",
+                             "--model.num_classes=2", f"--data.tokenizer={tokenizer}", "--model.vocab_size=400",
+                             f"--task.file={tmp_path / 'task.csv'}"])
+    monkeypatch.setattr(predict, "saved_config", lambda path: cfg)  # the run's config, as its checkpoint holds it
+    task = write_rows(tmp_path / "rows.csv", separable_rows[:4])
+    before = tokenizer.read_bytes()
+    assert run(predict.main, ["--checkpoint", str(tmp_path / "run"), "--file", str(task), "--out", str(tokenizer),
+                              "--force"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --out {tokenizer}: is the input {tokenizer}")
+    assert tokenizer.read_bytes() == before

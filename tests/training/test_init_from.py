@@ -1,14 +1,18 @@
 """checkpoint.init_from: a new run starts from consolidated weights, on any engine."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lm.checkpoint.consolidated import consolidate
-from lm.checkpoint.loading import load_for_inference
+from lm.checkpoint.loading import init_from_loader, load_for_inference
 from lm.config import load_config
 from lm.distributed.env import init_distributed
-from lm.errors import ConfigError
+from lm.errors import CheckpointError, ConfigError
 from lm.training.trainer import Trainer
 
 TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
@@ -44,3 +48,28 @@ def test_init_from_a_different_model_is_refused(trained_run, tiny_data_dir, tmp_
                        match=r"checkpoint.init_from: .* holds a different model \(model.d_model: 32 -> 64\)"):
         Trainer(cfg, init_distributed("cpu"))
     assert not (tmp_path / "run").exists()
+
+
+def test_init_from_a_checkpoint_of_another_family_names_both_families(encoder_run, tiny_data_dir, tmp_path):
+    weights = tmp_path / "encoder.safetensors"
+    consolidate(encoder_run, weights)
+    cfg = load_config(None, ["--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=32",
+                             "--data.seq_len=16", f"--data.dir={tiny_data_dir}", f"--checkpoint.init_from={weights}"])
+    with pytest.raises(ConfigError) as error:
+        init_from_loader(Path(weights), cfg)
+    assert str(error.value).startswith(f"checkpoint.init_from: {weights} is ")
+    assert "(model.arch=encoder) but the config asks for " in str(error.value)
+    assert str(error.value).endswith("(model.arch=gpt)")
+
+
+def test_init_from_a_transformers_checkpoint_with_a_missing_tensor_is_refused_before_the_model_is_allocated(tmp_path):
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", vocab_size=50257, n_positions=32, n_embd=16,
+                                                               n_layer=1, n_head=2))
+    hf.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    [dropped] = [name for name in tensors if name.endswith("h.0.mlp.c_fc.weight")]
+    del tensors[dropped]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    cfg = load_config(None, [f"--checkpoint.init_from={tmp_path}", "--data.seq_len=32"])
+    with pytest.raises(CheckpointError, match=f"missing {dropped}"):
+        init_from_loader(tmp_path, cfg)
