@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,14 +19,16 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from lm.bench import __main__ as bench
-from lm.bench import common, data, datasets_map, hf_import, prepare_speed
+from lm.bench import common, corpus, data, datasets_map, hf_import, prepare_speed, sampling_speed, training
 from lm.bench.corpus import write_gpt2_tokenizer_json
 from lm.bench.data import bench_loader, bench_prepare
-from lm.bench.sampling_speed import bench_sampling
+from lm.bench.sampling_speed import bench_sampling, exported_hf_model
 from lm.bench.training import bench_engine, engine_step, profile_step, sdpa_kernel
 from lm.cli import run
 from lm.config import load_config
+from lm.models import generate
 from lm.models.gpt.config import GPTConfig
+from lm.models.registry import family_of
 from lm.tokenizer import load_tokenizer
 from tests.workers import pool
 
@@ -39,8 +42,6 @@ def tiny(*extra: str):
 
 
 def test_training_rows_time_our_model_and_transformers_in_turns_on_the_same_weights(monkeypatch):
-    from lm.bench import training
-
     # the compiled row's path without a compile (tests/models/test_compiled_loss.py compiles for real)
     monkeypatch.setattr(training, "compile_blocks", lambda blocks: None)
     monkeypatch.setattr(training, "compiled_loss", lambda compiled: contextlib.nullcontext())
@@ -123,7 +124,6 @@ def test_each_engine_call_is_one_optimizer_step(engine):
 def uncompiled_step(monkeypatch):
     """The compiled sampling row with its step run eager: its path without a compile (tests/models/test_generate.py
     compiles it for real)."""
-    from lm.models import generate
 
     monkeypatch.setattr(generate, "compiled_step", lambda device_type: generate.next_logits)
 
@@ -153,8 +153,6 @@ def _counting(monkeypatch, module) -> list[str]:
 
 
 def test_sampling_takes_the_warmup_it_is_given(uncompiled_step, monkeypatch):
-    from lm.bench import sampling_speed
-
     calls = _counting(monkeypatch, sampling_speed)
     bench_sampling(tiny(), CPU, batch=1, new_tokens=2, warmup=3, reps=1, reps_no_cache=1, compiled=False)
     # 3 untimed calls of each method (it was held to 1), then the timed one
@@ -237,8 +235,6 @@ def test_each_time_is_the_median_of_its_own_timed_calls_after_the_untimed_warmup
 
 
 def test_a_row_derives_tokens_per_second_tflops_and_mfu_from_the_step_time(monkeypatch):
-    from lm.bench import training
-
     monkeypatch.setattr(training, "flops_per_token", lambda model, seq_len, data: 1e9)
     monkeypatch.setattr(training, "peak_flops", lambda device: 1e12)
     row = training._row(tiny(), CPU, 0.5, 4, 1.5, {})
@@ -248,8 +244,6 @@ def test_a_row_derives_tokens_per_second_tflops_and_mfu_from_the_step_time(monke
 
 
 def test_the_compiled_training_row_is_warmed_up_once_even_with_no_warmup(monkeypatch):
-    from lm.bench import training
-
     monkeypatch.setattr(training, "compile_blocks", lambda blocks: None)
     monkeypatch.setattr(training, "compiled_loss", lambda compiled: contextlib.nullcontext())
     calls = _counting(monkeypatch, training)
@@ -259,8 +253,6 @@ def test_the_compiled_training_row_is_warmed_up_once_even_with_no_warmup(monkeyp
 
 
 def test_a_transformers_twin_with_other_weights_is_refused(monkeypatch):
-    from lm.bench import training
-
     real = training.hf_twin
 
     def other_weights(model):
@@ -277,8 +269,6 @@ def test_a_transformers_twin_with_other_weights_is_refused(monkeypatch):
 
 
 def test_sampling_times_each_method_its_own_reps_and_warms_the_compiled_one_up(uncompiled_step, monkeypatch):
-    from lm.bench import sampling_speed
-
     calls = _counting(monkeypatch, sampling_speed)
     sampling_speed.bench_sampling(tiny(), CPU, batch=1, new_tokens=2, warmup=0, reps=2, reps_no_cache=1,
                                   compiled=True)
@@ -288,8 +278,6 @@ def test_sampling_times_each_method_its_own_reps_and_warms_the_compiled_one_up(u
 
 
 def test_same_tokens_is_the_share_equal_to_the_kv_cache_rows(uncompiled_step, monkeypatch):
-    from lm.bench import sampling_speed
-
     real = sampling_speed.generate_batch
 
     def one_token_off_without_cache(model, prompt, new_tokens, use_cache, **kwargs):
@@ -306,8 +294,6 @@ def test_same_tokens_is_the_share_equal_to_the_kv_cache_rows(uncompiled_step, mo
 
 
 def test_the_training_table_and_summary_give_ours_over_transformers(monkeypatch, capsys):
-    from lm.bench import training
-
     def row(tok_s, mfu=None):
         return {"ms/step": 10.0, "tokens/s": tok_s, "TFLOP/s": 0.5, "MFU": mfu, "peak GiB": 1.0}
 
@@ -324,8 +310,6 @@ def test_the_training_table_and_summary_give_ours_over_transformers(monkeypatch,
 
 
 def test_the_sampling_table_and_summary_ratios(monkeypatch, capsys):
-    from lm.bench import sampling_speed
-
     speeds = {"ours, KV cache": 400.0, "ours, no cache": 100.0, sampling_speed.COMPILED: 800.0,
               "transformers generate": 200.0}
     monkeypatch.setattr(sampling_speed, "bench_sampling", lambda cfg, device, batch, *args, **kwargs: [
@@ -346,8 +330,6 @@ def test_the_sampling_table_and_summary_ratios(monkeypatch, capsys):
 
 
 def test_the_loaders_share_of_a_step_is_of_loader_plus_model_time(monkeypatch):
-    from lm.bench import data, training
-
     monkeypatch.setattr(data, "bench_prepare", lambda cfg, reps: {
         "speedup": 3.0, "documents": 2, "tokens": 100, "workers": 2, "prepare tokens/s": 30.0, "loop tokens/s": 10.0})
     monkeypatch.setattr(data, "bench_loader", lambda cfg, micro, steps: {
@@ -365,8 +347,6 @@ def test_the_summary_shows_mfu_as_a_share():
 
 
 def test_the_corpus_tables_compare_wall_times_and_peaks_against_a_quarter(monkeypatch, capsys):
-    from lm.bench import corpus
-
     def run(wall, rss, **extra):
         return {"tokens": 1000, "wall s": wall, "max RSS MiB": rss, "tree MiB": rss, **extra}
 
@@ -555,3 +535,78 @@ def test_a_fused_tensor_is_written_once_whatever_the_shards(tmp_path):
     assert files == sorted(p.name for p in (tmp_path / "each").glob("*.safetensors"))  # every file is in the index
     names = [name for stored in tensors.values() for name in stored]
     assert len(names) == len(set(names)) and "transformer.h.0.attn.c_attn.weight" in names
+
+
+def test_each_timed_call_is_fenced_by_a_device_sync_on_both_sides(monkeypatch):
+    events = []
+    monkeypatch.setattr(common, "sync", lambda device: events.append("sync"))
+    common.median_seconds_interleaved({"a": lambda: events.append("call")}, torch.device("cpu"), 1, {"a": 2})
+    # the warm-up call untimed; each timed call waits for the queued work before and after it
+    assert events == ["call", "sync", "call", "sync", "sync", "call", "sync"]
+
+
+# In a fresh interpreter, as the benchmark measures: this one's pages, kept or freed by earlier tests, would blur it
+_PEAK_CHILD = """
+import gc, json, torch
+from pathlib import Path
+from lm.bench.common import peak_memory_gib, reset_peak_memory
+def hwm():
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024 / 2**30
+cpu = torch.device("cpu")
+big = b"1" * (512 * 2**20)  # 512 MiB, every page written
+held = (peak_memory_gib(cpu), hwm())
+del big
+gc.collect()
+before = peak_memory_gib(cpu)
+reset_peak_memory(cpu)
+print(json.dumps({"held": held, "before": before, "after": peak_memory_gib(cpu), "hwm": hwm()}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux only")
+def test_a_cpu_peak_is_the_resident_high_water_mark_in_gib_and_a_reset_starts_it_anew():
+    found = json.loads(subprocess.run([sys.executable, "-c", _PEAK_CHILD], capture_output=True, text=True,
+                                      check=True).stdout)
+    assert found["held"][0] == pytest.approx(found["held"][1]) and found["held"][0] > 0.5
+    assert found["after"] < found["before"] - 0.4  # the freed half GiB is no longer the peak
+    assert found["after"] == pytest.approx(found["hwm"])
+
+
+def test_a_table_left_aligns_its_first_column_right_aligns_the_rest_two_spaces_apart(capsys):
+    common.print_table("title", ["method", "tokens/s"], [["ours", "12.5"], ["transformers generate", "3.0"]])
+    assert capsys.readouterr().out == ("\ntitle\n"
+                                       "method                 tokens/s\n"
+                                       "ours                       12.5\n"
+                                       "transformers generate       3.0\n")
+
+
+def test_the_cpu_device_is_named_with_its_thread_count():
+    assert common.device_name(torch.device("cpu")) == f"CPU, {torch.get_num_threads()} threads"
+
+
+def test_the_exported_twin_never_stops_early_at_an_end_of_text_token():
+    cfg = tiny()
+    model = family_of(cfg.model).build(cfg.model).eval()
+    hf = exported_hf_model(model, cfg, torch.device("cpu"))
+    assert hf.generation_config.eos_token_id is None
+
+
+def test_every_sampling_row_starts_from_one_end_of_text_token_per_sequence(monkeypatch):
+    monkeypatch.setattr(generate, "compiled_step", lambda device_type: generate.next_logits)
+    prompts, real = [], sampling_speed.generate_batch
+
+    def recording(model, prompt, new_tokens, **kwargs):
+        prompts.append(prompt.clone())
+        return real(model, prompt, new_tokens, **kwargs)
+
+    monkeypatch.setattr(sampling_speed, "generate_batch", recording)
+    cfg = tiny()
+    sampling_speed.bench_sampling(cfg, torch.device("cpu"), batch=2, new_tokens=2, warmup=0, reps=1, reps_no_cache=1)
+    eot = load_tokenizer(cfg.data.tokenizer).eot_token
+    assert prompts and all(p.tolist() == [[eot], [eot]] for p in prompts)
+
+
+def test_a_cuda_peak_is_the_allocators_peak_in_gib(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 3 * 2**30)
+    assert common.peak_memory_gib(torch.device("cuda")) == 3.0

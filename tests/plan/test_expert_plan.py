@@ -145,3 +145,22 @@ def test_ep_on_another_engine_than_fsdp_is_refused(engine, stage):
 def test_an_ep_below_one_is_refused():
     with pytest.raises(ConfigError, match=r"parallel.ep: must be >= 1 \(1 = no expert parallelism\), got 0"):
         estimate_memory(moe(), 4, ep=0)
+
+
+MIXTURE_OF_FOUR = ["--model.n_layer=2", "--model.n_head=4", "--model.d_model=32", "--model.block_size=16",
+                   "--model.mlp=gelu", "--model.pos=rope", "--model.norm=rmsnorm", "--model.bias=false",
+                   "--model.n_experts=4", "--model.experts_per_token=2", "--model.expert_d_ff=16",
+                   "--model.moe_first_dense=0", "--data.seq_len=16", "--train.batch_size=8",
+                   "--train.micro_batch_size=2", "--train.device=cpu", "--parallel.engine=fsdp"]
+WHY_EP = (", then of the expert-parallel ranks the number that sends least (FSDP2's all-gathers of the experts "
+          "against the all-to-alls of the tokens)")
+
+
+def test_the_why_line_names_the_expert_parallel_rule_only_for_tables_with_expert_parallel_rows():
+    cfg = load_config(None, MIXTURE_OF_FOUR)
+    table = layout_table(cfg, 1, 2, 80.0).splitlines()  # ep 1 or 2
+    assert any(line.startswith("tp 1 x pp 1 x dp 2 (ep 2)") for line in table)
+    assert table[-1].startswith("why: of the layouts that fit") and table[-1].endswith(
+        "then the fewest pipeline stages (idle time at each step's start and end)" + WHY_EP)
+    dense = layout_table(load_config("configs/llama-tiny.yaml", []), 1, 2, 80.0).splitlines()
+    assert dense[-1].endswith("(idle time at each step's start and end)")

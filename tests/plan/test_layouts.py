@@ -12,7 +12,7 @@ import pytest
 from lm.cli import run
 from lm.config import load_config
 from lm.plan.counts import num_params
-from lm.plan.layout_table import _rows_text, layout_table
+from lm.plan.layout_table import _rows_text, configured_table, layout_table
 from lm.plan.layouts import LayoutEstimate, _ruled_out, estimate_layout, in_flight, layout_rows, pick_layout
 from lm.plan.memory import GIB, estimate_memory
 from lm.plan.memory_table import plan_table
@@ -347,3 +347,39 @@ def test_exactly_the_most_devices_are_planned(capsys):
     assert train_main([*TINY, "--dry-run", "--nodes", "2097152"]) == 0
     assert "pick: no layout of 16777216 GPUs can train this config" in capsys.readouterr().out
     assert run(train_main, [*TINY, "--dry-run", "--nodes", "2097153"]) == 2
+
+
+def test_a_pick_that_must_offload_and_recompute_names_both_flags_its_gpu_and_its_host_memory():
+    # llama3-70b on 8 GPUs of 40 GiB: only the offloaded layout with every block recomputed fits
+    cfg = load_config("configs/llama3-70b.yaml", [])
+    lines = layout_table(cfg, 1, 8, 40.0).splitlines()
+    row = estimate_layout(cfg, 1, 1, 8, 1, cpu_offload=True)
+    assert lines[-4].split() == ["tp", "1", "x", "pp", "1", "x", "dp", "8", "1", "yes", "64",
+                                 f"{row.state / GIB:.2f}", f"{row.gathered / GIB:.2f}",
+                                 f"{row.activations / GIB:.2f}", "34.46", "0.0", f"{row.fsdp_bytes / 1e9:.1f}",
+                                 "0.0", "0.0", "yes"]
+    assert lines[-2] == (f"pick: tp 1 x pp 1 x dp 8, activation checkpointing every block (34.46 GiB per GPU, "
+                         f"{row.state / GIB:.2f} GiB host memory per process): --parallel.engine=fsdp "
+                         "--parallel.activation_checkpointing=1 --parallel.cpu_offload=true")
+    assert f"{row.state / GIB:.2f}" == "130.56"  # the host holds the state, not the GPU's 34.46 GiB
+    # the rows that keep the state on the GPU say so
+    assert [line.split()[9] for line in lines[3:-4]] == ["no"] * 20
+
+
+def test_the_divisibility_reasons_name_three_cases_the_count_of_the_rest_and_each_axis_first_reason_in_axis_order():
+    cfg = load_config("configs/llama-tiny.yaml", [])
+    line = layout_table(cfg, 1_000_000, 8, 80.0).splitlines()[-1]
+    assert ("; the divisibility rules out 236 (tp 1 x pp 2 x dp 4000000, tp 1 x pp 4 x dp 2000000, tp 1 x pp 5 x dp "
+            "1600000 and 233 more: parallel.pp=2: the token embedding sits on the first pipeline stage and the output "
+            "head on the last, so they cannot share one weight; set model.tie_embeddings=false; parallel.tp=4: 4 "
+            "tensor-parallel ranks are more than its 2 key/value heads (model.n_kv_head); a tp that splits this "
+            "model: 1, 2); ") in line
+
+
+def test_the_context_parallel_column_shows_the_context_parallel_traffic():
+    cfg = load_config("configs/llama3-8b.yaml", ["--parallel.engine=fsdp", "--parallel.cp=2"])
+    lines = configured_table(cfg, 16, 80.0).splitlines()
+    row = estimate_layout(cfg, 1, 1, 8, 0, cp=2)
+    assert lines[1].split()[-7:-3] == ["ep", "GB", "cp", "GB"]
+    assert lines[3].split()[-3:] == ["0.0", f"{row.cp_bytes / 1e9:.1f}", "yes"]
+    assert f"{row.cp_bytes / 1e9:.1f}" == "73.0"

@@ -8,11 +8,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+from tensorboard.plugins.hparams import plugin_data_pb2
 
+from lm.config import load_config
 from lm.distributed.env import DistEnv
 from lm.models.terms import Reduce, Term
 from lm.report.metrics import read_metrics
-from lm.training.logger import MetricLogger, TrainWindow, across_ranks
+from lm.training import logger as logger_module
+from lm.training.logger import MetricLogger, TrainWindow, across_ranks, hparams, val_line
 from tests.workers import job_env, pool
 
 
@@ -121,3 +125,81 @@ def test_terms_over_two_ranks_weigh_a_mean_by_each_ranks_targets_add_a_sum_and_k
     replies = pool(2).run(reduce_two_ranks, env=job_env())
     for reply in replies:  # every rank gets the same values
         assert reply["value"] == {"loss": pytest.approx((2 * 10 + 4 * 30) / 40), "count": 3.0, "peak": 7.0}
+
+
+def test_a_row_holds_the_tokens_and_the_elapsed_seconds_to_the_millisecond_and_is_on_disk_at_once(tmp_path):
+    metrics = MetricLogger(tmp_path, enabled=True, tensorboard=True)
+    metrics.log(7, 4096, 12.34567, {"train/loss": 2.5}, "step {step}")
+    # readable before close: a killed run keeps every row it logged, TensorBoard its points
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert row == {"step": 7, "tokens": 4096, "elapsed_s": 12.346, "train/loss": 2.5}
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(7, 2.5)]
+    metrics.close()
+
+
+def test_a_window_keeps_a_negative_max_term():
+    window = TrainWindow(torch.device("cpu"))
+    for peak in (-3.0, -2.0):
+        window.add({"peak": Term(torch.tensor(peak), Reduce.MAX)}, torch.tensor(True), 1)
+    values, _, _ = window.read(DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    assert values == {"peak": -2.0}
+
+
+def test_a_skipped_steps_targets_are_left_out_of_the_weight_a_mean_is_reduced_by(monkeypatch):
+    seen = {}
+    real = logger_module.across_ranks
+
+    def recording(values, reduces, weights, env):
+        seen.update({name: None if w is None else w.item() for name, w in weights.items()})
+        return real(values, reduces, weights, env)
+
+    monkeypatch.setattr(logger_module, "across_ranks", recording)
+    window = TrainWindow(torch.device("cpu"))
+    window.add({"loss": Term(torch.tensor(2.0), Reduce.MEAN, 64.0)}, torch.tensor(True), 1)
+    window.add({"loss": Term(torch.tensor(float("nan")), Reduce.MEAN, 32.0)}, torch.tensor(False), 1)
+    values, _, _ = window.read(DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    assert values == {"loss": 2.0} and seen == {"loss": 64.0}
+
+
+def sum_over_a_context_parallel_pair() -> dict[str, float]:
+    """Two ranks of one context-parallel group: each holds the group's count, 1.5."""
+    rank = dist.get_rank()
+    env = DistEnv(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), cp=2)
+    return across_ranks({"count": torch.tensor(1.5)}, {"count": Reduce.SUM}, {"count": None}, env)
+
+
+@pytest.mark.process
+def test_a_sum_term_is_counted_once_per_context_parallel_group():
+    replies = pool(2).run(sum_over_a_context_parallel_pair, env=job_env())
+    assert [reply["value"] for reply in replies] == [{"count": 1.5}, {"count": 1.5}]
+
+
+def test_the_hparams_hold_the_parameter_count_and_every_key_with_a_list_as_its_text():
+    cfg = load_config(None, [])
+    flat = hparams(cfg, 1234)
+    assert flat["params"] == 1234
+    assert flat["train.batch_size"] == cfg.train.batch_size
+    assert flat["data.mixture"] == str(cfg.data.mixture) and isinstance(flat["data.mixture"], str)
+
+
+def test_the_val_line_shows_each_reported_metric_in_order_with_its_precision_then_each_source():
+    val = {"val/loss": 1.234567, "val/ppl": 3.43678, "val/accuracy": 0.5, "val/f1": None, "val/mse": 0.25,
+           "val/pearson": 0.75, "val/web/loss": 1.5, "val/code/loss": 0.98765}
+    assert val_line(val, ["web", "code"]).format(step=12) == (
+        "step 12 | val loss 1.2346 | val ppl 3.44 | accuracy 0.5000 | F1 n/a | MSE 0.2500 | Pearson r 0.7500 | "
+        "web 1.5000 | code 0.9877")
+
+
+def test_the_hparams_view_lists_the_metrics_the_run_logs_beside_its_settings(tmp_path):
+    metrics = MetricLogger(tmp_path, enabled=True, tensorboard=True)
+    metrics.log_hparams({"optim.lr": 0.003}, ["train/loss", "val/loss"])
+    metrics.close()
+    experiments = [plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content).experiment
+                   for path in sorted((tmp_path / "tb").glob("events.out.tfevents.*"))
+                   for event in EventFileLoader(str(path)).Load() for value in event.summary.value
+                   if value.tag == "_hparams_/experiment"]
+    assert len(experiments) == 1
+    assert [info.name.tag for info in experiments[0].metric_infos] == ["train/loss", "val/loss"]
+    assert [info.name for info in experiments[0].hparam_infos] == ["optim.lr"]
