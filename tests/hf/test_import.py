@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
@@ -505,3 +506,62 @@ def test_a_checkpoint_without_a_tokenizer_json_that_the_default_cannot_read_says
     message = str(error.value)
     assert message.startswith(f"{tmp_path}: has no tokenizer.json, and the default tokenizer does not fit its model (")
     assert message.endswith("); put the checkpoint's tokenizer.json beside its config.json")
+
+
+def small_llama(directory: Path, **fields) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **{**ROTARY, **fields}))
+    hf.save_pretrained(directory)
+    return {k: v.detach().contiguous() for k, v in hf.state_dict().items()}
+
+
+def test_a_tied_head_that_differs_from_the_embedding_in_its_last_row_only_is_refused(tmp_path):
+    weights = small_llama(tmp_path, tie_word_embeddings=True)
+    head = weights["model.embed_tokens.weight"].clone()
+    head[-1] += 1.0  # every row but the last is the embedding's copy
+    weights["lm_head.weight"] = head
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    source = read_hf_model(tmp_path)
+    with pytest.raises(CheckpointError, match=r"tie_word_embeddings is true but lm_head.weight is not a copy of "
+                                              r"model.embed_tokens.weight"):
+        load_hf_weights(source, GPT(GPTConfig(**source.fields)))
+
+
+def test_an_index_without_a_weight_map_is_refused_as_such(tmp_path):
+    small_llama(tmp_path)
+    (tmp_path / "model.safetensors").rename(tmp_path / "model-00001-of-00001.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 1}}))
+    source = read_hf_model(tmp_path)
+    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json: not an index with a weight_map: "
+                                              r"'weight_map'"):
+        load_hf_weights(source, GPT(GPTConfig(**source.fields)))
+
+
+class GPTWithAnExtraScale(GPT):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.extra_scale = nn.Parameter(torch.ones(3))
+
+
+def test_a_parameter_the_plan_does_not_fill_is_refused_by_name(tmp_path):
+    small_llama(tmp_path)
+    source = read_hf_model(tmp_path)
+    model = GPTWithAnExtraScale(GPTConfig(**source.fields))
+    with pytest.raises(CheckpointError, match=r"lm's model has parameters \['extra_scale'\] that the import does "
+                                              r"not fill"):
+        load_hf_weights(source, model)
+
+
+def test_a_tied_gpt2_head_that_is_not_the_embedding_is_refused_naming_gpt2s_embedding(tmp_path):
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gpt2", vocab_size=300, n_positions=32, n_embd=64, n_layer=2, n_head=4))  # tied, as GPT-2 is
+    hf.save_pretrained(tmp_path)
+    weights = {k: v.detach().contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    weights["lm_head.weight"] = weights["transformer.wte.weight"] + 1.0
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    source = read_hf_model(tmp_path)
+    assert source.fields["tie_embeddings"] is True
+    with pytest.raises(CheckpointError, match=r"tie_word_embeddings is true but lm_head.weight is not a copy of "
+                                              r"transformer.wte.weight"):
+        load_hf_weights(source, GPT(GPTConfig(**source.fields)))
