@@ -1,6 +1,7 @@
 """Every engine on real 2-process gloo groups: same losses as one process, exact resume at the same world
 size, and resume from 2 processes to 1 (resharding) that continues the loss trajectory."""
 
+import functools
 import json
 import re
 import shutil
@@ -9,12 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lm.checkpoint.resume import check_engine
 from lm.cli import train_command
 from lm.config import load_config
+from lm.distributed.env import DistEnv
 from lm.distributed.zero import deepspeed_config
 from lm.errors import CheckpointError, ConfigError
+from lm.models.registry import family_of
+from lm.training.setup import build_run_engine
+from lm.training.step import train_step
 from tests.workers import job_env, pool, torchrun_forced, train_in_pool
 
 TINY = [
@@ -404,3 +411,101 @@ def test_fsdp_shards_every_block_on_its_own():
     # without per-block fully_shard only the root is sharded: the same losses and the same held share,
     # but every forward gathers the whole model at once
     assert [r["value"] for r in pool(2).run(_fsdp_units)] == [(True, [True, True])] * 2
+
+
+FSDP_AC = ["--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=16",
+           "--data.seq_len=16", "--train.device=cpu", "--train.batch_size=4", "--train.micro_batch_size=1",
+           "--parallel.engine=fsdp", "--parallel.activation_checkpointing=1"]
+
+
+def _fsdp_micro_batches_and_gathers() -> dict:
+    """A pool's job: two micro-batches through the fsdp engine, recording what each rank holds along the way."""
+    cfg = load_config(None, FSDP_AC)
+    rank = dist.get_rank()
+    family = family_of(cfg.model)
+    torch.manual_seed(0)
+    engine = build_run_engine(cfg, family, DistEnv(rank=rank, local_rank=rank, world_size=dist.get_world_size(),
+                                                   device=torch.device("cpu")))
+    model, blocks = engine.model, family.blocks(engine.model)
+    loss = functools.partial(family.training.loss, optim=cfg.optim)
+    calls = []
+    blocks[0].attn.register_forward_hook(lambda module, args, out: calls.append(1))
+    x = torch.randint(0, cfg.model.vocab_size, (1, 17), generator=torch.Generator().manual_seed(rank))
+    batch = [x[:, :-1], x[:, 1:]]
+    seen = {}
+    for last in (False, True):
+        with engine.micro_batch(last=last):
+            losses = loss(model, engine.run, batch)
+            if not last:
+                # each block's weights are freed (back to this rank's shard) once its forward ends
+                seen["sharded_after_forward"] = all(isinstance(p, DTensor) for b in blocks for p in b.parameters())
+            engine.backward(losses.optimized / 2)
+        if not last:
+            # no reduce-scatter before the last micro-batch: no sharded gradient exists yet
+            seen["grads_after_first"] = sum(p.grad is not None for p in model.parameters())
+            # activation checkpointing: the block's forward ran again in backward
+            seen["forwards_per_micro_batch"] = len(calls)
+    seen["grads_after_last"] = sum(p.grad is not None for p in model.parameters())
+    seen["params"] = sum(1 for _ in model.parameters())
+    with engine.full_weights():
+        seen["whole_inside"] = all(not isinstance(p, DTensor) for p in model.parameters())
+        seen["wte_rows_inside"] = model.wte.weight.shape[0]
+    seen["sharded_after"] = all(isinstance(p, DTensor) for p in model.parameters())
+    seen["wte_rows"] = model.wte.weight.shape[0]  # a DTensor's shape is the whole tensor's
+    return seen
+
+
+@pytest.mark.process
+def test_fsdp_reduces_only_the_last_micro_batch_reshards_after_forward_and_gathers_for_sampling():
+    for reply in pool(2).run(_fsdp_micro_batches_and_gathers):
+        seen = reply["value"]
+        assert seen["sharded_after_forward"] is True
+        assert seen["grads_after_first"] == 0
+        assert seen["grads_after_last"] == seen["params"] > 0
+        assert seen["forwards_per_micro_batch"] == 2
+        assert seen["whole_inside"] is True and seen["wte_rows_inside"] == seen["wte_rows"]
+        assert seen["sharded_after"] is True
+
+
+def _engine_with(tmp_flags: list[str]):
+    cfg = load_config(None, ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=32", "--model.block_size=16",
+                             "--data.seq_len=16", "--train.device=cpu", "--train.batch_size=2",
+                             "--train.micro_batch_size=2", *tmp_flags])
+    family = family_of(cfg.model)
+    torch.manual_seed(0)
+    engine = build_run_engine(cfg, family, DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    return engine, functools.partial(family.training.loss, optim=cfg.optim), cfg
+
+
+def test_a_loaded_checkpoint_leaves_this_runs_optimizer_settings_in_place(tmp_path):
+    old, loss, cfg = _engine_with(["--optim.weight_decay=0.1", "--optim.beta2=0.95"])
+    x = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    train_step(old, loss, [[x[:, :-1], x[:, 1:]]], 1e-3, 1.0)  # the optimizer has state to save
+    old.save(tmp_path / "ckpt")
+    new, _, _ = _engine_with(["--optim.weight_decay=0.02", "--optim.beta2=0.99"])
+    before = [{k: v for k, v in g.items() if k != "params"} for g in new.optimizer.param_groups]
+    new.load(tmp_path / "ckpt")
+    after = [{k: v for k, v in g.items() if k != "params"} for g in new.optimizer.param_groups]
+    assert after == before
+    assert {g["weight_decay"] for g in new.optimizer.param_groups} - {0.0} == {0.02}
+    assert {g["betas"][1] for g in new.optimizer.param_groups} == {0.99}
+    # the moments did come from the checkpoint
+    assert all(torch.equal(new.optimizer.state[p]["exp_avg"], old.optimizer.state[q]["exp_avg"])
+               for p, q in zip(new.model.parameters(), old.model.parameters()) if q in old.optimizer.state)
+
+
+def test_evaluation_mode_turns_dropout_off_and_training_mode_back_on():
+    engine, loss, cfg = _engine_with(["--model.dropout=0.5"])
+    x = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    batch = [x[:, :-1], x[:, 1:]]
+
+    def scored() -> float:
+        with torch.no_grad():
+            return engine.evaluate(lambda model, run: loss(model, run, batch).terms["loss"].value.item())
+
+    engine.train(False)
+    assert not any(m.training for m in engine.model.modules())
+    assert scored() == scored()  # no dropout: the same loss every time
+    engine.train(True)
+    assert all(m.training for m in engine.model.modules())
+    assert scored() != scored()  # dropout at 0.5 draws other masks each time

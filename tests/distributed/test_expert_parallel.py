@@ -2,13 +2,21 @@
 over ep ranks (with FSDP2, alone, and with tensor parallelism) logs the losses one process logs on the same global
 batches, and its checkpoint resumes under one process and under another ep, and consolidates to the whole experts."""
 
+import functools
 import re
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from lm.cli import run
+from lm.config import load_config
+from lm.distributed.env import DistEnv
+from lm.distributed.torch_engine import by_mesh
+from lm.models.registry import family_of
+from lm.training.setup import build_run_engine
 from tests.distributed.test_engines import resume_copy, train
 from tests.distributed.test_engines_moe import terms
 from tests.workers import pool
@@ -112,7 +120,6 @@ def test_an_expert_parallel_checkpoint_consolidates_to_every_expert(ep2, one_pro
         assert tensor.shape == weights["one"][key].shape and (tensor - weights["one"][key]).abs().max() < 1e-3, key
 
 
-
 def dispatch_against_whole(counts_by_rank: list[list[int]]) -> list[float]:
     """In each rank of a 2-rank pool: 4 experts split over the 2 ranks and the same experts whole, fed this rank's
     rows (`counts_by_rank[rank]` of them for each expert); the largest differences of the outputs, of the rows'
@@ -161,3 +168,37 @@ def test_dispatch_computes_what_the_whole_experts_compute(counts):
     # "one rank idle": every row goes to rank 0's experts (a collapsed router), so rank 1 computes none
     for rank, reply in enumerate(pool(2).run(dispatch_against_whole, counts)):
         assert max(reply["value"]) < 1e-5, (rank, reply["value"])
+
+
+SPLIT_MOE = ["--parallel.engine=fsdp", "--parallel.ep=2", "--model.n_layer=2", "--model.n_head=4",
+             "--model.d_model=32", "--model.block_size=16", "--model.n_experts=4", "--model.experts_per_token=2",
+             "--model.expert_d_ff=32", "--data.seq_len=16", "--train.device=cpu", "--train.batch_size=4",
+             "--train.micro_batch_size=2"]
+
+
+def _norms_around_clipping(max_norm: float) -> tuple[float, float, int]:
+    """A pool's job: one micro-batch's gradients under ep=2, their global norm before and after clipping to
+    `max_norm`, and how many device meshes the gradients live on."""
+    cfg = load_config(None, SPLIT_MOE)
+    rank = dist.get_rank()
+    family = family_of(cfg.model)
+    torch.manual_seed(0)
+    engine = build_run_engine(cfg, family, DistEnv(rank=rank, local_rank=rank, world_size=dist.get_world_size(),
+                                                   device=torch.device("cpu")))
+    loss = functools.partial(family.training.loss, optim=cfg.optim)
+    x = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(rank))
+    with engine.micro_batch(last=True):
+        engine.backward(loss(engine.model, engine.run, [x[:, :-1], x[:, 1:]]).optimized)
+    grads = [p.grad for p in engine.model.parameters() if p.grad is not None]
+    before = engine.clip_grad_norm(max_norm).item()
+    after = engine.grad_norm(grads).item()
+    return before, after, len(by_mesh(grads))
+
+
+@pytest.mark.process
+def test_clipping_scales_the_experts_gradients_too():
+    # the experts' gradients live on a mesh of their own: every mesh's gradients are scaled, not the first's only
+    for reply in pool(2).run(_norms_around_clipping, 1e-3):
+        before, after, meshes = reply["value"]
+        assert meshes == 2 and before > 1e-2
+        assert after == pytest.approx(1e-3, rel=1e-4)
