@@ -11,17 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lm.checkpoint.resume import check_engine
 from lm.cli import train_command
 from lm.config import load_config
-from lm.distributed.env import DistEnv
+from lm.distributed.engine import build_engine
+from lm.distributed.env import DistEnv, init_distributed
+from lm.distributed.fsdp import mixed_precision
 from lm.distributed.zero import deepspeed_config
 from lm.errors import CheckpointError, ConfigError
 from lm.models.registry import family_of
 from lm.training.setup import build_run_engine
 from lm.training.step import train_step
+from lm.training.trainer import Trainer
 from tests.workers import job_env, pool, torchrun_forced, train_in_pool
 
 TINY = [
@@ -37,6 +41,16 @@ a pass over the 50k-token head)."""
 HEADS = ["--model.n_head=2"]
 """What TINY adds for a family with attention heads (lm's but the LSTM)."""
 ATTENTION = ("gpt", "encdec", "encoder")
+
+
+def engine_and_loss(flags: list[str]):
+    """The engine a run of `flags` builds (weights drawn from seed 0) on this process's group, a pool's or none,
+    with its family's loss and the config."""
+    cfg = load_config(None, flags)
+    family = family_of(cfg.model)
+    torch.manual_seed(0)
+    engine = build_run_engine(cfg, family, init_distributed("cpu"))
+    return engine, functools.partial(family.training.loss, optim=cfg.optim), cfg
 
 
 def heads_for(flags: tuple[str, ...] | list[str]) -> list[str]:
@@ -316,11 +330,6 @@ def test_deepspeed_cpu_offload_trains_like_no_offload(tiny_data_dir, tmp_path):
 
 
 def test_fsdp_offload_on_a_cpu_run_is_refused_before_anything_is_written(tiny_data_dir, tmp_path):
-    import torch.distributed as dist
-
-    from lm.distributed.env import init_distributed
-    from lm.training.trainer import Trainer
-
     cfg = load_config(None, [*TINY, *HEADS, f"--data.dir={tiny_data_dir}", f"--train.out_dir={tmp_path / 'run'}",
                              "--parallel.engine=fsdp", "--parallel.cpu_offload=true"])
     try:
@@ -345,10 +354,6 @@ def test_deepspeed_says_that_it_does_not_compile(tiny_data_dir, tmp_path):
 def test_an_engine_draws_the_weights_a_cpu_build_would_and_lets_a_loader_replace_them():
     """The engine is handed a model built on the meta device; allocating and drawing it from the seeded RNG
     gives the weights of a model built whole on the CPU, and `load_weights` then replaces them."""
-    from lm.distributed.engine import build_engine
-    from lm.distributed.env import DistEnv
-    from lm.models.registry import family_of
-
     cfg = load_config(None, [*TINY, *HEADS, "--train.device=cpu"])
     family = family_of(cfg.model)
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -381,29 +386,17 @@ def test_an_engine_draws_the_weights_a_cpu_build_would_and_lets_a_loader_replace
 ])
 def test_fsdp_computes_in_bf16_and_reduces_gradients_in_fp32(dtype, device, expected):
     # no CPU run sees the policy's dtypes (a bf16 gradient reduction, or fp16 parameters, would train on)
-    from lm.distributed.fsdp import mixed_precision
-
     policy = mixed_precision(dtype, torch.device(device))
     assert (policy.param_dtype, policy.reduce_dtype) == expected
 
 
 def _fsdp_units() -> tuple[bool, list[bool]]:
     """A pool's job: whether the fsdp engine's model and each of its blocks is an FSDP unit of its own."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
-
-    from lm.distributed.env import DistEnv
-    from lm.models.registry import family_of
-    from lm.training.setup import build_run_engine
-
-    cfg = load_config(None, ["--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--model.block_size=16",
-                             "--data.seq_len=16", "--train.device=cpu", "--train.batch_size=2",
-                             "--train.micro_batch_size=1", "--parallel.engine=fsdp"])
-    rank = dist.get_rank()
-    family = family_of(cfg.model)
-    engine = build_run_engine(cfg, family, DistEnv(rank=rank, local_rank=rank, world_size=dist.get_world_size(),
-                                                   device=torch.device("cpu")))
-    return isinstance(engine.model, FSDPModule), [isinstance(b, FSDPModule) for b in family.blocks(engine.model)]
+    engine, _, cfg = engine_and_loss(["--model.n_layer=2", "--model.n_head=2", "--model.d_model=32",
+                                      "--model.block_size=16", "--data.seq_len=16", "--train.device=cpu",
+                                      "--train.batch_size=2", "--train.micro_batch_size=1", "--parallel.engine=fsdp"])
+    blocks = family_of(cfg.model).blocks(engine.model)
+    return isinstance(engine.model, FSDPModule), [isinstance(b, FSDPModule) for b in blocks]
 
 
 @pytest.mark.process
@@ -420,14 +413,9 @@ FSDP_AC = ["--model.n_layer=2", "--model.n_head=2", "--model.d_model=32", "--mod
 
 def _fsdp_micro_batches_and_gathers() -> dict:
     """A pool's job: two micro-batches through the fsdp engine, recording what each rank holds along the way."""
-    cfg = load_config(None, FSDP_AC)
+    engine, loss, cfg = engine_and_loss(FSDP_AC)
+    model, blocks = engine.model, family_of(cfg.model).blocks(engine.model)
     rank = dist.get_rank()
-    family = family_of(cfg.model)
-    torch.manual_seed(0)
-    engine = build_run_engine(cfg, family, DistEnv(rank=rank, local_rank=rank, world_size=dist.get_world_size(),
-                                                   device=torch.device("cpu")))
-    model, blocks = engine.model, family.blocks(engine.model)
-    loss = functools.partial(family.training.loss, optim=cfg.optim)
     calls = []
     blocks[0].attn.register_forward_hook(lambda module, args, out: calls.append(1))
     x = torch.randint(0, cfg.model.vocab_size, (1, 17), generator=torch.Generator().manual_seed(rank))
@@ -467,22 +455,16 @@ def test_fsdp_reduces_only_the_last_micro_batch_reshards_after_forward_and_gathe
         assert seen["sharded_after"] is True
 
 
-def _engine_with(tmp_flags: list[str]):
-    cfg = load_config(None, ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=32", "--model.block_size=16",
-                             "--data.seq_len=16", "--train.device=cpu", "--train.batch_size=2",
-                             "--train.micro_batch_size=2", *tmp_flags])
-    family = family_of(cfg.model)
-    torch.manual_seed(0)
-    engine = build_run_engine(cfg, family, DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
-    return engine, functools.partial(family.training.loss, optim=cfg.optim), cfg
+ONE_LAYER = ["--model.n_layer=1", "--model.n_head=2", "--model.d_model=32", "--model.block_size=16",
+             "--data.seq_len=16", "--train.device=cpu", "--train.batch_size=2", "--train.micro_batch_size=2"]
 
 
 def test_a_loaded_checkpoint_leaves_this_runs_optimizer_settings_in_place(tmp_path):
-    old, loss, cfg = _engine_with(["--optim.weight_decay=0.1", "--optim.beta2=0.95"])
+    old, loss, cfg = engine_and_loss([*ONE_LAYER, "--optim.weight_decay=0.1", "--optim.beta2=0.95"])
     x = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     train_step(old, loss, [[x[:, :-1], x[:, 1:]]], 1e-3, 1.0)  # the optimizer has state to save
     old.save(tmp_path / "ckpt")
-    new, _, _ = _engine_with(["--optim.weight_decay=0.02", "--optim.beta2=0.99"])
+    new, _, _ = engine_and_loss([*ONE_LAYER, "--optim.weight_decay=0.02", "--optim.beta2=0.99"])
     before = [{k: v for k, v in g.items() if k != "params"} for g in new.optimizer.param_groups]
     new.load(tmp_path / "ckpt")
     after = [{k: v for k, v in g.items() if k != "params"} for g in new.optimizer.param_groups]
@@ -495,7 +477,7 @@ def test_a_loaded_checkpoint_leaves_this_runs_optimizer_settings_in_place(tmp_pa
 
 
 def test_evaluation_mode_turns_dropout_off_and_training_mode_back_on():
-    engine, loss, cfg = _engine_with(["--model.dropout=0.5"])
+    engine, loss, cfg = engine_and_loss([*ONE_LAYER, "--model.dropout=0.5"])
     x = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     batch = [x[:, :-1], x[:, 1:]]
 

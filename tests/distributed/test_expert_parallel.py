@@ -2,7 +2,6 @@
 over ep ranks (with FSDP2, alone, and with tensor parallelism) logs the losses one process logs on the same global
 batches, and its checkpoint resumes under one process and under another ep, and consolidates to the whole experts."""
 
-import functools
 import re
 from pathlib import Path
 
@@ -12,12 +11,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from lm.cli import run
-from lm.config import load_config
-from lm.distributed.env import DistEnv
 from lm.distributed.torch_engine import by_mesh
-from lm.models.registry import family_of
-from lm.training.setup import build_run_engine
-from tests.distributed.test_engines import resume_copy, train
+from tests.distributed.test_engines import engine_and_loss, resume_copy, train
 from tests.distributed.test_engines_moe import terms
 from tests.workers import pool
 
@@ -179,14 +174,8 @@ SPLIT_MOE = ["--parallel.engine=fsdp", "--parallel.ep=2", "--model.n_layer=2", "
 def _norms_around_clipping(max_norm: float) -> tuple[float, float, int]:
     """A pool's job: one micro-batch's gradients under ep=2, their global norm before and after clipping to
     `max_norm`, and how many device meshes the gradients live on."""
-    cfg = load_config(None, SPLIT_MOE)
-    rank = dist.get_rank()
-    family = family_of(cfg.model)
-    torch.manual_seed(0)
-    engine = build_run_engine(cfg, family, DistEnv(rank=rank, local_rank=rank, world_size=dist.get_world_size(),
-                                                   device=torch.device("cpu")))
-    loss = functools.partial(family.training.loss, optim=cfg.optim)
-    x = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(rank))
+    engine, loss, cfg = engine_and_loss(SPLIT_MOE)
+    x = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(dist.get_rank()))
     with engine.micro_batch(last=True):
         engine.backward(loss(engine.model, engine.run, [x[:, :-1], x[:, 1:]]).optimized)
     grads = [p.grad for p in engine.model.parameters() if p.grad is not None]
